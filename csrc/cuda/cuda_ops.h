@@ -1,0 +1,36 @@
+// Torch-facing CUDA glue, compiled only when the installed torch has CUDA (ORCA_WITH_CUDA).
+// csrc/torch_ops.cpp has already checked ranks, shapes, index ranges' dtypes and that every
+// tensor is on the same CUDA device before calling these. Each function then does:
+// device guard -> current stream -> dtype dispatch (fp16, bf16, fp32) -> launcher in csrc/kernels.
+#pragma once
+#include <ATen/core/Tensor.h>
+#include <optional>
+
+namespace orca::cuda_ops {
+
+at::Tensor rms_norm(const at::Tensor& x,        // [T, H]
+                    const at::Tensor& weight,   // [H]
+                    double eps);                // -> [T, H]
+
+at::Tensor rmsnorm_qkv(const at::Tensor& x,                      // [T, H]
+                       const at::Tensor& norm_weight,            // [H]
+                       const at::Tensor& qkv_weight,             // [N, H]
+                       const std::optional<at::Tensor>& qkv_bias, // [N]
+                       double eps);                              // -> [T, N]
+
+void slab_write(at::Tensor& k_cache,       // [S, Hkv, D]
+                at::Tensor& v_cache,       // [S, Hkv, D]
+                const at::Tensor& k,       // [T, Hkv, D]
+                const at::Tensor& v,       // [T, Hkv, D]
+                const at::Tensor& slots);  // [T] int32 or int64
+
+at::Tensor ragged_attention(const at::Tensor& q,         // [T, Hq, D]
+                            const at::Tensor& k_cache,   // [S, Hkv, D]
+                            const at::Tensor& v_cache,   // [S, Hkv, D]
+                            const at::Tensor& q_start,   // [B] int32 or int64
+                            const at::Tensor& q_len,     // [B]
+                            const at::Tensor& kv_start,  // [B]
+                            const at::Tensor& kv_len,    // [B]
+                            double scale);               // -> [T, Hq, D]
+
+}  // namespace orca::cuda_ops

@@ -1,0 +1,51 @@
+"""Device dispatch of the kernels: the compiled `orca_ext._C` when it is built, else the
+pure-torch references (slow, but the package stays usable without a compiler).
+
+Each function takes and returns torch tensors; `_C` itself checks shapes, dtypes and devices and
+dispatches CPU tensors to csrc/cpu and CUDA tensors to csrc/kernels.
+"""
+from __future__ import annotations
+
+import logging
+
+import torch
+
+from . import reference
+
+log = logging.getLogger(__name__)
+
+try:
+    from . import _C  # type: ignore[attr-defined]
+except ImportError as exc:  # pragma: no cover - exercised only without a build
+    _C = None
+    log.warning("orca_ext._C is not built (%s); using the slow pure-torch reference ops", exc)
+
+HAVE_EXTENSION = _C is not None
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """[T, H] -> [T, H]."""
+    if _C is None:
+        return reference.rms_norm(x, weight, eps)
+    return _C.rms_norm(x, weight, eps)
+
+
+def rmsnorm_qkv(x, norm_weight, qkv_weight, qkv_bias, eps: float) -> torch.Tensor:
+    """[T, H] -> [T, Nq*D + 2*Nkv*D]."""
+    if _C is None:
+        return reference.rmsnorm_qkv(x, norm_weight, qkv_weight, qkv_bias, eps)
+    return _C.rmsnorm_qkv(x, norm_weight, qkv_weight, qkv_bias, eps)
+
+
+def slab_write(k_cache, v_cache, k, v, slots) -> None:
+    """k_cache[slots[t]] = k[t]; v_cache[slots[t]] = v[t]."""
+    if _C is None:
+        return reference.slab_write(k_cache, v_cache, k, v, slots)
+    _C.slab_write(k_cache, v_cache, k, v, slots)
+
+
+def ragged_attention(q, k_cache, v_cache, q_start, q_len, kv_start, kv_len, scale: float):
+    """q [T, Hq, D] -> [T, Hq, D]; see DESIGN.md section 4."""
+    if _C is None:
+        return reference.ragged_attention(q, k_cache, v_cache, q_start, q_len, kv_start, kv_len, scale)
+    return _C.ragged_attention(q, k_cache, v_cache, q_start, q_len, kv_start, kv_len, scale)
