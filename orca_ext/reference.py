@@ -49,8 +49,8 @@ def ragged_attention(q, k_cache, v_cache, q_start, q_len, kv_start, kv_len, scal
         kb = k_cache[ks:ks + kl].to(acc).repeat_interleave(group, dim=1).transpose(0, 1)  # [Hq, kl, D]
         vb = v_cache[ks:ks + kl].to(acc).repeat_interleave(group, dim=1).transpose(0, 1)
         scores = (qb @ kb.transpose(1, 2)) * scale                         # [Hq, ql, kl]
-        rows = torch.arange(ql).unsqueeze(1) + (kl - ql)
-        cols = torch.arange(kl).unsqueeze(0)
+        rows = torch.arange(ql, device=q.device).unsqueeze(1) + (kl - ql)
+        cols = torch.arange(kl, device=q.device).unsqueeze(0)
         scores = scores.masked_fill(cols > rows, float("-inf"))
         probs = torch.softmax(scores, dim=-1)
         out[qs:qs + ql] = (probs @ vb).transpose(0, 1).to(q.dtype)

@@ -1,0 +1,230 @@
+// Microbenchmark of the CPU ragged_attention kernel.
+// 1. Validates against a scalar double-precision reference: mixed batches of decodes, full
+//    prefills and prefills over a cached prefix; GQA ratios 1, 3, 7; head dims 64, 80, 128 and
+//    odd ones; slabs with gaps of garbage between them; requests stored in q in shuffled order;
+//    large logits (running-max path); float and bf16; int32 and int64 indices. Exits 1 on any
+//    mismatch.
+// 2. Times SmolLM2-135M shapes (Hq=9, Hkv=3, D=64): 32 decodes with contexts U[16, 512], a
+//    prefill of 4 x 512 tokens and a mix of both; prints GFLOP/s and GB/s (K/V bytes read once
+//    per KV head) next to the measured ceilings. Several copies of the KV pools (one per layer)
+//    are rotated so that K/V come from memory, as in a forward pass over all layers.
+#include <algorithm>
+#include <cmath>
+#include <cstdio>
+#include <numeric>
+#include <vector>
+
+#include "../../csrc/cpu/cpu_kernels.h"
+#include "bench_util.h"
+
+namespace {
+
+using orca::bf16;
+
+struct Req {
+  int64_t q_len, kv_len;
+};
+
+// Flat batch layout: q rows of the requests in a shuffled order, one slab per request in a pool
+// of n_slots with random gaps between slabs (the gaps hold random values too).
+struct Layout {
+  std::vector<int64_t> q_start, q_len, kv_start, kv_len;
+  int64_t n_tokens = 0, n_slots = 0;
+};
+
+Layout make_layout(const std::vector<Req>& reqs, bench::Rng& rng, int64_t max_gap) {
+  Layout L;
+  const size_t B = reqs.size();
+  std::vector<size_t> order(B);
+  std::iota(order.begin(), order.end(), size_t{0});
+  for (size_t i = B; i > 1; --i) std::swap(order[i - 1], order[static_cast<size_t>(rng.next() % i)]);
+  L.q_start.resize(B);
+  L.q_len.resize(B);
+  L.kv_start.resize(B);
+  L.kv_len.resize(B);
+  for (size_t o : order) {
+    L.q_start[o] = L.n_tokens;
+    L.n_tokens += reqs[o].q_len;
+  }
+  int64_t slot = rng.randint(0, max_gap);
+  for (size_t b = 0; b < B; ++b) {
+    L.q_len[b] = reqs[b].q_len;
+    L.kv_len[b] = reqs[b].kv_len;
+    L.kv_start[b] = slot;
+    slot += reqs[b].kv_len + rng.randint(0, max_gap);
+  }
+  L.n_slots = slot + 1;
+  return L;
+}
+
+template <typename I>
+std::vector<I> cast_index(const std::vector<int64_t>& v) {
+  return std::vector<I>(v.begin(), v.end());
+}
+
+void reference_attention(const std::vector<double>& q, const std::vector<double>& k, const std::vector<double>& v,
+                         const Layout& L, int64_t Hq, int64_t Hkv, int64_t D, double scale, std::vector<double>& out) {
+  out.assign(static_cast<size_t>(L.n_tokens * Hq * D), 0.0);
+  const int64_t R = Hq / Hkv;
+  std::vector<double> s;
+  for (size_t b = 0; b < L.q_len.size(); ++b) {
+    for (int64_t i = 0; i < L.q_len[b]; ++i) {
+      const int64_t t = L.q_start[b] + i;
+      const int64_t n_keys = L.kv_len[b] - L.q_len[b] + i + 1;
+      for (int64_t h = 0; h < Hq; ++h) {
+        const int64_t g = h / R;
+        s.assign(static_cast<size_t>(n_keys), 0.0);
+        double mx = -INFINITY;
+        for (int64_t j = 0; j < n_keys; ++j) {
+          double acc = 0.0;
+          const int64_t slot = L.kv_start[b] + j;
+          for (int64_t d = 0; d < D; ++d) acc += q[(t * Hq + h) * D + d] * k[(slot * Hkv + g) * D + d];
+          s[j] = acc * scale;
+          mx = std::max(mx, s[j]);
+        }
+        double sum = 0.0;
+        for (auto& e : s) sum += (e = std::exp(e - mx));
+        for (int64_t j = 0; j < n_keys; ++j) {
+          const int64_t slot = L.kv_start[b] + j;
+          for (int64_t d = 0; d < D; ++d) out[(t * Hq + h) * D + d] += s[j] / sum * v[(slot * Hkv + g) * D + d];
+        }
+      }
+    }
+  }
+}
+
+template <typename T, typename I>
+bool check_case(const char* label, const std::vector<Req>& reqs, int64_t Hq, int64_t Hkv, int64_t D, float q_range,
+                uint64_t seed) {
+  bench::Rng rng(seed);
+  const Layout L = make_layout(reqs, rng, 37);
+  bench::Vec<T> q(L.n_tokens * Hq * D), k(L.n_slots * Hkv * D), v(L.n_slots * Hkv * D), out(L.n_tokens * Hq * D);
+  bench::fill_random(q, rng, -q_range, q_range);
+  bench::fill_random(k, rng);
+  bench::fill_random(v, rng);
+  const float scale = 1.0f / std::sqrt(static_cast<float>(D));
+  const auto qs = cast_index<I>(L.q_start), ql = cast_index<I>(L.q_len), ks = cast_index<I>(L.kv_start),
+             kl = cast_index<I>(L.kv_len);
+  orca::cpu::ragged_attention<T, I>(q.data(), k.data(), v.data(), qs.data(), ql.data(), ks.data(), kl.data(),
+                                    out.data(), static_cast<int64_t>(reqs.size()), Hq, Hkv, D, scale);
+  std::vector<double> ref;
+  reference_attention(bench::to_double(q), bench::to_double(k), bench::to_double(v), L, Hq, Hkv, D, scale, ref);
+  char name[200];
+  std::snprintf(name, sizeof name, "ragged_attention<%s,%s> %s B=%zu T=%lld Hq=%lld Hkv=%lld D=%lld",
+                sizeof(T) == 2 ? "bf16" : "f32", sizeof(I) == 4 ? "i32" : "i64", label, reqs.size(),
+                static_cast<long long>(L.n_tokens), static_cast<long long>(Hq), static_cast<long long>(Hkv),
+                static_cast<long long>(D));
+  const bool is_bf16 = sizeof(T) == 2;
+  return bench::check_close(name, bench::to_double(out), ref, is_bf16 ? 2e-4 : 2e-5, is_bf16 ? 1.0 / 256 : 1e-4);
+}
+
+// Decodes, full prefills, prefills over a cached prefix, a single-token context and a context
+// long enough for many key blocks.
+std::vector<Req> mixed_batch(bench::Rng& rng) {
+  std::vector<Req> r;
+  for (int i = 0; i < 5; ++i) r.push_back({1, rng.randint(1, 300)});
+  r.push_back({1, 1});
+  r.push_back({83, 83});
+  r.push_back({7, 150});
+  r.push_back({1, 64});
+  r.push_back({65, 65});
+  r.push_back({5, 700});
+  r.push_back({2, 2});
+  return r;
+}
+
+template <typename T, typename I>
+bool validate_all() {
+  bool ok = true;
+  uint64_t seed = 100 + 10 * sizeof(T) + sizeof(I);
+  bench::Rng rng(seed);
+  struct Heads {
+    int64_t hq, hkv;
+  };
+  const Heads heads[] = {{9, 3}, {4, 4}, {14, 2}, {7, 1}};
+  const int64_t dims[] = {64, 80, 128};
+  for (const Heads& h : heads)
+    for (int64_t D : dims) ok &= check_case<T, I>("mixed", mixed_batch(rng), h.hq, h.hkv, D, 1.0f, ++seed);
+  ok &= check_case<T, I>("odd D", mixed_batch(rng), 6, 2, 72, 1.0f, ++seed);
+  ok &= check_case<T, I>("odd D", mixed_batch(rng), 3, 1, 13, 1.0f, ++seed);
+  ok &= check_case<T, I>("single decode", {{1, 1}}, 9, 3, 64, 1.0f, ++seed);
+  ok &= check_case<T, I>("single decode", {{1, 517}}, 9, 3, 64, 1.0f, ++seed);
+  ok &= check_case<T, I>("single prefill", {{200, 200}}, 9, 3, 64, 1.0f, ++seed);
+  // Logits in the hundreds: only a running-max softmax stays finite and accurate.
+  ok &= check_case<T, I>("large logits", mixed_batch(rng), 9, 3, 64, 40.0f, ++seed);
+  return ok;
+}
+
+template <typename T>
+void perf(const char* dtype, const bench::Ceilings& c) {
+  const int64_t Hq = 9, Hkv = 3, D = 64;
+  const float scale = 0.125f;
+  bench::Rng rng(5);
+  struct Case {
+    const char* name;
+    std::vector<Req> reqs;
+  };
+  std::vector<Case> cases(3);
+  cases[0].name = "decode";
+  for (int i = 0; i < 32; ++i) cases[0].reqs.push_back({1, rng.randint(16, 512)});
+  cases[1].name = "prefill";
+  for (int i = 0; i < 4; ++i) cases[1].reqs.push_back({512, 512});
+  cases[2].name = "mixed";
+  cases[2].reqs = cases[0].reqs;
+  cases[2].reqs.resize(28);
+  for (int i = 0; i < 2; ++i) cases[2].reqs.push_back({512, 512});
+  for (int i = 0; i < 2; ++i) cases[2].reqs.push_back({256, 768});
+  const size_t es = sizeof(T);
+  for (const Case& cs : cases) {
+    const Layout L = make_layout(cs.reqs, rng, 0);
+    const size_t pool = static_cast<size_t>(L.n_slots * Hkv * D);
+    const int layers = static_cast<int>(std::max<size_t>(2, (size_t{96} << 20) / (2 * pool * es) + 1));
+    std::vector<bench::Vec<T>> k(static_cast<size_t>(layers), bench::Vec<T>(pool)), v = k;
+    for (int l = 0; l < layers; ++l) {
+      bench::fill_random(k[static_cast<size_t>(l)], rng);
+      bench::fill_random(v[static_cast<size_t>(l)], rng);
+    }
+    bench::Vec<T> q(L.n_tokens * Hq * D), out(L.n_tokens * Hq * D);
+    bench::fill_random(q, rng);
+    const auto qs = cast_index<int32_t>(L.q_start), ql = cast_index<int32_t>(L.q_len),
+               ks = cast_index<int32_t>(L.kv_start), kl = cast_index<int32_t>(L.kv_len);
+    double flops = 0.0, bytes = 0.0;
+    for (const Req& r : cs.reqs) {
+      for (int64_t i = 0; i < r.q_len; ++i) flops += 4.0 * D * Hq * static_cast<double>(r.kv_len - r.q_len + i + 1);
+      bytes += static_cast<double>(es) * (2.0 * r.kv_len * Hkv * D + 2.0 * r.q_len * Hq * D);
+    }
+    int layer = 0;
+    const bench::Timing t = bench::time_calls(
+        [&] {
+          orca::cpu::ragged_attention<T, int32_t>(q.data(), k[static_cast<size_t>(layer)].data(),
+                                                  v[static_cast<size_t>(layer)].data(), qs.data(), ql.data(), ks.data(),
+                                                  kl.data(), out.data(), static_cast<int64_t>(cs.reqs.size()), Hq, Hkv,
+                                                  D, scale);
+          layer = (layer + 1) % layers;
+        },
+        flops > 1e9 ? 7 : 41, layers);
+    char label[96];
+    std::snprintf(label, sizeof label, "ragged_attention %s %s B=%zu T=%lld", dtype, cs.name, cs.reqs.size(),
+                  static_cast<long long>(L.n_tokens));
+    bench::report(label, t, flops, bytes, c);
+  }
+}
+
+}  // namespace
+
+int main(int argc, char** argv) {
+  bool ok = validate_all<float, int32_t>();
+  ok &= validate_all<float, int64_t>();
+  ok &= validate_all<bf16, int32_t>();
+  ok &= validate_all<bf16, int64_t>();
+  if (!ok) {
+    std::printf("VALIDATION FAILED\n");
+    return 1;
+  }
+  std::printf("validation passed\n\n");
+  if (bench::validate_only(argc, argv)) return 0;
+  const bench::Ceilings c = bench::measure_ceilings();
+  perf<float>("f32", c);
+  perf<bf16>("bf16", c);
+  return 0;
+}

@@ -1,0 +1,181 @@
+// Microbenchmark of the CPU rmsnorm_qkv (and rmsnorm) kernels.
+// 1. Validates against a scalar double-precision reference on random data of awkward sizes,
+//    float and bf16; exits 1 on any mismatch.
+// 2. Times SmolLM2-135M shapes (H=576, N=(9+2*3)*64=960): a decode batch (T=32) and a prefill
+//    (T=4*512), median of repeats, and prints GFLOP/s and GB/s next to the measured ceilings.
+//    The decode case rotates over 30 copies of the weights (one per layer of the model, 66 MB
+//    in float32) so W comes from memory as it does in a real forward pass, not from cache.
+#include <cmath>
+#include <cstdio>
+#include <vector>
+
+#include "../../csrc/cpu/cpu_kernels.h"
+#include "bench_util.h"
+
+namespace {
+
+using orca::bf16;
+
+// Double-precision reference: also returns, per output, sum_k |xn_k * w_k| -- the scale of the
+// float32 rounding error a correct kernel can make.
+void reference_qkv(const std::vector<double>& x, const std::vector<double>& nw, const std::vector<double>& w,
+                   const std::vector<double>* bias, int64_t T, int64_t H, int64_t N, double eps,
+                   std::vector<double>& out, std::vector<double>& mass) {
+  out.assign(static_cast<size_t>(T * N), 0.0);
+  mass.assign(static_cast<size_t>(T * N), 0.0);
+  std::vector<double> xn(static_cast<size_t>(H));
+  for (int64_t t = 0; t < T; ++t) {
+    double ss = 0.0;
+    for (int64_t k = 0; k < H; ++k) ss += x[t * H + k] * x[t * H + k];
+    const double inv = 1.0 / std::sqrt(ss / static_cast<double>(H) + eps);
+    for (int64_t k = 0; k < H; ++k) xn[k] = x[t * H + k] * inv * nw[k];
+    for (int64_t n = 0; n < N; ++n) {
+      double acc = bias ? (*bias)[n] : 0.0, m = bias ? std::fabs((*bias)[n]) : 0.0;
+      for (int64_t k = 0; k < H; ++k) {
+        acc += xn[k] * w[n * H + k];
+        m += std::fabs(xn[k] * w[n * H + k]);
+      }
+      out[t * N + n] = acc;
+      mass[t * N + n] = m;
+    }
+  }
+}
+
+template <typename T>
+constexpr double out_rtol() {  // rounding of the stored result
+  return sizeof(T) == 2 ? 1.0 / 256.0 : 1e-6;
+}
+
+template <typename T>
+bool check_qkv(int64_t Tn, int64_t H, int64_t N, bool with_bias, uint64_t seed) {
+  bench::Rng rng(seed);
+  bench::Vec<T> x(Tn * H), nw(H), w(N * H), b(N), out(Tn * N);
+  bench::fill_random(x, rng, -2.0f, 2.0f);
+  bench::fill_random(nw, rng, 0.5f, 1.5f);
+  bench::fill_random(w, rng, -0.1f, 0.1f);
+  bench::fill_random(b, rng, -0.5f, 0.5f);
+  const float eps = 1e-5f;
+  orca::cpu::rmsnorm_qkv<T>(x.data(), nw.data(), w.data(), with_bias ? b.data() : nullptr, out.data(), Tn, H, N, eps);
+  std::vector<double> ref, mass;
+  const std::vector<double> bd = bench::to_double(b);
+  reference_qkv(bench::to_double(x), bench::to_double(nw), bench::to_double(w), with_bias ? &bd : nullptr, Tn, H, N,
+                eps, ref, mass);
+  // Element-wise tolerance: output rounding + float32 accumulation (a few eps of the mass).
+  const std::vector<double> got = bench::to_double(out);
+  std::vector<double> tol_ref(ref.size());
+  bool ok = true;
+  size_t bad = 0;
+  double worst = 0;
+  for (size_t i = 0; i < ref.size(); ++i) {
+    const double tol = out_rtol<T>() * std::fabs(ref[i]) + 1e-6 * mass[i] + 1e-7;
+    const double err = std::fabs(got[i] - ref[i]);
+    if (!(err <= tol)) {
+      if (bad < 5) std::printf("  index %zu got %.8g expected %.8g (tol %.3g)\n", i, got[i], ref[i], tol);
+      ++bad;
+      ok = false;
+    }
+    worst = std::max(worst, err);
+  }
+  char name[160];
+  std::snprintf(name, sizeof name, "rmsnorm_qkv<%s> T=%lld H=%lld N=%lld bias=%d", sizeof(T) == 2 ? "bf16" : "f32",
+                static_cast<long long>(Tn), static_cast<long long>(H), static_cast<long long>(N), with_bias ? 1 : 0);
+  if (!ok)
+    std::printf("FAIL %s: %zu of %zu out of tolerance\n", name, bad, ref.size());
+  else
+    std::printf("ok   %-68s max abs err %.2e\n", name, worst);
+  return ok;
+}
+
+template <typename T>
+bool check_rmsnorm(int64_t Tn, int64_t H, uint64_t seed) {
+  bench::Rng rng(seed);
+  bench::Vec<T> x(Tn * H), nw(H), out(Tn * H);
+  bench::fill_random(x, rng, -3.0f, 3.0f);
+  bench::fill_random(nw, rng, 0.5f, 1.5f);
+  const float eps = 1e-6f;
+  orca::cpu::rmsnorm<T>(x.data(), nw.data(), out.data(), Tn, H, eps);
+  std::vector<double> ref(static_cast<size_t>(Tn * H));
+  for (int64_t t = 0; t < Tn; ++t) {
+    double ss = 0.0;
+    for (int64_t k = 0; k < H; ++k) ss += static_cast<double>(orca::to_float(x[t * H + k])) * orca::to_float(x[t * H + k]);
+    const double inv = 1.0 / std::sqrt(ss / static_cast<double>(H) + eps);
+    for (int64_t k = 0; k < H; ++k) ref[t * H + k] = orca::to_float(x[t * H + k]) * inv * orca::to_float(nw[k]);
+  }
+  char name[160];
+  std::snprintf(name, sizeof name, "rmsnorm<%s> T=%lld H=%lld", sizeof(T) == 2 ? "bf16" : "f32",
+                static_cast<long long>(Tn), static_cast<long long>(H));
+  return bench::check_close(name, bench::to_double(out), ref, 1e-6, out_rtol<T>() + 1e-6);
+}
+
+template <typename T>
+bool validate_all() {
+  bool ok = true;
+  uint64_t seed = sizeof(T) == 2 ? 1000 : 2000;
+  const int64_t tokens[] = {1, 2, 7, 83, 200};
+  const int64_t hiddens[] = {111, 576};
+  const int64_t outs[] = {1, 5, 67, 960};
+  for (int64_t H : hiddens)
+    for (int64_t N : outs)
+      for (int64_t Tn : tokens) ok &= check_qkv<T>(Tn, H, N, (Tn + N) % 2 == 1, ++seed);
+  ok &= check_qkv<T>(97, 64, 131, true, ++seed);  // > one token tile, odd everything
+  for (int64_t Tn : {int64_t{1}, int64_t{7}, int64_t{83}})
+    for (int64_t H : {int64_t{111}, int64_t{576}}) ok &= check_rmsnorm<T>(Tn, H, ++seed);
+  return ok;
+}
+
+template <typename T>
+void perf(const char* dtype, const bench::Ceilings& c) {
+  const int64_t H = 576, N = (9 + 2 * 3) * 64, layers = 30;
+  bench::Rng rng(42);
+  bench::Vec<T> nw(H), b(N);
+  bench::fill_random(nw, rng, 0.5f, 1.5f);
+  bench::fill_random(b, rng, -0.5f, 0.5f);
+  std::vector<bench::Vec<T>> w(layers, bench::Vec<T>(N * H));
+  for (auto& wl : w) bench::fill_random(wl, rng, -0.1f, 0.1f);
+  const size_t es = sizeof(T);
+  for (int64_t Tn : {int64_t{32}, int64_t{4 * 512}}) {
+    bench::Vec<T> x(Tn * H), out(Tn * N);
+    bench::fill_random(x, rng, -2.0f, 2.0f);
+    int64_t layer = 0;
+    const bench::Timing t = bench::time_calls(
+        [&] {
+          orca::cpu::rmsnorm_qkv<T>(x.data(), nw.data(), w[layer].data(), nullptr, out.data(), Tn, H, N, 1e-5f);
+          layer = (layer + 1) % layers;
+        },
+        Tn > 64 ? 11 : 61, layers);
+    const double flops = 2.0 * Tn * N * H;
+    const double bytes = static_cast<double>(es) * (N * H + Tn * H + Tn * N);
+    char label[96];
+    std::snprintf(label, sizeof label, "rmsnorm_qkv %s %s T=%lld", dtype, Tn == 32 ? "decode" : "prefill",
+                  static_cast<long long>(Tn));
+    bench::report(label, t, flops, bytes, c);
+  }
+  for (int64_t Tn : {int64_t{32}, int64_t{4 * 512}}) {
+    bench::Vec<T> x(Tn * H), out(Tn * H);
+    bench::fill_random(x, rng, -2.0f, 2.0f);
+    const bench::Timing t = bench::time_calls(
+        [&] { orca::cpu::rmsnorm<T>(x.data(), nw.data(), out.data(), Tn, H, 1e-5f); }, Tn > 64 ? 21 : 101, 5);
+    const double bytes = static_cast<double>(es) * (2 * Tn * H + H);
+    char label[96];
+    std::snprintf(label, sizeof label, "rmsnorm %s %s T=%lld", dtype, Tn == 32 ? "decode" : "prefill",
+                  static_cast<long long>(Tn));
+    bench::report(label, t, 0.0, bytes, c);
+  }
+}
+
+}  // namespace
+
+int main(int argc, char** argv) {
+  bool ok = validate_all<float>();
+  ok &= validate_all<bf16>();
+  if (!ok) {
+    std::printf("VALIDATION FAILED\n");
+    return 1;
+  }
+  std::printf("validation passed\n\n");
+  if (bench::validate_only(argc, argv)) return 0;
+  const bench::Ceilings c = bench::measure_ceilings();
+  perf<float>("f32", c);
+  perf<bf16>("bf16", c);
+  return 0;
+}

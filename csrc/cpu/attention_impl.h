@@ -1,0 +1,266 @@
+// The two ways ragged_attention processes one work item (request b, KV head g, a tile of
+// consecutive query rows with all R = Hq/Hkv query heads of the group). Both are
+// flash-attention style over key blocks with an online softmax in float32, in the log2
+// domain (queries are pre-scaled by scale*log2(e), so exp becomes exp2).
+//
+//  * attend_rows -- for few query vectors (decodes: M = R). S = Q K^T as dot products over D
+//    (3x4 register-blocked), softmax along each row, O += P V.
+//  * attend_tile -- for many query vectors (prefill tiles, M up to 64). Everything is kept
+//    transposed so the vector axis is the query axis m: S^T = K Q^T, the softmax statistics
+//    are per-lane vectors, O^T += V^T P^T. Both products are then "broadcast one element, FMA
+//    a row of 32 queries" with no horizontal sums, which a dot product over a short D (64)
+//    cannot avoid. The transposes happen once per item (Q in, O out), not per key block.
+#pragma once
+#include <algorithm>
+#include <cstdint>
+#include <limits>
+
+#include "cpu_kernels.h"
+#include "gemm_impl.h"
+#include "vec.h"
+
+namespace orca {
+namespace cpu {
+namespace detail {
+
+constexpr int64_t kKeyBlock = 64;  // keys per softmax block
+constexpr float kNegInf = -std::numeric_limits<float>::infinity();
+// attend_tile's initial running max: finite (unlike -inf) so the rescale factor of the first
+// block needs no special case, and far below any real score.
+constexpr float kTileInitMax = -1e30f;
+
+// Geometry of one work item, in the request's own coordinates.
+struct AttnItem {
+  int64_t t_first;     // flat token index of the tile's first query row
+  int64_t nq;          // query rows in the tile
+  int64_t r;           // query heads per KV head
+  int64_t g;           // KV head
+  int64_t first_last;  // last visible key (context position) of the tile's first row
+  int64_t kv_row0;     // slot of context position 0
+  int64_t n_keys;      // keys visible to the tile's last row = first_last + nq
+};
+
+// Rows [row0, row0+nj) of one KV head as float32 rows with leading dimension *ld: the cache
+// itself for float, a converted copy (64-byte aligned rows) for bf16.
+inline const float* kv_block(const float* cache, int64_t row0, int64_t, int64_t ld_cache, int64_t, float*,
+                             int64_t* ld) {
+  *ld = ld_cache;
+  return cache + row0 * ld_cache;
+}
+inline const float* kv_block(const bf16* cache, int64_t row0, int64_t nj, int64_t ld_cache, int64_t d,
+                             float* buf, int64_t* ld) {
+  const int64_t ldb = padded_ld(d);
+  for (int64_t j = 0; j < nj; ++j) load_row(cache + (row0 + j) * ld_cache, buf + j * ldb, d);
+  *ld = ldb;
+  return buf;
+}
+
+// Hint the next key block's K and V rows into cache while the current one is processed.
+// Decodes are bound by streaming K/V from memory, and each KV head reads only D of every
+// Hkv*D elements of a slot, a pattern the hardware prefetchers follow poorly.
+template <typename T>
+inline void prefetch_rows(const T* rows, int64_t n, int64_t ld, int64_t d) {
+  const int64_t bytes = d * static_cast<int64_t>(sizeof(T));
+  for (int64_t j = 0; j < n; ++j) {
+    const char* p = reinterpret_cast<const char*>(rows + j * ld);
+    for (int64_t off = 0; off < bytes; off += 64) __builtin_prefetch(p + off);
+  }
+}
+
+// ---- few query vectors: row-major S ------------------------------------------------------
+
+// Online-softmax update of one row for one key block. s[0..nj) holds scores (log2 domain);
+// only the first `valid` are visible to this row (causal limit). On return s[0..nj) holds the
+// unnormalised probabilities (0 beyond `valid`), and *mx, *l, o[0..D) are updated.
+inline void softmax_row(float* __restrict s, int64_t nj, int64_t valid, float* __restrict mx,
+                        float* __restrict l, float* __restrict o, int64_t d) {
+  if (valid <= 0) {
+    for (int64_t j = 0; j < nj; ++j) s[j] = 0.0f;
+    return;
+  }
+  float bmax = kNegInf;
+#pragma omp simd reduction(max : bmax)
+  for (int64_t j = 0; j < valid; ++j) bmax = std::max(bmax, s[j]);
+  const float m_old = *mx;
+  const float m_new = std::max(m_old, bmax);
+  float sum = 0.0f;
+#pragma omp simd reduction(+ : sum)
+  for (int64_t j = 0; j < valid; ++j) {
+    const float p = exp2_nonpos(s[j] - m_new);
+    s[j] = p;
+    sum += p;
+  }
+  for (int64_t j = valid; j < nj; ++j) s[j] = 0.0f;
+  if (m_old == kNegInf) {
+    *l = sum;  // first block of this row: O is still zero
+  } else if (m_new > m_old) {
+    const float corr = exp2_nonpos(m_old - m_new);
+    *l = *l * corr + sum;
+    for (int64_t k = 0; k < d; ++k) o[k] *= corr;
+  } else {
+    *l += sum;
+  }
+  *mx = m_new;
+}
+
+template <typename T>
+void attend_rows(const AttnItem& it, const T* q, const T* k_cache, const T* v_cache, T* out, int64_t n_q_heads,
+                 int64_t n_kv_heads, int64_t d, float qscale) {
+  const int64_t r = it.r;
+  const int64_t m_rows = it.nq * r;  // query vectors, m = i*r + h
+  const int64_t ld_kv = n_kv_heads * d;
+  // Scratch rows are padded to 64-byte multiples (ldd) so vector loads stay aligned.
+  const int64_t ldd = padded_ld(d);
+  float* qs = thread_scratch(0, static_cast<size_t>(m_rows * ldd));        // [M, D]
+  float* o = thread_scratch(1, static_cast<size_t>(m_rows * ldd));         // [M, D]
+  float* ml = thread_scratch(2, static_cast<size_t>(2 * m_rows));          // max | sum
+  float* s = thread_scratch(3, static_cast<size_t>(m_rows * kKeyBlock));   // [M, KB]
+  float* kbuf = thread_scratch(4, static_cast<size_t>(kKeyBlock * ldd));   // bf16 only
+  float* vbuf = thread_scratch(5, static_cast<size_t>(kKeyBlock * ldd));   // bf16 only
+  float* mx = ml;
+  float* lsum = ml + m_rows;
+
+  // The r heads of one token are contiguous in q; head h of query row i is row i*r + h of qs.
+  for (int64_t i = 0; i < it.nq; ++i) {
+    const T* src = q + ((it.t_first + i) * n_q_heads + it.g * r) * d;
+    for (int64_t h = 0; h < r; ++h) {
+      const T* sh = src + h * d;
+      float* dst = qs + (i * r + h) * ldd;
+      for (int64_t k = 0; k < d; ++k) dst[k] = to_float(sh[k]) * qscale;
+    }
+  }
+  for (int64_t k = 0; k < m_rows * ldd; ++k) o[k] = 0.0f;
+  for (int64_t m = 0; m < m_rows; ++m) {
+    mx[m] = kNegInf;
+    lsum[m] = 0.0f;
+  }
+
+  const T* k_head = k_cache + it.g * d;
+  const T* v_head = v_cache + it.g * d;
+  for (int64_t j0 = 0; j0 < it.n_keys; j0 += kKeyBlock) {
+    const int64_t nj = std::min(kKeyBlock, it.n_keys - j0);
+    if (j0 + nj < it.n_keys) {
+      const int64_t next = std::min(kKeyBlock, it.n_keys - j0 - nj);
+      prefetch_rows(k_head + (it.kv_row0 + j0 + nj) * ld_kv, next, ld_kv, d);
+      prefetch_rows(v_head + (it.kv_row0 + j0 + nj) * ld_kv, next, ld_kv, d);
+    }
+    int64_t ldk = 0;
+    const float* kb = kv_block(k_head, it.kv_row0 + j0, nj, ld_kv, d, kbuf, &ldk);
+    gemm_nt(qs, ldd, kb, ldk, s, kKeyBlock, m_rows, nj, d);
+    for (int64_t m = 0; m < m_rows; ++m) {
+      const int64_t last = it.first_last + m / r;  // last visible key of this row
+      const int64_t valid = std::min(nj, last - j0 + 1);
+      softmax_row(s + m * kKeyBlock, nj, valid, mx + m, lsum + m, o + m * ldd, d);
+    }
+    int64_t ldv = 0;
+    const float* vb = kv_block(v_head, it.kv_row0 + j0, nj, ld_kv, d, vbuf, &ldv);
+    gemm_nn_acc(s, kKeyBlock, 1, vb, ldv, o, ldd, m_rows, nj, d);
+  }
+
+  for (int64_t i = 0; i < it.nq; ++i) {
+    T* dst = out + ((it.t_first + i) * n_q_heads + it.g * r) * d;
+    for (int64_t h = 0; h < r; ++h) {
+      const int64_t m = i * r + h;
+      const float inv = 1.0f / lsum[m];  // lsum >= 1: the row's max element contributes 1
+      const float* om = o + m * ldd;
+      T* dm = dst + h * d;
+      for (int64_t k = 0; k < d; ++k) dm[k] = from_float<T>(om[k] * inv);
+    }
+  }
+}
+
+// ---- many query vectors: everything transposed, vectorized over queries ------------------
+
+template <typename T>
+void attend_tile(const AttnItem& it, const T* q, const T* k_cache, const T* v_cache, T* out, int64_t n_q_heads,
+                 int64_t n_kv_heads, int64_t d, float qscale) {
+  const int64_t r = it.r;
+  const int64_t m_rows = it.nq * r;             // query vectors, m = i*r + h
+  const int64_t mp = padded_ld(m_rows);         // lanes, padded to 16
+  const int64_t ld_kv = n_kv_heads * d;
+  const int64_t ldd = padded_ld(d);
+  float* qt = thread_scratch(0, static_cast<size_t>(d * mp));          // [D, Mp]  Q^T
+  float* ot = thread_scratch(1, static_cast<size_t>(d * mp));          // [D, Mp]  O^T
+  float* st = thread_scratch(3, static_cast<size_t>(kKeyBlock * mp));  // [KB, Mp] S^T, then P^T
+  float* kbuf = thread_scratch(4, static_cast<size_t>(kKeyBlock * ldd));
+  float* vbuf = thread_scratch(5, static_cast<size_t>(kKeyBlock * ldd));
+  float* stats = thread_scratch(2, static_cast<size_t>(4 * mp));
+  float* mx = stats;               // running max
+  float* lsum = stats + mp;        // running sum
+  float* m_new = stats + 2 * mp;
+  float* corr = stats + 3 * mp;
+  // Last visible key per lane (int32: the masks are integer compares, see keep_if).
+  int32_t* last = thread_scratch<int32_t>(0, static_cast<size_t>(mp));
+
+  // Q^T; padding lanes get zero queries (finite scores, results discarded) and the widest
+  // causal limit so they never hit the all-masked case.
+  for (int64_t k = 0; k < d * mp; ++k) qt[k] = 0.0f;
+  for (int64_t m = 0; m < m_rows; ++m) {
+    const T* src = q + ((it.t_first + m / r) * n_q_heads + it.g * r + m % r) * d;
+    for (int64_t k = 0; k < d; ++k) qt[k * mp + m] = to_float(src[k]) * qscale;
+  }
+  for (int64_t k = 0; k < d * mp; ++k) ot[k] = 0.0f;
+  for (int64_t m = 0; m < mp; ++m) {
+    mx[m] = kTileInitMax;
+    lsum[m] = 0.0f;
+    last[m] = static_cast<int32_t>(it.first_last + std::min(m, m_rows - 1) / r);
+  }
+
+  const T* k_head = k_cache + it.g * d;
+  const T* v_head = v_cache + it.g * d;
+  const int64_t first_last = it.first_last;
+  for (int64_t j0 = 0; j0 < it.n_keys; j0 += kKeyBlock) {
+    const int64_t nj = std::min(kKeyBlock, it.n_keys - j0);
+    int64_t ldk = 0;
+    const float* kb = kv_block(k_head, it.kv_row0 + j0, nj, ld_kv, d, kbuf, &ldk);
+    for (int64_t k = 0; k < nj * mp; ++k) st[k] = 0.0f;
+    gemm_nn_acc(kb, ldk, 1, qt, mp, st, mp, nj, d, mp);  // S^T[j][m] = sum_d K[j][d] Q^T[d][m]
+
+    // Keys past the first row's limit are masked for some lanes: only the diagonal blocks.
+    const bool masked = j0 + nj - 1 > first_last;
+    for (int64_t m = 0; m < mp; ++m) m_new[m] = mx[m];
+    for (int64_t j = 0; j < nj; ++j) {
+      const float* sj = st + j * mp;
+      const int32_t key = static_cast<int32_t>(j0 + j);
+      if (masked) {
+        for (int64_t m = 0; m < mp; ++m) m_new[m] = std::max(m_new[m], key <= last[m] ? sj[m] : kNegInf);
+      } else {
+        for (int64_t m = 0; m < mp; ++m) m_new[m] = std::max(m_new[m], sj[m]);
+      }
+    }
+    // In the first block mx is still kTileInitMax and corr underflows to ~1e-38, harmless
+    // because l and O are still zero.
+    for (int64_t m = 0; m < mp; ++m) {
+      corr[m] = exp2_nonpos(mx[m] - m_new[m]);
+      lsum[m] *= corr[m];
+      mx[m] = m_new[m];
+    }
+    for (int64_t j = 0; j < nj; ++j) {
+      float* sj = st + j * mp;
+      const int32_t key = static_cast<int32_t>(j0 + j);
+      if (masked) {
+        for (int64_t m = 0; m < mp; ++m) sj[m] = keep_if(exp2_nonpos(sj[m] - m_new[m]), key <= last[m]);
+      } else {
+        for (int64_t m = 0; m < mp; ++m) sj[m] = exp2_nonpos(sj[m] - m_new[m]);
+      }
+      for (int64_t m = 0; m < mp; ++m) lsum[m] += sj[m];
+    }
+    for (int64_t k = 0; k < d; ++k) {
+      float* ok = ot + k * mp;
+      for (int64_t m = 0; m < mp; ++m) ok[m] *= corr[m];
+    }
+    int64_t ldv = 0;
+    const float* vb = kv_block(v_head, it.kv_row0 + j0, nj, ld_kv, d, vbuf, &ldv);
+    gemm_nn_acc(vb, 1, ldv, st, mp, ot, mp, d, nj, mp);  // O^T[d][m] += sum_j V[j][d] P^T[j][m]
+  }
+
+  for (int64_t m = 0; m < m_rows; ++m) lsum[m] = 1.0f / lsum[m];
+  for (int64_t m = 0; m < m_rows; ++m) {
+    T* dst = out + ((it.t_first + m / r) * n_q_heads + it.g * r + m % r) * d;
+    for (int64_t k = 0; k < d; ++k) dst[k] = from_float<T>(ot[k * mp + m] * lsum[m]);
+  }
+}
+
+}  // namespace detail
+}  // namespace cpu
+}  // namespace orca

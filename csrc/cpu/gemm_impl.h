@@ -1,0 +1,188 @@
+// Register-blocked float32 matrix-product building blocks used by rmsnorm_qkv (x * W^T) and
+// ragged_attention (Q * K^T, then P * V). Plain loops that auto-vectorize; why they look the
+// way they do:
+//  * "NT" products C = A * B^T have both operands contiguous along the reduction axis. Each
+//    micro-kernel keeps a 3x4 block of named scalar accumulators and vectorizes the k loop with
+//    `omp simd reduction`: every accumulator becomes one vector register and the horizontal
+//    sums happen once at the end. (Array accumulators or lane arrays make GCC 12 spill them to
+//    the stack, which measured 2-3x slower.) 3x4 = 12 accumulators + 3 A + 1 B registers fits
+//    the 16 ymm registers of x86-64-v3; per k-vector it does 7 loads for 12 FMAs.
+//    The horizontal sums GCC emits for `omp simd` reductions are slow (~25 instructions per
+//    accumulator), so NT suits long reductions (H = 576 in rmsnorm_qkv) far better than short
+//    ones (D = 64 in attention, where it is only used for decodes).
+//  * "NN" accumulation O += P * V keeps a 3 x 32 block of O in registers (12 vectors) while
+//    walking the rows of V, broadcasting one P element per row of O: 4 loads + 3 broadcasts
+//    per 12 FMAs, no horizontal sums at all.
+// Callers keep float32 operands in 64-byte-aligned rows where they can (vec.h: padded_ld,
+// thread_scratch): loads that straddle cache lines made these kernels ~1.6x slower.
+#pragma once
+#include <cstdint>
+
+namespace orca {
+namespace cpu {
+namespace detail {
+
+// ---- C[m][n] = sum_k A[m][k] * B[n][k] -------------------------------------------------
+
+inline void nt_3x4(const float* __restrict A, int64_t lda, const float* __restrict B, int64_t ldb,
+                   int64_t K, float* __restrict C, int64_t ldc) {
+  const float* a0 = A;
+  const float* a1 = A + lda;
+  const float* a2 = A + 2 * lda;
+  const float* b0 = B;
+  const float* b1 = B + ldb;
+  const float* b2 = B + 2 * ldb;
+  const float* b3 = B + 3 * ldb;
+  float c00 = 0, c01 = 0, c02 = 0, c03 = 0;
+  float c10 = 0, c11 = 0, c12 = 0, c13 = 0;
+  float c20 = 0, c21 = 0, c22 = 0, c23 = 0;
+#pragma omp simd reduction(+ : c00, c01, c02, c03, c10, c11, c12, c13, c20, c21, c22, c23)
+  for (int64_t k = 0; k < K; ++k) {
+    const float x0 = a0[k], x1 = a1[k], x2 = a2[k];
+    const float w0 = b0[k], w1 = b1[k], w2 = b2[k], w3 = b3[k];
+    c00 += x0 * w0; c01 += x0 * w1; c02 += x0 * w2; c03 += x0 * w3;
+    c10 += x1 * w0; c11 += x1 * w1; c12 += x1 * w2; c13 += x1 * w3;
+    c20 += x2 * w0; c21 += x2 * w1; c22 += x2 * w2; c23 += x2 * w3;
+  }
+  C[0] = c00; C[1] = c01; C[2] = c02; C[3] = c03;
+  C += ldc;
+  C[0] = c10; C[1] = c11; C[2] = c12; C[3] = c13;
+  C += ldc;
+  C[0] = c20; C[1] = c21; C[2] = c22; C[3] = c23;
+}
+
+inline void nt_2x4(const float* __restrict A, int64_t lda, const float* __restrict B, int64_t ldb,
+                   int64_t K, float* __restrict C, int64_t ldc) {
+  const float* a0 = A;
+  const float* a1 = A + lda;
+  const float* b0 = B;
+  const float* b1 = B + ldb;
+  const float* b2 = B + 2 * ldb;
+  const float* b3 = B + 3 * ldb;
+  float c00 = 0, c01 = 0, c02 = 0, c03 = 0;
+  float c10 = 0, c11 = 0, c12 = 0, c13 = 0;
+#pragma omp simd reduction(+ : c00, c01, c02, c03, c10, c11, c12, c13)
+  for (int64_t k = 0; k < K; ++k) {
+    const float x0 = a0[k], x1 = a1[k];
+    const float w0 = b0[k], w1 = b1[k], w2 = b2[k], w3 = b3[k];
+    c00 += x0 * w0; c01 += x0 * w1; c02 += x0 * w2; c03 += x0 * w3;
+    c10 += x1 * w0; c11 += x1 * w1; c12 += x1 * w2; c13 += x1 * w3;
+  }
+  C[0] = c00; C[1] = c01; C[2] = c02; C[3] = c03;
+  C += ldc;
+  C[0] = c10; C[1] = c11; C[2] = c12; C[3] = c13;
+}
+
+inline void nt_1x4(const float* __restrict A, const float* __restrict B, int64_t ldb, int64_t K,
+                   float* __restrict C) {
+  const float* b0 = B;
+  const float* b1 = B + ldb;
+  const float* b2 = B + 2 * ldb;
+  const float* b3 = B + 3 * ldb;
+  float c0 = 0, c1 = 0, c2 = 0, c3 = 0;
+#pragma omp simd reduction(+ : c0, c1, c2, c3)
+  for (int64_t k = 0; k < K; ++k) {
+    const float x = A[k];
+    c0 += x * b0[k]; c1 += x * b1[k]; c2 += x * b2[k]; c3 += x * b3[k];
+  }
+  C[0] = c0; C[1] = c1; C[2] = c2; C[3] = c3;
+}
+
+inline void nt_3x1(const float* __restrict A, int64_t lda, const float* __restrict B, int64_t K,
+                   float* __restrict C, int64_t ldc) {
+  const float* a0 = A;
+  const float* a1 = A + lda;
+  const float* a2 = A + 2 * lda;
+  float c0 = 0, c1 = 0, c2 = 0;
+#pragma omp simd reduction(+ : c0, c1, c2)
+  for (int64_t k = 0; k < K; ++k) {
+    const float w = B[k];
+    c0 += a0[k] * w; c1 += a1[k] * w; c2 += a2[k] * w;
+  }
+  C[0] = c0; C[ldc] = c1; C[2 * ldc] = c2;
+}
+
+inline float nt_1x1(const float* __restrict A, const float* __restrict B, int64_t K) {
+  float c = 0;
+#pragma omp simd reduction(+ : c)
+  for (int64_t k = 0; k < K; ++k) c += A[k] * B[k];
+  return c;
+}
+
+// C[M, N] (leading dim ldc) = A[M, K] (lda) * B[N, K]^T (ldb). Columns of C are walked in
+// groups of 4 in the outer loop so the 4 rows of B stay in L1 while all rows of A pass by.
+inline void gemm_nt(const float* A, int64_t lda, const float* B, int64_t ldb, float* C,
+                    int64_t ldc, int64_t M, int64_t N, int64_t K) {
+  int64_t n = 0;
+  for (; n + 4 <= N; n += 4) {
+    int64_t m = 0;
+    for (; m + 3 <= M; m += 3) nt_3x4(A + m * lda, lda, B + n * ldb, ldb, K, C + m * ldc + n, ldc);
+    if (M - m == 2) {
+      nt_2x4(A + m * lda, lda, B + n * ldb, ldb, K, C + m * ldc + n, ldc);
+    } else if (M - m == 1) {
+      nt_1x4(A + m * lda, B + n * ldb, ldb, K, C + m * ldc + n);
+    }
+  }
+  for (; n < N; ++n) {
+    int64_t m = 0;
+    for (; m + 3 <= M; m += 3) nt_3x1(A + m * lda, lda, B + n * ldb, K, C + m * ldc + n, ldc);
+    for (; m < M; ++m) C[m * ldc + n] = nt_1x1(A + m * lda, B + n * ldb, K);
+  }
+}
+
+// ---- O[i][n] += sum_j P(i, j) * V[j][n] ---------------------------------------------------
+// P is addressed with two strides, P(i, j) = P[i * p_rs + j * p_cs], so the same kernel serves
+// P row-major (probabilities x V), P = K rows (K * Q^T) and P = V^T (V^T * P^T).
+
+// MR rows of O, NC consecutive columns starting at O (and V), all J rows of V.
+template <int MR, int NC>
+inline void nn_block(const float* __restrict P, int64_t p_rs, int64_t p_cs, const float* __restrict V,
+                     int64_t ldv, int64_t J, float* __restrict O, int64_t ldo) {
+  float acc[MR][NC];
+  for (int i = 0; i < MR; ++i)
+    for (int l = 0; l < NC; ++l) acc[i][l] = O[i * ldo + l];
+  for (int64_t j = 0; j < J; ++j) {
+    const float* v = V + j * ldv;
+    for (int i = 0; i < MR; ++i) {
+      const float p = P[i * p_rs + j * p_cs];
+      for (int l = 0; l < NC; ++l) acc[i][l] += p * v[l];
+    }
+  }
+  for (int i = 0; i < MR; ++i)
+    for (int l = 0; l < NC; ++l) O[i * ldo + l] = acc[i][l];
+}
+
+// Columns [n0, N) of MR rows that are not a multiple of 16 wide: a plain row update.
+template <int MR>
+inline void nn_tail(const float* __restrict P, int64_t p_rs, int64_t p_cs, const float* __restrict V,
+                    int64_t ldv, int64_t J, float* __restrict O, int64_t ldo, int64_t n0, int64_t N) {
+  for (int i = 0; i < MR; ++i)
+    for (int64_t j = 0; j < J; ++j) {
+      const float p = P[i * p_rs + j * p_cs];
+      const float* v = V + j * ldv;
+      float* o = O + i * ldo;
+      for (int64_t n = n0; n < N; ++n) o[n] += p * v[n];
+    }
+}
+
+template <int MR>
+inline void nn_rows(const float* P, int64_t p_rs, int64_t p_cs, const float* V, int64_t ldv, int64_t J,
+                    float* O, int64_t ldo, int64_t N) {
+  int64_t n = 0;
+  for (; n + 32 <= N; n += 32) nn_block<MR, 32>(P, p_rs, p_cs, V + n, ldv, J, O + n, ldo);
+  for (; n + 16 <= N; n += 16) nn_block<MR, 16>(P, p_rs, p_cs, V + n, ldv, J, O + n, ldo);
+  if (n < N) nn_tail<MR>(P, p_rs, p_cs, V, ldv, J, O, ldo, n, N);
+}
+
+// O[M, N] (ldo) += P(M, J) * V[J, N] (ldv), P(i, j) = P[i * p_rs + j * p_cs].
+// 3 rows x 32 columns of O stay in 12 vector registers while the J rows of V stream by.
+inline void gemm_nn_acc(const float* P, int64_t p_rs, int64_t p_cs, const float* V, int64_t ldv, float* O,
+                        int64_t ldo, int64_t M, int64_t J, int64_t N) {
+  int64_t m = 0;
+  for (; m + 3 <= M; m += 3) nn_rows<3>(P + m * p_rs, p_rs, p_cs, V, ldv, J, O + m * ldo, ldo, N);
+  for (; m < M; ++m) nn_rows<1>(P + m * p_rs, p_rs, p_cs, V, ldv, J, O + m * ldo, ldo, N);
+}
+
+}  // namespace detail
+}  // namespace cpu
+}  // namespace orca

@@ -1,0 +1,99 @@
+// Small building blocks shared by the CPU kernels: element conversion to and from float32,
+// a vectorizable exp2 and per-thread scratch buffers. Everything here is written as plain
+// loops that GCC/Clang auto-vectorize at -O3 (no intrinsics), so the same source builds for
+// any x86-64 level or for aarch64.
+#pragma once
+#include <cmath>
+#include <cstdint>
+#include <cstdlib>
+#include <cstring>
+#include <new>
+
+#include "cpu_kernels.h"
+
+namespace orca {
+namespace cpu {
+namespace detail {
+
+// dst[n] = float(src[n]). For bf16 this is a zero-extend and shift, which vectorizes.
+template <typename T>
+inline void load_row(const T* __restrict src, float* __restrict dst, int64_t n) {
+  for (int64_t i = 0; i < n; ++i) dst[i] = to_float(src[i]);
+}
+
+// dst[n] = T(src[n]) with round-to-nearest-even for bf16 (the header's from_float, which
+// if-converts and vectorizes).
+template <typename T>
+inline void store_row(const float* __restrict src, T* __restrict dst, int64_t n) {
+  for (int64_t i = 0; i < n; ++i) dst[i] = from_float<T>(src[i]);
+}
+
+// 2^x for x <= 0 (softmax exponents after subtracting the running max). Arguments below -126
+// are clamped, giving ~1e-38 instead of a denormal or 0: far below float32 resolution of
+// any softmax sum that contains the max element (which contributes 1). Max relative error
+// ~7e-8 on [-126, 0]. Plain arithmetic so that a loop over it vectorizes (libm exp2f does not
+// without -ffast-math).
+inline float exp2_nonpos(float x) {
+  x = x < -126.0f ? -126.0f : x;
+  const float n = std::nearbyint(x);
+  const float f = x - n;  // in [-0.5, 0.5]
+  // Taylor series of 2^f = e^(f ln2) to degree 7: truncation error < 1e-8 on |f| <= 0.5.
+  float p = 1.5252733804059840e-5f;
+  p = p * f + 1.5403530393381609e-4f;
+  p = p * f + 1.3333558146428443e-3f;
+  p = p * f + 9.6181291076284772e-3f;
+  p = p * f + 5.5504108664821580e-2f;
+  p = p * f + 2.4022650695910071e-1f;
+  p = p * f + 6.9314718055994531e-1f;
+  p = p * f + 1.0f;
+  const uint32_t bits = static_cast<uint32_t>(static_cast<int32_t>(n) + 127) << 23;
+  float scale;
+  std::memcpy(&scale, &bits, sizeof scale);
+  return p * scale;
+}
+
+// Leading dimension for float32 scratch rows: a multiple of 16 floats keeps every row
+// 64-byte aligned. Vector loads that straddle cache lines measured ~1.6x slower in the
+// micro-kernels, so all scratch operands use padded rows and aligned buffers.
+inline int64_t padded_ld(int64_t n) { return (n + 15) & ~int64_t{15}; }
+
+// x if keep, else +0.0f, with integer bit masking. The obvious `keep ? x : 0.0f` (or
+// `x * (keep ? 1.f : 0.f)`) makes GCC move floating-point work into the branches, where under
+// the default -ftrapping-math it "could trap", so the loop is not if-converted or vectorized.
+inline float keep_if(float x, bool keep) {
+  uint32_t u;
+  std::memcpy(&u, &x, sizeof u);
+  u &= 0u - static_cast<uint32_t>(keep);
+  std::memcpy(&x, &u, sizeof x);
+  return x;
+}
+
+// A growable 64-byte-aligned buffer of E private to the calling thread (OpenMP workers each
+// get their own). `slot` separates buffers that are alive at the same time. Reusing them
+// avoids a malloc, page faults and zeroing on every call of a kernel that runs once per layer
+// per iteration. Contents are unspecified on return.
+template <typename E = float>
+inline E* thread_scratch(int slot, size_t n) {
+  struct Buffer {
+    E* data = nullptr;
+    size_t size = 0;
+    ~Buffer() { std::free(data); }
+  };
+  constexpr int kSlots = 8;
+  thread_local Buffer bufs[kSlots];
+  Buffer& b = bufs[slot];
+  if (b.size < n) {
+    std::free(b.data);
+    b.data = nullptr;
+    b.size = 0;
+    const size_t bytes = ((n * sizeof(E)) + 63) & ~size_t{63};
+    b.data = static_cast<E*>(std::aligned_alloc(64, bytes));
+    if (b.data == nullptr) throw std::bad_alloc();
+    b.size = n;
+  }
+  return b.data;
+}
+
+}  // namespace detail
+}  // namespace cpu
+}  // namespace orca

@@ -1,0 +1,106 @@
+"""ForwardBatch: the flat inputs of one iteration (selective batching, no padding).
+
+Every scheduled request contributes its new tokens to one flat token list; the model runs all
+non-attention operations on the flat [T, hidden] tensor, and the ragged attention kernel uses the
+per-request index tensors (q_start/q_len/kv_start/kv_len) to keep requests apart.
+
+All index data is built with plain Python lists on the CPU and moved to the device in two
+transfers (one int64 block, one int32 block), because a handful of small host->device copies per
+iteration is far cheaper than per-request tensor ops.
+"""
+from __future__ import annotations
+
+import dataclasses
+from typing import Sequence
+
+import torch
+
+
+@dataclasses.dataclass(frozen=True)
+class ForwardBatch:
+    token_ids: torch.Tensor      # [T] int64: new tokens of all requests, request after request
+    positions: torch.Tensor      # [T] int64: position of each token inside its request
+    slots: torch.Tensor          # [T] int64: KV slot of each token (= slab_start + position)
+    q_start: torch.Tensor        # [B] int32: first row of request b in the flat tokens
+    q_len: torch.Tensor          # [B] int32: number of new tokens of request b
+    kv_start: torch.Tensor       # [B] int32: first KV slot of request b (its slab start)
+    kv_len: torch.Tensor         # [B] int32: context length of request b after this iteration
+    logits_index: torch.Tensor   # [B] int64: flat row of each request's last token
+    num_prefill_tokens: int      # tokens of requests in a prompt phase (q_len > 1 or start_pos 0)
+    num_decode_tokens: int       # tokens of requests decoding one token over a cached context
+    max_position: int            # largest position in the batch (checked against the rope tables)
+    max_slot: int                # largest KV slot written (checked against the pool size)
+    max_token_id: int            # largest token id (checked against the vocabulary)
+
+    @property
+    def batch_size(self) -> int:
+        return self.q_start.shape[0]
+
+    @property
+    def num_tokens(self) -> int:
+        return self.token_ids.shape[0]
+
+    @classmethod
+    def build(cls, requests: Sequence[tuple[Sequence[int], int, int]],
+              device: torch.device | str = "cpu") -> "ForwardBatch":
+        """requests: one `(new_token_ids, start_pos, slab_start)` per request.
+
+        start_pos is the number of the request's tokens already in the KV cache; its new tokens
+        take positions start_pos, start_pos+1, ... and slots slab_start + position.
+        """
+        if not requests:
+            raise ValueError("ForwardBatch.build: requests is empty; a batch needs at least one request")
+        tokens: list[int] = []
+        positions: list[int] = []
+        slots: list[int] = []
+        q_start: list[int] = []
+        q_len: list[int] = []
+        kv_start: list[int] = []
+        kv_len: list[int] = []
+        logits_index: list[int] = []
+        n_prefill = n_decode = 0
+        max_position = max_slot = 0
+        for i, (new_ids, start_pos, slab_start) in enumerate(requests):
+            n = len(new_ids)
+            if n == 0:
+                raise ValueError(f"ForwardBatch.build: request {i} has no new tokens (need >= 1)")
+            if start_pos < 0 or slab_start < 0:
+                raise ValueError(f"ForwardBatch.build: request {i} has start_pos={start_pos}, "
+                                 f"slab_start={slab_start}; both must be >= 0")
+            end = start_pos + n
+            q_start.append(len(tokens))
+            tokens.extend(new_ids)
+            positions.extend(range(start_pos, end))
+            slots.extend(range(slab_start + start_pos, slab_start + end))
+            q_len.append(n)
+            kv_start.append(slab_start)
+            kv_len.append(end)
+            logits_index.append(len(tokens) - 1)
+            if n == 1 and start_pos > 0:
+                n_decode += 1
+            else:
+                n_prefill += n
+            max_position = max(max_position, end - 1)
+            max_slot = max(max_slot, slab_start + end - 1)
+
+        t, b = len(tokens), len(q_start)
+        if min(tokens) < 0:
+            raise ValueError(f"ForwardBatch.build: token id {min(tokens)} is negative")
+        device = torch.device(device)
+        pin = device.type == "cuda"
+        # One int64 block [tokens | positions | slots | logits_index], one int32 block
+        # [q_start | q_len | kv_start | kv_len]; the fields are contiguous views into them.
+        long_host = torch.tensor(tokens + positions + slots + logits_index, dtype=torch.int64)
+        int_host = torch.tensor(q_start + q_len + kv_start + kv_len, dtype=torch.int32)
+        if pin:
+            long_host, int_host = long_host.pin_memory(), int_host.pin_memory()
+        long_dev = long_host.to(device, non_blocking=True)
+        int_dev = int_host.to(device, non_blocking=True)
+        return cls(
+            token_ids=long_dev[0:t], positions=long_dev[t:2 * t], slots=long_dev[2 * t:3 * t],
+            logits_index=long_dev[3 * t:3 * t + b],
+            q_start=int_dev[0:b], q_len=int_dev[b:2 * b], kv_start=int_dev[2 * b:3 * b],
+            kv_len=int_dev[3 * b:4 * b],
+            num_prefill_tokens=n_prefill, num_decode_tokens=n_decode,
+            max_position=max_position, max_slot=max_slot, max_token_id=max(tokens),
+        )

@@ -1,0 +1,50 @@
+"""Shared pytest fixtures: the converted default model and a factory of tiny random models."""
+from __future__ import annotations
+
+import random
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+# tiny_models.py sits next to this file; make it importable whatever pytest's import mode.
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from tiny_models import make_tiny_model  # noqa: E402
+
+torch.set_num_threads(2)
+
+
+@pytest.fixture(autouse=True)
+def _seed():
+    """Every test starts from the same seeds, whatever ran before it."""
+    random.seed(0)
+    torch.manual_seed(0)
+
+
+@pytest.fixture(scope="session")
+def default_model_dir() -> Path:
+    """The converted SmolLM2-135M-Instruct folder (converted on first use, then cached)."""
+    from orca_ext.default_model import default_model_path
+
+    return default_model_path()
+
+
+@pytest.fixture(scope="session")
+def tiny_model_dir(tmp_path_factory, default_model_dir):
+    """Factory: `tiny_model_dir(family, **overrides) -> Path` of a tiny random HF model folder.
+
+    family is one of tiny_models.FAMILIES; folders are built once per session per argument set.
+    """
+    built: dict[tuple, Path] = {}
+
+    def make(family: str = "llama", **overrides) -> Path:
+        key = (family, repr(sorted(overrides.items())))  # repr: values may be dicts
+        if key not in built:
+            name = family + "".join(f"-{k}={v}" for k, v in sorted(overrides.items()))
+            folder = tmp_path_factory.mktemp("".join(c if c.isalnum() or c in "-_=" else "_" for c in name)[:60])
+            built[key] = make_tiny_model(folder, family, tokenizer_dir=default_model_dir, **overrides)
+        return built[key]
+
+    return make
