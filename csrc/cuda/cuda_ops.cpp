@@ -1,0 +1,149 @@
+// Torch-facing CUDA glue (see cuda_ops.h): device guard -> current stream -> dtype dispatch ->
+// raw-pointer launcher in csrc/kernels. Shapes, dtypes and devices were checked by torch_ops.cpp;
+// the few checks here protect the launchers' own assumptions (contiguity, alignment).
+// Index *values* are never read on the host (that would sync): the kernels skip bad indices.
+#include "cuda/cuda_ops.h"
+
+#include <ATen/ops/empty.h>
+#include <ATen/ops/linear.h>
+#include <c10/cuda/CUDAGuard.h>
+#include <c10/cuda/CUDAStream.h>
+#include <c10/util/Exception.h>
+#include <cuda_runtime_api.h>
+
+#include "kernels/launchers.h"
+
+namespace orca::cuda_ops {
+namespace {
+
+namespace kern = orca::kernels;
+
+kern::DType float_dtype(const at::Tensor& t, const char* name) {
+  switch (t.scalar_type()) {
+    case at::kFloat: return kern::DType::kFloat32;
+    case at::kHalf: return kern::DType::kFloat16;
+    case at::kBFloat16: return kern::DType::kBFloat16;
+    default: break;
+  }
+  TORCH_CHECK_VALUE(false, name, " has dtype ", t.scalar_type(),
+                    "; the CUDA kernels support float32, float16 and bfloat16");
+  return kern::DType::kFloat32;  // unreachable
+}
+
+kern::IndexType index_type(const at::Tensor& t, const char* name) {
+  if (t.scalar_type() == at::kInt) return kern::IndexType::kInt32;
+  TORCH_CHECK_VALUE(t.scalar_type() == at::kLong, name, " must be int32 or int64, got ", t.scalar_type());
+  return kern::IndexType::kInt64;
+}
+
+void check_cuda(const at::Tensor& t, const char* name) {
+  TORCH_CHECK_VALUE(t.is_cuda(), name, " must be a CUDA tensor, got device ", t.device());
+}
+
+void check_launch(cudaError_t err, const char* op) {
+  TORCH_CHECK(err == cudaSuccess, "orca_ext ", op, ": CUDA launch failed: ", cudaGetErrorName(err), " (",
+              cudaGetErrorString(err), ")");
+}
+
+cudaStream_t current_stream() { return c10::cuda::getCurrentCUDAStream().stream(); }
+
+}  // namespace
+
+at::Tensor rms_norm(const at::Tensor& x_in, const at::Tensor& weight_in, double eps) {
+  check_cuda(x_in, "x");
+  check_cuda(weight_in, "weight");
+  const c10::cuda::CUDAGuard guard(x_in.device());
+  const at::Tensor x = x_in.contiguous(), w = weight_in.contiguous();
+  at::Tensor out = at::empty(x.sizes(), x.options());
+  if (x.numel() == 0) return out;
+  check_launch(kern::rms_norm(float_dtype(x, "x"), x.data_ptr(), w.data_ptr(), out.data_ptr(), x.size(0), x.size(1),
+                              static_cast<float>(eps), current_stream()),
+               "rms_norm");
+  return out;
+}
+
+at::Tensor rmsnorm_qkv(const at::Tensor& x_in, const at::Tensor& norm_weight_in, const at::Tensor& qkv_weight_in,
+                       const std::optional<at::Tensor>& qkv_bias_in, double eps) {
+  check_cuda(x_in, "x");
+  check_cuda(qkv_weight_in, "qkv_weight");
+  const c10::cuda::CUDAGuard guard(x_in.device());
+  const at::Tensor x = x_in.contiguous(), nw = norm_weight_in.contiguous(), w = qkv_weight_in.contiguous();
+  const bool has_bias = qkv_bias_in.has_value() && qkv_bias_in->defined();
+  const at::Tensor bias = has_bias ? qkv_bias_in->contiguous() : at::Tensor();
+  const std::optional<at::Tensor> bias_opt = has_bias ? std::optional<at::Tensor>(bias) : std::nullopt;
+  const int64_t n_tokens = x.size(0), hidden = x.size(1), n_out = w.size(0);
+  if (n_tokens == 0 || n_out == 0) return at::empty({n_tokens, n_out}, x.options());
+  if (hidden == 0) return at::linear(x, w, bias_opt);  // no norm of an empty row: zeros (+ bias)
+
+  const kern::DType dt = float_dtype(x, "x");
+  // Decode-sized T: one fused kernel streams the weight once. Larger T (or shapes it cannot
+  // serve): our rms_norm, then one cuBLAS GEMM through ATen (see kRmsnormQkvFusedMaxTokens).
+  if (kern::rmsnorm_qkv_fused_supported(dt, n_tokens, hidden, x.data_ptr(), nw.data_ptr(), w.data_ptr())) {
+    at::Tensor out = at::empty({n_tokens, n_out}, x.options());
+    check_launch(kern::rmsnorm_qkv_fused(dt, x.data_ptr(), nw.data_ptr(), w.data_ptr(),
+                                         has_bias ? bias.data_ptr() : nullptr, out.data_ptr(), n_tokens, hidden,
+                                         n_out, static_cast<float>(eps), current_stream()),
+                 "rmsnorm_qkv");
+    return out;
+  }
+  return at::linear(rms_norm(x, nw, eps), w, bias_opt);
+}
+
+void slab_write(at::Tensor& k_cache, at::Tensor& v_cache, const at::Tensor& k_in, const at::Tensor& v_in,
+                const at::Tensor& slots_in) {
+  check_cuda(k_cache, "k_cache");
+  check_cuda(slots_in, "slots");
+  TORCH_CHECK_VALUE(k_cache.is_contiguous() && v_cache.is_contiguous(),
+                    "k_cache and v_cache must be contiguous (they are written in place)");
+  const c10::cuda::CUDAGuard guard(k_cache.device());
+  const at::Tensor k = k_in.contiguous(), v = v_in.contiguous(), slots = slots_in.contiguous();
+  const int64_t n_tokens = k.size(0), row_elems = k.size(1) * k.size(2);
+  if (n_tokens == 0 || row_elems == 0) return;
+  check_launch(kern::slab_write(float_dtype(k_cache, "k_cache"), index_type(slots, "slots"), k_cache.data_ptr(),
+                                v_cache.data_ptr(), k.data_ptr(), v.data_ptr(), slots.data_ptr(), n_tokens,
+                                k_cache.size(0), row_elems, current_stream()),
+               "slab_write");
+}
+
+at::Tensor ragged_attention(const at::Tensor& q_in, const at::Tensor& k_cache_in, const at::Tensor& v_cache_in,
+                            const at::Tensor& q_start_in, const at::Tensor& q_len_in, const at::Tensor& kv_start_in,
+                            const at::Tensor& kv_len_in, double scale) {
+  check_cuda(q_in, "q");
+  check_cuda(q_start_in, "q_start");
+  const c10::cuda::CUDAGuard guard(q_in.device());
+  const at::Tensor q = q_in.contiguous(), k_cache = k_cache_in.contiguous(), v_cache = v_cache_in.contiguous();
+  // One index type for the kernel (torch_ops already unifies them; this keeps the launcher safe).
+  const bool same = q_len_in.scalar_type() == q_start_in.scalar_type() &&
+                    kv_start_in.scalar_type() == q_start_in.scalar_type() &&
+                    kv_len_in.scalar_type() == q_start_in.scalar_type();
+  auto prep = [&](const at::Tensor& t) { return (same ? t : t.to(at::kLong)).contiguous(); };
+  const at::Tensor q_start = prep(q_start_in), q_len = prep(q_len_in), kv_start = prep(kv_start_in),
+                   kv_len = prep(kv_len_in);
+
+  const int64_t n_tokens = q.size(0), n_q_heads = q.size(1), head_dim = q.size(2);
+  const int64_t n_slots = k_cache.size(0), n_kv_heads = k_cache.size(1), n_requests = q_start.size(0);
+  // The launcher zeroes rows owned by no valid request (as the reference does), so no memset here.
+  at::Tensor out = at::empty(q.sizes(), q.options());
+  if (n_tokens == 0 || head_dim == 0) return out;
+  if (n_requests == 0) return out.zero_();
+
+  const kern::DType dt = float_dtype(q, "q");
+  const size_t ws_bytes =
+      kern::ragged_attention_workspace_bytes(dt, n_tokens, n_requests, n_q_heads, n_kv_heads, head_dim);
+  at::Tensor ws;
+  if (ws_bytes > 0) ws = at::empty({static_cast<int64_t>(ws_bytes)}, q.options().dtype(at::kByte));
+  const cudaError_t err = kern::ragged_attention(
+      dt, index_type(q_start, "q_start"), q.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(), q_start.data_ptr(),
+      q_len.data_ptr(), kv_start.data_ptr(), kv_len.data_ptr(), out.data_ptr(), ws_bytes > 0 ? ws.data_ptr() : nullptr,
+      ws_bytes, n_tokens, n_requests, n_slots, n_q_heads, n_kv_heads, head_dim, static_cast<float>(scale),
+      current_stream());
+  TORCH_CHECK_VALUE(err != cudaErrorMisalignedAddress,
+                    "ragged_attention: q, k_cache and v_cache must start at 16-byte aligned addresses");
+  TORCH_CHECK_VALUE(err != cudaErrorInvalidValue || kern::ragged_attention_uses_tensor_cores(dt, head_dim) ||
+                        head_dim <= 256,
+                    "ragged_attention: head_dim ", head_dim, " is not supported (at most 256)");
+  check_launch(err, "ragged_attention");
+  return out;
+}
+
+}  // namespace orca::cuda_ops

@@ -1,0 +1,11 @@
+// float16 instantiations of the tensor-core ragged attention (head dims 64, 80, 96, 128).
+#include "kernels/attention_mma_instantiate.cuh"
+
+namespace orca::kernels::attn {
+
+template <>
+cudaError_t launch_mma<__half>(const Params& p, int head_dim, int64_t max_blocks, cudaStream_t stream) {
+  return launch_mma_impl<__half>(p, head_dim, max_blocks, stream);
+}
+
+}  // namespace orca::kernels::attn

@@ -1,0 +1,92 @@
+// Host entry points of the hand-written CUDA kernels (csrc/kernels/*.cu). Plain C++: usable from
+// the torch glue (csrc/cuda/cuda_ops.cpp) and the cudart-only microbenchmarks (bench/cuda/*.cu).
+// No torch headers here or in any kernel source.
+//
+// Conventions: every array is contiguous, row-major, 16-byte aligned unless said otherwise; every
+// launcher enqueues on `stream`, never synchronises, and returns the first CUDA error it met
+// (cudaErrorInvalidValue for arguments it cannot serve). Nothing reads device memory on the host,
+// so every launcher is CUDA-graph capturable. Semantics: ../../../shared/DESIGN.md section 4.
+#pragma once
+#include <cuda_runtime_api.h>
+
+#include <cstddef>
+#include <cstdint>
+
+namespace orca::kernels {
+
+enum class DType : int { kFloat32 = 0, kFloat16 = 1, kBFloat16 = 2 };
+enum class IndexType : int { kInt32 = 0, kInt64 = 1 };
+
+// ---- rms_norm --------------------------------------------------------------------------------
+// out[t] = rms_norm(x[t]) * weight, the norm computed in float32, one rounding at the end.
+cudaError_t rms_norm(DType dtype,
+                     const void* x,       // [T, H]
+                     const void* weight,  // [H]
+                     void* out,           // [T, H]
+                     int64_t n_tokens, int64_t hidden, float eps, cudaStream_t stream);
+
+// ---- rmsnorm_qkv (decode-sized T) --------------------------------------------------------------
+// One fused kernel: every block normalises all T rows (the row norms are folded into the GEMM
+// epilogue) and streams its 32 rows of the QKV weight exactly once through tensor cores.
+// Up to kRmsnormQkvFusedMaxTokens tokens; above that each block would re-read T*H activations
+// for every 32 weight rows and the GEMM turns compute-bound, where cuBLAS (through torch) wins.
+constexpr int64_t kRmsnormQkvFusedMaxTokens = 64;
+
+// True when rmsnorm_qkv_fused can serve these arguments: fp16/bf16, 1 <= T <= 64, H % 8 == 0 and
+// x, norm_weight, qkv_weight 16-byte aligned. Otherwise normalise with rms_norm and use a GEMM.
+bool rmsnorm_qkv_fused_supported(DType dtype, int64_t n_tokens, int64_t hidden, const void* x,
+                                 const void* norm_weight, const void* qkv_weight);
+
+cudaError_t rmsnorm_qkv_fused(DType dtype,
+                              const void* x,            // [T, H]
+                              const void* norm_weight,  // [H]
+                              const void* qkv_weight,   // [N, H]
+                              const void* qkv_bias,     // [N] or nullptr
+                              void* out,                // [T, N]
+                              int64_t n_tokens, int64_t hidden, int64_t n_out, float eps,
+                              cudaStream_t stream);
+
+// ---- slab_write --------------------------------------------------------------------------------
+// k_cache[slots[t]] = k[t], v_cache[slots[t]] = v[t]; a token whose slot is outside [0, S) is
+// skipped (the glue cannot check index values without a host sync). 16-byte copies whenever the
+// row size and pointers allow.
+cudaError_t slab_write(DType dtype, IndexType index_type,
+                       void* k_cache,      // [S, Hkv, D]
+                       void* v_cache,      // [S, Hkv, D]
+                       const void* k,      // [T, Hkv, D]
+                       const void* v,      // [T, Hkv, D]
+                       const void* slots,  // [T]
+                       int64_t n_tokens, int64_t n_slots, int64_t row_elems /* Hkv*D */,
+                       cudaStream_t stream);
+
+// ---- ragged_attention --------------------------------------------------------------------------
+// One iteration's attention in one launch (after a tiny work-list kernel): decodes, prefills and
+// prefills over a cached prefix. fp16/bf16 with head_dim in {64, 80, 96, 128} use tensor cores
+// (mma.sync m16n8k16); float32 and other head dims (<= 256) use a simple CUDA-core kernel.
+// Requests whose indices are invalid (q_len < 0, kv_len < q_len, rows outside [0, T), slots
+// outside [0, S)) are skipped. Every row of `out` owned by no valid request is set to zero (so
+// `out` may be uninitialised); requests are assumed not to share query rows.
+//
+// Scratch: `workspace` of at least ragged_attention_workspace_bytes(...) bytes (any content; it is
+// an upper bound computed from the shapes alone, so no device value is read on the host).
+size_t ragged_attention_workspace_bytes(DType dtype, int64_t n_tokens, int64_t n_requests,
+                                        int64_t n_q_heads, int64_t n_kv_heads, int64_t head_dim);
+
+// True when (dtype, head_dim) runs on the tensor-core path (otherwise the CUDA-core fallback).
+bool ragged_attention_uses_tensor_cores(DType dtype, int64_t head_dim);
+
+cudaError_t ragged_attention(DType dtype, IndexType index_type,
+                             const void* q,         // [T, Hq, D]
+                             const void* k_cache,   // [S, Hkv, D]
+                             const void* v_cache,   // [S, Hkv, D]
+                             const void* q_start,   // [B]
+                             const void* q_len,     // [B]
+                             const void* kv_start,  // [B]
+                             const void* kv_len,    // [B]
+                             void* out,             // [T, Hq, D]
+                             void* workspace, size_t workspace_bytes,
+                             int64_t n_tokens, int64_t n_requests, int64_t n_slots,
+                             int64_t n_q_heads, int64_t n_kv_heads, int64_t head_dim,
+                             float scale, cudaStream_t stream);
+
+}  // namespace orca::kernels

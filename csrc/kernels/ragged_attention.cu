@@ -1,0 +1,152 @@
+// ragged_attention launcher: work-list kernel + one persistent tensor-core launch (fp16/bf16,
+// head dims 64/80/96/128), or the CUDA-core fallback (float32, other head dims <= 256).
+#include <cmath>
+
+#include "kernels/attention_generic.cuh"
+#include "kernels/attention_mma_launch.h"
+
+namespace orca::kernels {
+namespace {
+
+using attn::Layout;
+using attn::Params;
+
+constexpr float kLog2e = 1.4426950408889634f;
+
+bool shapes_ok(int64_t n_tokens, int64_t n_requests, int64_t n_slots, int64_t n_q_heads, int64_t n_kv_heads,
+               int64_t head_dim) {
+  return n_tokens >= 0 && n_tokens < 0x7fffffff && n_requests >= 0 && n_requests < 0x7fffffff && n_slots >= 0 &&
+         n_slots < 0x7fffffff && n_kv_heads >= 1 && n_q_heads >= n_kv_heads && n_q_heads % n_kv_heads == 0 &&
+         n_q_heads <= 65535 && head_dim >= 1;
+}
+
+template <typename T, typename I>
+cudaError_t launch_generic(const void* q, const void* k, const void* v, const void* qs, const void* ql,
+                           const void* ks, const void* kl, void* out, int64_t n_tokens, int64_t n_requests,
+                           int64_t n_slots, int64_t n_q_heads, int64_t n_kv_heads, int64_t head_dim,
+                           float scale_log2, cudaStream_t stream) {
+  const dim3 grid(static_cast<unsigned>(n_requests), static_cast<unsigned>(n_q_heads));
+  attn::ragged_attention_generic_kernel<T, I><<<grid, attn::kGenericThreads, 0, stream>>>(
+      static_cast<const T*>(q), static_cast<const T*>(k), static_cast<const T*>(v), static_cast<const I*>(qs),
+      static_cast<const I*>(ql), static_cast<const I*>(ks), static_cast<const I*>(kl), static_cast<T*>(out),
+      n_tokens, n_slots, static_cast<int>(n_q_heads), static_cast<int>(n_kv_heads), static_cast<int>(head_dim),
+      scale_log2);
+  return cudaGetLastError();
+}
+
+template <typename T>
+cudaError_t dispatch_generic(IndexType it, const void* q, const void* k, const void* v, const void* qs,
+                             const void* ql, const void* ks, const void* kl, void* out, int64_t n_tokens,
+                             int64_t n_requests, int64_t n_slots, int64_t n_q_heads, int64_t n_kv_heads,
+                             int64_t head_dim, float scale_log2, cudaStream_t stream) {
+  if (it == IndexType::kInt32)
+    return launch_generic<T, int32_t>(q, k, v, qs, ql, ks, kl, out, n_tokens, n_requests, n_slots, n_q_heads,
+                                      n_kv_heads, head_dim, scale_log2, stream);
+  return launch_generic<T, int64_t>(q, k, v, qs, ql, ks, kl, out, n_tokens, n_requests, n_slots, n_q_heads,
+                                    n_kv_heads, head_dim, scale_log2, stream);
+}
+
+template <typename I>
+cudaError_t launch_builder(const void* qs, const void* ql, const void* ks, const void* kl, const Params& p,
+                           int64_t target_items, cudaStream_t stream) {
+  attn::build_worklist_kernel<I><<<1, attn::kBuilderThreads, 0, stream>>>(
+      static_cast<const I*>(qs), static_cast<const I*>(ql), static_cast<const I*>(ks), static_cast<const I*>(kl), p,
+      static_cast<long long>(target_items));
+  return cudaGetLastError();
+}
+
+}  // namespace
+
+bool ragged_attention_uses_tensor_cores(DType dtype, int64_t head_dim) {
+  return dtype != DType::kFloat32 && attn::mma_head_dim_supported(head_dim);
+}
+
+size_t ragged_attention_workspace_bytes(DType dtype, int64_t n_tokens, int64_t n_requests, int64_t n_q_heads,
+                                        int64_t n_kv_heads, int64_t head_dim) {
+  if (!ragged_attention_uses_tensor_cores(dtype, head_dim) || n_kv_heads < 1 || n_tokens <= 0 || n_requests <= 0)
+    return 0;
+  return attn::make_layout(n_tokens, n_requests, n_q_heads, n_kv_heads, head_dim,
+                           detail::current_device_sm_count())
+      .total;
+}
+
+cudaError_t ragged_attention(DType dtype, IndexType index_type, const void* q, const void* k_cache,
+                             const void* v_cache, const void* q_start, const void* q_len, const void* kv_start,
+                             const void* kv_len, void* out, void* workspace, size_t workspace_bytes,
+                             int64_t n_tokens, int64_t n_requests, int64_t n_slots, int64_t n_q_heads,
+                             int64_t n_kv_heads, int64_t head_dim, float scale, cudaStream_t stream) {
+  if (!shapes_ok(n_tokens, n_requests, n_slots, n_q_heads, n_kv_heads, head_dim) || !std::isfinite(scale))
+    return cudaErrorInvalidValue;
+  const size_t out_bytes =
+      size_t(n_tokens) * size_t(n_q_heads) * size_t(head_dim) * (dtype == DType::kFloat32 ? 4 : 2);
+  if (n_tokens == 0) return cudaSuccess;
+  if (n_requests == 0) return cudaMemsetAsync(out, 0, out_bytes, stream);
+  const float scale_log2 = scale * kLog2e;
+
+  if (!ragged_attention_uses_tensor_cores(dtype, head_dim)) {
+    if (head_dim > attn::kGenericMaxDim) return cudaErrorInvalidValue;
+    // Rows owned by no valid request read as zero: clear everything first (this path is not
+    // the fast one).
+    const cudaError_t zero_err = cudaMemsetAsync(out, 0, out_bytes, stream);
+    if (zero_err != cudaSuccess) return zero_err;
+    switch (dtype) {
+      case DType::kFloat32:
+        return dispatch_generic<float>(index_type, q, k_cache, v_cache, q_start, q_len, kv_start, kv_len, out,
+                                       n_tokens, n_requests, n_slots, n_q_heads, n_kv_heads, head_dim, scale_log2,
+                                       stream);
+      case DType::kFloat16:
+        return dispatch_generic<__half>(index_type, q, k_cache, v_cache, q_start, q_len, kv_start, kv_len, out,
+                                        n_tokens, n_requests, n_slots, n_q_heads, n_kv_heads, head_dim, scale_log2,
+                                        stream);
+      case DType::kBFloat16:
+        return dispatch_generic<__nv_bfloat16>(index_type, q, k_cache, v_cache, q_start, q_len, kv_start, kv_len,
+                                               out, n_tokens, n_requests, n_slots, n_q_heads, n_kv_heads, head_dim,
+                                               scale_log2, stream);
+    }
+    return cudaErrorInvalidValue;
+  }
+
+  // The tensor-core path reads q and the caches with 16-byte copies.
+  if (!detail::aligned16(q) || !detail::aligned16(k_cache) || !detail::aligned16(v_cache) ||
+      !detail::aligned16(out))
+    return cudaErrorMisalignedAddress;
+  const Layout L = attn::make_layout(n_tokens, n_requests, n_q_heads, n_kv_heads, head_dim,
+                                     detail::current_device_sm_count());
+  if (L.items_cap > 0x7fffffffLL || L.prow_cap > 0x7fffffffLL) return cudaErrorInvalidValue;
+  if (workspace == nullptr || workspace_bytes < L.total || !detail::aligned16(workspace))
+    return cudaErrorInvalidValue;
+
+  char* ws = static_cast<char*>(workspace);
+  Params p;
+  p.q = q;
+  p.k_cache = k_cache;
+  p.v_cache = v_cache;
+  p.out = out;
+  p.ctrl = reinterpret_cast<int*>(ws + L.off_ctrl);
+  p.req = reinterpret_cast<int4*>(ws + L.off_req);
+  p.sched = reinterpret_cast<int4*>(ws + L.off_sched);
+  p.items = reinterpret_cast<int4*>(ws + L.off_items);
+  p.pair_count = reinterpret_cast<int*>(ws + L.off_pair);
+  p.part_lse = reinterpret_cast<float*>(ws + L.off_lse);
+  p.part_o = reinterpret_cast<float*>(ws + L.off_o);
+  p.row_mark = reinterpret_cast<unsigned char*>(ws + L.off_mark);
+  p.out_row_vecs = n_q_heads * head_dim * (dtype == DType::kFloat32 ? 4 : 2) / 16;
+  p.n_tokens = n_tokens;
+  p.n_slots = n_slots;
+  p.n_requests = static_cast<int>(n_requests);
+  p.n_q_heads = static_cast<int>(n_q_heads);
+  p.n_kv_heads = static_cast<int>(n_kv_heads);
+  p.group = static_cast<int>(n_q_heads / n_kv_heads);
+  p.items_cap = static_cast<int>(L.items_cap);
+  p.prow_cap = L.prow_cap;
+  p.scale_log2 = scale_log2;
+
+  cudaError_t err = index_type == IndexType::kInt32
+                        ? launch_builder<int32_t>(q_start, q_len, kv_start, kv_len, p, L.target_items, stream)
+                        : launch_builder<int64_t>(q_start, q_len, kv_start, kv_len, p, L.target_items, stream);
+  if (err != cudaSuccess) return err;
+  if (dtype == DType::kFloat16) return attn::launch_mma<__half>(p, static_cast<int>(head_dim), L.items_cap, stream);
+  return attn::launch_mma<__nv_bfloat16>(p, static_cast<int>(head_dim), L.items_cap, stream);
+}
+
+}  // namespace orca::kernels

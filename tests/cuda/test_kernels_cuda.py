@@ -1,0 +1,269 @@
+"""The CUDA kernels of orca_ext._C against float64 torch references (orca_ext.reference), on fresh
+random ragged batches with awkward sizes: bf16 and fp16 (fp32 where the kernels offer it), GQA 1/2/8,
+head dims 64/80/96/128 (tensor cores) and others (CUDA-core fallback), mixes of decodes, prefills and
+prefills over a cached prefix, scattered slabs, long contexts that are split across blocks, both
+sides of the rmsnorm_qkv fused/cuBLAS switch, and CUDA-graph capture with changing indices.
+"""
+from __future__ import annotations
+
+import math
+import random
+import zlib
+
+import pytest
+import torch
+
+from orca_ext import reference
+
+from kernel_cases import make_ragged_case, random_kinds, scattered_slabs
+
+pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+_C = pytest.importorskip("orca_ext._C")
+
+DEV = "cuda"
+# (atol, rtol) of a kernel's output against the float64 reference.
+TOL = {torch.float32: (2e-4, 2e-4), torch.float16: (5e-3, 5e-3), torch.bfloat16: (3e-2, 2e-2)}
+HALF_DTYPES = [torch.bfloat16, torch.float16]
+ALL_DTYPES = HALF_DTYPES + [torch.float32]
+FUSED_MAX_TOKENS = 64  # kRmsnormQkvFusedMaxTokens in csrc/kernels/launchers.h
+
+
+def assert_close(actual: torch.Tensor, expected: torch.Tensor, dtype: torch.dtype, what: str) -> None:
+    atol, rtol = TOL[dtype]
+    torch.testing.assert_close(actual.double().cpu(), expected.double().cpu(), atol=atol, rtol=rtol,
+                               msg=lambda m: f"{what}: {m}")
+
+
+def reference_attention(case, scale):
+    """float64 reference of a ragged case (computed on the CPU)."""
+    cpu = [t.cpu() for t in case.index_tensors()]
+    return reference.ragged_attention(case.q.double().cpu(), case.k_cache.double().cpu(),
+                                      case.v_cache.double().cpu(), *cpu, scale)
+
+
+# ---- rms_norm / rmsnorm_qkv --------------------------------------------------------------------------
+@pytest.mark.parametrize("dtype", ALL_DTYPES)
+@pytest.mark.parametrize("n_tokens,hidden", [(1, 1024), (7, 111), (83, 576), (300, 1000)])
+def test_rms_norm(dtype, n_tokens, hidden):
+    gen = torch.Generator().manual_seed(n_tokens * 7919 + hidden)
+    x = (torch.randn(n_tokens, hidden, generator=gen) * 3).to(dtype)
+    w = (1 + 0.3 * torch.randn(hidden, generator=gen)).to(dtype)
+    out = _C.rms_norm(x.to(DEV), w.to(DEV), 1e-5)
+    assert out.device.type == "cuda" and out.dtype == dtype and out.shape == x.shape
+    assert_close(out, reference.rms_norm(x.double(), w.double(), 1e-5), dtype, "rms_norm")
+
+
+@pytest.mark.parametrize("dtype", ALL_DTYPES)
+# 1..64 tokens run the fused kernel (for H % 8 == 0); 65+ the rms_norm + cuBLAS path.
+@pytest.mark.parametrize("n_tokens", [1, 7, 16, 17, 33, FUSED_MAX_TOKENS, FUSED_MAX_TOKENS + 1, 200])
+@pytest.mark.parametrize("hidden,heads", [(111, (3, 1, 16)), (576, (9, 3, 64)), (1024, (16, 8, 128)),
+                                          (200, (5, 1, 20))])
+@pytest.mark.parametrize("bias", [False, True])
+def test_rmsnorm_qkv(dtype, n_tokens, hidden, heads, bias):
+    n_q, n_kv, d = heads
+    n_out = (n_q + 2 * n_kv) * d
+    gen = torch.Generator().manual_seed(zlib.crc32(repr((n_tokens, hidden, bias, dtype)).encode()))
+    x = (torch.randn(n_tokens, hidden, generator=gen) * 2).to(dtype)
+    nw = (1 + 0.3 * torch.randn(hidden, generator=gen)).to(dtype)
+    w = (torch.randn(n_out, hidden, generator=gen) / math.sqrt(hidden)).to(dtype)
+    b = torch.randn(n_out, generator=gen).to(dtype) if bias else None
+    out = _C.rmsnorm_qkv(x.to(DEV), nw.to(DEV), w.to(DEV), None if b is None else b.to(DEV), 1e-6)
+    assert out.shape == (n_tokens, n_out) and out.dtype == dtype and out.device.type == "cuda"
+    expected = reference.rmsnorm_qkv(x.double(), nw.double(), w.double(), None if b is None else b.double(), 1e-6)
+    assert_close(out, expected, dtype, "rmsnorm_qkv")
+
+
+def test_rmsnorm_qkv_unaligned_input_takes_the_safe_path():
+    """A view that starts 2 bytes into its storage cannot use 16-byte loads; the result is the same."""
+    gen = torch.Generator().manual_seed(5)
+    base = torch.randn(9 * 256 + 1, generator=gen).to(torch.bfloat16).to(DEV)
+    x = base[1:].view(9, 256)
+    nw = torch.randn(256, generator=gen).to(torch.bfloat16).to(DEV)
+    w = (torch.randn(96, 256, generator=gen) / 16).to(torch.bfloat16).to(DEV)
+    out = _C.rmsnorm_qkv(x, nw, w, None, 1e-6)
+    expected = reference.rmsnorm_qkv(x.double().cpu(), nw.double().cpu(), w.double().cpu(), None, 1e-6)
+    assert_close(out, expected, torch.bfloat16, "rmsnorm_qkv (unaligned)")
+
+
+# ---- slab_write ------------------------------------------------------------------------------------
+@pytest.mark.parametrize("dtype", ALL_DTYPES)
+@pytest.mark.parametrize("index_dtype", [torch.int32, torch.int64])
+@pytest.mark.parametrize("n_tokens,n_kv,d", [(1, 8, 128), (7, 3, 80), (83, 2, 64), (40, 3, 7)])
+def test_slab_write_scattered(dtype, index_dtype, n_tokens, n_kv, d):
+    rng = random.Random(n_tokens * 31 + d)
+    gen = torch.Generator().manual_seed(n_tokens + d)
+    lengths = [len(c) for c in torch.arange(n_tokens).tensor_split(min(n_tokens, 4))]
+    starts, n_slots = scattered_slabs(rng, [n + 5 for n in lengths])
+    offsets = [rng.randint(0, 5) for _ in lengths]
+    slots = torch.tensor([s + o + i for s, o, n in zip(starts, offsets, lengths) for i in range(n)], dtype=index_dtype)
+    k_cache = torch.randn(n_slots, n_kv, d, generator=gen).to(dtype)
+    v_cache = torch.randn(n_slots, n_kv, d, generator=gen).to(dtype)
+    k = torch.randn(n_tokens, n_kv, d, generator=gen).to(dtype)
+    v = torch.randn(n_tokens, n_kv, d, generator=gen).to(dtype)
+    kc, vc = k_cache.to(DEV), v_cache.to(DEV)
+    _C.slab_write(kc, vc, k.to(DEV), v.to(DEV), slots.to(DEV))
+    reference.slab_write(k_cache, v_cache, k, v, slots)
+    assert torch.equal(kc.cpu(), k_cache) and torch.equal(vc.cpu(), v_cache)
+
+
+def test_slab_write_skips_out_of_range_slots():
+    """On CUDA index values are not checked on the host (no sync); the kernel skips bad slots."""
+    gen = torch.Generator().manual_seed(11)
+    k_cache = torch.randn(20, 2, 64, generator=gen).to(torch.bfloat16)
+    v_cache = torch.randn(20, 2, 64, generator=gen).to(torch.bfloat16)
+    k = torch.randn(4, 2, 64, generator=gen).to(torch.bfloat16)
+    v = torch.randn(4, 2, 64, generator=gen).to(torch.bfloat16)
+    slots = torch.tensor([3, -1, 20, 17])
+    kc, vc = k_cache.to(DEV), v_cache.to(DEV)
+    try:
+        _C.slab_write(kc, vc, k.to(DEV), v.to(DEV), slots.to(DEV))
+    except (ValueError, RuntimeError):
+        return  # rejecting bad slots outright is also acceptable
+    torch.cuda.synchronize()
+    good = torch.tensor([0, 3])
+    reference.slab_write(k_cache, v_cache, k[good], v[good], slots[good])
+    assert torch.equal(kc.cpu(), k_cache) and torch.equal(vc.cpu(), v_cache)
+
+
+# ---- ragged_attention ------------------------------------------------------------------------------
+HEADS = [(4, 4), (8, 4), (16, 2)]  # GQA 1, 2, 8
+
+
+@pytest.mark.parametrize("dtype", HALF_DTYPES)
+@pytest.mark.parametrize("heads", HEADS)
+@pytest.mark.parametrize("head_dim", [64, 80, 96, 128])
+@pytest.mark.parametrize("seed", [0, 1])
+def test_ragged_attention_mixed_batches(dtype, heads, head_dim, seed):
+    n_q, n_kv = heads
+    kinds = random_kinds(1000 * seed + head_dim + n_q, 7)
+    case = make_ragged_case(seed * 97 + head_dim, kinds, n_q, n_kv, head_dim, dtype, device=DEV,
+                            max_context=300)
+    scale = 1 / math.sqrt(head_dim)
+    out = _C.ragged_attention(case.q, case.k_cache, case.v_cache, *case.index_tensors(), scale)
+    assert out.shape == case.q.shape and out.dtype == dtype and out.device.type == "cuda"
+    assert_close(out, reference_attention(case, scale), dtype, f"ragged_attention {kinds}")
+
+
+@pytest.mark.parametrize("dtype", HALF_DTYPES)
+@pytest.mark.parametrize("index_dtype", [torch.int32, torch.int64])
+def test_ragged_attention_long_contexts_split(dtype, index_dtype):
+    """Decodes and short prefix-prefills over contexts of thousands of keys: the KV range is split
+    across blocks and merged (log-sum-exp), and prefills span many 128-row tiles."""
+    rng = random.Random(3)
+    gen = torch.Generator().manual_seed(3)
+    n_q, n_kv, d = 8, 4, 128
+    q_lens = [1, 1, 3, 1, 700, 5, 2]
+    kv_lens = [4097, 2600, 3001, 300, 700, 1900, 64]
+    starts, n_slots = scattered_slabs(rng, kv_lens)
+    order = rng.sample(range(len(q_lens)), len(q_lens))
+    q_starts, t = [0] * len(q_lens), 0
+    for i in order:
+        q_starts[i], t = t, t + q_lens[i]
+    q = torch.randn(t, n_q, d, generator=gen).to(dtype).to(DEV)
+    kc = torch.randn(n_slots, n_kv, d, generator=gen).to(dtype).to(DEV)
+    vc = torch.randn(n_slots, n_kv, d, generator=gen).to(dtype).to(DEV)
+    idx = [torch.tensor(v, dtype=index_dtype, device=DEV) for v in (q_starts, q_lens, starts, kv_lens)]
+    scale = 0.09
+    out = _C.ragged_attention(q, kc, vc, *idx, scale)
+    expected = reference.ragged_attention(q.double().cpu(), kc.double().cpu(), vc.double().cpu(),
+                                          *[i.cpu() for i in idx], scale)
+    assert_close(out, expected, dtype, "ragged_attention (long contexts)")
+
+
+def test_ragged_attention_many_split_multirow_requests():
+    """16-row decode items (16 query rows, no GQA) over long contexts: more split partials than the
+    partial-result buffer (sized for one-row decodes) holds, so later requests run unsplit."""
+    rng = random.Random(9)
+    gen = torch.Generator().manual_seed(9)
+    n_q = n_kv = 2
+    d = 64
+    q_lens = [16] * 14 + [1, 1]
+    kv_lens = [rng.randint(3000, 5000) for _ in q_lens]
+    starts, n_slots = scattered_slabs(rng, kv_lens)
+    q_starts = list(torch.tensor([0] + q_lens[:-1]).cumsum(0).tolist())
+    t = sum(q_lens)
+    q = torch.randn(t, n_q, d, generator=gen).to(torch.bfloat16).to(DEV)
+    kc = torch.randn(n_slots, n_kv, d, generator=gen).to(torch.bfloat16).to(DEV)
+    vc = torch.randn(n_slots, n_kv, d, generator=gen).to(torch.bfloat16).to(DEV)
+    idx = [torch.tensor(v, dtype=torch.int32, device=DEV) for v in (q_starts, q_lens, starts, kv_lens)]
+    out = _C.ragged_attention(q, kc, vc, *idx, 0.125)
+    expected = reference.ragged_attention(q.double().cpu(), kc.double().cpu(), vc.double().cpu(),
+                                          *[i.cpu() for i in idx], 0.125)
+    assert_close(out, expected, torch.bfloat16, "ragged_attention (partial-buffer fallback)")
+
+
+@pytest.mark.parametrize("dtype,head_dim", [(torch.float32, 64), (torch.float32, 128), (torch.bfloat16, 24),
+                                            (torch.float16, 48), (torch.bfloat16, 16)])
+def test_ragged_attention_cuda_core_fallback(dtype, head_dim):
+    """float32, and head dims without a tensor-core instantiation, use the CUDA-core kernel."""
+    kinds = random_kinds(head_dim, 6)
+    case = make_ragged_case(head_dim + 5, kinds, 6, 2, head_dim, dtype, device=DEV, max_context=120)
+    scale = 1 / math.sqrt(head_dim)
+    out = _C.ragged_attention(case.q, case.k_cache, case.v_cache, *case.index_tensors(), scale)
+    assert_close(out, reference_attention(case, scale), dtype, f"ragged_attention fallback D={head_dim}")
+
+
+def test_ragged_attention_uncovered_rows_are_zero():
+    case = make_ragged_case(21, ["decode", "prefill", "prefix"], 8, 2, 64, torch.bfloat16, device=DEV)
+    extra = torch.randn(5, 8, 64, device=DEV).to(torch.bfloat16)
+    q = torch.cat([case.q, extra])  # 5 trailing rows owned by no request
+    out = _C.ragged_attention(q, case.k_cache, case.v_cache, *case.index_tensors(), 0.125)
+    assert torch.count_nonzero(out[-5:]) == 0
+    assert_close(out[:-5], reference_attention(case, 0.125), torch.bfloat16, "covered rows")
+
+
+def test_ragged_attention_skips_invalid_requests():
+    """Index values are not checked on the host for CUDA tensors; a request whose slab leaves the
+    cache must neither fault nor disturb the other requests (its rows stay zero)."""
+    case = make_ragged_case(8, ["decode", "prefill", "decode", "prefix"], 8, 4, 128, torch.bfloat16, device=DEV)
+    q_start, q_len, kv_start, kv_len = (t.clone() for t in case.index_tensors())
+    n_slots = case.k_cache.shape[0]
+    kv_start[2] = n_slots - int(kv_len[2]) + 1  # one slot past the end
+    try:
+        out = _C.ragged_attention(case.q, case.k_cache, case.v_cache, q_start, q_len, kv_start, kv_len, 0.1)
+        torch.cuda.synchronize()
+    except (ValueError, RuntimeError) as exc:  # a host-side check is acceptable too
+        assert "kv" in str(exc).lower() or "slot" in str(exc).lower()
+        return
+    expected = reference_attention(case, 0.1)
+    bad = slice(int(q_start[2]), int(q_start[2]) + int(q_len[2]))
+    assert torch.count_nonzero(out[bad]) == 0
+    keep = torch.ones(out.shape[0], dtype=torch.bool)
+    keep[bad] = False
+    assert_close(out[keep.to(DEV)], expected[keep], torch.bfloat16, "valid requests")
+
+
+def test_ragged_attention_is_graph_capturable():
+    """Capture one call in a CUDA graph (a host sync would fail the capture), then replay it with
+    new query data and new per-request indices of the same shapes."""
+    n_q, n_kv, d, t, b, n_slots = 8, 2, 128, 40, 4, 2000
+    gen = torch.Generator().manual_seed(2)
+    q = torch.randn(t, n_q, d, generator=gen).to(torch.bfloat16).to(DEV)
+    kc = torch.randn(n_slots, n_kv, d, generator=gen).to(torch.bfloat16).to(DEV)
+    vc = torch.randn(n_slots, n_kv, d, generator=gen).to(torch.bfloat16).to(DEV)
+    idx = [torch.zeros(b, dtype=torch.int32, device=DEV) for _ in range(4)]
+
+    def set_batch(q_lens, kv_lens, kv_starts):
+        starts = [0] + list(torch.tensor(q_lens).cumsum(0)[:-1].tolist())
+        for dst, vals in zip(idx, (starts, q_lens, kv_starts, kv_lens)):
+            dst.copy_(torch.tensor(vals, dtype=torch.int32))
+        q.copy_(torch.randn(t, n_q, d, generator=gen).to(torch.bfloat16))
+
+    set_batch([1, 1, 1, 37], [50, 1500, 9, 37], [0, 100, 1700, 1800])
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):  # warm-up outside the capture (allocator, one-time setup)
+        _C.ragged_attention(q, kc, vc, *idx, 0.1)
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = _C.ragged_attention(q, kc, vc, *idx, 0.1)
+    for q_lens, kv_lens, kv_starts in (([1, 1, 1, 37], [50, 1500, 9, 37], [0, 100, 1700, 1800]),
+                                       ([2, 30, 1, 7], [900, 30, 1999, 7], [1000, 0, 1, 1950]),
+                                       ([1, 1, 1, 1], [1, 2, 3, 1900], [0, 10, 20, 30])):
+        set_batch(q_lens, kv_lens, kv_starts)
+        graph.replay()
+        torch.cuda.synchronize()
+        expected = reference.ragged_attention(q.double().cpu(), kc.double().cpu(), vc.double().cpu(),
+                                              *[i.cpu() for i in idx], 0.1)
+        assert_close(out, expected, torch.bfloat16, f"graph replay {q_lens}/{kv_lens}")
