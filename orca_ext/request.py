@@ -1,0 +1,137 @@
+"""Request state machine and the public output records (DESIGN.md sections 3 and 5).
+
+A `Request` is the engine's mutable view of one generation: its prompt, the tokens generated so
+far, its KV slab and its place in Algorithm 1's state machine. Users never see it; they see
+`RequestOutput` snapshots built from it.
+"""
+from __future__ import annotations
+
+import enum
+import itertools
+import time
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Optional
+
+if TYPE_CHECKING:  # pragma: no cover
+    from .detokenizer import IncrementalDetokenizer
+    from .sampling import SamplingParams
+
+
+class RequestState(enum.Enum):
+    INITIATION = "initiation"  # in the pool, nothing computed, no slab
+    RUNNING = "running"        # inside a batch that is executing
+    INCREMENT = "increment"    # has its KV, ready for its next iteration
+    FINISHED = "finished"      # left the pool, slab returned
+
+
+@dataclass(frozen=True)
+class RequestOutput:
+    """One snapshot of a request. `text` is the full text so far (not a delta)."""
+
+    request_id: str
+    prompt_token_ids: list[int]
+    token_ids: list[int]
+    text: str
+    finished: bool
+    finish_reason: Optional[str] = None  # None | "stop" | "length" | "abort" | "error"
+    error: Optional[str] = None
+    arrival_time: float = 0.0
+    first_token_time: Optional[float] = None
+    finish_time: Optional[float] = None
+
+
+@dataclass(frozen=True)
+class IterationRecord:
+    """What one engine iteration ran (kept when the server has record_iterations=True)."""
+
+    index: int
+    request_ids: tuple[str, ...]
+    num_prefill_tokens: int
+    num_decode_tokens: int
+    slots_reserved: int
+
+
+_arrival_counter = itertools.count()
+
+
+class Request:
+    """Engine-side state of one request. Mutated only by the engine loop under the server lock."""
+
+    def __init__(self, request_id: str, prompt_token_ids: list[int], params: "SamplingParams",
+                 detokenizer: "Optional[IncrementalDetokenizer]" = None,
+                 eos_token_ids: frozenset[int] = frozenset()):
+        self.request_id = request_id
+        self.prompt_token_ids = list(prompt_token_ids)
+        self.params = params
+        self.arrival_time = time.time()
+        self.seq = next(_arrival_counter)  # FCFS tie-break independent of the wall clock
+        self.state = RequestState.INITIATION
+        self.slab_start = -1               # first KV slot of the slab; -1 = no slab
+        self.output_token_ids: list[int] = []
+        self.num_cached = 0                # tokens whose K/V are in the slab
+        self.first_token_time: Optional[float] = None
+        self.finish_time: Optional[float] = None
+        self.finish_reason: Optional[str] = None
+        self.error: Optional[str] = None
+        self.detokenizer = detokenizer
+        self.text = ""                     # published text (stop strings excluded, held-back tail not shown)
+        # Tokens that finish the request with "stop". EOS counts unless ignore_eos.
+        stops = set(params.stop_token_ids)
+        if not params.ignore_eos:
+            stops |= set(eos_token_ids)
+        self.stop_token_ids = frozenset(stops)
+        self.generator = None              # per-request torch.Generator, made on first sampled step
+        self.version = 0                   # bumped whenever a new snapshot is available
+        self.stop_searched = 0             # detokenized chars already searched for stop strings
+        # Owned by the server (under its lock): who is waiting for this request's outputs.
+        self.cond = None                   # threading.Condition on the server lock, made on demand
+        self.watchers: list = []           # callbacks (asyncio wake-ups) run on every new snapshot
+        self.consumers = 0                 # active result()/stream() calls
+        self.delivered = False             # the final output has been handed to a caller
+
+    # -- Algorithm 1 accessors -------------------------------------------------------------
+    @property
+    def reservation(self) -> int:
+        """KV slots reserved at admission: len(prompt) + max_tokens."""
+        return len(self.prompt_token_ids) + self.params.max_tokens
+
+    @property
+    def finished(self) -> bool:
+        return self.finish_reason is not None
+
+    @property
+    def is_prefill(self) -> bool:
+        return self.num_cached == 0
+
+    def next_inputs(self) -> tuple[list[int], int]:
+        """(new token ids, start position) for this request's next iteration."""
+        if self.num_cached == 0:
+            return self.prompt_token_ids, 0
+        return [self.output_token_ids[-1]], self.num_cached
+
+    # -- lifecycle ---------------------------------------------------------------------------
+    def finish(self, reason: str, error: Optional[str] = None) -> None:
+        if self.finish_reason is not None:
+            return
+        self.finish_reason = reason
+        self.error = error
+        self.finish_time = time.time()
+        self.version += 1
+
+    def snapshot(self) -> RequestOutput:
+        return RequestOutput(
+            request_id=self.request_id,
+            prompt_token_ids=list(self.prompt_token_ids),
+            token_ids=list(self.output_token_ids),
+            text=self.text,
+            finished=self.finished,
+            finish_reason=self.finish_reason,
+            error=self.error,
+            arrival_time=self.arrival_time,
+            first_token_time=self.first_token_time,
+            finish_time=self.finish_time,
+        )
+
+    def __repr__(self) -> str:  # pragma: no cover - debugging aid
+        return (f"Request({self.request_id!r}, state={self.state.name}, prompt={len(self.prompt_token_ids)}, "
+                f"out={len(self.output_token_ids)}, slab={self.slab_start}, finish={self.finish_reason})")

@@ -1,0 +1,226 @@
+"""Iteration-level scheduling: Algorithm 1 of the Orca paper (DESIGN.md section 3), and the
+request-level `static` baseline. Pure Python over request objects; no model, no threads.
+
+A request object needs: `state` (RequestState), `reservation` (int), `slab_start` (int, -1 when
+none), `finished` (bool). The engine marks requests finished; the scheduler owns state transitions,
+slabs and the reservation count.
+
+Usage per iteration (n_workers = 1):  batch = s.schedule(); run it; s.complete(batch).
+With n_workers > 1 up to n_workers batches may be scheduled before one is completed; requests of
+a scheduled batch are RUNNING and are never selected again until their batch completes.
+"""
+from __future__ import annotations
+
+import logging
+from typing import Optional
+
+from .request import RequestState
+
+log = logging.getLogger(__name__)
+
+
+class PySlabAllocator:
+    """Pure-Python twin of `_C.SlabAllocator` (best fit, freed neighbours coalesce), used only
+    when the extension is not built so the package stays usable without a compiler."""
+
+    def __init__(self, n_slots: int):
+        if n_slots < 1:
+            raise ValueError(f"n_slots must be >= 1, got {n_slots}")
+        self.n_slots = n_slots
+        self._free: list[list[int]] = [[0, n_slots]]  # sorted [start, length] runs
+        self._used: dict[int, int] = {}
+
+    def allocate(self, n: int) -> int:
+        if n < 1:
+            raise ValueError(f"allocate: n must be >= 1, got {n}")
+        fits = [(length, i) for i, (_, length) in enumerate(self._free) if length >= n]
+        if not fits:
+            return -1
+        length, i = min(fits)  # best fit, lowest address on ties
+        start = self._free[i][0]
+        if length == n:
+            del self._free[i]
+        else:
+            self._free[i] = [start + n, length - n]
+        self._used[start] = n
+        return start
+
+    def free(self, start: int) -> None:
+        n = self._used.pop(start, None)
+        if n is None:
+            raise ValueError(f"free: slot {start} is not the start of an allocated slab")
+        runs = self._free
+        i = 0
+        while i < len(runs) and runs[i][0] < start:
+            i += 1
+        runs.insert(i, [start, n])
+        if i + 1 < len(runs) and runs[i][0] + runs[i][1] == runs[i + 1][0]:
+            runs[i][1] += runs.pop(i + 1)[1]
+        if i > 0 and runs[i - 1][0] + runs[i - 1][1] == runs[i][0]:
+            runs[i - 1][1] += runs.pop(i)[1]
+
+    @property
+    def n_used(self) -> int:
+        return sum(self._used.values())
+
+    @property
+    def n_free(self) -> int:
+        return self.n_slots - self.n_used
+
+    @property
+    def largest_free(self) -> int:
+        return max((length for _, length in self._free), default=0)
+
+
+def make_allocator(n_slots: int):
+    try:
+        from . import _C  # type: ignore[attr-defined]
+    except ImportError:
+        log.warning("orca_ext._C is not built; using the pure-Python slab allocator")
+        return PySlabAllocator(n_slots)
+    return _C.SlabAllocator(n_slots)
+
+
+class _SchedulerBase:
+    policy = "base"
+
+    def __init__(self, max_batch_size: int, n_slots: int, n_workers: int = 1, allocator=None):
+        for name, value in (("max_batch_size", max_batch_size), ("n_slots", n_slots), ("n_workers", n_workers)):
+            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+                raise ValueError(f"{name} must be an integer >= 1, got {value!r}")
+        self.max_batch_size = max_batch_size
+        self.n_slots = n_slots
+        self.n_workers = n_workers
+        self.allocator = allocator if allocator is not None else make_allocator(n_slots)
+        if self.allocator.n_slots != n_slots:
+            raise ValueError(f"allocator has {self.allocator.n_slots} slots, scheduler {n_slots}")
+        self.pool: list = []       # unfinished requests, arrival order (admitted ones are a prefix)
+        self.n_rsrv = 0            # slots reserved by admitted requests
+        self.n_scheduled = 0       # batches launched and not yet completed
+
+    # -- pool -------------------------------------------------------------------------------
+    def add(self, req) -> None:
+        if req.reservation > self.n_slots:
+            # The server validates this at submit; a request that can never fit would block FCFS forever.
+            raise ValueError(f"request needs {req.reservation} slots but n_slots is {self.n_slots}")
+        req.state = RequestState.INITIATION
+        req.slab_start = -1
+        self.pool.append(req)
+
+    def has_unfinished(self) -> bool:
+        return bool(self.pool)
+
+    @property
+    def num_waiting(self) -> int:
+        return sum(1 for r in self.pool if r.state is RequestState.INITIATION)
+
+    @property
+    def num_running(self) -> int:
+        """Admitted, unfinished requests (an aborted one may still sit in an executing batch)."""
+        return sum(1 for r in self.pool if r.state is not RequestState.INITIATION and not r.finished)
+
+    # -- Algorithm 1 main loop hooks ---------------------------------------------------------
+    def schedule(self) -> list:
+        """select() and launch: the returned requests are RUNNING. Empty when nothing can run
+        or when n_workers batches are already in flight."""
+        if self.n_scheduled >= self.n_workers:
+            return []
+        batch = self._select()
+        if batch:
+            for req in batch:
+                req.state = RequestState.RUNNING
+            self.n_scheduled += 1
+        return batch
+
+    def complete(self, batch: list) -> None:
+        """A launched batch returned: its requests become INCREMENT, finished ones leave the pool
+        and give back their reservation before the next selection."""
+        if self.n_scheduled < 1:
+            raise RuntimeError("complete() without a scheduled batch")
+        self.n_scheduled -= 1
+        for req in batch:
+            if req.finished:
+                self._release(req)
+            elif req.state is RequestState.RUNNING:
+                req.state = RequestState.INCREMENT
+
+    def finish(self, req) -> None:
+        """A request ended outside a batch return (abort, shutdown). Its slab is freed now, unless
+        it is inside a running batch: the model may be writing that slab, so complete() frees it."""
+        if req.state is RequestState.RUNNING or req.state is RequestState.FINISHED:
+            return
+        self._release(req)
+
+    # -- admission -----------------------------------------------------------------------------
+    def _admit(self, req) -> bool:
+        need = req.reservation
+        if self.n_rsrv + need > self.n_slots:
+            return False
+        start = self.allocator.allocate(need)
+        if start < 0:  # enough slots in total but no contiguous run: wait, as FCFS requires
+            return False
+        req.slab_start = start
+        self.n_rsrv += need
+        return True
+
+    def _release(self, req) -> None:
+        if req.state is RequestState.FINISHED:
+            return
+        self.pool.remove(req)
+        if req.slab_start >= 0:
+            self.allocator.free(req.slab_start)
+            req.slab_start = -1
+            self.n_rsrv -= req.reservation
+        req.state = RequestState.FINISHED
+
+    def _select(self) -> list:  # pragma: no cover - abstract
+        raise NotImplementedError
+
+
+class OrcaScheduler(_SchedulerBase):
+    """Iteration-level scheduling: every iteration re-selects from the whole pool."""
+
+    policy = "orca"
+
+    def _select(self) -> list:
+        batch = []
+        for req in self.pool:
+            if req.state is RequestState.RUNNING:
+                continue
+            if len(batch) == self.max_batch_size:
+                break
+            if req.state is RequestState.INITIATION and not self._admit(req):
+                break  # FCFS: a request that does not fit blocks everything behind it
+            batch.append(req)
+        return batch
+
+
+class StaticScheduler(_SchedulerBase):
+    """Request-level batching baseline: a batch runs until all its members finish; only then are
+    new requests admitted. Members that finish early leave (and free their slab) at once."""
+
+    policy = "static"
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.current: list = []
+
+    def _select(self) -> list:
+        live = [r for r in self.current if r.state is not RequestState.FINISHED]
+        if live:
+            self.current = live
+            return [r for r in live if r.state is not RequestState.RUNNING]
+        self.current = []
+        for req in self.pool:  # all INITIATION here: the previous batch has fully left
+            if len(self.current) == self.max_batch_size or not self._admit(req):
+                break
+            self.current.append(req)
+        return list(self.current)
+
+
+def make_scheduler(policy: str, max_batch_size: int, n_slots: int, n_workers: int = 1,
+                   allocator: Optional[object] = None) -> _SchedulerBase:
+    classes = {"orca": OrcaScheduler, "static": StaticScheduler}
+    if policy not in classes:
+        raise ValueError(f"scheduler must be one of {sorted(classes)}, got {policy!r}")
+    return classes[policy](max_batch_size, n_slots, n_workers, allocator)

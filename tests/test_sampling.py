@@ -1,0 +1,164 @@
+"""SamplingParams validation and the batched sampler (greedy, temperature, top-k, top-p, seeds)."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from orca_ext.errors import InvalidRequestError
+from orca_ext.request import Request
+from orca_ext.sampling import Sampler, SamplingParams, filter_logits
+
+
+def req(params: SamplingParams, name="r") -> Request:
+    return Request(name, [1], params)
+
+
+@pytest.mark.parametrize("kwargs, field", [
+    (dict(max_tokens=0), "max_tokens"),
+    (dict(max_tokens=2.5), "max_tokens"),
+    (dict(max_tokens=True), "max_tokens"),
+    (dict(temperature=-0.1), "temperature"),
+    (dict(temperature=float("nan")), "temperature"),
+    (dict(temperature=float("inf")), "temperature"),
+    (dict(top_p=0.0), "top_p"),
+    (dict(top_p=1.5), "top_p"),
+    (dict(top_p=float("nan")), "top_p"),
+    (dict(top_k=-1), "top_k"),
+    (dict(top_k=1.5), "top_k"),
+    (dict(seed="7"), "seed"),
+    (dict(stop=[""]), "stop"),
+    (dict(stop=["ok", 3]), "stop"),
+    (dict(stop=5), "stop"),
+    (dict(stop_token_ids=[-1]), "stop_token_ids"),
+    (dict(stop_token_ids=["a"]), "stop_token_ids"),
+    (dict(ignore_eos="yes"), "ignore_eos"),
+])
+def test_invalid_params_raise_naming_the_field(kwargs, field):
+    with pytest.raises(InvalidRequestError, match=field):
+        SamplingParams(**kwargs)
+    assert issubclass(InvalidRequestError, ValueError)
+
+
+def test_params_are_normalised_and_immutable():
+    p = SamplingParams(max_tokens=3, temperature=1, stop="END", stop_token_ids=[5, 6])
+    assert p.stop == ("END",) and p.stop_token_ids == (5, 6)
+    assert isinstance(p.temperature, float) and not p.greedy
+    assert SamplingParams().greedy
+    with pytest.raises(Exception):
+        p.max_tokens = 4  # frozen: params may be shared by many requests
+
+
+def test_greedy_is_one_argmax_per_row():
+    g = torch.Generator().manual_seed(1)
+    logits = torch.randn(7, 1009, generator=g)
+    reqs = [req(SamplingParams(), f"g{i}") for i in range(7)]
+    out = Sampler()(logits, reqs)
+    assert out.tokens == logits.argmax(dim=-1).tolist()
+    assert out.errors == [None] * 7
+
+
+def test_non_finite_logits_fail_only_their_row():
+    logits = torch.randn(5, 33)
+    logits[1, 5] = float("nan")
+    logits[2, :] = float("-inf")  # nothing usable in this row
+    logits[3, 0] = float("inf")
+    logits[4, 7] = float("-inf")  # one masked token is fine
+    reqs = [req(SamplingParams(temperature=0.7 * (i % 2), seed=i), f"n{i}") for i in range(5)]
+    out = Sampler()(logits, reqs)
+    for i in (1, 2, 3):
+        assert out.tokens[i] is None and "non-finite" in out.errors[i]
+    assert out.errors[0] is None and out.errors[4] is None
+    assert out.tokens[0] == int(logits[0].argmax()) and out.tokens[4] != 7
+
+
+def empirical(logits_row: torch.Tensor, params_kwargs: dict, n: int = 4000) -> torch.Tensor:
+    """Token frequencies of n single draws (n requests with distinct seeds, one batch)."""
+    reqs = [req(SamplingParams(seed=1000 + i, **params_kwargs), f"e{i}") for i in range(n)]
+    out = Sampler()(logits_row.expand(n, -1).contiguous(), reqs)
+    counts = torch.bincount(torch.tensor(out.tokens), minlength=logits_row.numel()).double()
+    return counts / n
+
+
+def total_variation(p: torch.Tensor, q: torch.Tensor) -> float:
+    return 0.5 * float((p - q).abs().sum())
+
+
+def test_temperature_sampling_follows_the_softmax():
+    logits = torch.tensor([2.0, 1.0, 0.5, 0.0, -1.0, 1.5, -0.3])
+    for t in (0.5, 1.0, 2.0):
+        want = torch.softmax(logits.double() / t, dim=-1)
+        assert total_variation(empirical(logits, dict(temperature=t)), want) < 0.035
+
+
+def test_top_k_restricts_to_the_k_largest_and_renormalises():
+    logits = torch.tensor([0.3, 2.0, -1.0, 1.7, 1.0, 0.9, -0.2])
+    freq = empirical(logits, dict(temperature=1.0, top_k=3))
+    keep = [1, 3, 4]
+    assert float(freq[[0, 2, 5, 6]].sum()) == 0.0
+    want = torch.zeros(7, dtype=torch.float64)
+    want[keep] = torch.softmax(logits[keep].double(), dim=-1)
+    assert total_variation(freq, want) < 0.035
+
+
+def test_top_p_keeps_the_smallest_nucleus():
+    probs = torch.tensor([0.05, 0.5, 0.15, 0.3])
+    logits = probs.log()
+    # sorted: 0.5, 0.3, 0.15, 0.05 -> top_p 0.75 needs {1, 3}; 0.85 needs {1, 3, 2}
+    freq = empirical(logits, dict(temperature=1.0, top_p=0.75))
+    assert float(freq[0] + freq[2]) == 0.0
+    assert total_variation(freq, torch.tensor([0, 0.5 / 0.8, 0, 0.3 / 0.8], dtype=torch.float64)) < 0.035
+    freq = empirical(logits, dict(temperature=1.0, top_p=0.85))
+    assert float(freq[0]) == 0.0 and float(freq[2]) > 0.1
+
+
+def test_filter_logits_matches_a_row_by_row_reference():
+    g = torch.Generator().manual_seed(3)
+    logits = torch.randn(6, 257, generator=g) * 3
+    top_k = torch.tensor([0, 1, 5, 0, 40, 257])
+    top_p = torch.tensor([0.9, 1.0, 0.5, 1.0, 0.3, 0.999])
+    got = filter_logits(logits, top_k, top_p)
+    for i in range(6):
+        row = logits[i].double()
+        order = row.argsort(descending=True).tolist()
+        k = int(top_k[i]) or row.numel()
+        kept = order[:k]
+        p = torch.softmax(row[kept], dim=-1).tolist()
+        nucleus, mass = [], 0.0
+        for tok, pr in zip(kept, p):
+            if float(top_p[i]) < 1.0 and mass >= float(top_p[i]):
+                break
+            nucleus.append(tok)
+            mass += pr
+        assert set(torch.isfinite(got[i]).nonzero().flatten().tolist()) == set(nucleus)
+        assert torch.equal(got[i][nucleus], logits[i][nucleus])
+
+
+def test_seeded_request_samples_the_same_whatever_its_batch_mates():
+    g = torch.Generator().manual_seed(11)
+    steps = [torch.randn(6, 301, generator=g) for _ in range(12)]
+    target = dict(temperature=0.9, top_k=50, top_p=0.95, seed=1234)
+
+    def run(position: int, mates: list[dict]) -> list[int]:
+        params = mates[:position] + [target] + mates[position:]
+        reqs = [req(SamplingParams(**p), f"m{i}") for i, p in enumerate(params)]
+        sampler = Sampler()
+        toks = []
+        for logits in steps:
+            rows = logits[:len(reqs)].clone()
+            rows[position] = logits[5]  # the target always sees the same logits
+            toks.append(sampler(rows, reqs).tokens[position])
+        return toks
+
+    alone = run(0, [])
+    mates = [dict(temperature=1.3, seed=1), dict(), dict(temperature=0.5), dict(temperature=2.0, top_p=0.5, seed=9)]
+    assert run(2, mates) == alone
+    assert run(4, mates) == alone
+    different = [req(SamplingParams(**{**target, "seed": 999}), "x")]
+    sampler = Sampler()
+    toks = [sampler(logits[5:6], different).tokens[0] for logits in steps]
+    assert toks != alone  # a different seed gives a different stream (12 draws, ~never equal)
+
+
+def test_logits_shape_is_checked():
+    with pytest.raises(ValueError, match="logits"):
+        Sampler()(torch.zeros(3, 5), [req(SamplingParams())])
