@@ -38,7 +38,10 @@ PYBIND11_MODULE(_C, m) {
         py::arg("q_start"), py::arg("q_len"), py::arg("kv_start"), py::arg("kv_len"), py::arg("scale"),
         "ragged_attention(q[T,Hq,D], k_cache[S,Hkv,D], v_cache, q_start[B], q_len[B], kv_start[B], kv_len[B], "
         "scale) -> [T,Hq,D]; causal per request, GQA, softmax in float32");
-  m.attr("CPU_FUSED_MAX_TOKENS") = orca::kCpuFusedMaxTokens;
+  py::dict fused_max;  // rmsnorm_qkv on CPU: largest T that runs the fused kernel, per dtype
+  fused_max["float32"] = orca::kCpuFusedMaxTokensFloat;
+  fused_max["bfloat16"] = orca::kCpuFusedMaxTokensBf16;
+  m.attr("CPU_FUSED_MAX_TOKENS") = fused_max;
 #ifdef ORCA_WITH_CUDA
   m.attr("WITH_CUDA") = true;
 #else

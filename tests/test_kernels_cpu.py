@@ -37,7 +37,7 @@ def test_rms_norm(dtype, n_tokens, hidden):
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
-@pytest.mark.parametrize("n_tokens", [1, 7, 16, 17, 83])  # both sides of the fused/GEMM switch
+@pytest.mark.parametrize("n_tokens", [1, 2, 3, 7, 16, 17, 83])  # both sides of the fused/GEMM switches
 @pytest.mark.parametrize("hidden,heads", [(111, (3, 1, 16)), (576, (9, 3, 64))])
 @pytest.mark.parametrize("bias", [False, True])
 def test_rmsnorm_qkv(dtype, n_tokens, hidden, heads, bias):
