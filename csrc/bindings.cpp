@@ -41,6 +41,8 @@ PYBIND11_MODULE(_C, m) {
   py::dict fused_max;  // rmsnorm_qkv on CPU: largest T that runs the fused kernel, per dtype
   fused_max["float32"] = orca::kCpuFusedMaxTokensFloat;
   fused_max["bfloat16"] = orca::kCpuFusedMaxTokensBf16;
+  fused_max["wide_outputs"] = orca::kCpuWideOutputs;  // float32 with at least this many outputs ...
+  fused_max["float32_wide"] = orca::kCpuFusedMaxTokensWide;  // ... stays fused up to this many tokens
   m.attr("CPU_FUSED_MAX_TOKENS") = fused_max;
 #ifdef ORCA_WITH_CUDA
   m.attr("WITH_CUDA") = true;

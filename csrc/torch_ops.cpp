@@ -154,7 +154,10 @@ at::Tensor rmsnorm_qkv(const at::Tensor& x_in, const at::Tensor& norm_weight_in,
 #endif
   const at::Tensor x = x_in.contiguous(), nw = norm_weight_in.contiguous(), w = qkv_weight_in.contiguous();
   const at::Tensor bias = has_bias ? qkv_bias_in->contiguous() : at::Tensor();
-  const int64_t fused_max = x.scalar_type() == at::kFloat ? kCpuFusedMaxTokensFloat : kCpuFusedMaxTokensBf16;
+  const bool is_float = x.scalar_type() == at::kFloat;
+  const int64_t fused_max = !is_float ? kCpuFusedMaxTokensBf16
+                            : n_out >= kCpuWideOutputs ? kCpuFusedMaxTokensWide
+                                                       : kCpuFusedMaxTokensFloat;
   if (x.size(0) > fused_max) {
     // Prefill-sized: our norm kernel, then one GEMM through ATen.
     return at::linear(rms_norm(x, nw, eps), w, has_bias ? std::optional<at::Tensor>(bias) : std::nullopt);

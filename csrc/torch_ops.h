@@ -25,7 +25,12 @@ at::Tensor ragged_attention(const at::Tensor& q, const at::Tensor& k_cache, cons
 // dev machine (AMD EPYC, AVX-512, 2026-11-29; SmolLM2 shapes H=576 -> 960): in float32 the fused
 // kernel is 1.3-3.4x faster than norm + ATen linear for T <= 16 and about even at T = 32; in
 // bfloat16 ATen's oneDNN path uses the CPU's native bf16 dot products and wins from T = 4 on.
+// A very wide float32 projection (the lm_head, N = 49152) is the exception: ATen manages only
+// 40-65 GFLOP/s on that tall-skinny shape at T = 16-32, so the fused kernel keeps it up to one
+// token tile (96 rows), where it streams the weight exactly once.
 constexpr int64_t kCpuFusedMaxTokensFloat = 16;
 constexpr int64_t kCpuFusedMaxTokensBf16 = 2;
+constexpr int64_t kCpuWideOutputs = 16384;
+constexpr int64_t kCpuFusedMaxTokensWide = 96;
 
 }  // namespace orca

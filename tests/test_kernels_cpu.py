@@ -137,3 +137,14 @@ def test_ops_dispatch_uses_extension():
     a = ops.ragged_attention(case.q, case.k_cache, case.v_cache, *case.index_tensors(), 0.1)
     b = reference.ragged_attention(case.q, case.k_cache, case.v_cache, *case.index_tensors(), 0.1)
     assert_close(a, b, torch.float32, "ops.ragged_attention")
+
+
+@pytest.mark.parametrize("n_tokens", [17, 96, 97])  # the wide-output (lm_head) fused range and past it
+def test_rmsnorm_qkv_wide_output(n_tokens):
+    gen = torch.Generator().manual_seed(n_tokens)
+    hidden, n_out = 72, _C.CPU_FUSED_MAX_TOKENS["wide_outputs"] + 13
+    x = torch.randn(n_tokens, hidden, generator=gen)
+    nw = torch.randn(hidden, generator=gen)
+    w = torch.randn(n_out, hidden, generator=gen) / math.sqrt(hidden)
+    expected = reference.rmsnorm_qkv(x.double(), nw.double(), w.double(), None, 1e-6)
+    assert_close(_C.rmsnorm_qkv(x, nw, w, None, 1e-6), expected, torch.float32, "rmsnorm_qkv (wide)")

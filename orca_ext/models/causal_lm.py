@@ -11,7 +11,7 @@ it from the ForwardBatch index tensors in a single `ragged_attention` call per l
                 slab_write(K/V pools, k, v, slots)            # into each request's slab
                 a = ragged_attention(q, pools, per-request ranges)
                 x += o_proj(a);  x += down(silu(gate(n)) * up(n)),  n = rms_norm(x)
-    logits = lm_head(rms_norm(x[last token of each request]))  # [B, V] float32
+    logits = lm_head(rms_norm(x[last token of each request]))  # [B, V] float32, one fused call
 
 Weights are plain tensors (no nn.Module): the loader fuses q/k/v into one matrix and gate/up
 into another, so each layer does four matmuls on the flat tensor.
@@ -128,7 +128,7 @@ class CausalLM:
             gate_up = F.linear(h, layer.gate_up_weight, layer.gate_up_bias)  # [T, 2I]
             act = F.silu(gate_up[:, :inter]) * gate_up[:, inter:]
             x = x + F.linear(act, layer.down_weight, layer.down_bias)
-        last = ops.rms_norm(x[batch.logits_index], self.final_norm, eps)  # [B, H]
-        return F.linear(last, self.lm_head).float()                     # [B, V]
+        # Final norm + lm_head is the same fused "norm then project" op as rmsnorm_qkv.
+        return ops.rmsnorm_qkv(x[batch.logits_index], self.final_norm, self.lm_head, None, eps).float()  # [B, V]
 
     __call__ = forward
