@@ -233,6 +233,7 @@ class Server:
         self._requests: dict[str, Request] = {}        # ids in use
         self._undelivered: collections.OrderedDict[str, Request] = collections.OrderedDict()
         self._closed = False
+        self._busy_seconds = 0.0
         self._thread = threading.Thread(target=self._loop, name="orca-engine-loop", daemon=True)
         self._thread.start()
 
@@ -489,6 +490,7 @@ class Server:
                 "generated_tokens": eng.num_generated_tokens,
                 "undelivered_outputs": len(self._undelivered),
                 "closed": self._closed,
+                "busy_seconds": self._busy_seconds,  # time spent in engine steps (for iteration-time metrics)
             }
 
     def iterations(self) -> list[IterationRecord]:
@@ -520,7 +522,9 @@ class Server:
                 if self._closed:
                     break
             try:
+                started = time.perf_counter()
                 self._engine.step(self._lock, self._publish)
+                self._busy_seconds += time.perf_counter() - started  # only the loop thread writes it
                 if self._engine.last_step_idle:
                     # Work exists but none can be scheduled (cannot happen with n_workers=1, where
                     # an empty KV cache always fits the validated head request). Sleep until a

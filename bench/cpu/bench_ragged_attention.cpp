@@ -217,14 +217,8 @@ int main(int argc, char** argv) {
   ok &= validate_all<float, int64_t>();
   ok &= validate_all<bf16, int32_t>();
   ok &= validate_all<bf16, int64_t>();
-  if (!ok) {
-    std::printf("VALIDATION FAILED\n");
-    return 1;
-  }
-  std::printf("validation passed\n\n");
-  if (bench::validate_only(argc, argv)) return 0;
-  const bench::Ceilings c = bench::measure_ceilings();
-  perf<float>("f32", c);
-  perf<bf16>("bf16", c);
-  return 0;
+  return bench::finish_main(argc, argv, ok, [](const bench::Ceilings& c) {
+    perf<float>("f32", c);
+    perf<bf16>("bf16", c);
+  });
 }

@@ -168,14 +168,8 @@ void perf(const char* dtype, const bench::Ceilings& c) {
 int main(int argc, char** argv) {
   bool ok = validate_all<float>();
   ok &= validate_all<bf16>();
-  if (!ok) {
-    std::printf("VALIDATION FAILED\n");
-    return 1;
-  }
-  std::printf("validation passed\n\n");
-  if (bench::validate_only(argc, argv)) return 0;
-  const bench::Ceilings c = bench::measure_ceilings();
-  perf<float>("f32", c);
-  perf<bf16>("bf16", c);
-  return 0;
+  return bench::finish_main(argc, argv, ok, [](const bench::Ceilings& c) {
+    perf<float>("f32", c);
+    perf<bf16>("bf16", c);
+  });
 }

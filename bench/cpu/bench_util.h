@@ -216,4 +216,18 @@ inline Ceilings measure_ceilings() {
   return c;
 }
 
+// The shared tail of every main(): report validation (exit 1 on a mismatch), then run the timings
+// with the measured ceilings unless --validate-only was given.
+template <typename Perf>
+int finish_main(int argc, char** argv, bool validation_ok, Perf&& perf) {
+  if (!validation_ok) {
+    std::printf("VALIDATION FAILED\n");
+    return 1;
+  }
+  std::printf("validation passed\n\n");
+  if (validate_only(argc, argv)) return 0;
+  perf(measure_ceilings());
+  return 0;
+}
+
 }  // namespace bench

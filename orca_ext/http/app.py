@@ -376,15 +376,11 @@ def create_app(server: Any, *, model_name: str, max_queue: int = 256, api_key: s
         response.headers["X-Request-Id"] = rid
         return response
 
-    # -- /v1/completions ------------------------------------------------------------------------
-
-    async def run_completion(request: Request, body: protocol.CompletionRequest, adm: _Admission) -> Response:
-        max_tokens = body.max_tokens if body.max_tokens is not None else protocol.COMPLETIONS_DEFAULT_MAX_TOKENS
-        await svc.submit(adm, body.prompt, body, max_tokens, "max_tokens", "prompt")
-        created = protocol.now()
+    async def respond(request: Request, body, adm: _Admission, events, make_body) -> Response:
+        """The shared tail of both endpoints: an SSE stream of `events()`, or wait for the final
+        output and answer `make_body(out)` as JSON."""
         if body.stream:
-            return _ClosingStreamingResponse(
-                _completion_events(svc, adm, body, created), adm.close, media_type="text/event-stream")
+            return _ClosingStreamingResponse(events(), adm.close, media_type="text/event-stream")
         try:
             out = await svc.collect(adm, request)
         finally:
@@ -393,9 +389,19 @@ def create_app(server: Any, *, model_name: str, max_queue: int = 256, api_key: s
             return Response(status_code=499)
         if out.finish_reason == "error":
             raise _engine_error(adm.rid, out)
-        return JSONResponse(protocol.completion_body(
-            adm.rid, created, model_name, out.text, out.finish_reason,
-            protocol.usage(len(out.prompt_token_ids), len(out.token_ids)), chunk=False))
+        return JSONResponse(make_body(out))
+
+    # -- /v1/completions ------------------------------------------------------------------------
+
+    async def run_completion(request: Request, body: protocol.CompletionRequest, adm: _Admission) -> Response:
+        max_tokens = body.max_tokens if body.max_tokens is not None else protocol.COMPLETIONS_DEFAULT_MAX_TOKENS
+        await svc.submit(adm, body.prompt, body, max_tokens, "max_tokens", "prompt")
+        created = protocol.now()
+        return await respond(
+            request, body, adm, lambda: _completion_events(svc, adm, body, created),
+            lambda out: protocol.completion_body(
+                adm.rid, created, model_name, out.text, out.finish_reason,
+                protocol.usage(len(out.prompt_token_ids), len(out.token_ids)), chunk=False))
 
     @app.post("/v1/completions")
     async def completions(request: Request) -> Response:
@@ -410,20 +416,11 @@ def create_app(server: Any, *, model_name: str, max_queue: int = 256, api_key: s
             max_tokens = svc.chat_default_max_tokens(len(prompt_ids))
         await svc.submit(adm, prompt_ids, body, max_tokens, body.max_tokens_field, "messages")
         created = protocol.now()
-        if body.stream:
-            return _ClosingStreamingResponse(
-                _chat_events(svc, adm, body, created), adm.close, media_type="text/event-stream")
-        try:
-            out = await svc.collect(adm, request)
-        finally:
-            adm.close()
-        if out is None:  # nobody to answer; 499 is nginx's "client closed request"
-            return Response(status_code=499)
-        if out.finish_reason == "error":
-            raise _engine_error(adm.rid, out)
-        return JSONResponse(protocol.chat_body(
-            adm.rid, created, model_name, out.text, out.finish_reason,
-            protocol.usage(len(out.prompt_token_ids), len(out.token_ids))))
+        return await respond(
+            request, body, adm, lambda: _chat_events(svc, adm, body, created),
+            lambda out: protocol.chat_body(
+                adm.rid, created, model_name, out.text, out.finish_reason,
+                protocol.usage(len(out.prompt_token_ids), len(out.token_ids))))
 
     @app.post("/v1/chat/completions")
     async def chat_completions(request: Request) -> Response:
