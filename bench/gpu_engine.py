@@ -25,7 +25,6 @@ import json
 import logging
 import os
 import random
-import shutil
 import statistics
 import sys
 import tempfile
@@ -34,6 +33,8 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import torch
+
+from orca_ext.models.loader import copy_tokenizer_files
 
 log = logging.getLogger("gpu_engine")
 
@@ -44,8 +45,6 @@ QWEN3_06B = dict(hidden_size=1024, num_hidden_layers=28, num_attention_heads=16,
 # --smoke: a tiny model of the same family, for checking this script on a machine without a GPU.
 TINY = dict(QWEN3_06B, hidden_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
             head_dim=16, intermediate_size=128, vocab_size=49152, max_position_embeddings=4096)
-TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "vocab.json",
-                   "merges.txt", "tokenizer.model", "chat_template.jinja")
 
 
 @dataclass
@@ -82,9 +81,7 @@ def make_model_dir(directory: Path, tokenizer_dir: Path, seed: int, cfg: dict, d
         model = transformers.Qwen3ForCausalLM(config).to(torch.bfloat16).eval()
     directory.mkdir(parents=True, exist_ok=True)
     model.save_pretrained(str(directory), safe_serialization=True)
-    for name in TOKENIZER_FILES:
-        if (tokenizer_dir / name).is_file():
-            shutil.copy2(tokenizer_dir / name, directory / name)
+    copy_tokenizer_files(tokenizer_dir, directory)
     del model
     torch.cuda.empty_cache()
     return directory

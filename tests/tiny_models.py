@@ -8,10 +8,11 @@ transformers implementation in float32 on the CPU: they are the independent grou
 from __future__ import annotations
 
 import functools
-import shutil
 from pathlib import Path
 
 import torch
+
+from orca_ext.models.loader import copy_tokenizer_files
 
 FAMILIES = ("llama", "llama3_rope", "mistral", "qwen2", "qwen3")
 
@@ -47,10 +48,6 @@ _FAMILY = {
                    rope_parameters={"rope_type": "default", "rope_theta": 1e6})),
 }
 
-TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja",
-                   "special_tokens_map.json", "tokenizer.model", "vocab.json", "merges.txt")
-
-
 def make_tiny_model(directory: str | Path, family: str, *, tokenizer_dir: str | Path,
                     seed: int = 0, **overrides) -> Path:
     """Save a tiny random `family` model (float32 safetensors + tokenizer) into `directory`.
@@ -84,9 +81,7 @@ def make_tiny_model(directory: str | Path, family: str, *, tokenizer_dir: str | 
     directory = Path(directory)
     directory.mkdir(parents=True, exist_ok=True)
     model.save_pretrained(str(directory), safe_serialization=True)
-    for name in TOKENIZER_FILES:
-        if (tokenizer_dir / name).is_file():
-            shutil.copy2(tokenizer_dir / name, directory / name)
+    copy_tokenizer_files(tokenizer_dir, directory)
     return directory
 
 

@@ -380,7 +380,8 @@ def create_app(server: Any, *, model_name: str, max_queue: int = 256, api_key: s
         """The shared tail of both endpoints: an SSE stream of `events()`, or wait for the final
         output and answer `make_body(out)` as JSON."""
         if body.stream:
-            return _ClosingStreamingResponse(events(), adm.close, media_type="text/event-stream")
+            return _ClosingStreamingResponse(_sse_stream(adm, events()), adm.close,
+                                             media_type="text/event-stream")
         try:
             out = await svc.collect(adm, request)
         finally:
@@ -451,54 +452,53 @@ def _stream_error(adm: _Admission, out: Any) -> str:
     return _sse(_engine_error(adm.rid, out).body())
 
 
+async def _sse_stream(adm: _Admission, events: AsyncIterator[str]) -> AsyncIterator[str]:
+    """The SSE events of one request, then `[DONE]`. Headers are already sent, so a bug is reported
+    in-band before the stream ends; the admission closes however the stream ends."""
+    try:
+        async for event in events:
+            yield event
+        yield _sse("[DONE]")
+    except Exception:
+        logger.exception("internal error while streaming request %s", adm.rid)
+        yield _sse(APIError(500, f"Internal server error (request {adm.rid})", code="internal_error").body())
+        yield _sse("[DONE]")
+    finally:
+        adm.close()
+
+
 async def _completion_events(svc: _Service, adm: _Admission, body: protocol.CompletionRequest,
                              created: int) -> AsyncIterator[str]:
     model, rid, with_usage = svc.model_name, adm.rid, body.include_usage
     usage_field = {"usage": None} if with_usage else {}
-    try:
-        async for delta, out in _deltas(svc, adm):
-            if out.finished and out.finish_reason == "error":
-                yield _stream_error(adm, out)
-                break
-            if delta or out.finished:
-                chunk = protocol.completion_body(rid, created, model, delta,
-                                                 out.finish_reason if out.finished else None, None, chunk=True)
-                yield _sse({**chunk, **usage_field})
-            if out.finished and with_usage:
-                yield _sse({"id": rid, "object": "text_completion", "created": created, "model": model,
-                            "choices": [], "usage": protocol.usage(len(out.prompt_token_ids), len(out.token_ids))})
-        yield _sse("[DONE]")
-    except Exception:  # headers are sent: report the bug in-band, then end the stream
-        logger.exception("internal error while streaming request %s", rid)
-        yield _sse(APIError(500, f"Internal server error (request {rid})", code="internal_error").body())
-        yield _sse("[DONE]")
-    finally:
-        adm.close()
+    async for delta, out in _deltas(svc, adm):
+        if out.finished and out.finish_reason == "error":
+            yield _stream_error(adm, out)
+            return
+        if delta or out.finished:
+            chunk = protocol.completion_body(rid, created, model, delta,
+                                             out.finish_reason if out.finished else None, None, chunk=True)
+            yield _sse({**chunk, **usage_field})
+        if out.finished and with_usage:
+            yield _sse({"id": rid, "object": "text_completion", "created": created, "model": model,
+                        "choices": [], "usage": protocol.usage(len(out.prompt_token_ids), len(out.token_ids))})
 
 
 async def _chat_events(svc: _Service, adm: _Admission, body: protocol.ChatCompletionRequest,
                        created: int) -> AsyncIterator[str]:
     model, rid, with_usage = svc.model_name, adm.rid, body.include_usage
-    try:
-        yield _sse(protocol.chat_chunk(rid, created, model, {"role": "assistant", "content": ""}, None,
-                                       with_usage_field=with_usage))
-        async for delta, out in _deltas(svc, adm):
-            if out.finished and out.finish_reason == "error":
-                yield _stream_error(adm, out)
-                break
-            if delta:
-                yield _sse(protocol.chat_chunk(rid, created, model, {"content": delta}, None,
-                                               with_usage_field=with_usage))
-            if out.finished:
-                yield _sse(protocol.chat_chunk(rid, created, model, {}, out.finish_reason,
-                                               with_usage_field=with_usage))
-                if with_usage:
-                    yield _sse(protocol.chat_chunk(rid, created, model, None, None, protocol.usage(
-                        len(out.prompt_token_ids), len(out.token_ids)), with_usage_field=True))
-        yield _sse("[DONE]")
-    except Exception:  # headers are sent: report the bug in-band, then end the stream
-        logger.exception("internal error while streaming request %s", rid)
-        yield _sse(APIError(500, f"Internal server error (request {rid})", code="internal_error").body())
-        yield _sse("[DONE]")
-    finally:
-        adm.close()
+    yield _sse(protocol.chat_chunk(rid, created, model, {"role": "assistant", "content": ""}, None,
+                                   with_usage_field=with_usage))
+    async for delta, out in _deltas(svc, adm):
+        if out.finished and out.finish_reason == "error":
+            yield _stream_error(adm, out)
+            return
+        if delta:
+            yield _sse(protocol.chat_chunk(rid, created, model, {"content": delta}, None,
+                                           with_usage_field=with_usage))
+        if out.finished:
+            yield _sse(protocol.chat_chunk(rid, created, model, {}, out.finish_reason,
+                                           with_usage_field=with_usage))
+            if with_usage:
+                yield _sse(protocol.chat_chunk(rid, created, model, None, None, protocol.usage(
+                    len(out.prompt_token_ids), len(out.token_ids)), with_usage_field=True))

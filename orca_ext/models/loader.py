@@ -26,7 +26,20 @@ _DTYPES = {
     "bfloat16": torch.bfloat16, "bf16": torch.bfloat16,
     "float16": torch.float16, "fp16": torch.float16, "half": torch.float16,
 }
-_TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "vocab.json")
+_TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "vocab.json")  # any one makes a tokenizer
+# Everything a transformers tokenizer folder may hold (for copying one next to new weights).
+TOKENIZER_FOLDER_FILES = ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja",
+                          "special_tokens_map.json", "tokenizer.model", "vocab.json", "merges.txt")
+
+
+def copy_tokenizer_files(src: str | Path, dst: str | Path) -> None:
+    """Copy the tokenizer files of folder `src` (those that exist) into folder `dst`."""
+    import shutil
+
+    src, dst = Path(src), Path(dst)
+    for name in TOKENIZER_FOLDER_FILES:
+        if (src / name).is_file():
+            shutil.copy2(src / name, dst / name)
 
 
 def resolve_dtype(dtype: torch.dtype | str | None, device: torch.device) -> torch.dtype:
