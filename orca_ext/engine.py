@@ -17,7 +17,8 @@ from typing import Callable, Optional
 import torch
 
 from .detokenizer import find_stop, partial_stop_len
-from .request import IterationRecord, Request, RequestState
+from .models.batch import ForwardBatch, count_tokens
+from .request import IterationRecord, Request
 from .sampling import Sampler
 
 log = logging.getLogger(__name__)
@@ -45,39 +46,37 @@ class Engine:
         self.num_finished = 0
         self.num_generated_tokens = 0
         self.num_prompt_tokens = 0
-        self._inflight: deque = deque()  # (ScheduledBatch, result) launched, not yet postprocessed
+        # Results of launched batches not yet postprocessed, oldest first. How many batches are
+        # in flight is the scheduler's count (n_scheduled); this only holds their results.
+        self._inflight: deque = deque()   # (ScheduledBatch, result)
         self.last_step_idle = False       # the last step neither launched nor completed a batch
-        from .models import ForwardBatch  # the model seam; imported late so tests can import the engine module
-        self._batch_cls = ForwardBatch
 
     # -- requests ----------------------------------------------------------------------------
     def add_request(self, req: Request) -> None:
         self.scheduler.add(req)
 
     def abort_request(self, req: Request, reason: str = "abort", error: Optional[str] = None) -> bool:
-        """Finish a request that has not finished. Its slab is returned now, or when its running
+        """End a request that has not finished. Its slab is returned now, or when its running
         batch returns (never while the model may still write it)."""
         if req.finished:
             return False
-        req.finish(reason, error)
-        self.num_finished += 1
-        self.scheduler.finish(req)
+        self._end(req, reason, error)
+        self.scheduler.remove(req)
         return True
 
-    def finish_all(self, reason: str, error: Optional[str] = None) -> list:
+    def abort_all(self, reason: str, error: Optional[str] = None) -> list:
         """End every unfinished request and return all slabs (shutdown, or recovery after an
-        unexpected loop error). Only call when no batch is executing."""
-        self._inflight.clear()
-        self.scheduler.n_scheduled = 0
+        unexpected loop error). Only call when no batch is executing: in-flight results are
+        dropped."""
         changed = []
         for req in list(self.scheduler.pool):
-            if req.state is RequestState.RUNNING:  # its batch is not executing any more
-                req.state = RequestState.INCREMENT
             if not req.finished:
-                req.finish(reason, error)
-                self.num_finished += 1
+                self._end(req, reason, error)
                 changed.append(req)
-            self.scheduler.finish(req)
+        self._inflight.clear()
+        self.scheduler.abandon_batches()
+        for req in list(self.scheduler.pool):
+            self.scheduler.remove(req)
         return changed
 
     def has_work(self) -> bool:
@@ -119,16 +118,9 @@ class Engine:
             return None
         index = self.num_iterations
         self.num_iterations += 1
-        inputs = []
-        n_prefill = n_decode = 0
-        for r in reqs:
-            ids, start = r.next_inputs()
-            inputs.append((ids, start, r.slab_start))
-            if start == 0:
-                n_prefill += len(ids)
-            else:
-                n_decode += len(ids)
+        inputs = [(*r.next_inputs(), r.slab_start) for r in reqs]
         if self.record_iterations:
+            n_prefill, n_decode = count_tokens(inputs)
             self.records.append(IterationRecord(index, tuple(r.request_id for r in reqs), n_prefill,
                                                 n_decode, self.scheduler.n_rsrv))
         return ScheduledBatch(index, reqs, inputs)
@@ -138,7 +130,7 @@ class Engine:
         whole batch."""
         try:
             with torch.inference_mode():
-                fb = self._batch_cls.build(batch.inputs, self.model.device)
+                fb = ForwardBatch.build(batch.inputs, self.model.device)
                 logits = self.model.forward(fb)
                 return self.sampler(logits, batch.requests)
         except Exception as exc:  # one bad batch must not kill the loop
@@ -151,27 +143,29 @@ class Engine:
             if req.finished:  # aborted while running: its token is dropped, complete() frees the slab
                 continue
             if isinstance(result, BaseException):
-                self._fail(req, f"model forward failed: {type(result).__name__}: {result}")
+                self._end(req, "error", f"model forward failed: {type(result).__name__}: {result}")
             else:
                 req.num_cached += len(batch.inputs[i][0])
                 if req.num_cached == len(req.prompt_token_ids):
                     self.num_prompt_tokens += req.num_cached
                 err = result.errors[i]
                 if err is not None:
-                    self._fail(req, err)
+                    self._end(req, "error", err)
                 else:
                     try:
                         self._append_token(req, result.tokens[i])
                     except Exception as exc:  # e.g. a detokenizer error: only this request fails
                         log.exception("request %s failed in postprocessing", req.request_id)
-                        self._fail(req, f"{type(exc).__name__}: {exc}")
+                        self._end(req, "error", f"{type(exc).__name__}: {exc}")
             changed.append(req)
         self.scheduler.complete(batch.requests)
         return changed
 
-    def _fail(self, req: Request, message: str) -> None:
-        req.finish("error", message)
-        self.num_finished += 1
+    def _end(self, req: Request, reason: str, error: Optional[str] = None) -> None:
+        """Set a request's finish reason once; it leaves the pool through the scheduler."""
+        if not req.finished:
+            req.mark_finished(reason, error)
+            self.num_finished += 1
 
     # -- per-request postprocessing --------------------------------------------------------------
     def _append_token(self, req: Request, token: int) -> None:
@@ -184,15 +178,14 @@ class Engine:
         if token in req.stop_token_ids:
             # The stop/EOS token stays in token_ids but adds no text.
             self._update_text(req, final=True)
-            if not req.finished:
-                self._finish(req, "stop")
+            self._end(req, "stop")
             return
         final = len(req.output_token_ids) >= params.max_tokens
         if req.detokenizer is not None:
             req.detokenizer.add(token)
         self._update_text(req, final=final)
-        if final and not req.finished:
-            self._finish(req, "length")
+        if final:
+            self._end(req, "length")
 
     def _update_text(self, req: Request, final: bool) -> None:
         detok = req.detokenizer
@@ -208,12 +201,8 @@ class Engine:
             req.stop_searched = len(full)
             if hit is not None:
                 req.text = full[:hit[0]]
-                self._finish(req, "stop")
+                self._end(req, "stop")
                 return
             if not final:
                 full = full[:len(full) - partial_stop_len(full, stops)]
         req.text = full
-
-    def _finish(self, req: Request, reason: str) -> None:
-        req.finish(reason)
-        self.num_finished += 1

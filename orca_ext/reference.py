@@ -55,3 +55,60 @@ def ragged_attention(q, k_cache, v_cache, q_start, q_len, kv_start, kv_len, scal
         probs = torch.softmax(scores, dim=-1)
         out[qs:qs + ql] = (probs @ vb).transpose(0, 1).to(q.dtype)
     return out
+
+
+class SlabAllocatorReference:
+    """The slab allocator's policy slot by slot (`_C.SlabAllocator` is the real one): best fit,
+    lowest start on ties, freed neighbours coalesce. O(n_slots) per call and obviously right, so
+    tests use it as the oracle; the scheduler falls back to it only when `_C` is not built."""
+
+    def __init__(self, n_slots: int) -> None:
+        if not isinstance(n_slots, int) or n_slots < 1:
+            raise ValueError(f"n_slots must be >= 1, got {n_slots!r}")
+        self.n_slots = n_slots
+        self.used = bytearray(n_slots)    # 1 = slot belongs to an allocated slab
+        self.slabs: dict[int, int] = {}   # start -> length
+
+    def free_runs(self) -> list[tuple[int, int]]:
+        """(start, length) of every maximal free run, in address order."""
+        runs, start = [], None
+        for i, u in enumerate(self.used + b"\x01"):
+            if not u and start is None:
+                start = i
+            elif u and start is not None:
+                runs.append((start, i - start))
+                start = None
+        return runs
+
+    def allocate(self, n: int) -> int:
+        if n < 1:
+            raise ValueError(f"allocate: n must be >= 1, got {n}")
+        fits = [(length, start) for start, length in self.free_runs() if length >= n]
+        if not fits:
+            return -1
+        _, start = min(fits)
+        self.used[start:start + n] = b"\x01" * n
+        self.slabs[start] = n
+        return start
+
+    def free(self, start: int) -> None:
+        n = self.slabs.pop(start, None)
+        if n is None:
+            raise ValueError(f"free: slot {start} is not the start of an allocated slab")
+        self.used[start:start + n] = bytes(n)
+
+    @property
+    def n_used(self) -> int:
+        return sum(self.slabs.values())
+
+    @property
+    def n_free(self) -> int:
+        return self.n_slots - self.n_used
+
+    @property
+    def largest_free(self) -> int:
+        return max((length for _, length in self.free_runs()), default=0)
+
+    @property
+    def n_free_runs(self) -> int:
+        return len(self.free_runs())

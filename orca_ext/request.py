@@ -7,7 +7,6 @@ far, its KV slab and its place in Algorithm 1's state machine. Users never see i
 from __future__ import annotations
 
 import enum
-import itertools
 import time
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Optional
@@ -21,7 +20,9 @@ class RequestState(enum.Enum):
     INITIATION = "initiation"  # in the pool, nothing computed, no slab
     RUNNING = "running"        # inside a batch that is executing
     INCREMENT = "increment"    # has its KV, ready for its next iteration
-    FINISHED = "finished"      # left the pool, slab returned
+    RELEASED = "released"      # left the pool, slab returned
+    # `Request.finished` is a different fact: a finish reason is set. A finished request stays in
+    # the pool (RUNNING) until the batch it sits in returns; only then is it RELEASED.
 
 
 @dataclass(frozen=True)
@@ -51,9 +52,6 @@ class IterationRecord:
     slots_reserved: int
 
 
-_arrival_counter = itertools.count()
-
-
 class Request:
     """Engine-side state of one request. Mutated only by the engine loop under the server lock."""
 
@@ -64,7 +62,6 @@ class Request:
         self.prompt_token_ids = list(prompt_token_ids)
         self.params = params
         self.arrival_time = time.time()
-        self.seq = next(_arrival_counter)  # FCFS tie-break independent of the wall clock
         self.state = RequestState.INITIATION
         self.slab_start = -1               # first KV slot of the slab; -1 = no slab
         self.output_token_ids: list[int] = []
@@ -99,10 +96,6 @@ class Request:
     def finished(self) -> bool:
         return self.finish_reason is not None
 
-    @property
-    def is_prefill(self) -> bool:
-        return self.num_cached == 0
-
     def next_inputs(self) -> tuple[list[int], int]:
         """(new token ids, start position) for this request's next iteration."""
         if self.num_cached == 0:
@@ -110,7 +103,8 @@ class Request:
         return [self.output_token_ids[-1]], self.num_cached
 
     # -- lifecycle ---------------------------------------------------------------------------
-    def finish(self, reason: str, error: Optional[str] = None) -> None:
+    def mark_finished(self, reason: str, error: Optional[str] = None) -> None:
+        """Set the finish reason (first call wins). Leaving the pool is the scheduler's job."""
         if self.finish_reason is not None:
             return
         self.finish_reason = reason

@@ -3,7 +3,7 @@ request-level `static` baseline. Pure Python over request objects; no model, no 
 
 A request object needs: `state` (RequestState), `reservation` (int), `slab_start` (int, -1 when
 none), `finished` (bool). The engine marks requests finished; the scheduler owns state transitions,
-slabs and the reservation count.
+slabs, the reservation count and the count of batches in flight (`n_scheduled`).
 
 Usage per iteration (n_workers = 1):  batch = s.schedule(); run it; s.complete(batch).
 With n_workers > 1 up to n_workers batches may be scheduled before one is completed; requests of
@@ -14,80 +14,27 @@ from __future__ import annotations
 import logging
 from typing import Optional
 
+from .checks import check_choice, check_positive_int
 from .request import RequestState
 
 log = logging.getLogger(__name__)
-
-
-class PySlabAllocator:
-    """Pure-Python twin of `_C.SlabAllocator` (best fit, freed neighbours coalesce), used only
-    when the extension is not built so the package stays usable without a compiler."""
-
-    def __init__(self, n_slots: int):
-        if n_slots < 1:
-            raise ValueError(f"n_slots must be >= 1, got {n_slots}")
-        self.n_slots = n_slots
-        self._free: list[list[int]] = [[0, n_slots]]  # sorted [start, length] runs
-        self._used: dict[int, int] = {}
-
-    def allocate(self, n: int) -> int:
-        if n < 1:
-            raise ValueError(f"allocate: n must be >= 1, got {n}")
-        fits = [(length, i) for i, (_, length) in enumerate(self._free) if length >= n]
-        if not fits:
-            return -1
-        length, i = min(fits)  # best fit, lowest address on ties
-        start = self._free[i][0]
-        if length == n:
-            del self._free[i]
-        else:
-            self._free[i] = [start + n, length - n]
-        self._used[start] = n
-        return start
-
-    def free(self, start: int) -> None:
-        n = self._used.pop(start, None)
-        if n is None:
-            raise ValueError(f"free: slot {start} is not the start of an allocated slab")
-        runs = self._free
-        i = 0
-        while i < len(runs) and runs[i][0] < start:
-            i += 1
-        runs.insert(i, [start, n])
-        if i + 1 < len(runs) and runs[i][0] + runs[i][1] == runs[i + 1][0]:
-            runs[i][1] += runs.pop(i + 1)[1]
-        if i > 0 and runs[i - 1][0] + runs[i - 1][1] == runs[i][0]:
-            runs[i - 1][1] += runs.pop(i)[1]
-
-    @property
-    def n_used(self) -> int:
-        return sum(self._used.values())
-
-    @property
-    def n_free(self) -> int:
-        return self.n_slots - self.n_used
-
-    @property
-    def largest_free(self) -> int:
-        return max((length for _, length in self._free), default=0)
 
 
 def make_allocator(n_slots: int):
     try:
         from . import _C  # type: ignore[attr-defined]
     except ImportError:
-        log.warning("orca_ext._C is not built; using the pure-Python slab allocator")
-        return PySlabAllocator(n_slots)
+        from .reference import SlabAllocatorReference
+
+        log.warning("orca_ext._C is not built; using the slow pure-Python slab allocator")
+        return SlabAllocatorReference(n_slots)
     return _C.SlabAllocator(n_slots)
 
 
 class _SchedulerBase:
-    policy = "base"
-
     def __init__(self, max_batch_size: int, n_slots: int, n_workers: int = 1, allocator=None):
         for name, value in (("max_batch_size", max_batch_size), ("n_slots", n_slots), ("n_workers", n_workers)):
-            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
-                raise ValueError(f"{name} must be an integer >= 1, got {value!r}")
+            check_positive_int(name, value)
         self.max_batch_size = max_batch_size
         self.n_slots = n_slots
         self.n_workers = n_workers
@@ -96,7 +43,7 @@ class _SchedulerBase:
             raise ValueError(f"allocator has {self.allocator.n_slots} slots, scheduler {n_slots}")
         self.pool: list = []       # unfinished requests, arrival order (admitted ones are a prefix)
         self.n_rsrv = 0            # slots reserved by admitted requests
-        self.n_scheduled = 0       # batches launched and not yet completed
+        self.n_scheduled = 0       # batches launched and not yet completed (owned here alone)
 
     # -- pool -------------------------------------------------------------------------------
     def add(self, req) -> None:
@@ -144,10 +91,19 @@ class _SchedulerBase:
             elif req.state is RequestState.RUNNING:
                 req.state = RequestState.INCREMENT
 
-    def finish(self, req) -> None:
-        """A request ended outside a batch return (abort, shutdown). Its slab is freed now, unless
-        it is inside a running batch: the model may be writing that slab, so complete() frees it."""
-        if req.state is RequestState.RUNNING or req.state is RequestState.FINISHED:
+    def abandon_batches(self) -> None:
+        """Every launched batch is given up (shutdown, or a loop error lost its result): nothing
+        is executing any more, so RUNNING requests become INCREMENT and none count as in flight."""
+        for req in self.pool:
+            if req.state is RequestState.RUNNING:
+                req.state = RequestState.INCREMENT
+        self.n_scheduled = 0
+
+    def remove(self, req) -> None:
+        """A finished request ended outside a batch return (abort, shutdown). Its slab is freed
+        now, unless it is inside a running batch: the model may be writing that slab, so
+        complete() frees it."""
+        if req.state is RequestState.RUNNING or req.state is RequestState.RELEASED:
             return
         self._release(req)
 
@@ -164,14 +120,14 @@ class _SchedulerBase:
         return True
 
     def _release(self, req) -> None:
-        if req.state is RequestState.FINISHED:
+        if req.state is RequestState.RELEASED:
             return
         self.pool.remove(req)
         if req.slab_start >= 0:
             self.allocator.free(req.slab_start)
             req.slab_start = -1
             self.n_rsrv -= req.reservation
-        req.state = RequestState.FINISHED
+        req.state = RequestState.RELEASED
 
     def _select(self) -> list:  # pragma: no cover - abstract
         raise NotImplementedError
@@ -179,8 +135,6 @@ class _SchedulerBase:
 
 class OrcaScheduler(_SchedulerBase):
     """Iteration-level scheduling: every iteration re-selects from the whole pool."""
-
-    policy = "orca"
 
     def _select(self) -> list:
         batch = []
@@ -206,7 +160,7 @@ class StaticScheduler(_SchedulerBase):
         self.current: list = []
 
     def _select(self) -> list:
-        live = [r for r in self.current if r.state is not RequestState.FINISHED]
+        live = [r for r in self.current if r.state is not RequestState.RELEASED]
         if live:
             self.current = live
             return [r for r in live if r.state is not RequestState.RUNNING]
@@ -218,9 +172,10 @@ class StaticScheduler(_SchedulerBase):
         return list(self.current)
 
 
+SCHEDULERS = {"orca": OrcaScheduler, "static": StaticScheduler}
+
+
 def make_scheduler(policy: str, max_batch_size: int, n_slots: int, n_workers: int = 1,
                    allocator: Optional[object] = None) -> _SchedulerBase:
-    classes = {"orca": OrcaScheduler, "static": StaticScheduler}
-    if policy not in classes:
-        raise ValueError(f"scheduler must be one of {sorted(classes)}, got {policy!r}")
-    return classes[policy](max_batch_size, n_slots, n_workers, allocator)
+    check_choice("scheduler", policy, SCHEDULERS)
+    return SCHEDULERS[policy](max_batch_size, n_slots, n_workers, allocator)

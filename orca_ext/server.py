@@ -507,7 +507,7 @@ class Server:
         if self._thread.is_alive() and threading.current_thread() is not self._thread:
             self._thread.join()
         with self._lock:
-            self._publish(self._engine.finish_all("abort"))
+            self._publish(self._engine.abort_all("abort"))
 
     @property
     def closed(self) -> bool:
@@ -536,7 +536,7 @@ class Server:
             except Exception as exc:  # a bug must not leave callers waiting forever
                 log.exception("engine loop error; failing all unfinished requests")
                 with self._lock:
-                    self._publish(self._engine.finish_all("error", f"engine error: {type(exc).__name__}: {exc}"))
+                    self._publish(self._engine.abort_all("error", f"engine error: {type(exc).__name__}: {exc}"))
         log.debug("engine loop stopped")
 
     # -- delivery bookkeeping (all under self._lock) -------------------------------------------------

@@ -1,4 +1,4 @@
-"""SlabAllocator (C++) against a simple Python model of the same best-fit policy."""
+"""SlabAllocator (C++) against SlabAllocatorReference, a slot-by-slot model of the same best-fit policy."""
 from __future__ import annotations
 
 import random
@@ -7,41 +7,12 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from orca_ext.reference import SlabAllocatorReference
+
 _C = pytest.importorskip("orca_ext._C")
 
 
-class ModelAllocator:
-    """A slot-by-slot model: O(n) per call, obviously right."""
-
-    def __init__(self, n_slots: int) -> None:
-        self.used = [False] * n_slots
-        self.slabs: dict[int, int] = {}
-
-    def free_runs(self) -> list[tuple[int, int]]:  # (start, length), in address order
-        runs, start = [], None
-        for i, u in enumerate(self.used + [True]):
-            if not u and start is None:
-                start = i
-            elif u and start is not None:
-                runs.append((start, i - start))
-                start = None
-        return runs
-
-    def allocate(self, n: int) -> int:
-        fits = [(length, start) for start, length in self.free_runs() if length >= n]
-        if not fits:
-            return -1
-        _, start = min(fits)  # best fit, lowest start on ties
-        self.used[start:start + n] = [True] * n
-        self.slabs[start] = n
-        return start
-
-    def free(self, start: int) -> None:
-        n = self.slabs.pop(start)
-        self.used[start:start + n] = [False] * n
-
-
-def check_same(real, model: ModelAllocator) -> None:
+def check_same(real, model: SlabAllocatorReference) -> None:
     runs = model.free_runs()
     assert real.n_used == sum(model.used)
     assert real.n_free == len(model.used) - sum(model.used)
@@ -50,7 +21,7 @@ def check_same(real, model: ModelAllocator) -> None:
 
 
 def run_steps(n_slots: int, steps: list[tuple[bool, int]]) -> None:
-    real, model = _C.SlabAllocator(n_slots), ModelAllocator(n_slots)
+    real, model = _C.SlabAllocator(n_slots), SlabAllocatorReference(n_slots)
     for is_alloc, value in steps:
         if is_alloc or not model.slabs:
             n = value % n_slots + 1

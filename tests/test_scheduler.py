@@ -14,13 +14,14 @@ from hypothesis import strategies as st
 
 from orca_ext.request import Request, RequestState
 from orca_ext.sampling import SamplingParams
-from orca_ext.scheduler import OrcaScheduler, PySlabAllocator, StaticScheduler, make_scheduler
+from orca_ext.reference import SlabAllocatorReference
+from orca_ext.scheduler import OrcaScheduler, StaticScheduler, make_scheduler
 
 try:
     from orca_ext import _C
-    ALLOCATORS = [PySlabAllocator, _C.SlabAllocator]
-except ImportError:  # pragma: no cover - without a build only the Python twin is tested
-    ALLOCATORS = [PySlabAllocator]
+    ALLOCATORS = [SlabAllocatorReference, _C.SlabAllocator]
+except ImportError:  # pragma: no cover - without a build only the reference is tested
+    ALLOCATORS = [SlabAllocatorReference]
 
 _ids = iter(range(10**9))
 
@@ -30,7 +31,7 @@ def mk(prompt_len: int, max_tokens: int, name: str | None = None) -> Request:
     return Request(name, [1] * prompt_len, SamplingParams(max_tokens=max_tokens))
 
 
-def sched(policy="orca", max_bs=8, n_slots=1000, n_workers=1, alloc=PySlabAllocator):
+def sched(policy="orca", max_bs=8, n_slots=1000, n_workers=1, alloc=SlabAllocatorReference):
     return make_scheduler(policy, max_bs, n_slots, n_workers, alloc(n_slots))
 
 
@@ -42,7 +43,7 @@ def advance(batch: list[Request]) -> None:
         r.num_cached += len(r.next_inputs()[0])
         r.output_token_ids.append(0)
         if len(r.output_token_ids) >= r.params.max_tokens:
-            r.finish("length")
+            r.mark_finished("length")
 
 
 def run_batch(s, batch=None) -> list[Request]:
@@ -71,7 +72,7 @@ def test_fcfs_big_head_blocks_smaller_requests_behind_it(alloc):
     run_batch(s, batch)
     for _ in range(9):  # a runs to completion alone, c stays blocked the whole time
         assert names(run_batch(s)) == ["a"]
-    assert a.state is RequestState.FINISHED and s.n_rsrv == 0
+    assert a.state is RequestState.RELEASED and s.n_rsrv == 0
     batch = s.schedule()  # the iteration right after a left: b and c join together
     assert names(batch) == ["b", "c"]
     assert s.n_rsrv == 60
@@ -110,7 +111,7 @@ def test_blocked_when_no_contiguous_slab_even_if_total_fits(alloc):
     for r in (a, b, c):
         s.add(r)
     s.schedule()
-    a.finish("abort"), c.finish("abort")
+    a.mark_finished("abort"), c.mark_finished("abort")
     s.complete([a, b, c])  # a and c leave: 60 slots free, but in two runs of 30
     assert s.n_rsrv == 40 and s.allocator.largest_free == 30
     d, e = mk(40, 10, "d"), mk(5, 5, "e")  # d needs 50: 40 + 50 <= 100 but no run of 50
@@ -172,19 +173,19 @@ def test_abort_frees_slab_now_unless_its_batch_is_running():
         s.add(r)
     batch = s.schedule()  # a, b, c running
     assert s.n_rsrv == 60
-    b.finish("abort")
-    s.finish(b)  # its batch is executing: the model may still write b's slab
+    b.mark_finished("abort")
+    s.remove(b)  # its batch is executing: the model may still write b's slab
     assert s.n_rsrv == 60 and b.slab_start >= 0
     s.complete(batch)  # batch returned: b is released before the next selection
-    assert s.n_rsrv == 40 and b.state is RequestState.FINISHED and b.slab_start == -1
-    a.finish("abort")
-    s.finish(a)  # INCREMENT: freed at once
-    assert s.n_rsrv == 20 and a.state is RequestState.FINISHED
+    assert s.n_rsrv == 40 and b.state is RequestState.RELEASED and b.slab_start == -1
+    a.mark_finished("abort")
+    s.remove(a)  # INCREMENT: freed at once
+    assert s.n_rsrv == 20 and a.state is RequestState.RELEASED
     d = mk(5, 5, "d")
     s.add(d)
-    d.finish("abort")
-    s.finish(d)  # still waiting: just leaves the pool
-    assert d.state is RequestState.FINISHED and names(s.schedule()) == ["c"]
+    d.mark_finished("abort")
+    s.remove(d)  # still waiting: just leaves the pool
+    assert d.state is RequestState.RELEASED and names(s.schedule()) == ["c"]
 
 
 def test_static_policy_admits_only_when_the_whole_batch_has_finished():
@@ -195,11 +196,11 @@ def test_static_policy_admits_only_when_the_whole_batch_has_finished():
     assert names(run_batch(s)) == ["a", "b"]
     assert names(run_batch(s)) == ["a", "b"]
     # a finished and gave back its slab, but c must wait until b finishes too.
-    assert a.state is RequestState.FINISHED and s.n_rsrv == 9
+    assert a.state is RequestState.RELEASED and s.n_rsrv == 9
     for _ in range(3):
         assert names(run_batch(s)) == ["b"]
         assert c.state is RequestState.INITIATION
-    assert b.state is RequestState.FINISHED
+    assert b.state is RequestState.RELEASED
     assert names(run_batch(s)) == ["c"]
 
 
@@ -255,7 +256,7 @@ def check_invariants(s, inflight: list[list[Request]], all_reqs: list[Request]) 
     states = [r.state is RequestState.INITIATION for r in s.pool]
     assert states == sorted(states)
     for r in all_reqs:
-        if r.state is RequestState.FINISHED:
+        if r.state is RequestState.RELEASED:
             assert r.slab_start == -1 and r not in s.pool
 
 
@@ -286,14 +287,14 @@ def test_random_workloads_never_overcommit_or_overlap(seed, policy, n_workers, m
         elif all_reqs:
             victim = rng.choice(all_reqs)
             if not victim.finished:
-                victim.finish("abort")
-                s.finish(victim)
+                victim.mark_finished("abort")
+                s.remove(victim)
         check_invariants(s, inflight, all_reqs)
     while inflight:  # drain: everything ends, nothing stays reserved
         run_batch(s, inflight.pop())
     for r in all_reqs:
         if not r.finished:
-            r.finish("abort")
-            s.finish(r)
+            r.mark_finished("abort")
+            s.remove(r)
     check_invariants(s, inflight, all_reqs)
     assert s.n_rsrv == 0 and s.allocator.n_used == 0 and not s.pool

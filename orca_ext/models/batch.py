@@ -16,6 +16,23 @@ from typing import Sequence
 import torch
 
 
+def is_decode(num_new_tokens: int, start_pos: int) -> bool:
+    """One new token over a cached context is a decode; every other input is prefill (a whole
+    prompt, or a chunk of one)."""
+    return num_new_tokens == 1 and start_pos > 0
+
+
+def count_tokens(requests: Sequence[tuple[Sequence[int], int, int]]) -> tuple[int, int]:
+    """(num_prefill_tokens, num_decode_tokens) of `(new_token_ids, start_pos, slab_start)` inputs."""
+    n_prefill = n_decode = 0
+    for new_ids, start_pos, _ in requests:
+        if is_decode(len(new_ids), start_pos):
+            n_decode += 1
+        else:
+            n_prefill += len(new_ids)
+    return n_prefill, n_decode
+
+
 @dataclasses.dataclass(frozen=True)
 class ForwardBatch:
     token_ids: torch.Tensor      # [T] int64: new tokens of all requests, request after request
@@ -26,8 +43,8 @@ class ForwardBatch:
     kv_start: torch.Tensor       # [B] int32: first KV slot of request b (its slab start)
     kv_len: torch.Tensor         # [B] int32: context length of request b after this iteration
     logits_index: torch.Tensor   # [B] int64: flat row of each request's last token
-    num_prefill_tokens: int      # tokens of requests in a prompt phase (q_len > 1 or start_pos 0)
-    num_decode_tokens: int       # tokens of requests decoding one token over a cached context
+    num_prefill_tokens: int      # see count_tokens: tokens that are not one-token decodes
+    num_decode_tokens: int       # requests decoding one token over a cached context
     max_position: int            # largest position in the batch (checked against the rope tables)
     max_slot: int                # largest KV slot written (checked against the pool size)
     max_token_id: int            # largest token id (checked against the vocabulary)
@@ -58,7 +75,6 @@ class ForwardBatch:
         kv_start: list[int] = []
         kv_len: list[int] = []
         logits_index: list[int] = []
-        n_prefill = n_decode = 0
         max_position = max_slot = 0
         for i, (new_ids, start_pos, slab_start) in enumerate(requests):
             n = len(new_ids)
@@ -76,14 +92,11 @@ class ForwardBatch:
             kv_start.append(slab_start)
             kv_len.append(end)
             logits_index.append(len(tokens) - 1)
-            if n == 1 and start_pos > 0:
-                n_decode += 1
-            else:
-                n_prefill += n
             max_position = max(max_position, end - 1)
             max_slot = max(max_slot, slab_start + end - 1)
 
         t, b = len(tokens), len(q_start)
+        n_prefill, n_decode = count_tokens(requests)
         if min(tokens) < 0:
             raise ValueError(f"ForwardBatch.build: token id {min(tokens)} is negative")
         device = torch.device(device)
