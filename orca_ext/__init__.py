@@ -1,6 +1,6 @@
 """orca_ext: an Orca-style LLM serving engine (iteration-level scheduling + selective batching).
 
-Public API (DESIGN.md section 5): Server, SamplingParams, RequestOutput, IterationRecord,
+Public API (docs/DESIGN.md section 5): Server, SamplingParams, RequestOutput, IterationRecord,
 InvalidRequestError, ServerClosedError. Names are imported lazily so that `import orca_ext._C`
 or the kernels alone do not pull in transformers.
 """

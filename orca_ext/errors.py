@@ -1,4 +1,4 @@
-"""Public exception types (DESIGN.md section 5)."""
+"""Public exception types (docs/DESIGN.md section 5)."""
 
 
 class InvalidRequestError(ValueError):

@@ -45,7 +45,7 @@ def slab_write(k_cache, v_cache, k, v, slots) -> None:
 
 
 def ragged_attention(q, k_cache, v_cache, q_start, q_len, kv_start, kv_len, scale: float):
-    """q [T, Hq, D] -> [T, Hq, D]; see DESIGN.md section 4."""
+    """q [T, Hq, D] -> [T, Hq, D]; see docs/DESIGN.md section 4."""
     if _C is None:
         return reference.ragged_attention(q, k_cache, v_cache, q_start, q_len, kv_start, kv_len, scale)
     return _C.ragged_attention(q, k_cache, v_cache, q_start, q_len, kv_start, kv_len, scale)

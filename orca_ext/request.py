@@ -1,4 +1,4 @@
-"""Request state machine and the public output records (DESIGN.md sections 3 and 5).
+"""Request state machine and the public output records (docs/DESIGN.md sections 3 and 5).
 
 A `Request` is the engine's mutable view of one generation: its prompt, the tokens generated so
 far, its KV slab and its place in Algorithm 1's state machine. Users never see it; they see

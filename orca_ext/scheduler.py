@@ -1,4 +1,4 @@
-"""Iteration-level scheduling: Algorithm 1 of the Orca paper (DESIGN.md section 3), and the
+"""Iteration-level scheduling: Algorithm 1 of the Orca paper (docs/DESIGN.md section 3), and the
 request-level `static` baseline. Pure Python over request objects; no model, no threads.
 
 A request object needs: `state` (RequestState), `reservation` (int), `slab_start` (int, -1 when

@@ -1,4 +1,4 @@
-"""Server: the public entry point (DESIGN.md section 5).
+"""Server: the public entry point (docs/DESIGN.md section 5).
 
 One background thread runs the engine loop; any number of user threads and asyncio tasks submit,
 stream, wait and abort concurrently. All request state is guarded by one lock; the loop releases
@@ -132,7 +132,7 @@ def _is_token_list(prompt) -> bool:
 
 # -- the server ---------------------------------------------------------------------------------
 class Server:
-    """An Orca serving engine with a background loop thread. See DESIGN.md section 5.
+    """An Orca serving engine with a background loop thread. See docs/DESIGN.md section 5.
 
     Extensions beyond the contract: `model` may also be an already loaded model object (with the
     models seam interface), `tokenizer` overrides the folder's tokenizer, `kv_cache_memory`

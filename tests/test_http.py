@@ -468,7 +468,7 @@ def test_app_over_contract_only_server(engine, tokenizer):
     from orca_ext import SamplingParams
     from orca_ext.http import create_app
 
-    class ContractOnly:  # DESIGN.md section 5, nothing more
+    class ContractOnly:  # docs/DESIGN.md section 5, nothing more
         def __init__(self, s):
             self._s = s
 

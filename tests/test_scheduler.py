@@ -1,4 +1,4 @@
-"""Algorithm 1 (DESIGN.md section 3) rule by rule, the static baseline, and a random property test.
+"""Algorithm 1 (docs/DESIGN.md section 3) rule by rule, the static baseline, and a random property test.
 
 The scheduler is driven directly with real Request objects and no model: `run_batch` plays the
 engine (advances each request by one iteration, finishes those that reached max_tokens) and then

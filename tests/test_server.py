@@ -1,4 +1,4 @@
-"""Server API (DESIGN.md section 5) over the fake model: concurrency, streaming, asyncio, abort,
+"""Server API (docs/DESIGN.md section 5) over the fake model: concurrency, streaming, asyncio, abort,
 error isolation, validation, stop conditions, request-id lifecycle and slot accounting.
 
 The fake model stores tokens in its KV slots and derives each next token from the request's

@@ -81,7 +81,7 @@ def param_from_engine_message(message: str, *, max_tokens_name: str = "max_token
                               prompt_name: str = "prompt") -> str | None:
     """Best guess of the request field an engine validation message is about.
 
-    The engine names the field in its message (DESIGN.md section 5) but has no structured
+    The engine names the field in its message (docs/DESIGN.md section 5) but has no structured
     field attribute; the earliest mention wins ("prompt length + max_tokens ..." is about
     the prompt as much as max_tokens: max_tokens wins, being the one a client can change).
     """
