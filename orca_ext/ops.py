@@ -2,7 +2,7 @@
 pure-torch references (slow, but the package stays usable without a compiler).
 
 Each function takes and returns torch tensors; `_C` itself checks shapes, dtypes and devices and
-dispatches CPU tensors to csrc/cpu and CUDA tensors to csrc/kernels.
+dispatches CPU tensors to csrc/cpu and CUDA tensors to csrc/cuda (glue in csrc/torch).
 """
 from __future__ import annotations
 
@@ -45,7 +45,7 @@ def slab_write(k_cache, v_cache, k, v, slots) -> None:
 
 
 def ragged_attention(q, k_cache, v_cache, q_start, q_len, kv_start, kv_len, scale: float):
-    """q [T, Hq, D] -> [T, Hq, D]; see DESIGN.md section 4."""
+    """q [T, Hq, D] -> [T, Hq, D]; see docs/DESIGN.md section 4."""
     if _C is None:
         return reference.ragged_attention(q, k_cache, v_cache, q_start, q_len, kv_start, kv_len, scale)
     return _C.ragged_attention(q, k_cache, v_cache, q_start, q_len, kv_start, kv_len, scale)

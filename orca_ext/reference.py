@@ -1,4 +1,4 @@
-"""Pure-torch references of the kernels in csrc/ (DESIGN.md section 4).
+"""Pure-torch references of the kernels in csrc/ (docs/DESIGN.md section 4).
 
 They are written for clarity, not speed: tests run them in float64 as the ground truth, and
 `orca_ext.ops` falls back to them when the compiled extension is missing.
