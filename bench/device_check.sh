@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# One-shot GPU check of issue 4, sized for an 8-minute slot on one H200:
+# One-shot GPU check on one H200, sized to fit a short device lease:
 #   1. build + install (pip -e, ORCA_CUDA=1, the machine's own torch)
 #   2. pytest tests/cuda
 #   3. compute-sanitizer memcheck over the small slab_write and ragged_attention cases
@@ -61,8 +61,8 @@ run_step() {
   return "$rc"
 }
 
-find_bench() {  # path of a CMake-built benchmark executable, or empty
-  find build -name "$1" -type f -perm -u+x 2>/dev/null | head -n 1
+find_bench() {  # path of a CMake-built CUDA benchmark executable (build/*/bench/cuda/NAME), or empty
+  find build -path "*/bench/cuda/$1" -type f -perm -u+x 2>/dev/null | head -n 1
 }
 
 log "device check in $ROOT, output to $OUT, budget ${BUDGET_S}s"
@@ -85,7 +85,7 @@ run_step pytest_cuda 150 "$PY" -m pytest -q -p no:cacheprovider --junitxml="$OUT
 
 # 3. compute-sanitizer memcheck on small runs.
 SANITIZER="$(command -v compute-sanitizer || echo /usr/local/cuda/bin/compute-sanitizer)"
-for b in bench_cuda_slab_write bench_cuda_ragged_attention; do
+for b in bench_slab_write bench_ragged_attention; do
   exe="$(find_bench "$b")"
   if [ -z "$exe" ]; then
     log "missing executable $b under build/"; printf 'memcheck_%s\tmissing\t0\n' "$b" >> "$STEPS"; continue
@@ -93,14 +93,14 @@ for b in bench_cuda_slab_write bench_cuda_ragged_attention; do
   run_step "memcheck_$b" 60 "$SANITIZER" --tool memcheck --error-exitcode 3 --leak-check no "$exe" --small
 done
 
-# 4. Microbenchmarks (validate, then time) and the torch references of the issue table.
-for b in bench_cuda_ceiling bench_cuda_slab_write bench_cuda_rmsnorm_qkv bench_cuda_ragged_attention; do
+# 4. Microbenchmarks (validate, then time) and the torch references of bench/RESULTS.md.
+for b in bench_ceiling bench_rms_norm bench_slab_write bench_rmsnorm_qkv bench_ragged_attention; do
   exe="$(find_bench "$b")"
   if [ -z "$exe" ]; then
     log "missing executable $b under build/"; printf '%s\tmissing\t0\n' "$b" >> "$STEPS"; continue
   fi
   tmp="$(mktemp)"
-  run_step "$b" 45 bash -c "'$exe' | tee '$tmp'; exit \${PIPESTATUS[0]}"
+  run_step "cuda_$b" 45 bash -c "'$exe' | tee '$tmp'; exit \${PIPESTATUS[0]}"
   grep '^RESULT ' "$tmp" | sed 's/^RESULT //' >> "$MICRO"
   rm -f "$tmp"
 done

@@ -1,4 +1,4 @@
-"""GPU engine benchmark (issue 4): our Server(device="cuda") against transformers continuous
+"""GPU engine benchmark: our Server(device="cuda") against transformers continuous
 batching and static `generate`, on one Qwen3-0.6B-shaped model with random bf16 weights, in one run.
 
     python bench/gpu_engine.py --out engine.json [--hf-output-scale 4] [--skip-hf]
@@ -14,7 +14,7 @@ our speed-up over each baseline, and the memory-bandwidth floor of our run:
 workload), with the % of that floor achieved. At batch 256 the host time per iteration is
 measured as (wall time of Engine.step) - (GPU time of model.forward from CUDA events).
 
-transformers is slow (~400 tok/s on the issue's H200), so `--hf-output-scale K` divides every
+transformers is slow (~400 tok/s on an H200 with this model), so `--hf-output-scale K` divides every
 output length by K for the comparison runs (ours is then also run on that scaled workload, so the
 ratios compare the same work); ours is always run on the full workloads as well.
 """
@@ -311,7 +311,7 @@ def run_hf_static(model_dir: Path, wl: Workload, batch: int) -> dict:
 
 # ---- main ----------------------------------------------------------------------------------------
 def main(argv=None) -> int:
-    ap = argparse.ArgumentParser(description="GPU engine benchmark (issue 4)")
+    ap = argparse.ArgumentParser(description="GPU engine benchmark: ours against transformers")
     ap.add_argument("--out", type=Path, default=None, help="write the results as JSON here")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--requests", type=int, default=64)

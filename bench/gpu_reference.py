@@ -1,4 +1,4 @@
-"""Torch references of the issue table, measured in the same run as our CUDA ops (through
+"""Torch references of the GPU targets in bench/RESULTS.md, measured in the same run as our CUDA ops (through
 `orca_ext._C`), so every ratio compares numbers from one machine at one moment.
 
     python bench/gpu_reference.py --out ref.json [--reps 50]

@@ -81,10 +81,4 @@ int64_t SlabAllocator::n_free_runs() const {
   return static_cast<int64_t>(free_by_start_.size());
 }
 
-int64_t SlabAllocator::slab_size(int64_t start) const {
-  std::lock_guard<std::mutex> lock(mutex_);
-  auto a = allocated_.find(start);
-  return a == allocated_.end() ? 0 : a->second;
-}
-
 }  // namespace orca

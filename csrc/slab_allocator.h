@@ -31,8 +31,6 @@ class SlabAllocator {
   int64_t n_free() const;
   int64_t largest_free() const;
   int64_t n_free_runs() const;
-  // Size of the slab that starts at `start`, or 0 when none does.
-  int64_t slab_size(int64_t start) const;
 
  private:
   void insert_free_run(int64_t start, int64_t len);

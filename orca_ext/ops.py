@@ -2,7 +2,7 @@
 pure-torch references (slow, but the package stays usable without a compiler).
 
 Each function takes and returns torch tensors; `_C` itself checks shapes, dtypes and devices and
-dispatches CPU tensors to csrc/cpu and CUDA tensors to csrc/kernels.
+dispatches CPU tensors to csrc/cpu and CUDA tensors to csrc/cuda (glue in csrc/torch).
 """
 from __future__ import annotations
 

@@ -98,8 +98,15 @@ def test_ragged_attention_bad_input(over, match):
         _C.ragged_attention(**attn_args(**over))
 
 
+def test_built_with_cuda_matches_the_torch_it_was_built_against():
+    """A CPU-only torch has no CUDA glue to link, so the CUDA dispatch cannot be compiled in."""
+    assert isinstance(_C.built_with_cuda(), bool)
+    if torch.version.cuda is None:
+        assert not _C.built_with_cuda()
+
+
 def test_cuda_tensor_without_cuda_build_is_a_clear_error():
-    if _C.WITH_CUDA or not torch.cuda.is_available():
+    if _C.built_with_cuda() or not torch.cuda.is_available():
         pytest.skip("needs a CUDA device and a CPU-only build of the extension")
     with pytest.raises(RuntimeError, match="built without CUDA"):
         _C.rms_norm(torch.randn(2, 4, device="cuda"), torch.randn(4, device="cuda"), 1e-6)

@@ -1,5 +1,5 @@
-"""The CPU microbenchmark executables (built by CMake under build/*/bench) validate their kernels
-against a scalar double-precision reference before timing anything. Run that validation here so a
+"""The CPU microbenchmark executables (built by CMake under build/*/bench/cpu) validate their kernels
+against the scalar double-precision references of bench/common/reference.h before timing anything. Run that validation here so a
 kernel change that breaks a benchmark's reference check fails CI."""
 from __future__ import annotations
 
@@ -10,11 +10,12 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parent.parent
-NAMES = ["bench_rmsnorm_qkv", "bench_slab_write", "bench_ragged_attention"]
+# One per kernel, the same names as bench/cpu/*.cpp (and bench/cuda/*.cu).
+NAMES = ["bench_rms_norm", "bench_rmsnorm_qkv", "bench_slab_write", "bench_ragged_attention"]
 
 
 def find_executable(name: str) -> Path | None:
-    hits = sorted((ROOT / "build").glob(f"*/bench/{name}"), key=lambda p: p.stat().st_mtime, reverse=True)
+    hits = sorted((ROOT / "build").glob(f"*/bench/cpu/{name}"), key=lambda p: p.stat().st_mtime, reverse=True)
     return hits[0] if hits else None
 
 

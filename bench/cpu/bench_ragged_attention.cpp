@@ -1,9 +1,9 @@
 // Microbenchmark of the CPU ragged_attention kernel.
-// 1. Validates against a scalar double-precision reference: mixed batches of decodes, full
-//    prefills and prefills over a cached prefix; GQA ratios 1, 3, 7; head dims 64, 80, 128 and
-//    odd ones; slabs with gaps of garbage between them; requests stored in q in shuffled order;
-//    large logits (running-max path); float and bf16; int32 and int64 indices. Exits 1 on any
-//    mismatch.
+// 1. Validates against the scalar double-precision reference (bench/common/reference.h): mixed
+//    batches of decodes, full prefills and prefills over a cached prefix; GQA ratios 1, 3, 7; head
+//    dims 64, 80, 128 and odd ones; slabs with gaps of garbage between them; requests stored in q
+//    in shuffled order; large logits (running-max path); float and bf16; int32 and int64 indices.
+//    Exits 1 on any mismatch.
 // 2. Times SmolLM2-135M shapes (Hq=9, Hkv=3, D=64): 32 decodes with contexts U[16, 512], a
 //    prefill of 4 x 512 tokens and a mix of both; prints GFLOP/s and GB/s (K/V bytes read once
 //    per KV head) next to the measured ceilings. Several copies of the KV pools (one per layer)
@@ -14,8 +14,9 @@
 #include <numeric>
 #include <vector>
 
-#include "../../csrc/cpu/cpu_kernels.h"
 #include "bench_util.h"
+#include "common/reference.h"
+#include "cpu/cpu_kernels.h"
 
 namespace {
 
@@ -62,37 +63,6 @@ std::vector<I> cast_index(const std::vector<int64_t>& v) {
   return std::vector<I>(v.begin(), v.end());
 }
 
-void reference_attention(const std::vector<double>& q, const std::vector<double>& k, const std::vector<double>& v,
-                         const Layout& L, int64_t Hq, int64_t Hkv, int64_t D, double scale, std::vector<double>& out) {
-  out.assign(static_cast<size_t>(L.n_tokens * Hq * D), 0.0);
-  const int64_t R = Hq / Hkv;
-  std::vector<double> s;
-  for (size_t b = 0; b < L.q_len.size(); ++b) {
-    for (int64_t i = 0; i < L.q_len[b]; ++i) {
-      const int64_t t = L.q_start[b] + i;
-      const int64_t n_keys = L.kv_len[b] - L.q_len[b] + i + 1;
-      for (int64_t h = 0; h < Hq; ++h) {
-        const int64_t g = h / R;
-        s.assign(static_cast<size_t>(n_keys), 0.0);
-        double mx = -INFINITY;
-        for (int64_t j = 0; j < n_keys; ++j) {
-          double acc = 0.0;
-          const int64_t slot = L.kv_start[b] + j;
-          for (int64_t d = 0; d < D; ++d) acc += q[(t * Hq + h) * D + d] * k[(slot * Hkv + g) * D + d];
-          s[j] = acc * scale;
-          mx = std::max(mx, s[j]);
-        }
-        double sum = 0.0;
-        for (auto& e : s) sum += (e = std::exp(e - mx));
-        for (int64_t j = 0; j < n_keys; ++j) {
-          const int64_t slot = L.kv_start[b] + j;
-          for (int64_t d = 0; d < D; ++d) out[(t * Hq + h) * D + d] += s[j] / sum * v[(slot * Hkv + g) * D + d];
-        }
-      }
-    }
-  }
-}
-
 template <typename T, typename I>
 bool check_case(const char* label, const std::vector<Req>& reqs, int64_t Hq, int64_t Hkv, int64_t D, float q_range,
                 uint64_t seed) {
@@ -107,8 +77,9 @@ bool check_case(const char* label, const std::vector<Req>& reqs, int64_t Hq, int
              kl = cast_index<I>(L.kv_len);
   orca::cpu::ragged_attention<T, I>(q.data(), k.data(), v.data(), qs.data(), ql.data(), ks.data(), kl.data(),
                                     out.data(), static_cast<int64_t>(reqs.size()), Hq, Hkv, D, scale);
-  std::vector<double> ref;
-  reference_attention(bench::to_double(q), bench::to_double(k), bench::to_double(v), L, Hq, Hkv, D, scale, ref);
+  const std::vector<double> ref = bench::ref::ragged_attention(
+      q.data(), k.data(), v.data(), L.q_start.data(), L.q_len.data(), L.kv_start.data(), L.kv_len.data(),
+      static_cast<int64_t>(reqs.size()), L.n_tokens, Hq, Hkv, D, scale, bench::ToDouble{});
   char name[200];
   std::snprintf(name, sizeof name, "ragged_attention<%s,%s> %s B=%zu T=%lld Hq=%lld Hkv=%lld D=%lld",
                 sizeof(T) == 2 ? "bf16" : "f32", sizeof(I) == 4 ? "i32" : "i64", label, reqs.size(),

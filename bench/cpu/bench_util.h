@@ -15,7 +15,7 @@
 #include <new>
 #include <vector>
 
-#include "../../csrc/cpu/cpu_kernels.h"
+#include "cpu/cpu_kernels.h"
 
 namespace bench {
 
@@ -71,6 +71,14 @@ void fill_random(V& v, Rng& rng, float lo = -1.0f, float hi = 1.0f) {
     e = orca::from_float<typename V::value_type>(x);
   }
 }
+
+// Element -> double, the conversion the shared references (bench/common/reference.h) read with.
+struct ToDouble {
+  template <typename T>
+  double operator()(T x) const {
+    return static_cast<double>(orca::to_float(x));
+  }
+};
 
 template <typename V>
 std::vector<double> to_double(const V& v) {

@@ -1,6 +1,7 @@
 // Shared helpers of the CUDA microbenchmarks (cudart only, no torch): error checks, random data,
 // host-side fp16/bf16 conversions, event timing (median), the device copy ceiling, and the
-// machine-readable `RESULT {json}` lines that bench/device_check.sh collects.
+// machine-readable `RESULT {json}` lines that bench/device_check.sh collects. The scalar
+// references the benchmarks validate against are shared with bench/cpu: bench/common/reference.h.
 #pragma once
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
@@ -18,6 +19,8 @@
 #include <string>
 #include <utility>
 #include <vector>
+
+#include "cuda/launchers.h"
 
 #define BENCH_CHECK(expr)                                                                             \
   do {                                                                                                \
@@ -62,6 +65,23 @@ template <typename T> inline T from_f(float x);
 template <> inline float from_f<float>(float x) { return x; }
 template <> inline __half from_f<__half>(float x) { return __float2half_rn(x); }
 template <> inline __nv_bfloat16 from_f<__nv_bfloat16>(float x) { return __float2bfloat16_rn(x); }
+
+// Element -> double, the conversion the shared references (bench/common/reference.h) read with.
+struct ToDouble {
+  template <typename T>
+  double operator()(T x) const {
+    return static_cast<double>(to_f(x));
+  }
+};
+
+template <typename T> inline orca::kernels::DType dtype_of();
+template <> inline orca::kernels::DType dtype_of<float>() { return orca::kernels::DType::kFloat32; }
+template <> inline orca::kernels::DType dtype_of<__half>() { return orca::kernels::DType::kFloat16; }
+template <> inline orca::kernels::DType dtype_of<__nv_bfloat16>() { return orca::kernels::DType::kBFloat16; }
+
+template <typename I> inline orca::kernels::IndexType index_type_of();
+template <> inline orca::kernels::IndexType index_type_of<int32_t>() { return orca::kernels::IndexType::kInt32; }
+template <> inline orca::kernels::IndexType index_type_of<int64_t>() { return orca::kernels::IndexType::kInt64; }
 
 template <typename T> inline const char* type_name();
 template <> inline const char* type_name<float>() { return "float32"; }

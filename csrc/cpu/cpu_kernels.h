@@ -1,6 +1,6 @@
 // Raw-pointer CPU kernels (C++17, OpenMP). No torch headers: the torch glue in
-// csrc/torch_ops.cpp and the microbenchmarks in bench/cpu/ both call these.
-// All arrays are contiguous row-major. Semantics: ../../shared/DESIGN.md section 4.
+// csrc/torch/cpu_ops.cpp and the microbenchmarks in bench/cpu/ both call these.
+// All arrays are contiguous row-major. Semantics: docs/DESIGN.md section 4 (the kernel contract).
 #pragma once
 #include <cstdint>
 #include <cstring>
@@ -36,10 +36,10 @@ namespace cpu {
 // post-attention and final norms, and by the torch glue's large-T path of rmsnorm_qkv
 // (normalise here, then one GEMM through ATen).
 template <typename T>
-void rmsnorm(const T* x,       // [T, H]
-             const T* weight,  // [H]
-             T* out,           // [T, H]
-             int64_t n_tokens, int64_t hidden, float eps);
+void rms_norm(const T* x,       // [T, H]
+              const T* weight,  // [H]
+              T* out,           // [T, H]
+              int64_t n_tokens, int64_t hidden, float eps);
 
 // out[T, N] = linear(rms_norm(x) * norm_weight, qkv_weight, qkv_bias); N = Nq*D + 2*Nkv*D.
 // The norm is computed in float32; accumulation is float32.

@@ -1,5 +1,5 @@
 // ragged_attention: causal attention over a flat batch of decodes, prefills and prefills over
-// a cached prefix, in one call (semantics in cpu_kernels.h and DESIGN.md section 4).
+// a cached prefix, in one call (semantics in cpu_kernels.h and docs/DESIGN.md section 4).
 //
 // Work decomposition: one work item = (request b, KV head g, tile of consecutive query rows).
 // The item handles all R = Hq/Hkv query heads that share KV head g together, so every K/V row

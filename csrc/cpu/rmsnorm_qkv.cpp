@@ -15,7 +15,7 @@
 
 #include "cpu_kernels.h"
 #include "gemm_impl.h"
-#include "rmsnorm_impl.h"
+#include "rms_norm_impl.h"
 #include "vec.h"
 
 namespace orca {

@@ -25,7 +25,7 @@ DEV = "cuda"
 TOL = {torch.float32: (2e-4, 2e-4), torch.float16: (5e-3, 5e-3), torch.bfloat16: (3e-2, 2e-2)}
 HALF_DTYPES = [torch.bfloat16, torch.float16]
 ALL_DTYPES = HALF_DTYPES + [torch.float32]
-FUSED_MAX_TOKENS = 64  # kRmsnormQkvFusedMaxTokens in csrc/kernels/launchers.h
+FUSED_MAX_TOKENS = 64  # kRmsnormQkvFusedMaxTokens in csrc/cuda/launchers.h
 
 
 def assert_close(actual: torch.Tensor, expected: torch.Tensor, dtype: torch.dtype, what: str) -> None:

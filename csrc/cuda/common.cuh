@@ -8,7 +8,7 @@
 
 #include <cstdint>
 
-#include "kernels/launchers.h"
+#include "cuda/launchers.h"
 
 namespace orca::kernels::detail {
 

@@ -13,7 +13,7 @@
 // Item order: prefill tiles first (heaviest causal tile of each request first), then decode
 // items; attention blocks take items in that order from an atomic counter (persistent blocks).
 #pragma once
-#include "kernels/common.cuh"
+#include "cuda/common.cuh"
 
 namespace orca::kernels::attn {
 

@@ -2,7 +2,7 @@
 // the launchers run once per layer per iteration).
 #include <atomic>
 
-#include "kernels/common.cuh"
+#include "cuda/common.cuh"
 
 namespace orca::kernels::detail {
 

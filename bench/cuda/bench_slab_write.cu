@@ -1,11 +1,13 @@
-// Microbenchmark of slab_write: scatter T tokens' K and V rows ([Hkv*D] each) into random slots of
-// the caches. Validates first (every written slot equals its token's row, every other slot is
-// untouched; tokens with out-of-range slots are skipped), then prints the median time and GB/s
-// (bytes read + written) next to the measured copy ceiling.
+// Microbenchmark of the CUDA slab_write: scatter T tokens' K and V rows ([Hkv*D] each) into random
+// slots of the caches. Validates first against the shared reference (bench/common/reference.h):
+// every written slot equals its token's row and every other slot is untouched, bit for bit;
+// tokens with out-of-range slots are skipped. Then prints the median time and GB/s (bytes read +
+// written) next to the measured copy ceiling.
 #include <numeric>
 
 #include "bench_util.cuh"
-#include "kernels/launchers.h"
+#include "common/reference.h"
+#include "cuda/launchers.h"
 
 namespace {
 
@@ -31,21 +33,15 @@ bool run_case(int n_tokens, int n_slots, int hkv, int d, bool bad_slots, const A
   const std::vector<T> vc0 = random_vec<T>(size_t(n_slots) * row, rng);
   DevBuf<T> dk(k), dv(v), dkc(kc0), dvc(vc0);
   DevBuf<I> ds(slots);
-  const kern::DType dt = sizeof(T) == 4 ? kern::DType::kFloat32
-                                        : (std::is_same<T, __half>::value ? kern::DType::kFloat16 : kern::DType::kBFloat16);
-  const kern::IndexType it = sizeof(I) == 4 ? kern::IndexType::kInt32 : kern::IndexType::kInt64;
+  const kern::DType dt = dtype_of<T>();
+  const kern::IndexType it = index_type_of<I>();
   auto launch = [&] {
     BENCH_CHECK(kern::slab_write(dt, it, dkc.ptr, dvc.ptr, dk.ptr, dv.ptr, ds.ptr, n_tokens, n_slots, row, nullptr));
   };
   launch();
   BENCH_CHECK(cudaDeviceSynchronize());
   std::vector<T> kc = kc0, vc = vc0;  // expected caches
-  for (int t = 0; t < n_tokens; ++t) {
-    const int64_t s = static_cast<int64_t>(slots[t]);
-    if (s < 0 || s >= n_slots) continue;
-    std::copy(k.begin() + t * row, k.begin() + (t + 1) * row, kc.begin() + s * row);
-    std::copy(v.begin() + t * row, v.begin() + (t + 1) * row, vc.begin() + s * row);
-  }
+  ref::slab_write(kc.data(), vc.data(), k.data(), v.data(), slots.data(), n_tokens, n_slots, row);
   const std::vector<T> gk = dkc.download(), gv = dvc.download();
   const bool same = std::memcmp(gk.data(), kc.data(), kc.size() * sizeof(T)) == 0 &&
                     std::memcmp(gv.data(), vc.data(), vc.size() * sizeof(T)) == 0;

@@ -1,19 +1,19 @@
-// rmsnorm: out[T, H] = rms_norm(x) * weight, norm in float32. Rows are independent, so the
+// rms_norm: out[T, H] = rms_norm(x) * weight, norm in float32. Rows are independent, so the
 // work is split over tokens; small inputs stay on the calling thread because waking the
 // OpenMP team costs more than normalising a few decode rows.
 #include <cstdint>
 
 #include "cpu_kernels.h"
-#include "rmsnorm_impl.h"
+#include "rms_norm_impl.h"
 
 namespace orca {
 namespace cpu {
 
 template <typename T>
-void rmsnorm(const T* x,       // [T, H]
-             const T* weight,  // [H]
-             T* out,           // [T, H]
-             int64_t n_tokens, int64_t hidden, float eps) {
+void rms_norm(const T* x,       // [T, H]
+              const T* weight,  // [H]
+              T* out,           // [T, H]
+              int64_t n_tokens, int64_t hidden, float eps) {
   const bool parallel = n_tokens > 1 && n_tokens * hidden >= (int64_t{1} << 15);
 #pragma omp parallel for schedule(static) if (parallel)
   for (int64_t t = 0; t < n_tokens; ++t) {
@@ -25,8 +25,8 @@ void rmsnorm(const T* x,       // [T, H]
   }
 }
 
-template void rmsnorm<float>(const float*, const float*, float*, int64_t, int64_t, float);
-template void rmsnorm<bf16>(const bf16*, const bf16*, bf16*, int64_t, int64_t, float);
+template void rms_norm<float>(const float*, const float*, float*, int64_t, int64_t, float);
+template void rms_norm<bf16>(const bf16*, const bf16*, bf16*, int64_t, int64_t, float);
 
 }  // namespace cpu
 }  // namespace orca

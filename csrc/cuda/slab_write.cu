@@ -2,7 +2,7 @@
 // 16-byte vector copies when the row size and all pointers allow; a slot outside [0, S) is
 // skipped so bad indices can never write out of bounds. The copy only depends on the element
 // size, so fp16 and bf16 share one instantiation.
-#include "kernels/common.cuh"
+#include "cuda/common.cuh"
 
 namespace orca::kernels {
 namespace {

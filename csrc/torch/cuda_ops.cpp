@@ -1,8 +1,6 @@
-// Torch-facing CUDA glue (see cuda_ops.h): device guard -> current stream -> dtype dispatch ->
-// raw-pointer launcher in csrc/kernels. Shapes, dtypes and devices were checked by torch_ops.cpp;
-// the few checks here protect the launchers' own assumptions (contiguity, alignment).
-// Index *values* are never read on the host (that would sync): the kernels skip bad indices.
-#include "cuda/cuda_ops.h"
+// CUDA glue (see cuda_ops.h): device guard -> current stream -> dtype dispatch -> raw-pointer
+// launcher in csrc/cuda. The few checks here protect the launchers' own assumptions.
+#include "cuda_ops.h"
 
 #include <ATen/ops/empty.h>
 #include <ATen/ops/linear.h>
@@ -11,7 +9,7 @@
 #include <c10/util/Exception.h>
 #include <cuda_runtime_api.h>
 
-#include "kernels/launchers.h"
+#include "cuda/launchers.h"
 
 namespace orca::cuda_ops {
 namespace {
@@ -49,54 +47,47 @@ cudaStream_t current_stream() { return c10::cuda::getCurrentCUDAStream().stream(
 
 }  // namespace
 
-at::Tensor rms_norm(const at::Tensor& x_in, const at::Tensor& weight_in, double eps) {
-  check_cuda(x_in, "x");
-  check_cuda(weight_in, "weight");
-  const c10::cuda::CUDAGuard guard(x_in.device());
-  const at::Tensor x = x_in.contiguous(), w = weight_in.contiguous();
+at::Tensor rms_norm(const at::Tensor& x, const at::Tensor& weight, double eps) {
+  check_cuda(x, "x");
+  check_cuda(weight, "weight");
+  const c10::cuda::CUDAGuard guard(x.device());
   at::Tensor out = at::empty(x.sizes(), x.options());
   if (x.numel() == 0) return out;
-  check_launch(kern::rms_norm(float_dtype(x, "x"), x.data_ptr(), w.data_ptr(), out.data_ptr(), x.size(0), x.size(1),
-                              static_cast<float>(eps), current_stream()),
+  check_launch(kern::rms_norm(float_dtype(x, "x"), x.data_ptr(), weight.data_ptr(), out.data_ptr(), x.size(0),
+                              x.size(1), static_cast<float>(eps), current_stream()),
                "rms_norm");
   return out;
 }
 
-at::Tensor rmsnorm_qkv(const at::Tensor& x_in, const at::Tensor& norm_weight_in, const at::Tensor& qkv_weight_in,
-                       const std::optional<at::Tensor>& qkv_bias_in, double eps) {
-  check_cuda(x_in, "x");
-  check_cuda(qkv_weight_in, "qkv_weight");
-  const c10::cuda::CUDAGuard guard(x_in.device());
-  const at::Tensor x = x_in.contiguous(), nw = norm_weight_in.contiguous(), w = qkv_weight_in.contiguous();
-  const bool has_bias = qkv_bias_in.has_value() && qkv_bias_in->defined();
-  const at::Tensor bias = has_bias ? qkv_bias_in->contiguous() : at::Tensor();
-  const std::optional<at::Tensor> bias_opt = has_bias ? std::optional<at::Tensor>(bias) : std::nullopt;
-  const int64_t n_tokens = x.size(0), hidden = x.size(1), n_out = w.size(0);
+at::Tensor rmsnorm_qkv(const at::Tensor& x, const at::Tensor& norm_weight, const at::Tensor& qkv_weight,
+                       const std::optional<at::Tensor>& qkv_bias, double eps) {
+  check_cuda(x, "x");
+  check_cuda(qkv_weight, "qkv_weight");
+  const c10::cuda::CUDAGuard guard(x.device());
+  const int64_t n_tokens = x.size(0), hidden = x.size(1), n_out = qkv_weight.size(0);
   if (n_tokens == 0 || n_out == 0) return at::empty({n_tokens, n_out}, x.options());
-  if (hidden == 0) return at::linear(x, w, bias_opt);  // no norm of an empty row: zeros (+ bias)
+  if (hidden == 0) return at::linear(x, qkv_weight, qkv_bias);  // no norm of an empty row: zeros (+ bias)
 
   const kern::DType dt = float_dtype(x, "x");
   // Decode-sized T: one fused kernel streams the weight once. Larger T (or shapes it cannot
   // serve): our rms_norm, then one cuBLAS GEMM through ATen (see kRmsnormQkvFusedMaxTokens).
-  if (kern::rmsnorm_qkv_fused_supported(dt, n_tokens, hidden, x.data_ptr(), nw.data_ptr(), w.data_ptr())) {
+  if (kern::rmsnorm_qkv_fused_supported(dt, n_tokens, hidden, x.data_ptr(), norm_weight.data_ptr(),
+                                        qkv_weight.data_ptr())) {
     at::Tensor out = at::empty({n_tokens, n_out}, x.options());
-    check_launch(kern::rmsnorm_qkv_fused(dt, x.data_ptr(), nw.data_ptr(), w.data_ptr(),
-                                         has_bias ? bias.data_ptr() : nullptr, out.data_ptr(), n_tokens, hidden,
-                                         n_out, static_cast<float>(eps), current_stream()),
+    check_launch(kern::rmsnorm_qkv_fused(dt, x.data_ptr(), norm_weight.data_ptr(), qkv_weight.data_ptr(),
+                                         qkv_bias.has_value() ? qkv_bias->data_ptr() : nullptr, out.data_ptr(),
+                                         n_tokens, hidden, n_out, static_cast<float>(eps), current_stream()),
                  "rmsnorm_qkv");
     return out;
   }
-  return at::linear(rms_norm(x, nw, eps), w, bias_opt);
+  return at::linear(rms_norm(x, norm_weight, eps), qkv_weight, qkv_bias);
 }
 
-void slab_write(at::Tensor& k_cache, at::Tensor& v_cache, const at::Tensor& k_in, const at::Tensor& v_in,
-                const at::Tensor& slots_in) {
+void slab_write(at::Tensor& k_cache, at::Tensor& v_cache, const at::Tensor& k, const at::Tensor& v,
+                const at::Tensor& slots) {
   check_cuda(k_cache, "k_cache");
-  check_cuda(slots_in, "slots");
-  TORCH_CHECK_VALUE(k_cache.is_contiguous() && v_cache.is_contiguous(),
-                    "k_cache and v_cache must be contiguous (they are written in place)");
+  check_cuda(slots, "slots");
   const c10::cuda::CUDAGuard guard(k_cache.device());
-  const at::Tensor k = k_in.contiguous(), v = v_in.contiguous(), slots = slots_in.contiguous();
   const int64_t n_tokens = k.size(0), row_elems = k.size(1) * k.size(2);
   if (n_tokens == 0 || row_elems == 0) return;
   check_launch(kern::slab_write(float_dtype(k_cache, "k_cache"), index_type(slots, "slots"), k_cache.data_ptr(),
@@ -105,21 +96,16 @@ void slab_write(at::Tensor& k_cache, at::Tensor& v_cache, const at::Tensor& k_in
                "slab_write");
 }
 
-at::Tensor ragged_attention(const at::Tensor& q_in, const at::Tensor& k_cache_in, const at::Tensor& v_cache_in,
-                            const at::Tensor& q_start_in, const at::Tensor& q_len_in, const at::Tensor& kv_start_in,
-                            const at::Tensor& kv_len_in, double scale) {
-  check_cuda(q_in, "q");
-  check_cuda(q_start_in, "q_start");
-  const c10::cuda::CUDAGuard guard(q_in.device());
-  const at::Tensor q = q_in.contiguous(), k_cache = k_cache_in.contiguous(), v_cache = v_cache_in.contiguous();
-  // One index type for the kernel (torch_ops already unifies them; this keeps the launcher safe).
-  const bool same = q_len_in.scalar_type() == q_start_in.scalar_type() &&
-                    kv_start_in.scalar_type() == q_start_in.scalar_type() &&
-                    kv_len_in.scalar_type() == q_start_in.scalar_type();
-  auto prep = [&](const at::Tensor& t) { return (same ? t : t.to(at::kLong)).contiguous(); };
-  const at::Tensor q_start = prep(q_start_in), q_len = prep(q_len_in), kv_start = prep(kv_start_in),
-                   kv_len = prep(kv_len_in);
-
+at::Tensor ragged_attention(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
+                            const at::Tensor& q_start, const at::Tensor& q_len, const at::Tensor& kv_start,
+                            const at::Tensor& kv_len, double scale) {
+  check_cuda(q, "q");
+  check_cuda(q_start, "q_start");
+  // The launcher reads all four index arrays with the one type it is given.
+  TORCH_INTERNAL_ASSERT(q_len.scalar_type() == q_start.scalar_type() &&
+                        kv_start.scalar_type() == q_start.scalar_type() &&
+                        kv_len.scalar_type() == q_start.scalar_type());
+  const c10::cuda::CUDAGuard guard(q.device());
   const int64_t n_tokens = q.size(0), n_q_heads = q.size(1), head_dim = q.size(2);
   const int64_t n_slots = k_cache.size(0), n_kv_heads = k_cache.size(1), n_requests = q_start.size(0);
   // The launcher zeroes rows owned by no valid request (as the reference does), so no memset here.

@@ -3,7 +3,7 @@
 // query row: lanes score 32 keys at a time, then accumulate P V with lane-parallel head dims.
 // Simple and exact enough (float32 throughout); not tuned.
 #pragma once
-#include "kernels/common.cuh"
+#include "cuda/common.cuh"
 
 namespace orca::kernels::attn {
 

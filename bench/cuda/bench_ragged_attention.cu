@@ -1,14 +1,16 @@
-// Microbenchmark of ragged_attention (csrc/kernels): validates every case against a float64 CPU
-// reference on random data first (exit 1 on mismatch), then times the launcher (work-list kernel +
-// attention kernel) and prints median time with achieved GB/s (decode) or TFLOP/s (prefill) next
-// to the measured copy ceiling. Shapes follow the issue table:
+// Microbenchmark of the CUDA ragged_attention (csrc/cuda/attention): validates every case against
+// the float64 reference (bench/common/reference.h) on random data first (exit 1 on mismatch), then
+// times the launcher (work-list kernel + attention kernel) and prints median time with achieved
+// GB/s (decode) or TFLOP/s (prefill) next to the measured copy ceiling. Target shapes (the floors
+// are in bench/RESULTS.md):
 //   decode  B=64, contexts U[128, 2048], Hq 16 / Hkv 8, D 128, bf16
 //   prefill 4 x 2048 causal, same heads
 // --small runs only small validation cases (for compute-sanitizer).
 #include <numeric>
 
 #include "bench_util.cuh"
-#include "kernels/launchers.h"
+#include "common/reference.h"
+#include "cuda/launchers.h"
 
 namespace {
 
@@ -25,11 +27,6 @@ struct Case {
   int extra_rows = 0;    // trailing query rows owned by no request: must come out as zeros
 };
 
-template <typename T> kern::DType dtype_of();
-template <> kern::DType dtype_of<__half>() { return kern::DType::kFloat16; }
-template <> kern::DType dtype_of<__nv_bfloat16>() { return kern::DType::kBFloat16; }
-template <> kern::DType dtype_of<float>() { return kern::DType::kFloat32; }
-
 template <typename I>
 const void* upload_index(const std::vector<int>& v, std::vector<std::unique_ptr<DevBuf<I>>>& keep) {
   std::vector<I> h(v.begin(), v.end());
@@ -41,7 +38,7 @@ template <typename T>
 bool run_case(const Case& c, const Args& args, double copy_gbps, uint64_t seed) {
   std::mt19937_64 rng(seed);
   const int B = static_cast<int>(c.q_len.size());
-  const int hq = c.hq, hkv = c.hkv, D = c.d, G = hq / hkv;
+  const int hq = c.hq, hkv = c.hkv, D = c.d;
   // Query rows in a shuffled request order; slabs scattered with gaps, also shuffled.
   std::vector<int> order(B);
   std::iota(order.begin(), order.end(), 0);
@@ -88,7 +85,7 @@ bool run_case(const Case& c, const Args& args, double copy_gbps, uint64_t seed) 
   const double atol = sizeof(T) == 4 ? 1e-4 : (std::is_same<T, __half>::value ? 3e-3 : 1e-2);
   const double rtol = sizeof(T) == 4 ? 1e-4 : (std::is_same<T, __half>::value ? 1e-2 : 2e-2);
   Checker chk{atol, rtol};
-  std::vector<double> s, o(D);
+  std::vector<double> o(size_t(hq) * D);
   for (int b = 0; b < B; ++b) {
     const int ql = c.q_len[b], kl = c.kv_len[b];
     std::vector<int> rows;
@@ -100,29 +97,10 @@ bool run_case(const Case& c, const Args& args, double copy_gbps, uint64_t seed) 
       while (static_cast<int>(rows.size()) < c.sample_rows) rows.push_back(static_cast<int>(rng() % ql));
     }
     for (int i : rows) {
-      const int last = kl - ql + i;
-      for (int h = 0; h < hq; ++h) {
-        const int g = h / G;
-        const T* qr = &q[(size_t(q_start[b] + i) * hq + h) * D];
-        s.assign(last + 1, 0.0);
-        double mx = -INFINITY;
-        for (int j = 0; j <= last; ++j) {
-          const T* kr = &kc[(size_t(kv_start[b] + j) * hkv + g) * D];
-          double acc = 0.0;
-          for (int e = 0; e < D; ++e) acc += double(to_f(qr[e])) * double(to_f(kr[e]));
-          s[j] = acc * scale;
-          mx = std::max(mx, s[j]);
-        }
-        double sum = 0.0;
-        for (int j = 0; j <= last; ++j) sum += (s[j] = std::exp(s[j] - mx));
-        std::fill(o.begin(), o.end(), 0.0);
-        for (int j = 0; j <= last; ++j) {
-          const T* vr = &vc[(size_t(kv_start[b] + j) * hkv + g) * D];
-          for (int e = 0; e < D; ++e) o[e] += s[j] / sum * double(to_f(vr[e]));
-        }
-        const size_t base = (size_t(q_start[b] + i) * hq + h) * D;
-        for (int e = 0; e < D; ++e) chk.add(to_f(out[base + e]), o[e], "out", base + e);
-      }
+      const size_t base = size_t(q_start[b] + i) * hq * D;
+      ref::attention_row(&q[base], kc.data(), vc.data(), kv_start[b], kl - ql + i + 1, hq, hkv, D, scale, ToDouble{},
+                         o.data());
+      for (size_t e = 0; e < o.size(); ++e) chk.add(to_f(out[base + e]), o[e], "out", base + e);
     }
   }
   for (size_t i = size_t(n_tokens - c.extra_rows) * hq * D; i < out.size(); ++i) chk.add(to_f(out[i]), 0.0, "unowned", i);

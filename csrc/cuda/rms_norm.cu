@@ -1,7 +1,7 @@
 // rms_norm: one block per row. Pass 1 accumulates the sum of squares in float32 with 16-byte
 // loads, a block reduction gives 1/rms, pass 2 re-reads the row (now in L1) and writes
 // round(x * inv_rms * weight) -- one rounding, as the float64 reference.
-#include "kernels/common.cuh"
+#include "cuda/common.cuh"
 
 namespace orca::kernels {
 namespace {

@@ -1,4 +1,4 @@
-// One row of RMS normalisation in float32, shared by rmsnorm and rmsnorm_qkv.
+// One row of RMS normalisation in float32, shared by rms_norm and rmsnorm_qkv.
 #pragma once
 #include <cmath>
 #include <cstdint>

@@ -1,7 +1,7 @@
 // Host-side launch of the tensor-core attention kernel, one definition per element type
 // (attention_mma_bf16.cu, attention_mma_fp16.cu) so the heavy instantiations compile in parallel.
 #pragma once
-#include "kernels/attention_worklist.cuh"
+#include "cuda/attention/attention_worklist.cuh"
 
 namespace orca::kernels::attn {
 

@@ -2,8 +2,8 @@
 // head dims 64/80/96/128), or the CUDA-core fallback (float32, other head dims <= 256).
 #include <cmath>
 
-#include "kernels/attention_generic.cuh"
-#include "kernels/attention_mma_launch.h"
+#include "cuda/attention/attention_generic.cuh"
+#include "cuda/attention/attention_mma_launch.h"
 
 namespace orca::kernels {
 namespace {

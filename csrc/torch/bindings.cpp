@@ -1,13 +1,15 @@
 // The pybind11 module orca_ext._C. This is the only translation unit that includes the
 // (slow to compile) torch/pybind glue; everything else sees ATen or raw pointers only.
+// Entry points: ops.h (checks and device dispatch); the KV slot allocator: ../slab_allocator.h.
 #include <torch/csrc/utils/pybind.h>
 
 #include <c10/util/Exception.h>
 
 #include <stdexcept>
 
+#include "cpu_ops.h"
+#include "ops.h"
 #include "slab_allocator.h"
-#include "torch_ops.h"
 
 namespace py = pybind11;
 
@@ -39,16 +41,13 @@ PYBIND11_MODULE(_C, m) {
         "ragged_attention(q[T,Hq,D], k_cache[S,Hkv,D], v_cache, q_start[B], q_len[B], kv_start[B], kv_len[B], "
         "scale) -> [T,Hq,D]; causal per request, GQA, softmax in float32");
   py::dict fused_max;  // rmsnorm_qkv on CPU: largest T that runs the fused kernel, per dtype
-  fused_max["float32"] = orca::kCpuFusedMaxTokensFloat;
-  fused_max["bfloat16"] = orca::kCpuFusedMaxTokensBf16;
-  fused_max["wide_outputs"] = orca::kCpuWideOutputs;  // float32 with at least this many outputs ...
-  fused_max["float32_wide"] = orca::kCpuFusedMaxTokensWide;  // ... stays fused up to this many tokens
+  fused_max["float32"] = orca::cpu_ops::kCpuFusedMaxTokensFloat;
+  fused_max["bfloat16"] = orca::cpu_ops::kCpuFusedMaxTokensBf16;
+  fused_max["wide_outputs"] = orca::cpu_ops::kCpuWideOutputs;  // float32 with at least this many outputs ...
+  fused_max["float32_wide"] = orca::cpu_ops::kCpuFusedMaxTokensWide;  // ... stays fused up to this many tokens
   m.attr("CPU_FUSED_MAX_TOKENS") = fused_max;
-#ifdef ORCA_WITH_CUDA
-  m.attr("WITH_CUDA") = true;
-#else
-  m.attr("WITH_CUDA") = false;
-#endif
+  m.def("built_with_cuda", &orca::built_with_cuda,
+        "True when CUDA tensors dispatch to the CUDA kernels (the extension was built against a CUDA torch).");
 
   // std::invalid_argument becomes ValueError through pybind11's default translation.
   py::class_<orca::SlabAllocator>(m, "SlabAllocator",
@@ -57,7 +56,6 @@ PYBIND11_MODULE(_C, m) {
       .def("allocate", &orca::SlabAllocator::allocate, py::arg("n"),
            "Start slot of a free contiguous run of n slots, or -1 if none exists.")
       .def("free", &orca::SlabAllocator::free, py::arg("start"), "Return the slab that starts at `start`.")
-      .def("slab_size", &orca::SlabAllocator::slab_size, py::arg("start"))
       .def_property_readonly("n_slots", &orca::SlabAllocator::n_slots)
       .def_property_readonly("n_used", &orca::SlabAllocator::n_used)
       .def_property_readonly("n_free", &orca::SlabAllocator::n_free)

@@ -1,5 +1,5 @@
 // bfloat16 instantiations of the tensor-core ragged attention (head dims 64, 80, 96, 128).
-#include "kernels/attention_mma_instantiate.cuh"
+#include "cuda/attention/attention_mma_instantiate.cuh"
 
 namespace orca::kernels::attn {
 

@@ -15,7 +15,7 @@
 // beyond that the problem is compute-bound and a tiled cuBLAS GEMM (through torch) is faster.
 #include <atomic>
 
-#include "kernels/common.cuh"
+#include "cuda/common.cuh"
 
 namespace orca::kernels {
 namespace {

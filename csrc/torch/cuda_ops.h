@@ -1,7 +1,8 @@
 // Torch-facing CUDA glue, compiled only when the installed torch has CUDA (ORCA_WITH_CUDA).
-// csrc/torch_ops.cpp has already checked ranks, shapes, index ranges' dtypes and that every
-// tensor is on the same CUDA device before calling these. Each function then does:
-// device guard -> current stream -> dtype dispatch (fp16, bf16, fp32) -> launcher in csrc/kernels.
+// ops.cpp has already checked ranks, shapes and dtypes, that every tensor is on one CUDA device,
+// made every input contiguous and given the index tensors one type. Each function then does:
+// device guard -> current stream -> dtype dispatch (fp16, bf16, fp32) -> launcher in csrc/cuda.
+// Index *values* are never read on the host (that would sync): the kernels skip bad indices.
 #pragma once
 #include <ATen/core/Tensor.h>
 #include <optional>
@@ -27,7 +28,7 @@ void slab_write(at::Tensor& k_cache,       // [S, Hkv, D]
 at::Tensor ragged_attention(const at::Tensor& q,         // [T, Hq, D]
                             const at::Tensor& k_cache,   // [S, Hkv, D]
                             const at::Tensor& v_cache,   // [S, Hkv, D]
-                            const at::Tensor& q_start,   // [B] int32 or int64
+                            const at::Tensor& q_start,   // [B], one index type for all four
                             const at::Tensor& q_len,     // [B]
                             const at::Tensor& kv_start,  // [B]
                             const at::Tensor& kv_len,    // [B]

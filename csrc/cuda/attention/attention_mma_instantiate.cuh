@@ -3,8 +3,8 @@
 #pragma once
 #include <atomic>
 
-#include "kernels/attention_mma.cuh"
-#include "kernels/attention_mma_launch.h"
+#include "cuda/attention/attention_mma.cuh"
+#include "cuda/attention/attention_mma_launch.h"
 
 namespace orca::kernels::attn {
 

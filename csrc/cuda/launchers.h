@@ -1,11 +1,12 @@
-// Host entry points of the hand-written CUDA kernels (csrc/kernels/*.cu). Plain C++: usable from
-// the torch glue (csrc/cuda/cuda_ops.cpp) and the cudart-only microbenchmarks (bench/cuda/*.cu).
-// No torch headers here or in any kernel source.
+// Host entry points of the hand-written CUDA kernels (csrc/cuda/*.cu, csrc/cuda/attention/*.cu).
+// Plain C++: usable from the torch glue (csrc/torch/cuda_ops.cpp) and the cudart-only
+// microbenchmarks (bench/cuda/*.cu). No torch headers here or in any kernel source.
 //
 // Conventions: every array is contiguous, row-major, 16-byte aligned unless said otherwise; every
 // launcher enqueues on `stream`, never synchronises, and returns the first CUDA error it met
 // (cudaErrorInvalidValue for arguments it cannot serve). Nothing reads device memory on the host,
-// so every launcher is CUDA-graph capturable. Semantics: ../../../shared/DESIGN.md section 4.
+// so every launcher is CUDA-graph capturable. Semantics: docs/DESIGN.md section 4, the kernel
+// contract.
 #pragma once
 #include <cuda_runtime_api.h>
 

@@ -6,7 +6,7 @@
 //   sK [2][64][D+8], sV [2][64][D+8] double-buffered K/V tiles, filled with 16-byte cp.async
 // Scores are kept in the log2 domain (scale * log2(e) folded in) and exponentiated with ex2.
 #pragma once
-#include "kernels/attention_worklist.cuh"
+#include "cuda/attention/attention_worklist.cuh"
 
 namespace orca::kernels::attn {
 
