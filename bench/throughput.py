@@ -276,7 +276,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
 
     from orca_ext.models import load_tokenizer
     from orca_ext.models.config import ModelSpec
-    from orca_ext.server import resolve_device, resolve_dtype
+    from orca_ext.resources import resolve_device, resolve_dtype
 
     if args.model is None:
         from orca_ext.default_model import default_model_path

@@ -80,11 +80,6 @@ class Request:
         self.generator = None              # per-request torch.Generator, made on first sampled step
         self.version = 0                   # bumped whenever a new snapshot is available
         self.stop_searched = 0             # detokenized chars already searched for stop strings
-        # Owned by the server (under its lock): who is waiting for this request's outputs.
-        self.cond = None                   # threading.Condition on the server lock, made on demand
-        self.watchers: list = []           # callbacks (asyncio wake-ups) run on every new snapshot
-        self.consumers = 0                 # active result()/stream() calls
-        self.delivered = False             # the final output has been handed to a caller
 
     # -- Algorithm 1 accessors -------------------------------------------------------------
     @property

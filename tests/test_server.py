@@ -21,7 +21,7 @@ from orca_ext.errors import InvalidRequestError, ServerClosedError
 from orca_ext.request import Request
 from orca_ext.sampling import SamplingParams
 from orca_ext.scheduler import make_scheduler
-from orca_ext.server import Server, parse_bytes, resolve_device, resolve_dtype
+from orca_ext.server import Server
 
 V = FakeSpec().vocab_size
 
@@ -457,7 +457,7 @@ def test_undelivered_outputs_are_bounded(make_server, caplog):
     server = make_server(max_batch_size=1, max_undelivered_outputs=3)
     ids = [server.submit([i + 1], SamplingParams(max_tokens=2)) for i in range(5)]
     last = server.submit([9], SamplingParams(max_tokens=1))
-    with caplog.at_level(logging.WARNING, logger="orca_ext.server"):
+    with caplog.at_level(logging.WARNING, logger="orca_ext.delivery"):
         server.result(last)  # FCFS with batch size 1: all earlier requests have finished
     assert sum("dropping" in r.message for r in caplog.records) == 2
     for rid in ids[:2]:
@@ -499,9 +499,6 @@ def test_kv_budget_sizes_n_slots(make_server, monkeypatch):
     assert make_server(n_slots=None).n_slots == 128
     capped = make_server(n_slots=None, kv_cache_memory="1GiB", max_batch_size=2, max_model_len=300)
     assert capped.n_slots == 600  # never more than max_batch_size full-length requests
-    assert parse_bytes("2GiB") == 2 << 30 and parse_bytes("1.5k") == 1536
-    with pytest.raises(ValueError, match="memory"):
-        parse_bytes("lots")
     with pytest.raises(ValueError, match="kv_cache_memory"):
         Server(FakeModel(), kv_cache_memory="lots")
     monkeypatch.setenv("ORCA_EXT_KV_CACHE_MEMORY", "4")
@@ -517,12 +514,9 @@ def test_bad_server_configuration():
     with pytest.raises(ValueError, match="max_model_len"):
         Server(FakeModel(), max_model_len=10**6, n_slots=10)
     with pytest.raises(ValueError, match="device"):
-        resolve_device("tpu")
+        Server("/nonexistent-model-folder", device="tpu")
     with pytest.raises(ValueError, match="dtype"):
-        resolve_dtype("int8", resolve_device("cpu"))
-    with pytest.raises(ValueError, match="float16"):
-        resolve_dtype("float16", resolve_device("cpu"))
-    assert str(resolve_dtype("auto", resolve_device("cpu"))) == "torch.float32"
+        Server("/nonexistent-model-folder", device="cpu", dtype="int8")
 
 
 # -- command line -----------------------------------------------------------------------------------

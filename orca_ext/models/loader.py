@@ -16,16 +16,12 @@ from typing import Any, Sequence
 
 import torch
 
+from ..resources import resolve_dtype
 from .causal_lm import CausalLM, LayerWeights
 from .config import ModelSpec
 
 log = logging.getLogger(__name__)
 
-_DTYPES = {
-    "float32": torch.float32, "fp32": torch.float32, "float": torch.float32,
-    "bfloat16": torch.bfloat16, "bf16": torch.bfloat16,
-    "float16": torch.float16, "fp16": torch.float16, "half": torch.float16,
-}
 _TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "vocab.json")  # any one makes a tokenizer
 # Everything a transformers tokenizer folder may hold (for copying one next to new weights).
 TOKENIZER_FOLDER_FILES = ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja",
@@ -40,18 +36,6 @@ def copy_tokenizer_files(src: str | Path, dst: str | Path) -> None:
     for name in TOKENIZER_FOLDER_FILES:
         if (src / name).is_file():
             shutil.copy2(src / name, dst / name)
-
-
-def resolve_dtype(dtype: torch.dtype | str | None, device: torch.device) -> torch.dtype:
-    """torch dtype from a dtype or a name; "auto"/None = bfloat16 on CUDA, float32 elsewhere."""
-    if isinstance(dtype, torch.dtype):
-        return dtype
-    if dtype is None or dtype == "auto":
-        return torch.bfloat16 if device.type == "cuda" else torch.float32
-    try:
-        return _DTYPES[str(dtype).lower()]
-    except KeyError:
-        raise ValueError(f"dtype={dtype!r} is unsupported; use one of float32, bfloat16, float16, auto") from None
 
 
 class SafetensorsFolder:
