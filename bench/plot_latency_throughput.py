@@ -2,7 +2,7 @@
 
 For each scheduling policy (`orca`: iteration-level scheduling; `static`: request-level
 batching, the baseline) one `python -m orca_ext serve --scheduler POLICY` subprocess is
-started, then bench/serving.py offers Poisson load at a sweep of arrival rates, the policies
+started, then the serving benchmark (orca_ext/benchmarks/serving.py) offers Poisson load at a sweep of arrival rates, the policies
 taking turns at each rate. Every rate
 uses the same seeded workload for both policies: prompts of U[8, 128] tokens (the paper's
 U[32, 512] scaled by 1/4) and outputs of U[1, 128] tokens (forced with ignore_eos).
@@ -32,11 +32,12 @@ from pathlib import Path
 
 import httpx
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from serving import run_benchmark  # noqa: E402
+REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO))  # a checkout without an install
+
+from orca_ext.benchmarks.serving import parse_goodput, run_benchmark  # noqa: E402
 
 logger = logging.getLogger("bench.latency_throughput")
-REPO = Path(__file__).resolve().parents[1]
 
 
 # -- server subprocess ---------------------------------------------------------------------------
@@ -237,8 +238,6 @@ def main(argv: list[str] | None = None) -> int:
     args = p.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     logging.getLogger("httpx").setLevel(logging.WARNING)
-    from serving import parse_goodput
-
     args.goodput_limits = parse_goodput(args.goodput)
     prefix = Path(args.out_prefix)
     if args.replot:

@@ -1,61 +1,24 @@
 """Command line: `python -m orca_ext generate|bench|serve` (console script `orca-ext`).
 
     generate "prompt"   stream one answer to the terminal (chat template applied by default)
-    bench [...]         the throughput benchmark (bench/throughput.py): orca vs static vs transformers
+    bench [...]         the throughput benchmark (orca_ext/benchmarks/throughput.py): orca vs
+                        static vs transformers
     serve [...]         the OpenAI-compatible HTTP server (needs fastapi/uvicorn)
 
-Engine options are shared by all subcommands through `add_engine_arguments` / `engine_kwargs`.
+Engine options are shared by all subcommands through orca_ext/options.py.
 """
 from __future__ import annotations
 
 import argparse
-import importlib.util
 import logging
 import sys
 import time
-from pathlib import Path
 from typing import Optional, Sequence
 
+from .http import serve
+from .options import add_engine_arguments, engine_kwargs
+
 log = logging.getLogger(__name__)
-
-
-def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
-    """The Server options every subcommand accepts (including --model)."""
-    g = parser.add_argument_group("engine")
-    g.add_argument("--model", default=None,
-                   help="Hugging Face model folder (default: the embedded SmolLM2-135M-Instruct)")
-    g.add_argument("--device", default="auto", help="cpu | cuda | cuda:N | auto (default auto)")
-    g.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"],
-                   help="weights/KV dtype (default auto: bfloat16 on GPU, float32 on CPU)")
-    g.add_argument("--max-batch-size", type=int, default=32, help="requests per iteration (default 32)")
-    g.add_argument("--n-slots", type=int, default=None,
-                   help="KV cache capacity in tokens (default: derived from --kv-cache-memory)")
-    g.add_argument("--kv-cache-memory", default=None,
-                   help="KV cache budget, e.g. 2GiB (default $ORCA_EXT_KV_CACHE_MEMORY, else "
-                        "min(2 GiB, 25%% of free RAM) on CPU, 90%% of free GPU memory on GPU)")
-    g.add_argument("--max-model-len", type=int, default=None,
-                   help="longest prompt + output in tokens (default: the model's context, capped to n_slots)")
-    g.add_argument("--scheduler", default="orca", choices=["orca", "static"],
-                   help="orca = iteration-level scheduling, static = request-level baseline")
-
-
-def engine_kwargs(args: argparse.Namespace) -> dict:
-    """Server(**engine_kwargs(args)) keyword arguments from parsed add_engine_arguments options."""
-    return dict(model=getattr(args, "model", None), device=args.device, dtype=args.dtype,
-                max_batch_size=args.max_batch_size, n_slots=args.n_slots,
-                max_model_len=args.max_model_len, scheduler=args.scheduler,
-                kv_cache_memory=args.kv_cache_memory)
-
-
-def _bench_module():
-    """bench/throughput.py of the source tree (the benchmark is not part of the installed package)."""
-    path = Path(__file__).resolve().parent.parent / "bench" / "throughput.py"
-    if not path.is_file():
-        raise SystemExit(f"benchmark script not found at {path}; run from a source checkout")
-    spec = importlib.util.spec_from_file_location("orca_ext_bench_throughput", path)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -76,17 +39,11 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("-v", "--verbose", action="store_true", help="log engine progress and print stats")
     add_engine_arguments(gen)
 
-    # Handled before parsing (its options belong to bench/throughput.py); listed for --help.
+    # Handled before parsing (its options belong to the benchmark's own parser); listed for --help.
     sub.add_parser("bench", add_help=False,
                    help="throughput benchmark: orca vs static vs transformers (see `bench --help`)")
 
-    serve = sub.add_parser("serve", help="OpenAI-compatible HTTP server")
-    try:
-        from .http.serve import add_arguments
-    except ImportError as exc:  # fastapi/uvicorn missing: the other subcommands still work
-        serve.set_defaults(serve_error=str(exc))
-    else:
-        add_arguments(serve)
+    serve.add_arguments(sub.add_parser("serve", help="OpenAI-compatible HTTP server"))
     return parser
 
 
@@ -145,15 +102,12 @@ def _generate(args: argparse.Namespace) -> int:
 def main(argv: Optional[Sequence[str]] = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     if argv and argv[0] == "bench":
-        return int(_bench_module().main(argv[1:]) or 0)
+        from .benchmarks.throughput import main as bench_main
+
+        return int(bench_main(argv[1:]) or 0)
     args = build_parser().parse_args(argv)
     if args.command == "generate":
         return _generate(args)
     if args.command == "serve":
-        if getattr(args, "serve_error", None):
-            print(f"error: `serve` needs the HTTP extras (fastapi, uvicorn): {args.serve_error}", file=sys.stderr)
-            return 2
-        from .http.serve import main as serve_main
-
-        return int(serve_main(args) or 0)
+        return int(serve.main(args) or 0)
     raise AssertionError(args.command)  # pragma: no cover - argparse enforces the choices

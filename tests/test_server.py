@@ -519,55 +519,6 @@ def test_bad_server_configuration():
         Server("/nonexistent-model-folder", device="cpu", dtype="int8")
 
 
-# -- command line -----------------------------------------------------------------------------------
-def test_cli_engine_arguments_round_trip():
-    import argparse
-
-    from orca_ext.cli import add_engine_arguments, engine_kwargs
-
-    parser = argparse.ArgumentParser()
-    add_engine_arguments(parser)
-    args = parser.parse_args(["--device", "cpu", "--dtype", "bfloat16", "--max-batch-size", "4",
-                              "--n-slots", "512", "--max-model-len", "256", "--scheduler", "static",
-                              "--kv-cache-memory", "1GiB", "--model", "/m"])
-    assert engine_kwargs(args) == dict(model="/m", device="cpu", dtype="bfloat16", max_batch_size=4,
-                                       n_slots=512, max_model_len=256, scheduler="static",
-                                       kv_cache_memory="1GiB")
-    defaults = engine_kwargs(parser.parse_args([]))
-    assert defaults["model"] is None and defaults["max_batch_size"] == 32 and defaults["scheduler"] == "orca"
-
-
-def test_cli_generate_streams_the_greedy_answer(default_model_dir, capsys):
-    from orca_ext.cli import main
-
-    prompt = "The capital of France is"
-    with Server(str(default_model_dir), device="cpu", n_slots=256) as server:
-        want = server.generate([prompt], SamplingParams(max_tokens=8))[0].text
-    assert main(["generate", prompt, "--no-chat", "--max-tokens", "8", "--device", "cpu",
-                 "--n-slots", "256", "--model", str(default_model_dir)]) == 0
-    assert capsys.readouterr().out == want + "\n"
-    assert main(["generate", prompt, "--max-tokens", "0", "--n-slots", "256"]) == 2
-    assert "max_tokens" in capsys.readouterr().err
-
-
-def test_cli_bench_compares_three_systems(tiny_model_dir, tmp_path):
-    import json
-
-    from orca_ext.cli import main
-
-    out = tmp_path / "bench.json"
-    assert main(["bench", "--model", str(tiny_model_dir("llama")), "--requests", "5", "--prompt-len", "3", "9",
-                 "--output-len", "2", "6", "--static-batch-size", "2", "--max-batch-size", "4",
-                 "--device", "cpu", "--n-slots", "200", "--no-progress", "--out", str(out)]) == 0
-    report = json.loads(out.read_text())
-    res = report["results"]
-    assert set(res) == {"orca", "static", "hf"} and set(report["ratios"]) == {"orca/static", "orca/hf", "static/hf"}
-    useful = {r["output_tokens"] for r in res.values()}
-    assert len(useful) == 1 and 10 <= useful.pop() <= 30  # each system counts only useful tokens
-    assert res["orca"]["iterations"] < res["static"]["iterations"]
-    assert main(["bench", "--systems", "orca,vllm"]) == 2
-
-
 def test_model_folder_without_tokenizer_serves_token_ids(tiny_model_dir, tmp_path):
     import shutil
 

@@ -2,33 +2,27 @@
 
 The CLI (orca_ext/cli.py) declares the subcommand and calls `add_arguments(parser)` and
 `main(args)` here. Engine options (device, dtype, batch size, KV slots, scheduler, ...) come
-from `orca_ext.cli.add_engine_arguments` / `engine_kwargs`, shared with the other subcommands.
+from orca_ext/options.py, shared with the other subcommands. FastAPI and uvicorn are imported
+only when the server starts, so the rest of the command line works without the HTTP extras.
 """
 
 from __future__ import annotations
 
 import argparse
-import json
 import logging
 import os
+import sys
 from typing import Any
+
+from ..options import add_engine_arguments, engine_kwargs
 
 logger = logging.getLogger(__name__)
 
 API_KEY_ENV = "ORCA_EXT_API_KEY"
 
 
-def _has_option(parser: argparse.ArgumentParser, option: str) -> bool:
-    return option in parser._option_string_actions  # argparse keeps no public lookup
-
-
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    from orca_ext.cli import add_engine_arguments
-
     add_engine_arguments(parser)
-    if not _has_option(parser, "--model"):
-        parser.add_argument("--model", default=None,
-                            help="Hugging Face model folder (default: the embedded SmolLM2-135M-Instruct)")
     g = parser.add_argument_group("HTTP server")
     g.add_argument("--host", default="127.0.0.1",
                    help="address to bind (default 127.0.0.1: loopback only; 0.0.0.0 exposes it)")
@@ -47,54 +41,27 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                    help="logging level (default info)")
 
 
-def _model_limits(server: Any, model_dir: str) -> tuple[int | None, int | None]:
-    """(max_model_len, vocab_size) for /v1/models and chat defaults: what the Server reports,
-    else the model's config.json."""
-    max_len = getattr(server, "max_model_len", None)
-    vocab = getattr(server, "vocab_size", None)
-    try:
-        with open(os.path.join(model_dir, "config.json")) as f:
-            config = json.load(f)
-        max_len = max_len or config.get("max_position_embeddings")
-        vocab = vocab or config.get("vocab_size")
-    except OSError:
-        logger.warning("no config.json in %s: /v1/models will not report limits", model_dir)
-    return max_len, vocab
-
-
 def build_app(args: argparse.Namespace) -> tuple[Any, Any]:
     """(server, app) from parsed arguments; the caller shuts the server down."""
-    from orca_ext import Server
-    from orca_ext.cli import engine_kwargs
-
+    from ..server import Server
     from .app import create_app
 
-    model_dir = args.model
-    if model_dir is None:
-        from orca_ext.default_model import default_model_path
-
-        model_dir = str(default_model_path())
-    kwargs = dict(engine_kwargs(args))
-    kwargs["model"] = model_dir
-    logger.info("loading %s with %s", model_dir, {k: v for k, v in kwargs.items() if k != "model"})
+    kwargs = engine_kwargs(args)
+    logger.info("starting the engine with %s", kwargs)
     server = Server(**kwargs)
-    tokenizer = getattr(server, "tokenizer", None)
-    if tokenizer is None:
-        from orca_ext.models.loader import load_tokenizer
-
-        tokenizer = load_tokenizer(model_dir)
-    max_model_len, vocab_size = _model_limits(server, model_dir)
-    model_name = args.served_model_name or os.path.basename(os.path.normpath(model_dir))
+    model_name = args.served_model_name or os.path.basename(os.path.normpath(server.model_path))
     app = create_app(server, model_name=model_name, max_queue=args.max_queue, api_key=args.api_key,
-                     tokenizer=tokenizer, max_body_bytes=args.max_body_bytes,
-                     default_max_tokens=args.default_max_tokens, max_model_len=max_model_len,
-                     vocab_size=vocab_size)
+                     max_body_bytes=args.max_body_bytes, default_max_tokens=args.default_max_tokens)
     return server, app
 
 
 def main(args: argparse.Namespace) -> int:
-    import uvicorn
-
+    try:
+        import fastapi  # noqa: F401
+        import uvicorn
+    except ImportError as exc:
+        print(f"error: `serve` needs the HTTP extras (pip install 'orca_ext[serve]'): {exc}", file=sys.stderr)
+        return 2
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     for name, value in (("--max-queue", args.max_queue), ("--max-body-bytes", args.max_body_bytes),
                         ("--default-max-tokens", args.default_max_tokens)):

@@ -1,0 +1,40 @@
+"""Command-line options of the engine, shared by `generate`, `serve` and `bench`.
+
+`add_engine_arguments(parser)` declares them (including --model) and `engine_kwargs(args)` turns
+the parsed values into `Server(**kwargs)` keyword arguments, so every entry point spells each
+option one way.
+"""
+from __future__ import annotations
+
+import argparse
+
+from .resources import DTYPES
+from .scheduler import SCHEDULERS
+
+
+def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
+    """The Server options every subcommand accepts (including --model)."""
+    g = parser.add_argument_group("engine")
+    g.add_argument("--model", default=None,
+                   help="Hugging Face model folder (default: the embedded SmolLM2-135M-Instruct)")
+    g.add_argument("--device", default="auto", help="cpu | cuda | cuda:N | auto (default auto)")
+    g.add_argument("--dtype", default="auto", choices=["auto", *DTYPES],
+                   help="weights/KV dtype (default auto: bfloat16 on GPU, float32 on CPU)")
+    g.add_argument("--max-batch-size", type=int, default=32, help="requests per iteration (default 32)")
+    g.add_argument("--n-slots", type=int, default=None,
+                   help="KV cache capacity in tokens (default: derived from --kv-cache-memory)")
+    g.add_argument("--kv-cache-memory", default=None,
+                   help="KV cache budget, e.g. 2GiB (default $ORCA_EXT_KV_CACHE_MEMORY, else "
+                        "min(2 GiB, 25%% of free RAM) on CPU, 90%% of free GPU memory on GPU)")
+    g.add_argument("--max-model-len", type=int, default=None,
+                   help="longest prompt + output in tokens (default: the model's context, capped to n_slots)")
+    g.add_argument("--scheduler", default="orca", choices=list(SCHEDULERS),
+                   help="orca = iteration-level scheduling, static = request-level baseline")
+
+
+def engine_kwargs(args: argparse.Namespace) -> dict:
+    """Server(**engine_kwargs(args)) keyword arguments from parsed add_engine_arguments options."""
+    return dict(model=args.model, device=args.device, dtype=args.dtype,
+                max_batch_size=args.max_batch_size, n_slots=args.n_slots,
+                max_model_len=args.max_model_len, scheduler=args.scheduler,
+                kv_cache_memory=args.kv_cache_memory)

@@ -1,0 +1,81 @@
+"""The command line (`orca-ext generate|bench|serve`) and the shared engine options."""
+from __future__ import annotations
+
+import argparse
+import json
+import subprocess
+import sys
+import tomllib
+from pathlib import Path
+
+from setuptools import find_packages
+
+from orca_ext.cli import build_parser, main
+from orca_ext.options import add_engine_arguments, engine_kwargs
+from orca_ext.sampling import SamplingParams
+from orca_ext.server import Server
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def test_engine_arguments_round_trip():
+    parser = argparse.ArgumentParser()
+    add_engine_arguments(parser)
+    args = parser.parse_args(["--device", "cpu", "--dtype", "bfloat16", "--max-batch-size", "4",
+                              "--n-slots", "512", "--max-model-len", "256", "--scheduler", "static",
+                              "--kv-cache-memory", "1GiB", "--model", "/m"])
+    assert engine_kwargs(args) == dict(model="/m", device="cpu", dtype="bfloat16", max_batch_size=4,
+                                       n_slots=512, max_model_len=256, scheduler="static",
+                                       kv_cache_memory="1GiB")
+    defaults = engine_kwargs(parser.parse_args([]))
+    assert defaults["model"] is None and defaults["max_batch_size"] == 32 and defaults["scheduler"] == "orca"
+
+
+def test_serve_takes_the_engine_options_and_its_own():
+    args = build_parser().parse_args(["serve", "--model", "/m", "--scheduler", "static", "--port", "9",
+                                      "--max-queue", "3", "--served-model-name", "x"])
+    assert engine_kwargs(args)["model"] == "/m" and engine_kwargs(args)["scheduler"] == "static"
+    assert (args.port, args.max_queue, args.served_model_name) == (9, 3, "x")
+
+
+def test_generate_streams_the_greedy_answer(default_model_dir, capsys):
+    prompt = "The capital of France is"
+    with Server(str(default_model_dir), device="cpu", n_slots=256) as server:
+        want = server.generate([prompt], SamplingParams(max_tokens=8))[0].text
+    assert main(["generate", prompt, "--no-chat", "--max-tokens", "8", "--device", "cpu",
+                 "--n-slots", "256", "--model", str(default_model_dir)]) == 0
+    assert capsys.readouterr().out == want + "\n"
+    assert main(["generate", prompt, "--max-tokens", "0", "--n-slots", "256"]) == 2
+    assert "max_tokens" in capsys.readouterr().err
+
+
+def test_bench_compares_three_systems(tiny_model_dir, tmp_path):
+    out = tmp_path / "new" / "bench.json"  # the benchmark creates the folder
+    assert main(["bench", "--model", str(tiny_model_dir("llama")), "--requests", "5", "--prompt-len", "3", "9",
+                 "--output-len", "2", "6", "--static-batch-size", "2", "--max-batch-size", "4",
+                 "--device", "cpu", "--n-slots", "200", "--no-progress", "--out", str(out)]) == 0
+    report = json.loads(out.read_text())
+    res = report["results"]
+    assert set(res) == {"orca", "static", "hf"} and set(report["ratios"]) == {"orca/static", "orca/hf", "static/hf"}
+    useful = {r["output_tokens"] for r in res.values()}
+    assert len(useful) == 1 and 10 <= useful.pop() <= 30  # each system counts only useful tokens
+    assert res["orca"]["iterations"] < res["static"]["iterations"]
+    assert main(["bench", "--systems", "orca,vllm"]) == 2
+
+
+def test_bench_runs_outside_the_checkout(tmp_path):
+    proc = subprocess.run([sys.executable, "-m", "orca_ext", "bench", "--help"], cwd=tmp_path,
+                          capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr
+    assert "usage: orca-ext bench" in proc.stdout and "--static-batch-size" in proc.stdout
+
+
+def test_every_package_folder_ships_in_the_wheel():
+    """Each folder of orca_ext that holds Python files is a package the wheel's discovery finds
+    (a missing __init__.py would silently leave it out, as a missing orca_ext/benchmarks would
+    break `orca-ext bench` from a wheel)."""
+    include = tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["setuptools"]["packages"]["find"]["include"]
+    shipped = set(find_packages(where=str(ROOT), include=include))
+    folders = {".".join(p.parent.relative_to(ROOT).parts) for p in (ROOT / "orca_ext").rglob("*.py")}
+    assert "orca_ext.benchmarks" in folders
+    assert folders <= shipped, sorted(folders - shipped)
