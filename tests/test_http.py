@@ -460,35 +460,15 @@ def test_queue_full_backpressure(engine, server, model_name):
             assert ok.status_code == 200 and ok.json()["usage"]["completion_tokens"] >= 1
 
 
-# -- the contract-only fallback ----------------------------------------------------------------
+# -- in-process app ------------------------------------------------------------------------------
 
-def test_app_over_contract_only_server(engine, tokenizer):
-    """create_app over an object with only the contract's blocking stream() (no stream_async):
-    snapshots then come through the thread bridge; answers equal the engine's."""
+def test_app_in_process_matches_engine(engine):
+    """create_app over the in-process Server, through ASGI without a socket: the plain and the
+    streamed answer equal the engine's, and the request leaves nothing running."""
     from orca_ext import SamplingParams
     from orca_ext.http import create_app
 
-    class ContractOnly:  # docs/DESIGN.md section 5, nothing more
-        def __init__(self, s):
-            self._s = s
-
-        def submit(self, prompt, params=None, *, request_id=None):
-            return self._s.submit(prompt, params, request_id=request_id)
-
-        def stream(self, rid):
-            return self._s.stream(rid)
-
-        def abort(self, rid):
-            return self._s.abort(rid)
-
-        def result(self, rid, timeout=None):
-            return self._s.result(rid, timeout)
-
-        def stats(self):
-            return self._s.stats()
-
-    assert not hasattr(ContractOnly(engine), "stream_async")
-    app = create_app(ContractOnly(engine), model_name="m", max_queue=4, api_key=None, tokenizer=tokenizer)
+    app = create_app(engine, model_name="m", max_queue=4, api_key=None)
     prompt = "The three primary colours are"
     ref = engine.generate(prompt, SamplingParams(max_tokens=10, ignore_eos=True))[0]
 
@@ -497,17 +477,20 @@ def test_app_over_contract_only_server(engine, tokenizer):
             body = {"model": "m", "prompt": prompt, "max_tokens": 10, "temperature": 0, "ignore_eos": True}
             plain = await c.post("/v1/completions", json=body)
             streamed = await c.post("/v1/completions", json={**body, "stream": True})
-            return plain, streamed
+            card = await c.get("/v1/models/m")
+            return plain, streamed, card
 
-    plain, streamed = asyncio.run(go())
+    plain, streamed, card = asyncio.run(go())
     assert plain.status_code == 200 and plain.json()["choices"][0]["text"] == ref.text
     events = _sse_events(streamed.text.splitlines())
     assert events[-1] == "[DONE]"
     assert "".join(json.loads(e)["choices"][0]["text"] for e in events[:-1]) == ref.text
+    assert card.json()["max_model_len"] == engine.max_model_len and card.json()["vocab_size"] == engine.vocab_size
     assert engine.stats()["running"] == 0
+    assert app.state.service.inflight == 0
 
 
-def test_internal_error_is_a_logged_500(engine, tokenizer, caplog):
+def test_internal_error_is_a_logged_500(engine, caplog):
     """A bug (here: submit raising RuntimeError) answers 500 in OpenAI's shape, is logged with the
     request id, releases its queue place and leaves the server serving."""
     from orca_ext.http import create_app
@@ -524,7 +507,7 @@ def test_internal_error_is_a_logged_500(engine, tokenizer, caplog):
                 raise RuntimeError("simulated bug")
             return self._s.submit(prompt, params, request_id=request_id)
 
-    app = create_app(Buggy(engine), model_name="m", max_queue=1, api_key=None, tokenizer=tokenizer)
+    app = create_app(Buggy(engine), model_name="m", max_queue=1, api_key=None)
 
     async def go():
         async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://app") as c:
@@ -540,3 +523,59 @@ def test_internal_error_is_a_logged_500(engine, tokenizer, caplog):
     assert any(rid in r.getMessage() and r.exc_info for r in caplog.records)
     assert good.status_code == 200  # max_queue=1: the failed request gave its place back
     assert app.state.service.inflight == 0
+
+
+def test_engine_errors_and_stream_bugs_answer_in_openai_shape(caplog):
+    """A request the engine fails answers 500 engine_error (JSON) or an in-band error event then
+    [DONE] (SSE); a bug while streaming is an in-band internal_error. Each names the request id,
+    and every admission is given back."""
+    from fake_model import FakeModel, FakeTokenizer
+    from orca_ext import Server
+    from orca_ext.http import create_app
+
+    poison = 99
+
+    class BreaksMidStream:
+        def __init__(self, s):
+            self._s = s
+
+        def __getattr__(self, name):
+            return getattr(self._s, name)
+
+        async def _broken(self, rid):
+            async for out in self._s.stream_async(rid):
+                yield out
+                raise RuntimeError("simulated bug while streaming")
+
+        def stream_async(self, rid):
+            return self._broken(rid)
+
+    with Server(FakeModel(nan_token=poison), tokenizer=FakeTokenizer(), n_slots=200) as server:
+        failing = create_app(server, model_name="m", max_queue=2)
+        buggy = create_app(BreaksMidStream(server), model_name="m", max_queue=2)
+        bad = {"prompt": [1, poison, 2], "max_tokens": 5}
+        good = {"prompt": [3, 4], "max_tokens": 30, "ignore_eos": True, "stream": True}
+
+        async def go():
+            async with httpx.AsyncClient(transport=httpx.ASGITransport(app=failing), base_url="http://a") as c:
+                plain = await c.post("/v1/completions", json=bad)
+                streamed = await c.post("/v1/completions", json={**bad, "stream": True})
+            async with httpx.AsyncClient(transport=httpx.ASGITransport(app=buggy), base_url="http://b") as c:
+                broken = await c.post("/v1/completions", json=good)
+            return plain, streamed, broken
+
+        with caplog.at_level("ERROR"):
+            plain, streamed, broken = asyncio.run(go())
+        err = _check_error(plain, 500, None)
+        assert err["code"] == "engine_error" and "non-finite" in err["message"]
+        assert plain.headers["x-request-id"] in err["message"]
+        for response, code in ((streamed, "engine_error"), (broken, "internal_error")):
+            assert response.status_code == 200
+            events = _sse_events(response.text.splitlines())
+            assert events[-1] == "[DONE]"
+            error = json.loads(events[-2])["error"]
+            assert error["code"] == code and response.headers["x-request-id"] in error["message"]
+        assert len(_sse_events(broken.text.splitlines())) == 3  # one chunk, the error, [DONE]
+        assert any("simulated bug while streaming" in str(r.exc_info) for r in caplog.records)
+        assert failing.state.service.inflight == 0 and buggy.state.service.inflight == 0
+        assert server.stats()["waiting"] == 0 and server.stats()["undelivered_outputs"] == 0

@@ -7,7 +7,11 @@ so that the official ``openai`` client raises its typed exceptions (BadRequestEr
 
 from __future__ import annotations
 
+import logging
+
 from fastapi.responses import JSONResponse
+
+logger = logging.getLogger(__name__)
 
 # OpenAI's error "type" per status code (the client keys on the status, humans on the type).
 _TYPE_BY_STATUS = {
@@ -59,6 +63,17 @@ class APIError(Exception):
 
 def bad_request(message: str, param: str | None = None, code: str | None = None) -> APIError:
     return APIError(400, message, param=param, code=code)
+
+
+def internal_error(rid: str) -> APIError:
+    """A bug on our side while serving request `rid` (the details go to the log, not the client)."""
+    return APIError(500, f"Internal server error (request {rid})", code="internal_error")
+
+
+def engine_error(rid: str, error: str | None) -> APIError:
+    """The engine finished request `rid` with finish_reason 'error'."""
+    logger.error("request %s failed inside the engine: %s", rid, error)
+    return APIError(500, f"The engine failed on this request ({rid}): {error}", code="engine_error")
 
 
 # Field names the engine's InvalidRequestError messages may start with or mention, in the

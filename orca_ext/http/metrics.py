@@ -7,16 +7,14 @@ Two sources:
   the engine and not the network;
 - engine state, read from ``server.stats()`` at scrape time by a custom collector: waiting,
   running, KV slots reserved/used, iterations, and the mean iteration time since the
-  previous scrape = busy time / iterations run. Busy time is ``stats()["busy_seconds"]`` when
-  the Server reports it; otherwise the HTTP layer's own clock of the time during which it had
-  requests in flight (the engine has work exactly then when all requests come over HTTP).
+  previous scrape = busy seconds / iterations run (``stats()["busy_seconds"]`` is the engine
+  loop's time inside steps).
 """
 
 from __future__ import annotations
 
 import logging
 import threading
-import time
 from typing import Any, Callable, Iterable
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
@@ -46,46 +44,19 @@ _STAT_COUNTERS = {
 }
 
 
-class BusyClock:
-    """Accumulates the wall time between start() and stop() (thread-safe, idempotent)."""
-
-    def __init__(self) -> None:
-        self._lock = threading.Lock()
-        self._since: float | None = None
-        self._total = 0.0
-
-    def start(self) -> None:
-        with self._lock:
-            if self._since is None:
-                self._since = time.monotonic()
-
-    def stop(self) -> None:
-        with self._lock:
-            if self._since is not None:
-                self._total += time.monotonic() - self._since
-                self._since = None
-
-    def seconds(self) -> float:
-        with self._lock:
-            running = 0.0 if self._since is None else time.monotonic() - self._since
-            return self._total + running
-
-
 class _EngineCollector(Collector):
     """Reads server.stats() on every scrape."""
 
-    def __init__(self, stats: Callable[[], dict], busy_clock: BusyClock) -> None:
+    def __init__(self, stats: Callable[[], dict]) -> None:
         self._stats = stats
-        self._busy_clock = busy_clock
         self._lock = threading.Lock()
         self._prev: tuple[float, float] | None = None  # (iterations, busy seconds) at the last scrape
         self._iter_time: float | None = None
 
     def _iteration_time(self, stats: dict) -> float | None:
         """Mean seconds per iteration since the last scrape; kept while no iteration runs."""
-        iterations = float(stats.get("iterations", 0))
-        busy = stats.get("busy_seconds")
-        busy = float(busy) if isinstance(busy, (int, float)) else self._busy_clock.seconds()
+        iterations = float(stats["iterations"])
+        busy = float(stats["busy_seconds"])
         with self._lock:
             if self._prev is not None:
                 d_iter = iterations - self._prev[0]
@@ -144,8 +115,7 @@ class Metrics:
                               buckets=_TPOT_BUCKETS, registry=r)
         self.e2e = Histogram(f"{PREFIX}_e2e_request_latency_seconds", "Arrival to finish, per request.",
                              buckets=_E2E_BUCKETS, registry=r)
-        self.busy_clock = BusyClock()
-        r.register(_EngineCollector(stats, self.busy_clock))
+        r.register(_EngineCollector(stats))
 
     def observe_finished(self, endpoint: str, out: Any) -> None:
         """Record one request that the engine finished (any finish reason)."""

@@ -1,0 +1,211 @@
+"""The HTTP layer's per-app state and the steps every completion request goes through.
+
+`Service` holds the app's configuration and its admission count; `Admission` is one request's
+place in the --max-queue budget. The checks that run before admission (auth, body size, model
+name) never touch the engine, so malformed or oversize input costs no engine work.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hmac
+import logging
+from typing import Any
+
+from fastapi import Request
+from pydantic import ValidationError
+
+from ..errors import InvalidRequestError, ServerClosedError
+from ..models import apply_chat_template
+from ..sampling import SamplingParams
+from ..server import Server
+from . import protocol
+from .errors import APIError, bad_request, param_from_engine_message
+from .metrics import Metrics
+
+logger = logging.getLogger(__name__)
+
+
+def validation_error(exc: ValidationError) -> APIError:
+    """First pydantic error as a 400 naming the field (dotted path, e.g. messages.0.role)."""
+    err = exc.errors(include_url=False)[0]
+    loc = ".".join(str(p) for p in err.get("loc", ()))
+    if err["type"] == "json_invalid":
+        return bad_request(f"Malformed JSON body: {err.get('ctx', {}).get('error', err['msg'])}",
+                           code="invalid_json")
+    if err["type"] == "extra_forbidden":
+        return bad_request(f"Unrecognized request argument supplied: {loc}", param=loc)
+    if err["type"] == "model_type" and not loc:
+        return bad_request("The request body must be a JSON object", code="invalid_json")
+    if err["type"] == "missing":
+        return bad_request(f"Missing required parameter: {loc}", param=loc)
+    msg = err["msg"].removeprefix("Value error, ")
+    return bad_request(msg if loc and msg.startswith(loc) else f"{loc}: {msg}", param=loc or None)
+
+
+class Admission:
+    """One admitted request's hold on the queue; closing is idempotent (stream end, disconnect,
+    error paths may all try)."""
+
+    def __init__(self, service: "Service", rid: str, endpoint: str) -> None:
+        self.service = service
+        self.rid = rid
+        self.endpoint = endpoint
+        self.submitted = False
+        self.finished = False
+        self._closed = False
+
+    def close(self) -> None:
+        if self._closed:
+            return
+        self._closed = True
+        self.service.inflight -= 1
+        self.service.metrics.inflight.set(self.service.inflight)
+        if self.submitted and not self.finished:
+            # The client is gone (or we failed): free the slab now, not when max_tokens is reached.
+            server = self.service.server
+            try:
+                aborted = server.abort(self.rid)
+                self.service.metrics.observe_rejected(self.endpoint, "abort")
+                logger.info("request %s aborted (client disconnected or failed; was live: %s)", self.rid, aborted)
+                # Collect the final output so the server releases the id now instead of keeping
+                # an undelivered output around (abort() finishes the request synchronously).
+                server.result(self.rid, timeout=0)
+            except (KeyError, TimeoutError):
+                pass
+            except Exception:  # cleanup runs in finally blocks: never mask the original error
+                logger.exception("request %s: abort failed", self.rid)
+
+
+class Service:
+    def __init__(self, server: Server, *, model_name: str, max_queue: int, api_key: str | None,
+                 max_body_bytes: int, default_max_tokens: int) -> None:
+        if max_queue < 1:
+            raise ValueError(f"max_queue must be >= 1 (got {max_queue})")
+        self.server = server
+        self.model_name = model_name
+        self.max_queue = max_queue
+        self.api_key = api_key
+        self.max_body_bytes = max_body_bytes
+        self.default_max_tokens = default_max_tokens
+        self.created = protocol.now()
+        self.inflight = 0
+        self.metrics = Metrics(server.stats)
+
+    def model_card(self) -> dict:
+        return protocol.model_card(self.model_name, self.created, self.server.max_model_len,
+                                   self.server.vocab_size)
+
+    # -- checks before admission -------------------------------------------------------------
+
+    def check_auth(self, request: Request) -> None:
+        if self.api_key is None:
+            return
+        header = request.headers.get("authorization", "")
+        scheme, _, token = header.partition(" ")
+        if scheme.lower() != "bearer" or not hmac.compare_digest(token.strip().encode(), self.api_key.encode()):
+            raise APIError(401, "Invalid or missing API key: send 'Authorization: Bearer <key>'",
+                           code="invalid_api_key", headers={"WWW-Authenticate": "Bearer"})
+
+    async def read_body(self, request: Request) -> bytes:
+        limit = self.max_body_bytes
+        declared = request.headers.get("content-length")
+        too_big = APIError(413, f"Request body over the limit of {limit} bytes", code="request_too_large")
+        if declared is not None and declared.isdigit() and int(declared) > limit:
+            raise too_big
+        chunks, size = [], 0
+        async for chunk in request.stream():
+            size += len(chunk)
+            if size > limit:  # chunked uploads declare no length
+                raise too_big
+            chunks.append(chunk)
+        return b"".join(chunks)
+
+    def check_model(self, name: str | None) -> None:
+        if name is not None and name != self.model_name:
+            raise APIError(404, f"The model '{name}' does not exist; this server serves '{self.model_name}'",
+                           param="model", code="model_not_found")
+
+    def admit(self, rid: str, endpoint: str) -> Admission:
+        if self.inflight >= self.max_queue:
+            raise APIError(429, f"Server busy: {self.inflight} requests in flight (limit --max-queue "
+                           f"{self.max_queue}); retry later", code="queue_full", headers={"Retry-After": "1"})
+        self.inflight += 1
+        self.metrics.inflight.set(self.inflight)
+        return Admission(self, rid, endpoint)
+
+    # -- prompts --------------------------------------------------------------------------------
+
+    def chat_prompt_ids(self, messages: list[dict[str, str]]) -> list[int]:
+        tokenizer = self.server.tokenizer
+        if tokenizer is None:
+            raise APIError(500, "chat completions need a tokenizer and this server has none")
+        try:
+            rendered = apply_chat_template(tokenizer, messages)
+        except (ValueError, TypeError, KeyError) as exc:
+            raise bad_request(f"messages: the chat template rejected them: {exc}", "messages") from exc
+        except Exception as exc:  # jinja2.TemplateError (e.g. "roles must alternate") is the client's
+            if type(exc).__module__.startswith("jinja2"):
+                raise bad_request(f"messages: the chat template rejected them: {exc}", "messages") from exc
+            raise
+        # The template already wrote the special tokens (BOS, role markers) as text.
+        return list(tokenizer.encode(rendered, add_special_tokens=False))
+
+    def chat_default_max_tokens(self, prompt_len: int) -> int:
+        limit = min(self.server.max_model_len, self.server.n_slots)
+        return max(1, min(self.default_max_tokens, limit - prompt_len))
+
+    # -- engine ---------------------------------------------------------------------------------
+
+    async def submit(self, adm: Admission, prompt: str | list[int], body: protocol._SamplingFields,
+                     max_tokens: int, max_tokens_field: str, prompt_field: str) -> None:
+        try:
+            params = SamplingParams(**body.sampling_kwargs(max_tokens))
+            # submit tokenizes string prompts: keep that off the event loop.
+            await asyncio.to_thread(self.server.submit, prompt, params, request_id=adm.rid)
+        except ServerClosedError as exc:
+            raise APIError(503, "The server is shutting down", code="server_closed",
+                           headers={"Retry-After": "5"}) from exc
+        except InvalidRequestError as exc:
+            message = str(exc)
+            if max_tokens_field != "max_tokens":  # say it in the client's words
+                message = message.replace("max_tokens", max_tokens_field)
+            raise bad_request(message, param_from_engine_message(
+                str(exc), max_tokens_name=max_tokens_field, prompt_name=prompt_field)) from exc
+        adm.submitted = True
+
+    async def collect(self, adm: Admission, request: Request) -> Any:
+        """The final output, or None when the client disconnected first (the caller's
+        admission.close() then aborts the request)."""
+        stream = self.server.stream_async(adm.rid)
+
+        async def last() -> Any:
+            final = None
+            async for out in stream:
+                final = out
+            return final
+
+        result_task = asyncio.ensure_future(last())
+        watch_task = asyncio.ensure_future(_wait_disconnect(request))
+        try:
+            done, _ = await asyncio.wait({result_task, watch_task}, return_when=asyncio.FIRST_COMPLETED)
+            if result_task not in done:
+                logger.info("request %s: client disconnected before the result", adm.rid)
+                return None
+            final = result_task.result()
+        finally:
+            watch_task.cancel()
+            if not result_task.done():
+                result_task.cancel()
+        if final is not None and final.finished:
+            adm.finished = True
+            self.metrics.observe_finished(adm.endpoint, final)
+        return final
+
+
+async def _wait_disconnect(request: Request) -> None:
+    # After the body is read, the only message left for this request is http.disconnect.
+    while True:
+        message = await request.receive()
+        if message["type"] == "http.disconnect":
+            return
