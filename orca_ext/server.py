@@ -2,8 +2,9 @@
 
 One background thread runs the engine loop; any number of user threads and asyncio tasks submit,
 stream, wait and abort concurrently. All request state is guarded by one lock; the loop releases
-it while the model runs. Device, dtype and KV sizing are decided by `resources`; waiting for
-outputs and the request-id lifecycle belong to `delivery.OutputBroker`.
+it while the model runs. Device, dtype and KV sizing are decided by `resources`; prompts and
+limits are checked by `validation`; waiting for outputs and the request-id lifecycle belong to
+`delivery.OutputBroker`.
 """
 from __future__ import annotations
 
@@ -24,29 +25,11 @@ from .request import IterationRecord, Request, RequestOutput
 from .resources import kv_budget, plan_kv_cache, resolve_device, resolve_dtype
 from .sampling import SamplingParams
 from .scheduler import SCHEDULERS, make_scheduler
+from .validation import LockedTokenizer, Prompt, RequestValidator
 
 log = logging.getLogger(__name__)
 
-Prompt = Union[str, Sequence[int]]
-
 DEFAULT_MAX_UNDELIVERED = 4096   # finished outputs nobody has collected yet
-
-
-class _LockedTokenizer:
-    """Serialises tokenizer calls: HF fast tokenizers may raise 'Already borrowed' when encode
-    (which resets truncation/padding state) runs concurrently with another call."""
-
-    def __init__(self, tokenizer):
-        self.tokenizer = tokenizer
-        self._lock = threading.Lock()
-
-    def encode(self, text: str) -> list[int]:
-        with self._lock:
-            return list(self.tokenizer.encode(text))
-
-    def decode(self, ids, **kwargs) -> str:
-        with self._lock:
-            return self.tokenizer.decode(ids, **kwargs)
 
 
 def _load(model: Any, device, dtype, tokenizer: Any) -> tuple[Any, Any, Optional[str]]:
@@ -107,7 +90,7 @@ class Server:
         self.device: torch.device = torch.device(self.model.device)
         self.dtype: torch.dtype = self.model.dtype
         self.tokenizer = tokenizer
-        self._tok = _LockedTokenizer(tokenizer) if tokenizer is not None else None
+        self._tok = LockedTokenizer(tokenizer) if tokenizer is not None else None
         self.vocab_size: int = int(spec.vocab_size)
         eos = set(spec.eos_token_ids or ())
         tok_eos = getattr(tokenizer, "eos_token_id", None) if tokenizer is not None else None
@@ -130,6 +113,7 @@ class Server:
         self.max_batch_size = max_batch_size
         self.scheduler_policy = scheduler
         self.record_iterations = record_iterations
+        self._validator = RequestValidator(self._tok, self.vocab_size, self.max_model_len, self.n_slots)
 
         sched = make_scheduler(scheduler, max_batch_size, self.n_slots)
         self._engine = Engine(self.model, sched, record_iterations=record_iterations)
@@ -161,8 +145,8 @@ class Server:
             raise InvalidRequestError(f"params must be a SamplingParams, got {type(params).__name__}")
         if request_id is not None and (not isinstance(request_id, str) or not request_id):
             raise InvalidRequestError(f"request_id must be a non-empty string, got {request_id!r}")
-        prompt_ids = self._prompt_ids(prompt)
-        self._validate(prompt_ids, params)
+        prompt_ids = self._validator.prompt_ids(prompt)
+        self._validator.check(prompt_ids, params)
         detok = (IncrementalDetokenizer(self._tok, prompt_ids) if self._tok is not None else None)
         with self._lock:
             if self._closed:
@@ -174,51 +158,6 @@ class Server:
             self._engine.add_request(req)
             self._work.notify()
         return request_id
-
-    def _prompt_ids(self, prompt: Prompt) -> list[int]:
-        if isinstance(prompt, str):
-            if not prompt:
-                raise InvalidRequestError("prompt must not be empty")
-            if self._tok is None:
-                raise InvalidRequestError("prompt: a text prompt needs a tokenizer; pass token ids")
-            ids = self._tok.encode(prompt)
-            if not ids:
-                raise InvalidRequestError("prompt must not be empty (it encodes to no tokens)")
-            return ids
-        try:
-            ids = list(prompt)
-        except TypeError:
-            raise InvalidRequestError(
-                f"prompt must be a string or a list of token ids, got {type(prompt).__name__}") from None
-        if not ids:
-            raise InvalidRequestError("prompt must not be empty")
-        for i, t in enumerate(ids):
-            if hasattr(t, "item") and not isinstance(t, int):  # numpy / torch scalars
-                t = t.item()
-                ids[i] = t
-            if not isinstance(t, int) or isinstance(t, bool):
-                raise InvalidRequestError(f"prompt[{i}] must be an integer token id, got {t!r}")
-            if not 0 <= t < self.vocab_size:
-                raise InvalidRequestError(
-                    f"prompt[{i}] = {t} is outside the vocabulary [0, {self.vocab_size})")
-        return ids
-
-    def _validate(self, prompt_ids: list[int], params: SamplingParams) -> None:
-        n = len(prompt_ids) + params.max_tokens
-        if n > self.max_model_len:
-            raise InvalidRequestError(
-                f"len(prompt) + max_tokens = {len(prompt_ids)} + {params.max_tokens} = {n} exceeds "
-                f"max_model_len = {self.max_model_len}")
-        if n > self.n_slots:
-            raise InvalidRequestError(
-                f"len(prompt) + max_tokens = {len(prompt_ids)} + {params.max_tokens} = {n} exceeds "
-                f"n_slots = {self.n_slots} (the KV cache capacity)")
-        for i, t in enumerate(params.stop_token_ids):
-            if t >= self.vocab_size:
-                raise InvalidRequestError(
-                    f"stop_token_ids[{i}] = {t} is outside the vocabulary [0, {self.vocab_size})")
-        if params.stop and self._tok is None:
-            raise InvalidRequestError("stop: stop strings need a tokenizer, and this model has none")
 
     # -- results ----------------------------------------------------------------------------------
     def result(self, request_id: str, timeout: Optional[float] = None) -> RequestOutput:

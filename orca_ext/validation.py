@@ -1,0 +1,87 @@
+"""From user input to a request the engine can run, or an InvalidRequestError that names the
+field and the limit. Nothing here touches the engine, so a rejected request costs no engine work.
+"""
+from __future__ import annotations
+
+import threading
+from typing import Optional, Sequence, Union
+
+from .errors import InvalidRequestError
+from .sampling import SamplingParams
+
+Prompt = Union[str, Sequence[int]]
+
+
+class LockedTokenizer:
+    """Serialises tokenizer calls: HF fast tokenizers may raise 'Already borrowed' when encode
+    (which resets truncation/padding state) runs concurrently with another call."""
+
+    def __init__(self, tokenizer):
+        self.tokenizer = tokenizer
+        self._lock = threading.Lock()
+
+    def encode(self, text: str) -> list[int]:
+        with self._lock:
+            return list(self.tokenizer.encode(text))
+
+    def decode(self, ids, **kwargs) -> str:
+        with self._lock:
+            return self.tokenizer.decode(ids, **kwargs)
+
+
+class RequestValidator:
+    """Checks prompts and sampling parameters against one server's limits."""
+
+    def __init__(self, tokenizer: Optional[LockedTokenizer], vocab_size: int, max_model_len: int,
+                 n_slots: int) -> None:
+        self.tokenizer = tokenizer
+        self.vocab_size = vocab_size
+        self.max_model_len = max_model_len
+        self.n_slots = n_slots
+
+    def prompt_ids(self, prompt: Prompt) -> list[int]:
+        """Token ids of a text or token-id prompt; InvalidRequestError names what is wrong."""
+        if isinstance(prompt, str):
+            if not prompt:
+                raise InvalidRequestError("prompt must not be empty")
+            if self.tokenizer is None:
+                raise InvalidRequestError("prompt: a text prompt needs a tokenizer; pass token ids")
+            ids = self.tokenizer.encode(prompt)
+            if not ids:
+                raise InvalidRequestError("prompt must not be empty (it encodes to no tokens)")
+            return ids
+        try:
+            ids = list(prompt)
+        except TypeError:
+            raise InvalidRequestError(
+                f"prompt must be a string or a list of token ids, got {type(prompt).__name__}") from None
+        if not ids:
+            raise InvalidRequestError("prompt must not be empty")
+        for i, t in enumerate(ids):
+            if hasattr(t, "item") and not isinstance(t, int):  # numpy / torch scalars
+                t = t.item()
+                ids[i] = t
+            if not isinstance(t, int) or isinstance(t, bool):
+                raise InvalidRequestError(f"prompt[{i}] must be an integer token id, got {t!r}")
+            if not 0 <= t < self.vocab_size:
+                raise InvalidRequestError(
+                    f"prompt[{i}] = {t} is outside the vocabulary [0, {self.vocab_size})")
+        return ids
+
+    def check(self, prompt_ids: list[int], params: SamplingParams) -> None:
+        """The request fits the context limit, the KV cache and the vocabulary."""
+        n = len(prompt_ids) + params.max_tokens
+        if n > self.max_model_len:
+            raise InvalidRequestError(
+                f"len(prompt) + max_tokens = {len(prompt_ids)} + {params.max_tokens} = {n} exceeds "
+                f"max_model_len = {self.max_model_len}")
+        if n > self.n_slots:
+            raise InvalidRequestError(
+                f"len(prompt) + max_tokens = {len(prompt_ids)} + {params.max_tokens} = {n} exceeds "
+                f"n_slots = {self.n_slots} (the KV cache capacity)")
+        for i, t in enumerate(params.stop_token_ids):
+            if t >= self.vocab_size:
+                raise InvalidRequestError(
+                    f"stop_token_ids[{i}] = {t} is outside the vocabulary [0, {self.vocab_size})")
+        if params.stop and self.tokenizer is None:
+            raise InvalidRequestError("stop: stop strings need a tokenizer, and this model has none")
