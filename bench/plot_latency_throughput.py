@@ -2,10 +2,10 @@
 
 For each scheduling policy (`orca`: iteration-level scheduling; `static`: request-level
 batching, the baseline) one `python -m orca_ext serve --scheduler POLICY` subprocess is
-started, then the serving benchmark (orca_ext/benchmarks/serving.py) offers Poisson load at a sweep of arrival rates, the policies
-taking turns at each rate. Every rate
-uses the same seeded workload for both policies: prompts of U[8, 128] tokens (the paper's
-U[32, 512] scaled by 1/4) and outputs of U[1, 128] tokens (forced with ignore_eos).
+started, then the serving benchmark (orca_ext/benchmarks/serving.py) offers Poisson load at
+a sweep of arrival rates, the policies taking turns at each rate. Every rate uses the same
+seeded workload for both policies: prompts of U[8, 128] tokens (the paper's U[32, 512] scaled
+by 1/4) and outputs of U[1, 128] tokens (forced with ignore_eos).
 
 Outputs (default prefix bench/latency_throughput): .json (all summaries), .md (table and the
 throughput ratio at equal latency) and .png (the plot). `--replot` redraws from the JSON.
