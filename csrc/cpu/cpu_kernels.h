@@ -125,5 +125,12 @@ void linear_silu_mul(const T* x,               // [T, K]
                      T* out,                   // [T, I]
                      int64_t n_tokens, int64_t k, int64_t n_inter);
 
+// ---- Machine probe (read_probe.cpp) ------------------------------------------------------------
+// Reads data once with all threads and returns the XOR of its words (so the reads cannot be
+// optimised away). The benchmarks time it on a buffer far larger than the caches: that is the
+// streaming-read ceiling printed next to each bandwidth-bound figure.
+uint64_t stream_read(const uint64_t* data,  // [n]
+                     int64_t n_words);
+
 }  // namespace cpu
 }  // namespace orca
