@@ -169,39 +169,14 @@ inline double measure_copy_gbs() {
   return 2.0 * static_cast<double>(bytes) / t * 1e-9;
 }
 
-// A pure streaming read: each thread folds its contiguous chunk into 8 independent 64-bit XOR
-// lanes (integer XOR reassociates, so the loop vectorizes to one load + one vpxor per 32 bytes
-// with no dependency on the FMA units). Nothing is written. This is the bound of a kernel that
-// reads each weight byte once, such as a decode-sized linear layer.
-__attribute__((noinline)) inline uint64_t xor_fold(const uint64_t* __restrict p, size_t n) {
-  uint64_t lanes[8] = {0, 0, 0, 0, 0, 0, 0, 0};
-  for (size_t i = 0; i + 8 <= n; i += 8)
-    for (int l = 0; l < 8; ++l) lanes[l] ^= p[i + static_cast<size_t>(l)];
-  uint64_t r = 0;
-  for (int l = 0; l < 8; ++l) r ^= lanes[l] + static_cast<uint64_t>(l);
-  return r;
-}
-
+// The streaming-read ceiling: csrc/cpu/read_probe.cpp over 512 MiB, best of 7.
 inline double measure_read_gbs() {
   const size_t bytes = size_t{512} << 20;  // far beyond the last-level cache
   Vec<uint64_t> src(bytes / sizeof(uint64_t));
 #pragma omp parallel for schedule(static)  // first touch by the thread that will read the page
   for (size_t i = 0; i < src.size(); ++i) src[i] = i * 0x9e3779b97f4a7c15ull;
   volatile uint64_t sink = 0;
-  auto read = [&] {
-    uint64_t total = 0;
-#pragma omp parallel reduction(^ : total)
-    {
-      const size_t nt = static_cast<size_t>(omp_get_num_threads());
-      const size_t id = static_cast<size_t>(omp_get_thread_num());
-      const size_t words = src.size();
-      const size_t chunk = (words / nt) & ~size_t{7};
-      const size_t beg = id * chunk;
-      const size_t len = id + 1 == nt ? words - beg : chunk;
-      total ^= xor_fold(src.data() + beg, len);
-    }
-    sink = total;
-  };
+  auto read = [&] { sink = orca::cpu::stream_read(src.data(), static_cast<int64_t>(src.size())); };
   const double t = time_calls(read, 7, 1).best;  // a ceiling: the best run
   return static_cast<double>(bytes) / t * 1e-9;
 }
