@@ -49,9 +49,11 @@ at::Tensor linear_silu_mul(const at::Tensor& x,                            // [T
 
 // rmsnorm_qkv, linear and linear_silu_mul run our weight-streaming kernels (csrc/cpu/skinny_gemm.*,
 // whose reduction order does not depend on T) for up to this many tokens, and ATen's GEMM
-// (oneDNN) above it. The defaults come from bench/skinny_crossover.py (bench/RESULTS.md); they can
-// be changed at run time ("float32" or "bfloat16"), e.g. raised so that no batch size reaches
-// ATen and outputs never depend on the batch.
+// (oneDNN) above it. Default: no crossover, every T on our kernels, so a token's outputs never
+// depend on its batch. bench/skinny_crossover.py found ATen slower than our kernels at every T
+// from 2 to 512 in both dtypes on the dev machine (AMD EPYC Zen 2, AVX2, no AVX512-BF16; 2026-11-30,
+// bench/RESULTS.md). On a CPU where oneDNN has native bf16 (AVX512-BF16, AMX) re-run that script:
+// set_stream_max_tokens("bfloat16", T) hands larger batches to ATen, at the price of invariance.
 int64_t stream_max_tokens(const std::string& dtype);
 void set_stream_max_tokens(const std::string& dtype, int64_t max_tokens);
 constexpr int64_t kStreamMaxTokensFloat = int64_t{1} << 30;
