@@ -17,9 +17,9 @@ it from the ForwardBatch index tensors in a single `ragged_attention` call per l
     logits = lm_head(rms_norm(x[last token of each request]))  # [B, V] float32, one fused call
 
 Weights are plain tensors (no nn.Module): the loader fuses q/k/v into one matrix and gate/up
-into another, so each layer does four matmuls on the flat tensor. On CPU, up to a crossover
-in T all four (and the lm_head) stream their weights through our kernels, whose results for a
-token do not depend on the rest of the batch; above it they run ATen's GEMM.
+into another, so each layer does four matmuls on the flat tensor. On CPU all four (and the
+lm_head) stream their weights through our kernels, whose results for a token do not depend on
+the rest of the batch (unless `_C.set_cpu_stream_max_tokens` hands large T to ATen's GEMM).
 """
 from __future__ import annotations
 
