@@ -37,6 +37,20 @@ def rmsnorm_qkv(x, norm_weight, qkv_weight, qkv_bias, eps: float) -> torch.Tenso
     return _C.rmsnorm_qkv(x, norm_weight, qkv_weight, qkv_bias, eps)
 
 
+def linear(x, weight, bias=None, residual=None) -> torch.Tensor:
+    """[T, K] -> [T, N] = x W^T + bias (+ residual, added before the one rounding)."""
+    if _C is None:
+        return reference.linear(x, weight, bias, residual)
+    return _C.linear(x, weight, bias, residual)
+
+
+def linear_silu_mul(x, gate_up_weight, gate_up_bias=None) -> torch.Tensor:
+    """[T, K] -> [T, I] = silu(gate) * up of the fused gate_up projection [2I, K]."""
+    if _C is None:
+        return reference.linear_silu_mul(x, gate_up_weight, gate_up_bias)
+    return _C.linear_silu_mul(x, gate_up_weight, gate_up_bias)
+
+
 def slab_write(k_cache, v_cache, k, v, slots) -> None:
     """k_cache[slots[t]] = k[t]; v_cache[slots[t]] = v[t]."""
     if _C is None:

@@ -17,11 +17,29 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
 
 
 def rmsnorm_qkv(x, norm_weight, qkv_weight, qkv_bias, eps: float) -> torch.Tensor:
-    """x [T, H] -> [T, Nq*D + 2*Nkv*D] = linear(rms_norm(x) * norm_weight, qkv_weight, qkv_bias)."""
+    """x [T, H] -> [T, Nq*D + 2*Nkv*D] = linear(rms_norm(x) * norm_weight, qkv_weight, qkv_bias).
+
+    The normalised rows are rounded to x's dtype (as a separate rms_norm would return them), then
+    projected in at least float32."""
+    return linear(rms_norm(x, norm_weight, eps), qkv_weight, qkv_bias)
+
+
+def linear(x, weight, bias=None, residual=None) -> torch.Tensor:
+    """x [T, K], weight [N, K] -> [T, N] = x W^T + bias (+ residual), in at least float32, rounded once."""
     acc = torch.promote_types(x.dtype, torch.float32)
-    normed = rms_norm(x.to(acc), norm_weight.to(acc), eps)
-    bias = None if qkv_bias is None else qkv_bias.to(acc)
-    return torch.nn.functional.linear(normed, qkv_weight.to(acc), bias).to(x.dtype)
+    out = torch.nn.functional.linear(x.to(acc), weight.to(acc), None if bias is None else bias.to(acc))
+    if residual is not None:
+        out = out + residual.to(acc)
+    return out.to(x.dtype)
+
+
+def linear_silu_mul(x, gate_up_weight, gate_up_bias=None) -> torch.Tensor:
+    """x [T, K], gate_up_weight [2I, K] (gate rows, then up rows) -> [T, I] = silu(gate) * up, in at
+    least float32, rounded once."""
+    acc = torch.promote_types(x.dtype, torch.float32)
+    bias = None if gate_up_bias is None else gate_up_bias.to(acc)
+    gate, up = torch.nn.functional.linear(x.to(acc), gate_up_weight.to(acc), bias).chunk(2, dim=-1)
+    return (torch.nn.functional.silu(gate) * up).to(x.dtype)
 
 
 def slab_write(k_cache, v_cache, k, v, slots) -> None:

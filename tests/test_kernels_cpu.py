@@ -139,10 +139,10 @@ def test_ops_dispatch_uses_extension():
     assert_close(a, b, torch.float32, "ops.ragged_attention")
 
 
-@pytest.mark.parametrize("n_tokens", [17, 96, 97])  # the wide-output (lm_head) fused range and past it
+@pytest.mark.parametrize("n_tokens", [17, 96, 97])  # a tall lm_head-like shape, one and two token tiles
 def test_rmsnorm_qkv_wide_output(n_tokens):
     gen = torch.Generator().manual_seed(n_tokens)
-    hidden, n_out = 72, _C.CPU_FUSED_MAX_TOKENS["wide_outputs"] + 13
+    hidden, n_out = 72, 16384 + 13
     x = torch.randn(n_tokens, hidden, generator=gen)
     nw = torch.randn(hidden, generator=gen)
     w = torch.randn(n_out, hidden, generator=gen) / math.sqrt(hidden)

@@ -1,4 +1,4 @@
-// Scalar double-precision references of the four kernels, shared by the CPU microbenchmarks
+// Scalar double-precision references of the kernels, shared by the CPU microbenchmarks
 // (bench/cpu/*.cpp) and the CUDA microbenchmarks' host code (bench/cuda/*.cu). Header-only C++17,
 // no torch, no OpenMP. They compute what orca_ext/reference.py computes for the tests, written
 // as plain loops so a benchmark can check its kernel with no framework at all.
@@ -37,31 +37,76 @@ std::vector<double> rms_norm(const T* x,       // [T, H]
 }
 
 // out = linear(rms_norm(x) * norm_weight, qkv_weight, qkv_bias). `mass` is, per output,
-// |bias| + sum_k |xn_k * w_nk|: the scale of the rounding error a float32 accumulation may make.
+// |bias| + sum_k |xn_k * w_nk|: the scale of the rounding error a float32 accumulation may make;
+// `max_term` is max_k |xn_k * w_nk|.
 struct QkvReference {
+  std::vector<double> out;       // [T, N]
+  std::vector<double> mass;      // [T, N]
+  std::vector<double> max_term;  // [T, N]
+};
+
+// round_normed(double) -> double is applied to every normalised element before the product: the
+// identity, or the rounding of a kernel that stores the normalised row in its element type (the
+// CPU kernels do for bf16).
+struct NoRounding {
+  double operator()(double v) const { return v; }
+};
+
+template <typename T, typename Cvt, typename Round = NoRounding>
+QkvReference rmsnorm_qkv(const T* x,            // [T, H]
+                         const T* norm_weight,  // [H]
+                         const T* qkv_weight,   // [N, H]
+                         const T* qkv_bias,     // [N] or nullptr
+                         int64_t n_tokens, int64_t hidden, int64_t n_out, double eps, Cvt cvt,
+                         Round round_normed = {}) {
+  QkvReference r;
+  r.out.assign(static_cast<size_t>(n_tokens * n_out), 0.0);
+  r.mass.assign(static_cast<size_t>(n_tokens * n_out), 0.0);
+  r.max_term.assign(static_cast<size_t>(n_tokens * n_out), 0.0);
+  std::vector<double> xn = rms_norm(x, norm_weight, n_tokens, hidden, eps, cvt);
+  for (double& v : xn) v = round_normed(v);
+  for (int64_t t = 0; t < n_tokens; ++t)
+    for (int64_t n = 0; n < n_out; ++n) {
+      double acc = qkv_bias ? cvt(qkv_bias[n]) : 0.0;
+      double mass = std::fabs(acc), max_term = 0.0;
+      for (int64_t k = 0; k < hidden; ++k) {
+        const double p = xn[t * hidden + k] * cvt(qkv_weight[n * hidden + k]);
+        acc += p;
+        mass += std::fabs(p);
+        max_term = std::max(max_term, std::fabs(p));
+      }
+      r.out[t * n_out + n] = acc;
+      r.mass[t * n_out + n] = mass;
+      r.max_term[t * n_out + n] = max_term;
+    }
+  return r;
+}
+
+// out = x * W^T + bias + residual (linear); `mass` as above, including |bias| and |residual|.
+struct LinearReference {
   std::vector<double> out;   // [T, N]
   std::vector<double> mass;  // [T, N]
 };
 
 template <typename T, typename Cvt>
-QkvReference rmsnorm_qkv(const T* x,            // [T, H]
-                         const T* norm_weight,  // [H]
-                         const T* qkv_weight,   // [N, H]
-                         const T* qkv_bias,     // [N] or nullptr
-                         int64_t n_tokens, int64_t hidden, int64_t n_out, double eps, Cvt cvt) {
-  QkvReference r;
+LinearReference linear(const T* x,         // [T, K]
+                       const T* weight,    // [N, K]
+                       const T* bias,      // [N] or nullptr
+                       const T* residual,  // [T, N] or nullptr
+                       int64_t n_tokens, int64_t k, int64_t n_out, Cvt cvt) {
+  LinearReference r;
   r.out.assign(static_cast<size_t>(n_tokens * n_out), 0.0);
   r.mass.assign(static_cast<size_t>(n_tokens * n_out), 0.0);
-  const std::vector<double> xn = rms_norm(x, norm_weight, n_tokens, hidden, eps, cvt);
   for (int64_t t = 0; t < n_tokens; ++t)
     for (int64_t n = 0; n < n_out; ++n) {
-      double acc = qkv_bias ? cvt(qkv_bias[n]) : 0.0;
-      double mass = std::fabs(acc);
-      for (int64_t k = 0; k < hidden; ++k) {
-        const double p = xn[t * hidden + k] * cvt(qkv_weight[n * hidden + k]);
+      double acc = 0.0, mass = 0.0;
+      for (int64_t i = 0; i < k; ++i) {
+        const double p = cvt(x[t * k + i]) * cvt(weight[n * k + i]);
         acc += p;
         mass += std::fabs(p);
       }
+      const double extra[2] = {bias ? cvt(bias[n]) : 0.0, residual ? cvt(residual[t * n_out + n]) : 0.0};
+      for (double e : extra) acc += e, mass += std::fabs(e);
       r.out[t * n_out + n] = acc;
       r.mass[t * n_out + n] = mass;
     }

@@ -1,7 +1,7 @@
 // Shared helpers of the CPU microbenchmarks (header-only, no torch): a timer, seeded random
 // fills, median-of-repeats timing, tolerance checks against double references, and the
-// machine's measured ceilings (memcpy bandwidth and FMA throughput) so that each kernel's
-// number is printed next to what the same process can reach.
+// machine's measured ceilings (streaming-read and memcpy bandwidth, FMA throughput) so that each
+// kernel's number is printed next to what the same process can reach.
 #pragma once
 #include <omp.h>
 
@@ -142,6 +142,7 @@ inline bool validate_only(int argc, char** argv) {
 // ---- measured ceilings ---------------------------------------------------------------
 
 struct Ceilings {
+  double read_gbs;    // streaming read of a large buffer with all threads (the bound of a GEMV)
   double copy_gbs;    // memcpy of a large buffer with all threads, read + write bytes per second
   double fma_gflops;  // independent FMA chains on all threads
   int threads;
@@ -166,6 +167,18 @@ inline double measure_copy_gbs() {
   };
   const double t = time_calls(copy, 5, 1).best;  // a ceiling: the best run
   return 2.0 * static_cast<double>(bytes) / t * 1e-9;
+}
+
+// The streaming-read ceiling: csrc/cpu/read_probe.cpp over 512 MiB, best of 7.
+inline double measure_read_gbs() {
+  const size_t bytes = size_t{512} << 20;  // far beyond the last-level cache
+  Vec<uint64_t> src(bytes / sizeof(uint64_t));
+#pragma omp parallel for schedule(static)  // first touch by the thread that will read the page
+  for (size_t i = 0; i < src.size(); ++i) src[i] = i * 0x9e3779b97f4a7c15ull;
+  volatile uint64_t sink = 0;
+  auto read = [&] { sink = orca::cpu::stream_read(src.data(), static_cast<int64_t>(src.size())); };
+  const double t = time_calls(read, 7, 1).best;  // a ceiling: the best run
+  return static_cast<double>(bytes) / t * 1e-9;
 }
 
 // 12 independent vector-wide FMA chains per thread: enough to cover the FMA latency on
@@ -210,17 +223,19 @@ inline void report(const char* label, const Timing& t, double flops, double byte
   if (flops > 0)
     std::printf("  %6.1f GFLOP/s = %3.0f%% of FMA %.0f", flops / t.median * 1e-9,
                 100.0 * flops / t.median * 1e-9 / c.fma_gflops, c.fma_gflops);
-  std::printf("  %6.1f GB/s = %3.0f%% of memcpy %.1f\n", bytes / t.median * 1e-9,
-              100.0 * bytes / t.median * 1e-9 / c.copy_gbs, c.copy_gbs);
+  const double gbs = bytes / t.median * 1e-9;
+  std::printf("  %6.1f GB/s = %3.0f%% of read %.1f, %3.0f%% of memcpy %.1f\n", gbs, 100.0 * gbs / c.read_gbs,
+              c.read_gbs, 100.0 * gbs / c.copy_gbs, c.copy_gbs);
 }
 
 inline Ceilings measure_ceilings() {
   Ceilings c;
   c.threads = omp_get_max_threads();
+  c.read_gbs = measure_read_gbs();
   c.copy_gbs = measure_copy_gbs();
   c.fma_gflops = measure_fma_gflops();
-  std::printf("ceilings (%d threads): memcpy %.1f GB/s (read+write), FMA %.1f GFLOP/s\n", c.threads,
-              c.copy_gbs, c.fma_gflops);
+  std::printf("ceilings (%d threads): streaming read %.1f GB/s, memcpy %.1f GB/s (read+write), FMA %.1f GFLOP/s\n",
+              c.threads, c.read_gbs, c.copy_gbs, c.fma_gflops);
   return c;
 }
 

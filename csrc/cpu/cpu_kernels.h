@@ -42,7 +42,8 @@ void rms_norm(const T* x,       // [T, H]
               int64_t n_tokens, int64_t hidden, float eps);
 
 // out[T, N] = linear(rms_norm(x) * norm_weight, qkv_weight, qkv_bias); N = Nq*D + 2*Nkv*D.
-// The norm is computed in float32; accumulation is float32.
+// The norm is computed in float32 (and rounded to bf16 for bf16 inputs, as rmsnorm would); the
+// product is the weight-streaming `linear` below, with its T-independent reduction order.
 template <typename T>
 void rmsnorm_qkv(const T* x,            // [T, H]
                  const T* norm_weight,  // [H]
@@ -77,6 +78,59 @@ void ragged_attention(const T* q,         // [T, Hq, D]
                       T* out,             // [T, Hq, D]
                       int64_t n_requests, int64_t n_q_heads, int64_t n_kv_heads, int64_t head_dim,
                       float scale);
+
+// ---- Weight-streaming linear layers (skinny_gemm.cpp) ------------------------------------------
+// out = x * W^T + bias for the decoder's projections. Output rows are split across threads, so
+// for a few tokens each weight byte is read from memory once (the op is bound by that read); for
+// many tokens the same kernels run over L2-sized token tiles. Accumulation is float32.
+//
+// Reduction order: every output element is the dot product of one activation row with one weight
+// row, accumulated in a fixed lane pattern over k, then summed across lanes by a fixed tree. The
+// pattern depends only on K and the bf16 path (below), never on T, on the output's position in
+// the batch, or on the thread count: a token's outputs are bit-identical whatever else is in the
+// batch. bf16 paths: `avx2` converts bf16 to float32 and uses 8-lane FMAs (lane l sums the k with
+// k % 8 == l); `avx512_bf16` uses vdpbf16ps (16 lanes, each summing pairs of k, 32 k per step).
+// The two round differently, so bf16 outputs differ in the last bits between machines with and
+// without AVX512-BF16 (float32 always uses the avx2 pattern and is identical on every x86-64-v3
+// CPU). bf16 activations are used as stored; a fused norm's output is rounded to bf16 first.
+
+// The instruction paths of the bf16 kernels. kAvx512Bf16Emulated runs the native path's blocking,
+// masks and tails with scalar code that performs the vdpbf16ps arithmetic, so that they are tested
+// on CPUs without the instructions (slow; for tests only).
+enum class Bf16Path : int { kAvx2 = 0, kAvx512Bf16 = 1, kAvx512Bf16Emulated = 2 };
+const char* bf16_path_name(Bf16Path path);
+// Whether this CPU (and OS) can run `path`.
+bool bf16_path_supported(Bf16Path path);
+// The path bf16 kernels use: the best supported one, or ORCA_CPU_BF16_PATH=avx2|avx512_bf16 read
+// once at first use, or the last set_bf16_path(). set_bf16_path throws std::invalid_argument for
+// a path this CPU cannot run.
+Bf16Path bf16_path();
+void set_bf16_path(Bf16Path path);
+
+// out[T, N] = x[T, K] * W[N, K]^T + bias[N] (+ residual[T, N]). residual may alias out.
+template <typename T>
+void linear(const T* x,         // [T, K]
+            const T* weight,    // [N, K]
+            const T* bias,      // [N] or nullptr
+            const T* residual,  // [T, N] or nullptr
+            T* out,             // [T, N]
+            int64_t n_tokens, int64_t k, int64_t n_out);
+
+// out[T, I] = silu(x * Wg^T + bg) * (x * Wu^T + bu), with Wg = W[0:I] and Wu = W[I:2I] (the fused
+// gate_up projection of a SwiGLU MLP). Gate, up and the product stay in float32; out is rounded once.
+template <typename T>
+void linear_silu_mul(const T* x,               // [T, K]
+                     const T* gate_up_weight,  // [2I, K]
+                     const T* gate_up_bias,    // [2I] or nullptr
+                     T* out,                   // [T, I]
+                     int64_t n_tokens, int64_t k, int64_t n_inter);
+
+// ---- Machine probe (read_probe.cpp) ------------------------------------------------------------
+// Reads data once with all threads and returns the XOR of its words (so the reads cannot be
+// optimised away). The benchmarks time it on a buffer far larger than the caches: that is the
+// streaming-read ceiling printed next to each bandwidth-bound figure.
+uint64_t stream_read(const uint64_t* data,  // [n]
+                     int64_t n_words);
 
 }  // namespace cpu
 }  // namespace orca

@@ -1,5 +1,5 @@
-// Register-blocked float32 matrix-product building blocks used by rmsnorm_qkv (x * W^T) and
-// ragged_attention (Q * K^T, then P * V). Plain loops that auto-vectorize; why they look the
+// Register-blocked float32 matrix-product building blocks used by ragged_attention (Q * K^T,
+// then P * V); the projections have their own kernels (skinny_gemm_blocks.h). Plain loops that auto-vectorize; why they look the
 // way they do:
 //  * "NT" products C = A * B^T have both operands contiguous along the reduction axis. Each
 //    micro-kernel keeps a 3x4 block of named scalar accumulators and vectorizes the k loop with
@@ -8,8 +8,8 @@
 //    the stack, which measured 2-3x slower.) 3x4 = 12 accumulators + 3 A + 1 B registers fits
 //    the 16 ymm registers of x86-64-v3; per k-vector it does 7 loads for 12 FMAs.
 //    The horizontal sums GCC emits for `omp simd` reductions are slow (~25 instructions per
-//    accumulator), so NT suits long reductions (H = 576 in rmsnorm_qkv) far better than short
-//    ones (D = 64 in attention, where it is only used for decodes).
+//    accumulator), so NT suits long reductions far better than short ones (D = 64 in
+//    attention, where it is only used for decodes).
 //  * "NN" accumulation O += P * V keeps a 3 x 32 block of O in registers (12 vectors) while
 //    walking the rows of V, broadcasting one P element per row of O: 4 loads + 3 broadcasts
 //    per 12 FMAs, no horizontal sums at all.

@@ -6,6 +6,8 @@
 #include <c10/util/Exception.h>
 
 #include <stdexcept>
+#include <string>
+#include <vector>
 
 #include "cpu_ops.h"
 #include "ops.h"
@@ -40,12 +42,23 @@ PYBIND11_MODULE(_C, m) {
         py::arg("q_start"), py::arg("q_len"), py::arg("kv_start"), py::arg("kv_len"), py::arg("scale"),
         "ragged_attention(q[T,Hq,D], k_cache[S,Hkv,D], v_cache, q_start[B], q_len[B], kv_start[B], kv_len[B], "
         "scale) -> [T,Hq,D]; causal per request, GQA, softmax in float32");
-  py::dict fused_max;  // rmsnorm_qkv on CPU: largest T that runs the fused kernel, per dtype
-  fused_max["float32"] = orca::cpu_ops::kCpuFusedMaxTokensFloat;
-  fused_max["bfloat16"] = orca::cpu_ops::kCpuFusedMaxTokensBf16;
-  fused_max["wide_outputs"] = orca::cpu_ops::kCpuWideOutputs;  // float32 with at least this many outputs ...
-  fused_max["float32_wide"] = orca::cpu_ops::kCpuFusedMaxTokensWide;  // ... stays fused up to this many tokens
-  m.attr("CPU_FUSED_MAX_TOKENS") = fused_max;
+  m.def("linear", &orca::linear, py::arg("x"), py::arg("weight"), py::arg("bias") = py::none(),
+        py::arg("residual") = py::none(),
+        "linear(x[T,K], weight[N,K], bias[N] or None, residual[T,N] or None) -> [T,N] = x W^T + bias + residual");
+  m.def("linear_silu_mul", &orca::linear_silu_mul, py::arg("x"), py::arg("gate_up_weight"),
+        py::arg("gate_up_bias") = py::none(),
+        "linear_silu_mul(x[T,K], gate_up_weight[2I,K], gate_up_bias[2I] or None) -> [T,I] = silu(gate) * up");
+  // CPU projections: the crossover from our weight-streaming kernels to ATen, per dtype.
+  m.def("cpu_stream_max_tokens", &orca::cpu_ops::stream_max_tokens, py::arg("dtype"),
+        "Largest T that CPU rmsnorm_qkv / linear / linear_silu_mul run on our kernels (\"float32\" or \"bfloat16\").");
+  m.def("set_cpu_stream_max_tokens", &orca::cpu_ops::set_stream_max_tokens, py::arg("dtype"), py::arg("max_tokens"));
+  m.def("cpu_bf16_path", &orca::cpu_ops::bf16_path, "The instruction path of the CPU bf16 kernels.");
+  m.def("set_cpu_bf16_path", &orca::cpu_ops::set_bf16_path, py::arg("path"),
+        "avx2, avx512_bf16 (where the CPU has it) or avx512_bf16_emulated (a slow scalar emulation, for tests).");
+  m.def("cpu_bf16_paths", &orca::cpu_ops::bf16_paths, "The bf16 paths this CPU can run.");
+  m.def("stream_read", &orca::cpu_ops::stream_read, py::arg("words"), py::call_guard<py::gil_scoped_release>(),
+        "Reads a contiguous int64 tensor once with all threads (the streaming-read bandwidth probe); "
+        "returns the XOR of its words.");
   m.def("built_with_cuda", &orca::built_with_cuda,
         "True when CUDA tensors dispatch to the CUDA kernels (the extension was built against a CUDA torch).");
 

@@ -4,9 +4,12 @@
 #include <ATen/ops/empty.h>
 #include <ATen/ops/empty_like.h>
 #include <ATen/ops/linear.h>
+#include <ATen/ops/silu.h>
 #include <ATen/ops/zeros_like.h>
 #include <c10/util/Exception.h>
 
+#include <atomic>
+#include <string>
 #include <vector>
 
 #include "cpu/cpu_kernels.h"
@@ -43,7 +46,56 @@ T* ptr(const at::Tensor& t) {
   return reinterpret_cast<T*>(t.data_ptr());
 }
 
+// The crossover per dtype: index 0 float32, 1 bfloat16.
+std::atomic<int64_t> g_stream_max_tokens[2] = {kStreamMaxTokensFloat, kStreamMaxTokensBf16};
+
+std::atomic<int64_t>& crossover(at::ScalarType st) { return g_stream_max_tokens[st == at::kFloat ? 0 : 1]; }
+
+std::atomic<int64_t>& crossover(const std::string& dtype) {
+  TORCH_CHECK_VALUE(dtype == "float32" || dtype == "bfloat16", "dtype must be \"float32\" or \"bfloat16\", got \"",
+                    dtype.substr(0, 32), "\"");
+  return g_stream_max_tokens[dtype == "float32" ? 0 : 1];
+}
+
+bool use_aten(const at::Tensor& x) { return x.size(0) > crossover(x.scalar_type()).load(); }
+
+constexpr cpu::Bf16Path kBf16Paths[] = {cpu::Bf16Path::kAvx2, cpu::Bf16Path::kAvx512Bf16,
+                                        cpu::Bf16Path::kAvx512Bf16Emulated};
+
 }  // namespace
+
+int64_t stream_max_tokens(const std::string& dtype) { return crossover(dtype).load(); }
+
+void set_stream_max_tokens(const std::string& dtype, int64_t max_tokens) {
+  TORCH_CHECK_VALUE(max_tokens >= 0, "max_tokens must be >= 0, got ", max_tokens);
+  crossover(dtype).store(max_tokens);
+}
+
+std::string bf16_path() { return cpu::bf16_path_name(cpu::bf16_path()); }
+
+void set_bf16_path(const std::string& name) {
+  for (cpu::Bf16Path p : kBf16Paths) {
+    if (name != cpu::bf16_path_name(p)) continue;
+    TORCH_CHECK_VALUE(cpu::bf16_path_supported(p), "this CPU cannot run the bf16 path ", name);
+    cpu::set_bf16_path(p);
+    return;
+  }
+  TORCH_CHECK_VALUE(false, "unknown bf16 path \"", name.substr(0, 32),
+                    "\"; expected avx2, avx512_bf16 or avx512_bf16_emulated");
+}
+
+std::vector<std::string> bf16_paths() {
+  std::vector<std::string> names;
+  for (cpu::Bf16Path p : kBf16Paths)
+    if (cpu::bf16_path_supported(p)) names.emplace_back(cpu::bf16_path_name(p));
+  return names;
+}
+
+uint64_t stream_read(const at::Tensor& words) {
+  TORCH_CHECK_VALUE(words.defined() && words.is_cpu() && words.is_contiguous() && words.scalar_type() == at::kLong,
+                    "words must be a contiguous CPU int64 tensor");
+  return cpu::stream_read(reinterpret_cast<const uint64_t*>(words.data_ptr()), words.numel());
+}
 
 at::Tensor rms_norm(const at::Tensor& x, const at::Tensor& weight, double eps) {
   at::Tensor out = at::empty_like(x);
@@ -58,12 +110,7 @@ at::Tensor rms_norm(const at::Tensor& x, const at::Tensor& weight, double eps) {
 at::Tensor rmsnorm_qkv(const at::Tensor& x, const at::Tensor& norm_weight, const at::Tensor& qkv_weight,
                        const std::optional<at::Tensor>& qkv_bias, double eps) {
   const int64_t n_tokens = x.size(0), hidden = x.size(1), n_out = qkv_weight.size(0);
-  const bool is_float = x.scalar_type() == at::kFloat;
-  const int64_t fused_max = !is_float ? kCpuFusedMaxTokensBf16
-                            : n_out >= kCpuWideOutputs ? kCpuFusedMaxTokensWide
-                                                       : kCpuFusedMaxTokensFloat;
-  if (n_tokens > fused_max) {
-    // Prefill-sized: our norm kernel, then one GEMM through ATen.
+  if (use_aten(x)) {  // above the crossover: our norm kernel, then one GEMM through ATen
     return at::linear(rms_norm(x, norm_weight, eps), qkv_weight, qkv_bias);
   }
   at::Tensor out = at::empty({n_tokens, n_out}, x.options());
@@ -73,6 +120,40 @@ at::Tensor rmsnorm_qkv(const at::Tensor& x, const at::Tensor& norm_weight, const
     cpu::rmsnorm_qkv<T>(ptr<T>(x), ptr<T>(norm_weight), ptr<T>(qkv_weight),
                         qkv_bias.has_value() ? ptr<T>(*qkv_bias) : nullptr, ptr<T>(out), n_tokens, hidden, n_out,
                         static_cast<float>(eps));
+  });
+  return out;
+}
+
+at::Tensor linear(const at::Tensor& x, const at::Tensor& weight, const std::optional<at::Tensor>& bias,
+                  const std::optional<at::Tensor>& residual) {
+  if (use_aten(x)) {
+    at::Tensor out = at::linear(x, weight, bias);
+    return residual.has_value() ? out.add_(*residual) : out;
+  }
+  const int64_t n_tokens = x.size(0), n_out = weight.size(0);
+  at::Tensor out = at::empty({n_tokens, n_out}, x.options());
+  if (n_tokens == 0 || n_out == 0) return out;
+  dispatch_float(x.scalar_type(), [&](auto tag) {
+    using T = decltype(tag);
+    cpu::linear<T>(ptr<T>(x), ptr<T>(weight), bias.has_value() ? ptr<T>(*bias) : nullptr,
+                   residual.has_value() ? ptr<T>(*residual) : nullptr, ptr<T>(out), n_tokens, x.size(1), n_out);
+  });
+  return out;
+}
+
+at::Tensor linear_silu_mul(const at::Tensor& x, const at::Tensor& gate_up_weight,
+                           const std::optional<at::Tensor>& gate_up_bias) {
+  const int64_t n_tokens = x.size(0), n_inter = gate_up_weight.size(0) / 2;
+  if (use_aten(x)) {
+    const at::Tensor gate_up = at::linear(x, gate_up_weight, gate_up_bias);
+    return at::silu(gate_up.narrow(1, 0, n_inter)).mul_(gate_up.narrow(1, n_inter, n_inter));
+  }
+  at::Tensor out = at::empty({n_tokens, n_inter}, x.options());
+  if (n_tokens == 0 || n_inter == 0) return out;
+  dispatch_float(x.scalar_type(), [&](auto tag) {
+    using T = decltype(tag);
+    cpu::linear_silu_mul<T>(ptr<T>(x), ptr<T>(gate_up_weight), gate_up_bias.has_value() ? ptr<T>(*gate_up_bias) : nullptr,
+                            ptr<T>(out), n_tokens, x.size(1), n_inter);
   });
   return out;
 }

@@ -6,6 +6,8 @@
 
 #include <cstdint>
 #include <optional>
+#include <string>
+#include <vector>
 
 namespace orca::cpu_ops {
 
@@ -36,17 +38,35 @@ at::Tensor ragged_attention(const at::Tensor& q,         // [T, Hq, D]
                             const at::Tensor& kv_len,    // [B]
                             double scale);               // -> [T, Hq, D]
 
-// Up to this many tokens the CPU rmsnorm_qkv runs our fused kernel, which streams the weight once;
-// above it we normalise with our kernel and hand the GEMM to ATen. Measured with 2 threads on the
-// dev machine (AMD EPYC, AVX-512, 2026-11-29; SmolLM2 shapes H=576 -> 960): in float32 the fused
-// kernel is 1.3-3.4x faster than norm + ATen linear for T <= 16 and about even at T = 32; in
-// bfloat16 ATen's oneDNN path uses the CPU's native bf16 dot products and wins from T = 4 on.
-// A very wide float32 projection (the lm_head, N = 49152) is the exception: ATen manages only
-// 40-65 GFLOP/s on that tall-skinny shape at T = 16-32, so the fused kernel keeps it up to one
-// token tile (96 rows), where it streams the weight exactly once.
-constexpr int64_t kCpuFusedMaxTokensFloat = 16;
-constexpr int64_t kCpuFusedMaxTokensBf16 = 2;
-constexpr int64_t kCpuWideOutputs = 16384;
-constexpr int64_t kCpuFusedMaxTokensWide = 96;
+at::Tensor linear(const at::Tensor& x,                        // [T, K]
+                  const at::Tensor& weight,                   // [N, K]
+                  const std::optional<at::Tensor>& bias,      // [N]
+                  const std::optional<at::Tensor>& residual);  // [T, N]; -> [T, N]
+
+at::Tensor linear_silu_mul(const at::Tensor& x,                            // [T, K]
+                           const at::Tensor& gate_up_weight,               // [2I, K]
+                           const std::optional<at::Tensor>& gate_up_bias);  // [2I]; -> [T, I]
+
+// rmsnorm_qkv, linear and linear_silu_mul run our weight-streaming kernels (csrc/cpu/skinny_gemm.*,
+// whose reduction order does not depend on T) for up to this many tokens, and ATen's GEMM
+// (oneDNN) above it. Default: no crossover, every T on our kernels, so a token's outputs never
+// depend on its batch. bench/skinny_crossover.py found ATen slower than our kernels at every T
+// from 2 to 512 in both dtypes on the dev machine (AMD EPYC Zen 2, AVX2, no AVX512-BF16; 2026-11-30,
+// bench/RESULTS.md). On a CPU where oneDNN has native bf16 (AVX512-BF16, AMX) re-run that script:
+// set_stream_max_tokens("bfloat16", T) hands larger batches to ATen, at the price of invariance.
+int64_t stream_max_tokens(const std::string& dtype);
+void set_stream_max_tokens(const std::string& dtype, int64_t max_tokens);
+constexpr int64_t kStreamMaxTokensFloat = int64_t{1} << 30;
+constexpr int64_t kStreamMaxTokensBf16 = int64_t{1} << 30;
+
+// The instruction path of the bf16 kernels: "avx2", "avx512_bf16", or "avx512_bf16_emulated" (a
+// scalar emulation of the latter, for tests on CPUs without it). bf16_paths(): those this CPU runs.
+std::string bf16_path();
+void set_bf16_path(const std::string& name);
+std::vector<std::string> bf16_paths();
+
+// Reads every word of a contiguous CPU int64 tensor once with all threads (the streaming-read
+// ceiling of the benchmarks) and returns their XOR.
+uint64_t stream_read(const at::Tensor& words);
 
 }  // namespace orca::cpu_ops

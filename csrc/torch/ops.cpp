@@ -1,6 +1,8 @@
 // Checks -> contiguous inputs -> device dispatch (see ops.h).
 #include "ops.h"
 
+#include <ATen/ops/linear.h>
+#include <ATen/ops/silu.h>
 #include <c10/util/Exception.h>
 
 #include <cmath>
@@ -13,6 +15,31 @@
 #endif
 
 namespace orca {
+namespace {
+
+// x [T, K] against weight [N, K] (ranks, K, dtypes, devices) and the optional bias [N]; returns
+// the bias, contiguous, if there is one.
+std::optional<at::Tensor> check_projection(const at::Tensor& x, const at::Tensor& weight,
+                                           const std::optional<at::Tensor>& bias, const char* weight_name,
+                                           const char* weight_layout, const char* bias_name,
+                                           const char* bias_layout) {
+  checks::rank(x, 2, "x", "[T, K]");
+  checks::rank(weight, 2, weight_name, weight_layout);
+  TORCH_CHECK_VALUE(weight.size(1) == x.size(1), weight_name, " has ", weight.size(1), " columns but x has ",
+                    x.size(1), " (K must match)");
+  if (x.is_cpu()) checks::float_dtype(x, "x");  // elsewhere ATen computes it, in any float dtype
+  checks::same_dtype(x, weight, "x", weight_name);
+  checks::same_device(x, weight, "x", weight_name);
+  if (!bias.has_value() || !bias->defined()) return std::nullopt;
+  checks::rank(*bias, 1, bias_name, bias_layout);
+  TORCH_CHECK_VALUE(bias->size(0) == weight.size(0), bias_name, " has ", bias->size(0), " elements but ",
+                    weight_name, " has ", weight.size(0), " rows");
+  checks::same_dtype(x, *bias, "x", bias_name);
+  checks::same_device(x, *bias, "x", bias_name);
+  return bias->contiguous();
+}
+
+}  // namespace
 
 bool built_with_cuda() {
 #ifdef ORCA_WITH_CUDA
@@ -137,6 +164,40 @@ at::Tensor ragged_attention(const at::Tensor& q_in, const at::Tensor& k_cache_in
   if (q.is_cuda()) return cuda_ops::ragged_attention(q, k_cache, v_cache, index[0], index[1], index[2], index[3], scale);
 #endif
   return cpu_ops::ragged_attention(q, k_cache, v_cache, index[0], index[1], index[2], index[3], scale);
+}
+
+at::Tensor linear(const at::Tensor& x_in, const at::Tensor& weight_in, const std::optional<at::Tensor>& bias_in,
+                  const std::optional<at::Tensor>& residual_in) {
+  const std::optional<at::Tensor> bias = check_projection(x_in, weight_in, bias_in, "weight", "[N, K]", "bias", "[N]");
+  std::optional<at::Tensor> residual;
+  if (residual_in.has_value() && residual_in->defined()) {
+    checks::rank(*residual_in, 2, "residual", "[T, N]");
+    TORCH_CHECK_VALUE(residual_in->size(0) == x_in.size(0) && residual_in->size(1) == weight_in.size(0),
+                      "residual has shape ", checks::shape_str(*residual_in), " but the output is [", x_in.size(0),
+                      ", ", weight_in.size(0), "]");
+    checks::same_dtype(x_in, *residual_in, "x", "residual");
+    checks::same_device(x_in, *residual_in, "x", "residual");
+    residual = residual_in->contiguous();
+  }
+  if (!x_in.is_cpu()) {  // cuBLAS through ATen
+    at::Tensor out = at::linear(x_in, weight_in, bias);
+    return residual.has_value() ? out.add_(*residual) : out;
+  }
+  return cpu_ops::linear(x_in.contiguous(), weight_in.contiguous(), bias, residual);
+}
+
+at::Tensor linear_silu_mul(const at::Tensor& x_in, const at::Tensor& gate_up_weight_in,
+                           const std::optional<at::Tensor>& gate_up_bias_in) {
+  const std::optional<at::Tensor> bias = check_projection(x_in, gate_up_weight_in, gate_up_bias_in, "gate_up_weight",
+                                                          "[2*I, K]", "gate_up_bias", "[2*I]");
+  const int64_t n_rows = gate_up_weight_in.size(0);
+  TORCH_CHECK_VALUE(n_rows % 2 == 0, "gate_up_weight has ", n_rows,
+                    " rows; it must stack I gate rows on I up rows ([2*I, K])");
+  if (!x_in.is_cpu()) {
+    const at::Tensor gate_up = at::linear(x_in, gate_up_weight_in, bias);
+    return at::silu(gate_up.narrow(1, 0, n_rows / 2)).mul_(gate_up.narrow(1, n_rows / 2, n_rows / 2));
+  }
+  return cpu_ops::linear_silu_mul(x_in.contiguous(), gate_up_weight_in.contiguous(), bias);
 }
 
 }  // namespace orca

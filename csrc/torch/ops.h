@@ -36,6 +36,19 @@ at::Tensor ragged_attention(const at::Tensor& q,         // [T, Hq, D]
                             const at::Tensor& kv_len,    // [B]
                             double scale);               // -> [T, Hq, D]
 
+// out = x * weight^T + bias (+ residual, added before the one rounding). CPU: our weight-streaming
+// kernels up to a per-dtype crossover in T, ATen above it (cpu_ops.h); other devices: ATen.
+at::Tensor linear(const at::Tensor& x,                        // [T, K]
+                  const at::Tensor& weight,                   // [N, K]
+                  const std::optional<at::Tensor>& bias,      // [N] or None
+                  const std::optional<at::Tensor>& residual);  // [T, N] or None; -> [T, N]
+
+// out = silu(gate) * up with [gate | up] = x * gate_up_weight^T + gate_up_bias, the SwiGLU MLP's
+// fused gate_up projection (I gate rows on top of I up rows). Dispatch as for linear.
+at::Tensor linear_silu_mul(const at::Tensor& x,                            // [T, K]
+                           const at::Tensor& gate_up_weight,               // [2I, K]
+                           const std::optional<at::Tensor>& gate_up_bias);  // [2I] or None; -> [T, I]
+
 // True when this build dispatches CUDA tensors to the CUDA kernels.
 bool built_with_cuda();
 

@@ -10,11 +10,16 @@ it from the ForwardBatch index tensors in a single `ragged_attention` call per l
                 q, k = rope(q, k at each token's own position)
                 slab_write(K/V pools, k, v, slots)            # into each request's slab
                 a = ragged_attention(q, pools, per-request ranges)
-                x += o_proj(a);  x += down(silu(gate(n)) * up(n)),  n = rms_norm(x)
+                x = o_proj(a) + x                             # residual added before the rounding
+                n = rms_norm(x)
+                act = silu(gate(n)) * up(n)                   # one fused gate_up call, [T, I]
+                x = down(act) + x
     logits = lm_head(rms_norm(x[last token of each request]))  # [B, V] float32, one fused call
 
 Weights are plain tensors (no nn.Module): the loader fuses q/k/v into one matrix and gate/up
-into another, so each layer does four matmuls on the flat tensor.
+into another, so each layer does four matmuls on the flat tensor. On CPU all four (and the
+lm_head) stream their weights through our kernels, whose results for a token do not depend on
+the rest of the batch (unless `_C.set_cpu_stream_max_tokens` hands large T to ATen's GEMM).
 """
 from __future__ import annotations
 
@@ -107,7 +112,6 @@ class CausalLM:
         eps = s.rms_norm_eps
         nq, nkv, d = s.num_heads, s.num_kv_heads, s.head_dim
         q_end, k_end = nq * d, nq * d + nkv * d
-        inter = s.intermediate_size
         cos, sin = self.rope.gather(batch.positions)              # [T, 1, D/2] each, once per forward
         x = F.embedding(batch.token_ids, self.embed)              # [T, H]
         for layer, k_pool, v_pool in zip(self.layers, self.k_cache, self.v_cache):
@@ -123,11 +127,10 @@ class CausalLM:
             ops.slab_write(k_pool, v_pool, k, v, batch.slots)
             attn = ops.ragged_attention(q, k_pool, v_pool, batch.q_start, batch.q_len,
                                         batch.kv_start, batch.kv_len, self.scale)  # [T, Nq, D]
-            x = x + F.linear(attn.reshape(t, q_end), layer.o_weight, layer.o_bias)
-            h = ops.rms_norm(x, layer.post_norm, eps)
-            gate_up = F.linear(h, layer.gate_up_weight, layer.gate_up_bias)  # [T, 2I]
-            act = F.silu(gate_up[:, :inter]) * gate_up[:, inter:]
-            x = x + F.linear(act, layer.down_weight, layer.down_bias)
+            x = ops.linear(attn.reshape(t, q_end), layer.o_weight, layer.o_bias, residual=x)
+            n = ops.rms_norm(x, layer.post_norm, eps)
+            act = ops.linear_silu_mul(n, layer.gate_up_weight, layer.gate_up_bias)  # [T, I]
+            x = ops.linear(act, layer.down_weight, layer.down_bias, residual=x)
         # Final norm + lm_head is the same fused "norm then project" op as rmsnorm_qkv.
         return ops.rmsnorm_qkv(x[batch.logits_index], self.final_norm, self.lm_head, None, eps).float()  # [B, V]
 

@@ -1,0 +1,252 @@
+// Weight-streaming linear layers: linear, linear_silu_mul, and the driver (stream_weights) that
+// rmsnorm_qkv shares. Plan and reduction order: skinny_gemm_impl.h and cpu_kernels.h.
+//
+// Work split: the panels (8 weight rows each) are cut into one contiguous range per thread, so at
+// small T every weight byte is read from memory exactly once, by one thread, as one forward
+// stream (two for gate_up: gate rows and up rows). Activations are read from cache. At large T
+// each thread walks its panels once per token tile (sized to keep the tile in L2), so a weight
+// panel is reused by the whole tile while it sits in L1. When there are fewer panels than
+// threads (tiny outputs, many tokens), the threads split the token tiles instead.
+#include <omp.h>
+
+#include <algorithm>
+#include <atomic>
+#include <cmath>
+#include <cstdint>
+#include <cstdlib>
+#include <cstring>
+#include <stdexcept>
+#include <string>
+
+#include "cpu_kernels.h"
+#include "skinny_gemm_impl.h"
+#include "vec.h"
+
+namespace orca {
+namespace cpu {
+
+// ---- bf16 path selection ----------------------------------------------------------------------
+
+const char* bf16_path_name(Bf16Path path) {
+  switch (path) {
+    case Bf16Path::kAvx2: return "avx2";
+    case Bf16Path::kAvx512Bf16: return "avx512_bf16";
+    case Bf16Path::kAvx512Bf16Emulated: return "avx512_bf16_emulated";
+  }
+  return "unknown";
+}
+
+bool bf16_path_supported(Bf16Path path) {
+  static const bool native = detail::cpu_has_avx512bf16();
+  return path != Bf16Path::kAvx512Bf16 || native;
+}
+
+namespace {
+
+std::atomic<int> g_bf16_path{-1};  // -1: not chosen yet
+
+Bf16Path initial_bf16_path() {
+  const Bf16Path best = bf16_path_supported(Bf16Path::kAvx512Bf16) ? Bf16Path::kAvx512Bf16 : Bf16Path::kAvx2;
+  const char* env = std::getenv("ORCA_CPU_BF16_PATH");
+  if (env == nullptr || *env == '\0' || std::strcmp(env, "auto") == 0) return best;
+  // Only the real paths can be chosen from the environment; an unknown or unsupported value keeps
+  // the best path (the torch glue reports the active path as _C.cpu_bf16_path()).
+  if (std::strcmp(env, "avx2") == 0) return Bf16Path::kAvx2;
+  if (std::strcmp(env, "avx512_bf16") == 0) return best;
+  return best;
+}
+
+}  // namespace
+
+Bf16Path bf16_path() {
+  int p = g_bf16_path.load(std::memory_order_relaxed);
+  if (p < 0) {
+    int expected = -1;
+    g_bf16_path.compare_exchange_strong(expected, static_cast<int>(initial_bf16_path()));
+    p = g_bf16_path.load(std::memory_order_relaxed);
+  }
+  return static_cast<Bf16Path>(p);
+}
+
+void set_bf16_path(Bf16Path path) {
+  if (!bf16_path_supported(path))
+    throw std::invalid_argument(std::string("this CPU cannot run the bf16 path ") + bf16_path_name(path));
+  g_bf16_path.store(static_cast<int>(path), std::memory_order_relaxed);
+}
+
+namespace detail {
+namespace {
+
+// silu(g) = g * sigmoid(g), with e^-|g| from the vectorizable exp2 of vec.h (relative error ~1e-7).
+inline float silu(float g) {
+  const float e = exp2_nonpos(-std::fabs(g) * 1.4426950408889634f);
+  const float s = g >= 0.0f ? 1.0f / (1.0f + e) : e / (1.0f + e);
+  return g * s;
+}
+
+// Writes one panel's outputs for tb tokens. c is [tb][kPanelRows]; the panel covers outputs
+// [n0, n0 + ng) of rows of ldo elements.
+template <typename T>
+void write_panel(const float* __restrict c, int64_t tb, int64_t n0, int64_t ng, const T* bias,
+                 const T* residual, T* out, int64_t ldo, Epilogue epilogue, int64_t bias_up_offset) {
+  for (int64_t t = 0; t < tb; ++t) {
+    const float* ct = c + t * kPanelRows;
+    T* o = out + t * ldo + n0;
+    if (epilogue == Epilogue::kSiluMul) {
+      for (int64_t j = 0; j < ng; ++j) {
+        float g = ct[j], u = ct[4 + j];
+        if (bias != nullptr) {
+          g += to_float(bias[n0 + j]);
+          u += to_float(bias[bias_up_offset + n0 + j]);
+        }
+        o[j] = from_float<T>(silu(g) * u);
+      }
+    } else {
+      const T* r = residual != nullptr ? residual + t * ldo + n0 : nullptr;
+      for (int64_t j = 0; j < ng; ++j) {
+        float v = ct[j];
+        if (bias != nullptr) v += to_float(bias[n0 + j]);
+        if (r != nullptr) v += to_float(r[j]);
+        o[j] = from_float<T>(v);
+      }
+    }
+  }
+}
+
+// How far ahead the panel kernels prefetch weight rows, in panels.
+constexpr int64_t kPrefetchPanels = 1;
+
+// Activation rows per token tile: about 192 KiB of them (they are re-read from L2 for every
+// panel), a multiple of 12 so that both the 3-row and the 4-row blocks divide it.
+inline int64_t token_tile_rows(int64_t ld, size_t elem_bytes) {
+  const size_t row_bytes = static_cast<size_t>(std::max<int64_t>(ld, 1)) * elem_bytes;
+  const int64_t rows = static_cast<int64_t>((size_t{192} << 10) / row_bytes);
+  return std::max<int64_t>(12, rows / 12 * 12);
+}
+
+template <typename T, typename XT, typename WT>
+void run_panels(const XT* x, int64_t ldx, PanelFn<XT, WT> panel_fn, const WT* w, const T* bias, const T* residual,
+                T* out, int64_t n_tokens, int64_t k, int64_t n_rows, Epilogue epilogue) {
+  const bool silu = epilogue == Epilogue::kSiluMul;
+  const int64_t n_out = silu ? n_rows / 2 : n_rows;  // outputs per token
+  const int64_t per_panel = silu ? kPanelRows / 2 : kPanelRows;
+  const int64_t n_panels = (n_out + per_panel - 1) / per_panel;
+  const int64_t tile = std::min(n_tokens, token_tile_rows(ldx, sizeof(XT)));
+  const int64_t n_tiles = (n_tokens + tile - 1) / tile;
+  // Waking the team costs a few microseconds: not worth it for a product this small.
+  const bool parallel = n_panels * n_tiles > 1 && n_tokens * n_rows * k >= (int64_t{1} << 16);
+  const int64_t prefetch_ahead = kPrefetchPanels * per_panel * k;  // the same rows, panels ahead
+
+#pragma omp parallel if (parallel)
+  {
+    const int64_t nth = omp_get_num_threads(), tid = omp_get_thread_num();
+    // Threads are laid out panel-group-major: panel_groups ranges of panels, each walked by
+    // nth / panel_groups threads that take turns over the token tiles.
+    const int64_t panel_groups = std::min(nth, n_panels);
+    const int64_t tile_groups = std::max<int64_t>(1, nth / panel_groups);
+    const int64_t pg = tid % panel_groups, tg = tid / panel_groups;
+    const int64_t p_begin = n_panels * pg / panel_groups, p_end = n_panels * (pg + 1) / panel_groups;
+    float* c = thread_scratch<float>(7, static_cast<size_t>(tile * kPanelRows));
+    if (tg < tile_groups) {
+      for (int64_t tt = tg; tt < n_tiles; tt += tile_groups) {
+        const int64_t t0 = tt * tile, tb = std::min(tile, n_tokens - t0);
+        for (int64_t p = p_begin; p < p_end; ++p) {
+          const int64_t n0 = p * per_panel, ng = std::min(per_panel, n_out - n0);
+          // A short last panel repeats its last row; those extra results are not written.
+          const WT* rows[kPanelRows];
+          for (int64_t i = 0; i < per_panel; ++i) rows[i] = w + (n0 + std::min(i, ng - 1)) * k;
+          if (silu)
+            for (int64_t i = 0; i < per_panel; ++i) rows[per_panel + i] = rows[i] + n_out * k;
+          panel_fn(x + t0 * ldx, ldx, tb, rows, k, c, prefetch_ahead);
+          write_panel(c, tb, n0, ng, bias, residual != nullptr ? residual + t0 * n_out : nullptr,
+                      out + t0 * n_out, n_out, epilogue, n_out);
+        }
+      }
+    }
+  }
+}
+
+}  // namespace
+
+template <typename T>
+void stream_weights(const Activations& a, const T* w, const T* bias, const T* residual, T* out, int64_t n_tokens,
+                    int64_t k, int64_t n_rows, Epilogue epilogue) {
+  if (n_tokens <= 0 || n_rows <= 0) return;
+  if constexpr (std::is_same<T, float>::value) {
+    run_panels<T, float, float>(static_cast<const float*>(a.rows), a.ld, &panel_avx2, w, bias, residual, out,
+                                n_tokens, k, n_rows, epilogue);
+  } else if (!a.bf16_rows) {
+    run_panels<T, float, bf16>(static_cast<const float*>(a.rows), a.ld, &panel_avx2, w, bias, residual, out,
+                               n_tokens, k, n_rows, epilogue);
+  } else {
+    const PanelFn<bf16, bf16> fn =
+        bf16_path() == Bf16Path::kAvx512Bf16 ? &panel_avx512bf16 : &panel_avx512bf16_emulated;
+    run_panels<T, bf16, bf16>(static_cast<const bf16*>(a.rows), a.ld, fn, w, bias, residual, out, n_tokens, k,
+                              n_rows, epilogue);
+  }
+}
+
+template void stream_weights<float>(const Activations&, const float*, const float*, const float*, float*, int64_t,
+                                    int64_t, int64_t, Epilogue);
+template void stream_weights<bf16>(const Activations&, const bf16*, const bf16*, const bf16*, bf16*, int64_t,
+                                   int64_t, int64_t, Epilogue);
+
+}  // namespace detail
+
+namespace {
+
+template <typename T>
+detail::Activations copy_activations(const T* x, int64_t n_tokens, int64_t k) {
+  return detail::prepare_activations<T>(n_tokens, k, [=](int64_t t, float* dst) { detail::load_row(x + t * k, dst, k); });
+}
+
+}  // namespace
+
+template <typename T>
+void linear(const T* x,         // [T, K]
+            const T* weight,    // [N, K]
+            const T* bias,      // [N] or nullptr
+            const T* residual,  // [T, N] or nullptr
+            T* out,             // [T, N]
+            int64_t n_tokens, int64_t k, int64_t n_out) {
+  if (n_tokens <= 0 || n_out <= 0) return;
+  if (k == 0) {  // an empty reduction: the bias (and residual) alone
+    for (int64_t t = 0; t < n_tokens; ++t)
+      for (int64_t n = 0; n < n_out; ++n)
+        out[t * n_out + n] = from_float<T>((bias ? to_float(bias[n]) : 0.0f) +
+                                           (residual ? to_float(residual[t * n_out + n]) : 0.0f));
+    return;
+  }
+  const detail::Activations a = copy_activations(x, n_tokens, k);
+  detail::stream_weights<T>(a, weight, bias, residual, out, n_tokens, k, n_out, detail::Epilogue::kBias);
+}
+
+template <typename T>
+void linear_silu_mul(const T* x,               // [T, K]
+                     const T* gate_up_weight,  // [2I, K]
+                     const T* gate_up_bias,    // [2I] or nullptr
+                     T* out,                   // [T, I]
+                     int64_t n_tokens, int64_t k, int64_t n_inter) {
+  if (n_tokens <= 0 || n_inter <= 0) return;
+  if (k == 0) {
+    for (int64_t t = 0; t < n_tokens; ++t)
+      for (int64_t n = 0; n < n_inter; ++n) {
+        const float g = gate_up_bias ? to_float(gate_up_bias[n]) : 0.0f;
+        const float u = gate_up_bias ? to_float(gate_up_bias[n_inter + n]) : 0.0f;
+        out[t * n_inter + n] = from_float<T>(detail::silu(g) * u);
+      }
+    return;
+  }
+  const detail::Activations a = copy_activations(x, n_tokens, k);
+  detail::stream_weights<T>(a, gate_up_weight, gate_up_bias, nullptr, out, n_tokens, k, 2 * n_inter,
+                            detail::Epilogue::kSiluMul);
+}
+
+template void linear<float>(const float*, const float*, const float*, const float*, float*, int64_t, int64_t,
+                            int64_t);
+template void linear<bf16>(const bf16*, const bf16*, const bf16*, const bf16*, bf16*, int64_t, int64_t, int64_t);
+template void linear_silu_mul<float>(const float*, const float*, const float*, float*, int64_t, int64_t, int64_t);
+template void linear_silu_mul<bf16>(const bf16*, const bf16*, const bf16*, bf16*, int64_t, int64_t, int64_t);
+
+}  // namespace cpu
+}  // namespace orca

@@ -1,0 +1,271 @@
+"""The CPU weight-streaming projections (`_C.linear`, `_C.linear_silu_mul`, and `_C.rmsnorm_qkv`
+on the same kernels) against float64 references, on awkward sizes, in float32 and bfloat16, on
+every bf16 instruction path this CPU can run -- always including the scalar emulation of the
+AVX512-BF16 path, so that its blocking and tails are tested on CPUs without the instructions.
+Also: a token's outputs are bit-identical whatever else shares the call (batch invariance), and
+the ATen path above the crossover is correct too."""
+from __future__ import annotations
+
+import math
+import os
+import random
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from orca_ext import ops, reference
+
+_C = pytest.importorskip("orca_ext._C")
+
+DTYPES = [torch.float32, torch.bfloat16]
+DTYPE_NAMES = {torch.float32: "float32", torch.bfloat16: "bfloat16"}
+BF16_PATHS = _C.cpu_bf16_paths()
+
+
+@pytest.fixture(params=BF16_PATHS)
+def bf16_path(request):
+    """Runs the test on one bf16 instruction path, then restores the previous one."""
+    before = _C.cpu_bf16_path()
+    _C.set_cpu_bf16_path(request.param)
+    yield request.param
+    _C.set_cpu_bf16_path(before)
+
+
+@pytest.fixture
+def streaming_everywhere():
+    """Keeps every T on our kernels (the crossover to ATen out of reach) for the test."""
+    before = {name: _C.cpu_stream_max_tokens(name) for name in DTYPE_NAMES.values()}
+    for name in before:
+        _C.set_cpu_stream_max_tokens(name, 1 << 30)
+    yield
+    for name, value in before.items():
+        _C.set_cpu_stream_max_tokens(name, value)
+
+
+def cases(dtype):
+    """(dtype, path) pairs: float32 has one path; bfloat16 runs on each."""
+    return [(dtype, None)] if dtype == torch.float32 else [(dtype, p) for p in BF16_PATHS]
+
+
+ALL_CASES = cases(torch.float32) + cases(torch.bfloat16)
+
+
+@pytest.fixture(params=ALL_CASES, ids=lambda c: f"{DTYPE_NAMES[c[0]]}-{c[1] or 'avx2'}")
+def dtype_path(request):
+    dtype, path = request.param
+    before = _C.cpu_bf16_path()
+    if path is not None:
+        _C.set_cpu_bf16_path(path)
+    yield dtype
+    _C.set_cpu_bf16_path(before)
+
+
+def rand(gen, *shape, scale=1.0):
+    return torch.randn(*shape, generator=gen, dtype=torch.float64) * scale
+
+
+def assert_within_bound(got, ref, mass, dtype, k, what, extra=0.0):
+    """|got - ref| <= half an ulp of the output + a rigorous bound on float32 accumulation over k
+    terms (each lane adds at most k/8 products, then a 3-level tree, then bias and residual)
+    + extra."""
+    out_rtol = 2.0 ** -8 if dtype == torch.bfloat16 else 2.0 ** -24
+    bound = out_rtol * ref.abs() + (k // 8 + 6) * 2.0 ** -24 * mass + extra + 1e-30
+    err = (got.double() - ref).abs()
+    bad = err > bound
+    assert not bad.any(), (f"{what}: {int(bad.sum())} of {bad.numel()} out of bound; worst err "
+                           f"{float((err - bound).max()):.3g} above bound at index {int((err - bound).argmax())}")
+
+
+@pytest.mark.parametrize("n_tokens", [1, 2, 3, 5, 13, 40, 97])
+@pytest.mark.parametrize("k,n", [(1, 9), (7, 260), (33, 67), (581, 131)])
+@pytest.mark.parametrize("bias,residual", [(False, False), (True, False), (False, True), (True, True)])
+def test_linear(dtype_path, streaming_everywhere, n_tokens, k, n, bias, residual):
+    dtype = dtype_path
+    gen = torch.Generator().manual_seed(hash((n_tokens, k, n, bias, residual)) % 2**31)
+    x = rand(gen, n_tokens, k).to(dtype)
+    w = rand(gen, n, k, scale=1 / math.sqrt(k)).to(dtype)
+    b = rand(gen, n).to(dtype) if bias else None
+    r = rand(gen, n_tokens, n).to(dtype) if residual else None
+    out = _C.linear(x, w, b, r)
+    assert out.shape == (n_tokens, n) and out.dtype == dtype
+    x64, w64 = x.double(), w.double()
+    ref = reference.linear(x64, w64, None if b is None else b.double(), None if r is None else r.double())
+    mass = x64.abs() @ w64.abs().T + (0 if b is None else b.double().abs()) + (0 if r is None else r.double().abs())
+    assert_within_bound(out, ref, mass, dtype, k, "linear")
+
+
+@pytest.mark.parametrize("n_tokens", [1, 4, 29])
+@pytest.mark.parametrize("k,n_inter", [(5, 1), (263, 7), (96, 133)])
+@pytest.mark.parametrize("bias", [False, True])
+def test_linear_silu_mul(dtype_path, streaming_everywhere, n_tokens, k, n_inter, bias):
+    dtype = dtype_path
+    gen = torch.Generator().manual_seed(hash((n_tokens, k, n_inter, bias)) % 2**31)
+    x = rand(gen, n_tokens, k).to(dtype)
+    w = rand(gen, 2 * n_inter, k, scale=2 / math.sqrt(k)).to(dtype)
+    b = rand(gen, 2 * n_inter).to(dtype) if bias else None
+    out = _C.linear_silu_mul(x, w, b)
+    assert out.shape == (n_tokens, n_inter) and out.dtype == dtype
+    x64, w64, b64 = x.double(), w.double(), None if b is None else b.double()
+    expected = reference.linear_silu_mul(x64, w64, b64)
+    # gate and up carry float32 accumulation errors dg, du, which silu(g) * u turns into at most
+    # 1.1 |u| dg + |silu(g)| du; silu itself adds ~1e-7 relative; then the output is rounded.
+    gate, up = reference.linear(x64, w64, b64).chunk(2, dim=-1)
+    mass = (x64.abs() @ w64.abs().T + (0 if b64 is None else b64.abs())).chunk(2, dim=-1)
+    acc = (k // 8 + 6) * 2.0 ** -24
+    bound = (1.1 * up.abs() * acc * mass[0] + torch.nn.functional.silu(gate).abs() * acc * mass[1]
+             + 1e-6 * expected.abs())
+    out_rtol = 2.0 ** -8 if dtype == torch.bfloat16 else 2.0 ** -24
+    err = (out.double() - expected).abs()
+    assert (err <= out_rtol * expected.abs() + bound + 1e-30).all(), f"worst error {float(err.max()):.3g}"
+
+
+@pytest.mark.parametrize("n_tokens", [1, 3, 17, 50])
+def test_rmsnorm_qkv_streaming(dtype_path, streaming_everywhere, n_tokens):
+    """The fused norm feeds the same kernels; in bfloat16 the normalised row is rounded to bf16 first."""
+    dtype = dtype_path
+    gen = torch.Generator().manual_seed(n_tokens)
+    hidden, n_out = 197, 75
+    x = rand(gen, n_tokens, hidden, scale=2).to(dtype)
+    nw = (1 + 0.1 * rand(gen, hidden)).to(dtype)
+    w = rand(gen, n_out, hidden, scale=1 / math.sqrt(hidden)).to(dtype)
+    b = rand(gen, n_out).to(dtype)
+    out = _C.rmsnorm_qkv(x, nw, w, b, 1e-6)
+    normed = reference.rms_norm(x.double(), nw.double(), 1e-6)
+    if dtype == torch.bfloat16:
+        # The kernel rounds a float32 norm to bf16; where that differs from rounding the float64
+        # norm, one element moves by one bf16 ulp (2^-8 of itself): allow two such elements.
+        normed_bf16 = normed.to(dtype).double()
+        slack = 2 * 2.0 ** -8 * (normed_bf16.abs() @ w.double().abs().T).amax(dim=1, keepdim=True)
+        normed = normed_bf16
+    else:
+        slack = 1e-6 * (normed.abs() @ w.double().abs().T)  # the float32 norm itself
+    ref = reference.linear(normed, w.double(), b.double())
+    mass = normed.abs() @ w.double().abs().T + b.double().abs()
+    assert_within_bound(out, ref, mass, dtype, hidden, "rmsnorm_qkv", extra=slack)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_aten_path_above_crossover(dtype):
+    """With the crossover at 0 every call takes the ATen path; it computes the same functions."""
+    name = DTYPE_NAMES[dtype]
+    before = _C.cpu_stream_max_tokens(name)
+    gen = torch.Generator().manual_seed(7)
+    x = rand(gen, 6, 40).to(dtype)
+    w = rand(gen, 22, 40, scale=0.2).to(dtype)
+    b, r = rand(gen, 22).to(dtype), rand(gen, 6, 22).to(dtype)
+    nw = (1 + 0.1 * rand(gen, 40)).to(dtype)
+    tol = dict(atol=2e-5, rtol=2e-5) if dtype == torch.float32 else dict(atol=3e-2, rtol=2e-2)
+    try:
+        _C.set_cpu_stream_max_tokens(name, 0)
+        got = (_C.linear(x, w, b, r), _C.linear_silu_mul(x, w, b), _C.rmsnorm_qkv(x, nw, w, b, 1e-6))
+    finally:
+        _C.set_cpu_stream_max_tokens(name, before)
+    x64, w64, b64 = x.double(), w.double(), b.double()
+    expected = (reference.linear(x64, w64, b64, r.double()), reference.linear_silu_mul(x64, w64, b64),
+                reference.rmsnorm_qkv(x64, nw.double(), w64, b64, 1e-6))
+    for g, e in zip(got, expected):
+        assert g.dtype == dtype
+        torch.testing.assert_close(g.double(), e, **tol)
+
+
+def crowd_rows(gen_seed, n_tokens, k):
+    return torch.randn(n_tokens, k, generator=torch.Generator().manual_seed(gen_seed), dtype=torch.float64)
+
+
+@pytest.mark.parametrize("trial", range(3))
+def test_batch_invariance(dtype_path, trial):
+    """A token's outputs alone equal, bit for bit, its outputs inside random crowds of other tokens,
+    for every batch size up to the crossover."""
+    dtype = dtype_path
+    limit = _C.cpu_stream_max_tokens(DTYPE_NAMES[dtype])
+    rng = random.Random(trial)
+    k, n = rng.choice([(576, 131), (97, 64)])
+    gen = torch.Generator().manual_seed(100 + trial)
+    w = rand(gen, 2 * n, k, scale=1 / math.sqrt(k)).to(dtype)
+    b = rand(gen, 2 * n).to(dtype)
+    nw = (1 + 0.1 * rand(gen, k)).to(dtype)
+    me = rand(gen, 1, k).to(dtype)
+    alone = (_C.linear(me, w, b, None), _C.linear_silu_mul(me, w, b), _C.rmsnorm_qkv(me, nw, w, b, 1e-6))
+    for size in sorted({2, 3, 4, 7, 13, rng.randint(14, 64), min(limit, 200)}):
+        if size > limit:
+            continue
+        crowd = (crowd_rows(rng.randrange(1 << 30), size, k) * rng.choice([0.1, 1.0, 30.0])).to(dtype)
+        at = rng.randrange(size)
+        crowd[at] = me[0]
+        res = torch.zeros(size, 2 * n, dtype=dtype)
+        got = (_C.linear(crowd, w, b, res)[at], _C.linear_silu_mul(crowd, w, b)[at],
+               _C.rmsnorm_qkv(crowd, nw, w, b, 1e-6)[at])
+        for g, a, name in zip(got, alone, ("linear", "linear_silu_mul", "rmsnorm_qkv")):
+            assert torch.equal(g, a[0]), f"{name}: token at row {at} of a {size}-token batch differs from alone"
+
+
+def test_ops_dispatch_and_non_contiguous_inputs():
+    gen = torch.Generator().manual_seed(3)
+    x = rand(gen, 40, 5).float().t()                 # [5, 40] non-contiguous
+    w = rand(gen, 40, 18).float().t()                # [18, 40] non-contiguous
+    r = rand(gen, 18, 5).float().t()                 # [5, 18] non-contiguous
+    expected = reference.linear(x.double(), w.double(), None, r.double())
+    torch.testing.assert_close(ops.linear(x, w, None, residual=r).double(), expected, atol=1e-5, rtol=1e-5)
+    gate_up = w[:18]
+    torch.testing.assert_close(ops.linear_silu_mul(x, gate_up).double(),
+                               reference.linear_silu_mul(x.double(), gate_up.double()), atol=1e-5, rtol=1e-5)
+
+
+def test_zero_sizes():
+    assert _C.linear(torch.randn(0, 8), torch.randn(5, 8)).shape == (0, 5)
+    assert _C.linear_silu_mul(torch.randn(3, 8), torch.randn(0, 8)).shape == (3, 0)
+    b = torch.randn(4)
+    torch.testing.assert_close(_C.linear(torch.randn(2, 0), torch.randn(4, 0), b), b.expand(2, 4))
+
+
+@pytest.mark.parametrize("call,match", [
+    (lambda: _C.linear(torch.randn(3, 8), torch.randn(5, 7)), "weight has 7 columns but x has 8"),
+    (lambda: _C.linear(torch.randn(8), torch.randn(5, 8)), "x must be 2-D"),
+    (lambda: _C.linear(torch.randn(3, 8), torch.randn(5, 8), torch.randn(4)), "bias has 4 elements"),
+    (lambda: _C.linear(torch.randn(3, 8), torch.randn(5, 8), None, torch.randn(3, 4)), "residual has shape"),
+    (lambda: _C.linear(torch.randn(3, 8), torch.randn(5, 8).bfloat16()), "weight has dtype"),
+    (lambda: _C.linear(torch.randn(3, 8).double(), torch.randn(5, 8).double()), "only float32 and bfloat16"),
+    (lambda: _C.linear_silu_mul(torch.randn(3, 8), torch.randn(5, 8)), "gate_up_weight has 5 rows"),
+    (lambda: _C.linear_silu_mul(torch.randn(3, 8), torch.randn(6, 8), torch.randn(3)), "gate_up_bias has 3"),
+    (lambda: _C.set_cpu_stream_max_tokens("float32", -1), "max_tokens must be >= 0"),
+    (lambda: _C.set_cpu_stream_max_tokens("float16", 4), "dtype must be"),
+    (lambda: _C.set_cpu_bf16_path("sse2"), "unknown bf16 path"),
+])
+def test_bad_input(call, match):
+    with pytest.raises(ValueError, match=match):
+        call()
+
+
+def test_unsupported_bf16_path_is_refused():
+    if "avx512_bf16" in BF16_PATHS:
+        pytest.skip("this CPU has AVX512-BF16")
+    before = _C.cpu_bf16_path()
+    with pytest.raises(ValueError, match="cannot run the bf16 path avx512_bf16"):
+        _C.set_cpu_bf16_path("avx512_bf16")
+    assert _C.cpu_bf16_path() == before
+
+
+def test_bf16_path_from_environment():
+    """ORCA_CPU_BF16_PATH=avx2 forces the portable path (read once, at first use)."""
+    code = "import orca_ext._C as C; print(C.cpu_bf16_path(), ' '.join(C.cpu_bf16_paths()))"
+    env = dict(os.environ, ORCA_CPU_BF16_PATH="avx2")
+    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr
+    active, supported = out.stdout.split(maxsplit=1)
+    assert active == "avx2"
+    assert {"avx2", "avx512_bf16_emulated"} <= set(supported.split())
+    default = subprocess.run([sys.executable, "-c", code], env={k: v for k, v in os.environ.items()
+                                                                 if k != "ORCA_CPU_BF16_PATH"},
+                             capture_output=True, text=True, timeout=120)
+    expected = "avx512_bf16" if "avx512_bf16" in supported.split() else "avx2"
+    assert default.stdout.split()[0] == expected
+
+
+def test_stream_read_probe():
+    words = torch.randint(-2**62, 2**62, (1 << 17,), dtype=torch.int64, generator=torch.Generator().manual_seed(1))
+    expected = 0
+    for v in words.tolist():
+        expected ^= v & (2**64 - 1)
+    assert _C.stream_read(words) == expected
