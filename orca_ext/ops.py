@@ -3,10 +3,16 @@ pure-torch references (slow, but the package stays usable without a compiler).
 
 Each function takes and returns torch tensors; `_C` itself checks shapes, dtypes and devices and
 dispatches CPU tensors to csrc/cpu and CUDA tensors to csrc/cuda (glue in csrc/torch).
+
+The runtime knobs of the CUDA attention (see RaggedAttentionTuning in csrc/cuda/launchers.h) can
+be set for a whole process from the environment, e.g. to compare settings in the engine benchmark:
+  ORCA_EXT_ATTENTION_ITEMS_PER_SM   decode work items per SM, 1..256 (default 16)
+  ORCA_EXT_ATTENTION_DECODE_STAGES  0 = the shared kernel (default); 2 or 3 = the decode kernel
 """
 from __future__ import annotations
 
 import logging
+import os
 
 import torch
 
@@ -21,6 +27,23 @@ except ImportError as exc:  # pragma: no cover - exercised only without a build
     log.warning("orca_ext._C is not built (%s); using the slow pure-torch reference ops", exc)
 
 HAVE_EXTENSION = _C is not None
+
+
+def _env_int(name: str, default: int, allowed: range | tuple) -> int:
+    raw = os.environ.get(name)
+    if raw is None or raw == "":
+        return default
+    try:
+        value = int(raw)
+    except ValueError:
+        raise ValueError(f"${name}={raw!r} is not an integer") from None
+    if value not in allowed:
+        raise ValueError(f"${name}={value} is out of range; allowed: {allowed}")
+    return value
+
+
+ATTENTION_ITEMS_PER_SM = _env_int("ORCA_EXT_ATTENTION_ITEMS_PER_SM", 16, range(1, 257))
+ATTENTION_DECODE_STAGES = _env_int("ORCA_EXT_ATTENTION_DECODE_STAGES", 0, (0, 2, 3))
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
@@ -58,8 +81,19 @@ def slab_write(k_cache, v_cache, k, v, slots) -> None:
     _C.slab_write(k_cache, v_cache, k, v, slots)
 
 
-def ragged_attention(q, k_cache, v_cache, q_start, q_len, kv_start, kv_len, scale: float):
-    """q [T, Hq, D] -> [T, Hq, D]; see docs/DESIGN.md section 4."""
+def ragged_attention_plan(q_start, q_len, kv_start, kv_len, n_tokens: int, n_slots: int, n_q_heads: int,
+                          n_kv_heads: int, head_dim: int, dtype: torch.dtype):
+    """The attention work list of one set of [B] index tensors, for every layer that shares them
+    (None without the extension: the references need no plan)."""
+    if _C is None:
+        return None
+    return _C.ragged_attention_plan(q_start, q_len, kv_start, kv_len, n_tokens, n_slots, n_q_heads, n_kv_heads,
+                                    head_dim, dtype, ATTENTION_ITEMS_PER_SM, ATTENTION_DECODE_STAGES)
+
+
+def ragged_attention(q, k_cache, v_cache, q_start, q_len, kv_start, kv_len, scale: float, plan=None):
+    """q [T, Hq, D] -> [T, Hq, D]; see docs/DESIGN.md section 4. `plan`: from ragged_attention_plan
+    over these index tensors, or None."""
     if _C is None:
         return reference.ragged_attention(q, k_cache, v_cache, q_start, q_len, kv_start, kv_len, scale)
-    return _C.ragged_attention(q, k_cache, v_cache, q_start, q_len, kv_start, kv_len, scale)
+    return _C.ragged_attention(q, k_cache, v_cache, q_start, q_len, kv_start, kv_len, scale, plan)

@@ -8,7 +8,13 @@
 // No input rotation: the decode cases read 270-290 MB of K/V per call, several times the L2, and
 // the prefill case is compute-bound.
 // --small runs only small validation cases (for compute-sanitizer).
+// Sweep of the runtime knobs (RaggedAttentionTuning) on the decode cases, in the same run:
+//   --items-per-sm LIST   decode work items per SM (default 4,16,64)
+//   --decode-stages LIST  0 = the shared kernel, 2/3 = the decode kernel (default 0,2,3)
+// plus, per kernel, the attention alone from a plan built once (what each layer of a forward pass
+// pays) next to plan + attention.
 #include <numeric>
+#include <sstream>
 
 #include "bench_util.cuh"
 #include "common/reference.h"
@@ -27,6 +33,8 @@ struct Case {
   bool int64_index = false;
   int sample_rows = 64;  // rows per request checked against the CPU reference (all if fewer)
   int extra_rows = 0;    // trailing query rows owned by no request: must come out as zeros
+  kern::RaggedAttentionTuning tuning{};  // non-default: plan + attention launchers with these knobs
+  bool reuse_plan = false;  // plan built once; each launch is the attention alone (one layer)
 };
 
 template <typename I>
@@ -71,14 +79,38 @@ bool run_case(const Case& c, const Args& args, double copy_gbps, uint64_t seed) 
   const void* d_kl = up(c.kv_len);
 
   const kern::DType dt = dtype_of<T>();
-  const size_t ws_bytes = kern::ragged_attention_workspace_bytes(dt, n_tokens, B, hq, hkv, D);
+  const size_t ws_bytes = std::max(kern::ragged_attention_workspace_bytes(dt, n_tokens, B, hq, hkv, D),
+                                   kern::ragged_attention_plan_bytes(dt, n_tokens, B, hq, hkv, D, c.tuning));
   DevBuf<uint8_t> ws(ws_bytes);
   const float scale = 1.f / std::sqrt(static_cast<float>(D));
-  auto launch = [&](cudaStream_t stream, int) {
-    return kern::ragged_attention(dt, c.int64_index ? kern::IndexType::kInt64 : kern::IndexType::kInt32, dq.ptr,
-                                  dk.ptr, dv.ptr, d_qs, d_ql, d_ks, d_kl, dout.ptr, ws.ptr, ws_bytes, n_tokens, B,
-                                  n_slots, hq, hkv, D, scale, stream);
+  const kern::IndexType it = c.int64_index ? kern::IndexType::kInt64 : kern::IndexType::kInt32;
+  const bool planned = c.reuse_plan || c.tuning.items_per_sm != kern::RaggedAttentionTuning{}.items_per_sm ||
+                       c.tuning.decode_stages != kern::RaggedAttentionTuning{}.decode_stages;
+  auto plan = [&](cudaStream_t stream) {
+    return kern::ragged_attention_plan(dt, it, d_qs, d_ql, d_ks, d_kl, ws.ptr, ws_bytes, n_tokens, B, n_slots, hq,
+                                       hkv, D, c.tuning, stream);
   };
+  auto attend = [&](cudaStream_t stream) {
+    return kern::ragged_attention_with_plan(dt, dq.ptr, dk.ptr, dv.ptr, dout.ptr, ws.ptr, ws_bytes, n_tokens, B, hq,
+                                            hkv, D, scale, c.tuning, stream);
+  };
+  auto launch = [&](cudaStream_t stream, int) {
+    if (planned) {
+      if (!c.reuse_plan) {
+        const cudaError_t err = plan(stream);
+        if (err != cudaSuccess) return err;
+      }
+      return attend(stream);
+    }
+    return kern::ragged_attention(dt, it, dq.ptr, dk.ptr, dv.ptr, d_qs, d_ql, d_ks, d_kl, dout.ptr, ws.ptr, ws_bytes,
+                                  n_tokens, B, n_slots, hq, hkv, D, scale, stream);
+  };
+  if (c.reuse_plan) {
+    // A reused plan must serve the next launch as it is: validate the second launch, over NaNs.
+    BENCH_CHECK(plan(nullptr));
+    BENCH_CHECK(attend(nullptr));
+    BENCH_CHECK(cudaMemset(dout.ptr, 0xff, dout.n * sizeof(T)));
+  }
   BENCH_CHECK(launch(nullptr, 0));
   BENCH_CHECK(cudaDeviceSynchronize());
   const std::vector<T> out = dout.download();
@@ -123,14 +155,15 @@ bool run_case(const Case& c, const Args& args, double copy_gbps, uint64_t seed) 
   const double bytes = kv_tokens * hkv * D * 2 * sizeof(T) + 2.0 * double(n_tokens) * hq * D * sizeof(T);
   const double gbps = bytes / (us * 1e-6) / 1e9;
   const double tflops = 4.0 * pairs * hq * D / (us * 1e-6) / 1e12;
-  std::printf("%-28s %9.2f us (%s; back-to-back %.2f us)  %8.1f GB/s (%5.1f%% of copy %.0f GB/s)  %7.1f TFLOP/s\n",
+  std::printf("%-40s %9.2f us (%s; back-to-back %.2f us)  %8.1f GB/s (%5.1f%% of copy %.0f GB/s)  %7.1f TFLOP/s\n",
               c.name.c_str(), us, kt.method(), kt.b2b_us, gbps, 100.0 * gbps / copy_gbps, copy_gbps, tflops);
   Result r;
   r.str("bench", "ragged_attention").str("case", c.name).str("dtype", type_name<T>()).num("B", B)
       .num("T", double(n_tokens)).num("Hq", hq).num("Hkv", hkv).num("D", D);
   add_timing(r, kt);
   r.num("gbps", gbps).num("copy_gbps", copy_gbps).num("pct_of_copy", 100.0 * gbps / copy_gbps).num("tflops", tflops)
-      .print();
+      .num("items_per_sm", c.tuning.items_per_sm).num("decode_stages", c.tuning.decode_stages)
+      .num("reuse_plan", c.reuse_plan ? 1 : 0).print();
   return true;
 }
 
@@ -141,9 +174,61 @@ std::vector<int> uniform_lengths(std::mt19937_64& rng, int n, int lo, int hi) {
   return v;
 }
 
+// "4,8,16" -> {4, 8, 16}; exits with a usage message on anything else.
+std::vector<int> int_list(const char* flag, const char* text) {
+  std::vector<int> v;
+  std::stringstream ss(text);
+  std::string item;
+  while (std::getline(ss, item, ',')) {
+    char* end = nullptr;
+    const long x = std::strtol(item.c_str(), &end, 10);
+    if (item.empty() || *end != '\0' || x < 0 || x > 4096) {
+      std::fprintf(stderr, "%s: expected a comma-separated list of integers, got '%s'\n", flag, text);
+      std::exit(2);
+    }
+    v.push_back(static_cast<int>(x));
+  }
+  return v;
+}
+
+// The sweep's knobs, taken out of argv before parse_args sees it.
+struct Sweep {
+  std::vector<int> items_per_sm{4, 16, 64};
+  std::vector<int> decode_stages{0, 2, 3};
+};
+
+Sweep take_sweep_args(int& argc, char** argv) {
+  Sweep sw;
+  int kept = 1;
+  for (int i = 1; i < argc; ++i) {
+    const bool ips = !std::strcmp(argv[i], "--items-per-sm"), ds = !std::strcmp(argv[i], "--decode-stages");
+    if ((ips || ds) && i + 1 < argc) {
+      (ips ? sw.items_per_sm : sw.decode_stages) = int_list(argv[i], argv[i + 1]);
+      ++i;
+    } else {
+      argv[kept++] = argv[i];
+    }
+  }
+  argc = kept;
+  for (int d : sw.decode_stages) {
+    for (int n : sw.items_per_sm) {
+      kern::RaggedAttentionTuning t;
+      t.items_per_sm = n;
+      t.decode_stages = d;
+      if (!kern::ragged_attention_tuning_valid(t)) {
+        std::fprintf(stderr, "invalid knobs: items_per_sm %d (1..%d), decode_stages %d (0, 2 or 3)\n", n,
+                     kern::kRaggedAttentionMaxItemsPerSm, d);
+        std::exit(2);
+      }
+    }
+  }
+  return sw;
+}
+
 }  // namespace
 
 int main(int argc, char** argv) {
+  const Sweep sweep = take_sweep_args(argc, argv);
   const Args args = parse_args(argc, argv);
   bool ok = true;
   std::mt19937_64 rng(20240607);
@@ -157,6 +242,14 @@ int main(int argc, char** argv) {
     c.int64_index = true;
     c.extra_rows = 3;
     ok &= run_case<__nv_bfloat16>(c, args, NAN, 3);
+    // The decode kernel (prefill work as 16-row tiles) and a reused plan, with unowned rows.
+    c.tuning.decode_stages = 3;
+    c.tuning.items_per_sm = 256;
+    c.reuse_plan = true;
+    ok &= run_case<__nv_bfloat16>(c, args, NAN, 31);
+    c.tuning.decode_stages = 2;
+    c.tuning.items_per_sm = 1;
+    ok &= run_case<__half>(c, args, NAN, 32);
   }
   {
     Case c{"small_gqa8_d64", {1, 1, 2, 3, 40, 1}, {33, 700, 90, 129, 40, 1}, 8, 1, 64};
@@ -207,6 +300,27 @@ int main(int argc, char** argv) {
     c.timed = true;
     c.sample_rows = 24;
     ok &= run_case<__nv_bfloat16>(c, args, copy, 14);
+  }
+
+  // The knob sweep on the decode cases (each variant validated first, like every case).
+  std::printf("sweep: items per SM x decode stages (0 = shared kernel); 'reuse' = attention alone from a plan\n");
+  const std::vector<std::pair<std::string, std::vector<int>>> decodes = {
+      {"decode_ragged_128_2048", uniform_lengths(rng, 64, 128, 2048)}, {"decode_ctx1024", std::vector<int>(64, 1024)}};
+  auto run_variant = [&](const std::string& base, const std::vector<int>& kv_len, int items, int stages, bool reuse) {
+    Case c{"sweep:" + base + " ips=" + std::to_string(items) + " ds=" + std::to_string(stages) + (reuse ? " reuse" : ""),
+           std::vector<int>(64, 1), kv_len};
+    c.timed = true;
+    c.tuning.items_per_sm = items;
+    c.tuning.decode_stages = stages;
+    c.reuse_plan = reuse;
+    return run_case<__nv_bfloat16>(c, args, copy, 15);
+  };
+  for (const auto& [base, kv_len] : decodes) {
+    for (int stages : sweep.decode_stages) {
+      for (int items : sweep.items_per_sm) ok &= run_variant(base, kv_len, items, stages, false);
+      // The plan's share of a launch does not depend on the knobs: one reused-plan run per kernel.
+      ok &= run_variant(base, kv_len, kern::RaggedAttentionTuning{}.items_per_sm, stages, true);
+    }
   }
   return ok ? 0 : 1;
 }

@@ -68,13 +68,67 @@ cudaError_t slab_write(DType dtype, IndexType index_type,
 // outside [0, S)) are skipped. Every row of `out` owned by no valid request is set to zero (so
 // `out` may be uninitialised); requests are assumed not to share query rows.
 //
-// Scratch: `workspace` of at least ragged_attention_workspace_bytes(...) bytes (any content; it is
-// an upper bound computed from the shapes alone, so no device value is read on the host).
-size_t ragged_attention_workspace_bytes(DType dtype, int64_t n_tokens, int64_t n_requests,
-                                        int64_t n_q_heads, int64_t n_kv_heads, int64_t head_dim);
+// The tensor-core path runs in two steps, so that one work list serves every layer of a forward
+// pass (all layers share the per-request indices):
+//   ragged_attention_plan       validates the requests and writes the work list into `plan`;
+//   ragged_attention_with_plan  one attention call from a plan, as many times as needed.
+// ragged_attention does both. The CUDA-core path needs no plan (its plan size is 0).
+
+// Runtime knobs of the tensor-core path (bench/cuda/bench_ragged_attention.cu sweeps them).
+struct RaggedAttentionTuning {
+  // Decode work items wanted per SM, 1..kRaggedAttentionMaxItemsPerSm. With the iteration's
+  // total decode keys it sets the KV split size: more items shorten the last wave, fewer leave
+  // fewer partial results to merge.
+  int items_per_sm = 16;
+  // 0: decode items run in the shared kernel (128-row query tile, 2 K/V stages). 2 or 3: a decode
+  // kernel with a 16-row query tile and that many K/V stages runs the whole iteration (less
+  // shared memory and fewer registers per block, so more blocks and bytes in flight per SM).
+  // Prefill work then runs as 16-row tiles: correct, but slower; meant for decode iterations.
+  int decode_stages = 0;
+};
+constexpr int kRaggedAttentionMaxItemsPerSm = 256;
+
+// True when the launchers accept `tuning` (items_per_sm in range, decode_stages 0, 2 or 3).
+bool ragged_attention_tuning_valid(const RaggedAttentionTuning& tuning);
 
 // True when (dtype, head_dim) runs on the tensor-core path (otherwise the CUDA-core fallback).
 bool ragged_attention_uses_tensor_cores(DType dtype, int64_t head_dim);
+
+// Bytes of a plan for these shapes: an upper bound computed from the shapes alone, so no device
+// value is read on the host. 0 on the CUDA-core path, or for an invalid tuning.
+size_t ragged_attention_plan_bytes(DType dtype, int64_t n_tokens, int64_t n_requests, int64_t n_q_heads,
+                                   int64_t n_kv_heads, int64_t head_dim, const RaggedAttentionTuning& tuning);
+
+// Builds a plan (tensor-core path only). The index arrays are read in stream order here: a plan
+// is a snapshot of them, stale once they change. One stream uses a plan at a time: it also holds
+// the per-launch counters and partial results, which every launch leaves as it found them.
+cudaError_t ragged_attention_plan(DType dtype, IndexType index_type,
+                                  const void* q_start,   // [B]
+                                  const void* q_len,     // [B]
+                                  const void* kv_start,  // [B]
+                                  const void* kv_len,    // [B]
+                                  void* plan,            // ragged_attention_plan_bytes(...), 16-byte aligned
+                                  size_t plan_bytes,
+                                  int64_t n_tokens, int64_t n_requests, int64_t n_slots, int64_t n_q_heads,
+                                  int64_t n_kv_heads, int64_t head_dim, const RaggedAttentionTuning& tuning,
+                                  cudaStream_t stream);
+
+// One attention call from a plan built for the same dtype, shapes and tuning.
+cudaError_t ragged_attention_with_plan(DType dtype,
+                                       const void* q,        // [T, Hq, D]
+                                       const void* k_cache,  // [S, Hkv, D]
+                                       const void* v_cache,  // [S, Hkv, D]
+                                       void* out,            // [T, Hq, D]
+                                       void* plan, size_t plan_bytes,
+                                       int64_t n_tokens, int64_t n_requests, int64_t n_q_heads, int64_t n_kv_heads,
+                                       int64_t head_dim, float scale, const RaggedAttentionTuning& tuning,
+                                       cudaStream_t stream);
+
+// Plan and attention in one call, with the default tuning; `workspace` holds the plan: at least
+// ragged_attention_workspace_bytes(...) bytes (= ragged_attention_plan_bytes with the default
+// tuning; any content).
+size_t ragged_attention_workspace_bytes(DType dtype, int64_t n_tokens, int64_t n_requests,
+                                        int64_t n_q_heads, int64_t n_kv_heads, int64_t head_dim);
 
 cudaError_t ragged_attention(DType dtype, IndexType index_type,
                              const void* q,         // [T, Hq, D]

@@ -5,6 +5,8 @@
 
 #include <c10/util/Exception.h>
 
+#include <memory>
+#include <sstream>
 #include <stdexcept>
 #include <string>
 #include <vector>
@@ -38,10 +40,50 @@ PYBIND11_MODULE(_C, m) {
         "rmsnorm_qkv(x[T,H], norm_weight[H], qkv_weight[N,H], qkv_bias[N] or None, eps) -> [T,N]");
   m.def("slab_write", &orca::slab_write, py::arg("k_cache"), py::arg("v_cache"), py::arg("k"), py::arg("v"),
         py::arg("slots"), "slab_write(k_cache[S,Hkv,D], v_cache, k[T,Hkv,D], v, slots[T]): cache[slots[t]] = k[t]");
-  m.def("ragged_attention", &orca::ragged_attention, py::arg("q"), py::arg("k_cache"), py::arg("v_cache"),
-        py::arg("q_start"), py::arg("q_len"), py::arg("kv_start"), py::arg("kv_len"), py::arg("scale"),
-        "ragged_attention(q[T,Hq,D], k_cache[S,Hkv,D], v_cache, q_start[B], q_len[B], kv_start[B], kv_len[B], "
-        "scale) -> [T,Hq,D]; causal per request, GQA, softmax in float32");
+  using orca::RaggedAttentionPlan;
+  py::class_<RaggedAttentionPlan, std::shared_ptr<RaggedAttentionPlan>>(
+      m, "RaggedAttentionPlan",
+      "The attention work list of one set of per-request indices (ragged_attention_plan); pass it to "
+      "ragged_attention(..., plan=) of every layer that shares those indices.")
+      .def_property_readonly("n_tokens", [](const RaggedAttentionPlan& p) { return p.n_tokens; })
+      .def_property_readonly("n_requests", [](const RaggedAttentionPlan& p) { return p.n_requests; })
+      .def_property_readonly("n_slots", [](const RaggedAttentionPlan& p) { return p.n_slots; })
+      .def_property_readonly("n_q_heads", [](const RaggedAttentionPlan& p) { return p.n_q_heads; })
+      .def_property_readonly("n_kv_heads", [](const RaggedAttentionPlan& p) { return p.n_kv_heads; })
+      .def_property_readonly("head_dim", [](const RaggedAttentionPlan& p) { return p.head_dim; })
+      .def_property_readonly("dtype", [](const RaggedAttentionPlan& p) { return p.dtype; })
+      .def_property_readonly("device", [](const RaggedAttentionPlan& p) { return p.device; })
+      .def_property_readonly("items_per_sm", [](const RaggedAttentionPlan& p) { return p.items_per_sm; })
+      .def_property_readonly("decode_stages", [](const RaggedAttentionPlan& p) { return p.decode_stages; })
+      .def_property_readonly(
+          "nbytes", [](const RaggedAttentionPlan& p) { return p.workspace.defined() ? p.workspace.numel() : 0; },
+          "Bytes of the device work list (0 where none is needed: CPU, the CUDA-core path, an empty batch).")
+      .def("__repr__", [](const RaggedAttentionPlan& p) {
+        std::ostringstream os;
+        os << "RaggedAttentionPlan(n_tokens=" << p.n_tokens << ", n_requests=" << p.n_requests
+           << ", n_slots=" << p.n_slots << ", heads=" << p.n_q_heads << "/" << p.n_kv_heads << "x" << p.head_dim
+           << ", dtype=" << p.dtype << ", device=" << p.device << ", items_per_sm=" << p.items_per_sm
+           << ", decode_stages=" << p.decode_stages << ")";
+        return os.str();
+      });
+  m.def("ragged_attention_plan", &orca::ragged_attention_plan, py::arg("q_start"), py::arg("q_len"),
+        py::arg("kv_start"), py::arg("kv_len"), py::arg("n_tokens"), py::arg("n_slots"), py::arg("n_q_heads"),
+        py::arg("n_kv_heads"), py::arg("head_dim"), py::arg("dtype"), py::arg("items_per_sm") = 16,
+        py::arg("decode_stages") = 0,
+        "ragged_attention_plan(q_start[B], q_len[B], kv_start[B], kv_len[B], n_tokens, n_slots, n_q_heads, "
+        "n_kv_heads, head_dim, dtype, items_per_sm=16, decode_stages=0) -> RaggedAttentionPlan; build once per "
+        "forward pass, pass to every layer's ragged_attention");
+  m.def(
+      "ragged_attention",
+      [](const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache, const at::Tensor& q_start,
+         const at::Tensor& q_len, const at::Tensor& kv_start, const at::Tensor& kv_len, double scale,
+         const std::shared_ptr<RaggedAttentionPlan>& plan) {
+        return orca::ragged_attention(q, k_cache, v_cache, q_start, q_len, kv_start, kv_len, scale, plan.get());
+      },
+      py::arg("q"), py::arg("k_cache"), py::arg("v_cache"), py::arg("q_start"), py::arg("q_len"), py::arg("kv_start"),
+      py::arg("kv_len"), py::arg("scale"), py::arg("plan") = py::none(),
+      "ragged_attention(q[T,Hq,D], k_cache[S,Hkv,D], v_cache, q_start[B], q_len[B], kv_start[B], kv_len[B], "
+      "scale, plan=None) -> [T,Hq,D]; causal per request, GQA, softmax in float32");
   m.def("linear", &orca::linear, py::arg("x"), py::arg("weight"), py::arg("bias") = py::none(),
         py::arg("residual") = py::none(),
         "linear(x[T,K], weight[N,K], bias[N] or None, residual[T,N] or None) -> [T,N] = x W^T + bias + residual");

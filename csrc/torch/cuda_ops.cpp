@@ -45,6 +45,27 @@ void check_launch(cudaError_t err, const char* op) {
 
 cudaStream_t current_stream() { return c10::cuda::getCurrentCUDAStream().stream(); }
 
+kern::DType kernel_dtype(at::ScalarType st) {
+  return st == at::kHalf ? kern::DType::kFloat16 : st == at::kBFloat16 ? kern::DType::kBFloat16 : kern::DType::kFloat32;
+}
+
+kern::RaggedAttentionTuning tuning_of(const RaggedAttentionPlan& plan) {
+  kern::RaggedAttentionTuning t;
+  t.items_per_sm = static_cast<int>(plan.items_per_sm);
+  t.decode_stages = static_cast<int>(plan.decode_stages);
+  return t;
+}
+
+// Turns a launcher's error into the Python exception the contract names.
+void check_attention_launch(cudaError_t err, kern::DType dt, int64_t head_dim) {
+  TORCH_CHECK_VALUE(err != cudaErrorMisalignedAddress,
+                    "ragged_attention: q, k_cache and v_cache must start at 16-byte aligned addresses");
+  TORCH_CHECK_VALUE(err != cudaErrorInvalidValue || kern::ragged_attention_uses_tensor_cores(dt, head_dim) ||
+                        head_dim <= 256,
+                    "ragged_attention: head_dim ", head_dim, " is not supported (at most 256)");
+  check_launch(err, "ragged_attention");
+}
+
 }  // namespace
 
 at::Tensor rms_norm(const at::Tensor& x, const at::Tensor& weight, double eps) {
@@ -123,12 +144,43 @@ at::Tensor ragged_attention(const at::Tensor& q, const at::Tensor& k_cache, cons
       q_len.data_ptr(), kv_start.data_ptr(), kv_len.data_ptr(), out.data_ptr(), ws_bytes > 0 ? ws.data_ptr() : nullptr,
       ws_bytes, n_tokens, n_requests, n_slots, n_q_heads, n_kv_heads, head_dim, static_cast<float>(scale),
       current_stream());
-  TORCH_CHECK_VALUE(err != cudaErrorMisalignedAddress,
-                    "ragged_attention: q, k_cache and v_cache must start at 16-byte aligned addresses");
-  TORCH_CHECK_VALUE(err != cudaErrorInvalidValue || kern::ragged_attention_uses_tensor_cores(dt, head_dim) ||
-                        head_dim <= 256,
-                    "ragged_attention: head_dim ", head_dim, " is not supported (at most 256)");
-  check_launch(err, "ragged_attention");
+  check_attention_launch(err, dt, head_dim);
+  return out;
+}
+
+void build_ragged_attention_plan(RaggedAttentionPlan& plan) {
+  const c10::cuda::CUDAGuard guard(plan.device);
+  const kern::DType dt = kernel_dtype(plan.dtype);
+  const kern::RaggedAttentionTuning tuning = tuning_of(plan);
+  const size_t bytes = kern::ragged_attention_plan_bytes(dt, plan.n_tokens, plan.n_requests, plan.n_q_heads,
+                                                         plan.n_kv_heads, plan.head_dim, tuning);
+  if (bytes == 0) return;  // CUDA-core path or an empty batch: nothing to plan
+  plan.workspace = at::empty({static_cast<int64_t>(bytes)}, plan.index[0].options().dtype(at::kByte));
+  const cudaError_t err = kern::ragged_attention_plan(
+      dt, index_type(plan.index[0], "q_start"), plan.index[0].data_ptr(), plan.index[1].data_ptr(),
+      plan.index[2].data_ptr(), plan.index[3].data_ptr(), plan.workspace.data_ptr(), bytes, plan.n_tokens,
+      plan.n_requests, plan.n_slots, plan.n_q_heads, plan.n_kv_heads, plan.head_dim, tuning, current_stream());
+  TORCH_CHECK_VALUE(err != cudaErrorInvalidValue, "ragged_attention_plan: shapes out of range (n_tokens=",
+                    plan.n_tokens, ", n_requests=", plan.n_requests, ", n_slots=", plan.n_slots,
+                    "; each must be below 2^31)");
+  check_launch(err, "ragged_attention_plan");
+}
+
+at::Tensor ragged_attention_with_plan(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
+                                      const RaggedAttentionPlan& plan, double scale) {
+  // No device plan: the CUDA-core path (or an empty batch), which reads the indices directly.
+  if (!plan.workspace.defined())
+    return ragged_attention(q, k_cache, v_cache, plan.index[0], plan.index[1], plan.index[2], plan.index[3], scale);
+  check_cuda(q, "q");
+  const c10::cuda::CUDAGuard guard(q.device());
+  // Every row is written by the attention kernel (owned rows by their items, the others zeroed).
+  at::Tensor out = at::empty(q.sizes(), q.options());
+  const kern::DType dt = float_dtype(q, "q");
+  const cudaError_t err = kern::ragged_attention_with_plan(
+      dt, q.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(), out.data_ptr(), plan.workspace.data_ptr(),
+      static_cast<size_t>(plan.workspace.numel()), plan.n_tokens, plan.n_requests, plan.n_q_heads, plan.n_kv_heads,
+      plan.head_dim, static_cast<float>(scale), tuning_of(plan), current_stream());
+  check_attention_launch(err, dt, plan.head_dim);
   return out;
 }
 

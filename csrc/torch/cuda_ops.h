@@ -7,6 +7,8 @@
 #include <ATen/core/Tensor.h>
 #include <optional>
 
+#include "ops.h"  // RaggedAttentionPlan
+
 namespace orca::cuda_ops {
 
 at::Tensor rms_norm(const at::Tensor& x,        // [T, H]
@@ -33,5 +35,16 @@ at::Tensor ragged_attention(const at::Tensor& q,         // [T, Hq, D]
                             const at::Tensor& kv_start,  // [B]
                             const at::Tensor& kv_len,    // [B]
                             double scale);               // -> [T, Hq, D]
+
+// Fills plan.workspace and enqueues the work-list kernel when (dtype, head_dim) runs on tensor
+// cores and the batch is not empty; otherwise leaves it undefined (no device plan needed).
+void build_ragged_attention_plan(RaggedAttentionPlan& plan);
+
+// ragged_attention from a plan that ops.cpp has matched to these tensors.
+at::Tensor ragged_attention_with_plan(const at::Tensor& q,        // [T, Hq, D]
+                                      const at::Tensor& k_cache,  // [S, Hkv, D]
+                                      const at::Tensor& v_cache,  // [S, Hkv, D]
+                                      const RaggedAttentionPlan& plan,
+                                      double scale);              // -> [T, Hq, D]
 
 }  // namespace orca::cuda_ops

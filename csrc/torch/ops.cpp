@@ -130,9 +130,95 @@ void slab_write(at::Tensor k_cache, at::Tensor v_cache, const at::Tensor& k_in, 
   cpu_ops::slab_write(k_cache, v_cache, k, v, slots);
 }
 
+namespace {
+
+// The four index tensors of ragged_attention: 1-D int32/int64, one entry per request, on `device`.
+void check_attention_index(const std::array<const at::Tensor*, 4>& idx, const at::Device& device,
+                           const char* device_owner) {
+  static const char* const names[4] = {"q_start", "q_len", "kv_start", "kv_len"};
+  for (int i = 0; i < 4; ++i) {
+    checks::index_tensor(*idx[i], names[i]);
+    TORCH_CHECK_VALUE(idx[i]->device() == device, names[i], " is on ", idx[i]->device(), " but ", device_owner,
+                      " is on ", device, "; all tensors must be on one device");
+    TORCH_CHECK_VALUE(idx[i]->size(0) == idx[0]->size(0), names[i], " has ", idx[i]->size(0),
+                      " entries but q_start has ", idx[0]->size(0), "; all index tensors need one entry per request");
+  }
+}
+
+// `plan` was built for this call: the same device, dtype, shapes and index tensors.
+void check_plan_matches(const RaggedAttentionPlan& plan, const at::Tensor& q, const at::Tensor& k_cache,
+                        const std::array<const at::Tensor*, 4>& idx) {
+  auto mismatch = [&](const char* what, int64_t planned, int64_t given) {
+    TORCH_CHECK_VALUE(planned == given, "plan was built for ", what, "=", planned, " but this call has ", given);
+  };
+  TORCH_CHECK_VALUE(plan.device == q.device(), "plan was built for device ", plan.device, " but q is on ", q.device());
+  TORCH_CHECK_VALUE(plan.dtype == q.scalar_type(), "plan was built for dtype ", plan.dtype, " but q has dtype ",
+                    q.scalar_type());
+  mismatch("n_tokens", plan.n_tokens, q.size(0));
+  mismatch("n_q_heads", plan.n_q_heads, q.size(1));
+  mismatch("head_dim", plan.head_dim, q.size(2));
+  mismatch("n_slots", plan.n_slots, k_cache.size(0));
+  mismatch("n_kv_heads", plan.n_kv_heads, k_cache.size(1));
+  mismatch("n_requests", plan.n_requests, idx[0]->size(0));
+  static const char* const names[4] = {"q_start", "q_len", "kv_start", "kv_len"};
+  for (int i = 0; i < 4; ++i)
+    TORCH_CHECK_VALUE(plan.source[i] == idx[i]->data_ptr(), "plan was built from another ", names[i],
+                      " tensor; pass the index tensors the plan was built from");
+}
+
+}  // namespace
+
+std::shared_ptr<RaggedAttentionPlan> ragged_attention_plan(const at::Tensor& q_start, const at::Tensor& q_len,
+                                                           const at::Tensor& kv_start, const at::Tensor& kv_len,
+                                                           int64_t n_tokens, int64_t n_slots, int64_t n_q_heads,
+                                                           int64_t n_kv_heads, int64_t head_dim, at::ScalarType dtype,
+                                                           int64_t items_per_sm, int64_t decode_stages) {
+  checks::index_tensor(q_start, "q_start");
+  check_attention_index({&q_start, &q_len, &kv_start, &kv_len}, q_start.device(), "q_start");
+  TORCH_CHECK_VALUE(n_tokens >= 0, "n_tokens must be >= 0, got ", n_tokens);
+  TORCH_CHECK_VALUE(n_slots >= 0, "n_slots must be >= 0, got ", n_slots);
+  TORCH_CHECK_VALUE(head_dim >= 1, "head_dim must be >= 1, got ", head_dim);
+  TORCH_CHECK_VALUE(n_kv_heads >= 1 && n_q_heads >= 1 && n_q_heads % n_kv_heads == 0, "n_q_heads (", n_q_heads,
+                    ") must be a positive multiple of n_kv_heads (", n_kv_heads, ")");
+  const bool cuda = q_start.is_cuda();
+  TORCH_CHECK_VALUE(dtype == at::kFloat || dtype == at::kBFloat16 || (cuda && dtype == at::kHalf), "dtype ", dtype,
+                    " is not supported on ", q_start.device().type(),
+                    cuda ? " (float32, float16, bfloat16)" : " (float32, bfloat16)");
+  TORCH_CHECK_VALUE(items_per_sm >= 1 && items_per_sm <= 256, "items_per_sm must be in [1, 256], got ",
+                    items_per_sm);
+  TORCH_CHECK_VALUE(decode_stages == 0 || decode_stages == 2 || decode_stages == 3,
+                    "decode_stages must be 0 (the shared kernel), 2 or 3, got ", decode_stages);
+  auto plan = std::make_shared<RaggedAttentionPlan>();
+  const auto index = checks::with_common_index_type({q_start, q_len, kv_start, kv_len});
+  const at::Tensor* given[4] = {&q_start, &q_len, &kv_start, &kv_len};
+  for (int i = 0; i < 4; ++i) {
+    plan->index[i] = index[i];
+    plan->source[i] = given[i]->data_ptr();
+  }
+  plan->dtype = dtype;
+  plan->device = q_start.device();
+  plan->n_tokens = n_tokens;
+  plan->n_requests = q_start.size(0);
+  plan->n_slots = n_slots;
+  plan->n_q_heads = n_q_heads;
+  plan->n_kv_heads = n_kv_heads;
+  plan->head_dim = head_dim;
+  plan->items_per_sm = items_per_sm;
+  plan->decode_stages = decode_stages;
+  if (cuda) {
+#ifdef ORCA_WITH_CUDA
+    cuda_ops::build_ragged_attention_plan(*plan);
+#else
+    TORCH_CHECK(false, "q_start is a CUDA tensor but orca_ext._C was built without CUDA support; "
+                "reinstall with a CUDA build of torch (pip install --no-build-isolation .)");
+#endif
+  }
+  return plan;
+}
+
 at::Tensor ragged_attention(const at::Tensor& q_in, const at::Tensor& k_cache_in, const at::Tensor& v_cache_in,
                             const at::Tensor& q_start_in, const at::Tensor& q_len_in, const at::Tensor& kv_start_in,
-                            const at::Tensor& kv_len_in, double scale) {
+                            const at::Tensor& kv_len_in, double scale, const RaggedAttentionPlan* plan) {
   checks::rank(q_in, 3, "q", "[T, Hq, D]");
   checks::rank(k_cache_in, 3, "k_cache", "[S, Hkv, D]");
   checks::rank(v_cache_in, 3, "v_cache", "[S, Hkv, D]");
@@ -149,20 +235,19 @@ at::Tensor ragged_attention(const at::Tensor& q_in, const at::Tensor& k_cache_in
   checks::same_dtype(q_in, v_cache_in, "q", "v_cache");
   checks::same_device(q_in, k_cache_in, "q", "k_cache");
   checks::same_device(q_in, v_cache_in, "q", "v_cache");
-  const at::Tensor* idx[4] = {&q_start_in, &q_len_in, &kv_start_in, &kv_len_in};
-  const char* idx_names[4] = {"q_start", "q_len", "kv_start", "kv_len"};
-  for (int i = 0; i < 4; ++i) {
-    checks::index_tensor(*idx[i], idx_names[i]);
-    checks::same_device(q_in, *idx[i], "q", idx_names[i]);
-    TORCH_CHECK_VALUE(idx[i]->size(0) == q_start_in.size(0), idx_names[i], " has ", idx[i]->size(0),
-                      " entries but q_start has ", q_start_in.size(0),
-                      "; all index tensors need one entry per request");
-  }
-  const auto index = checks::with_common_index_type({q_start_in, q_len_in, kv_start_in, kv_len_in});
+  const std::array<const at::Tensor*, 4> given = {&q_start_in, &q_len_in, &kv_start_in, &kv_len_in};
+  check_attention_index(given, q_in.device(), "q");
+  if (plan != nullptr) check_plan_matches(*plan, q_in, k_cache_in, given);
   const at::Tensor q = q_in.contiguous(), k_cache = k_cache_in.contiguous(), v_cache = v_cache_in.contiguous();
 #ifdef ORCA_WITH_CUDA
-  if (q.is_cuda()) return cuda_ops::ragged_attention(q, k_cache, v_cache, index[0], index[1], index[2], index[3], scale);
+  if (q.is_cuda()) {
+    if (plan != nullptr) return cuda_ops::ragged_attention_with_plan(q, k_cache, v_cache, *plan, scale);
+    const auto index = checks::with_common_index_type({q_start_in, q_len_in, kv_start_in, kv_len_in});
+    return cuda_ops::ragged_attention(q, k_cache, v_cache, index[0], index[1], index[2], index[3], scale);
+  }
 #endif
+  // The CPU kernel validates every index value itself; a plan has nothing to add there.
+  const auto index = checks::with_common_index_type({q_start_in, q_len_in, kv_start_in, kv_len_in});
   return cpu_ops::ragged_attention(q, k_cache, v_cache, index[0], index[1], index[2], index[3], scale);
 }
 

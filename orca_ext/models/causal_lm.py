@@ -5,11 +5,12 @@ tokens of the iteration, no padding). Only attention needs per-request structure
 it from the ForwardBatch index tensors in a single `ragged_attention` call per layer:
 
     x = embed(tokens)                                         # [T, H]
+    plan = ragged_attention_plan(per-request ranges)          # attention work list, shared by all layers
     per layer:  qkv = rmsnorm_qkv(x)                          # fused input norm + QKV, [T, Nq*D + 2*Nkv*D]
                 (Qwen3) q, k = rms_norm per head
                 q, k = rope(q, k at each token's own position)
                 slab_write(K/V pools, k, v, slots)            # into each request's slab
-                a = ragged_attention(q, pools, per-request ranges)
+                a = ragged_attention(q, pools, per-request ranges, plan)
                 x = o_proj(a) + x                             # residual added before the rounding
                 n = rms_norm(x)
                 act = silu(gate(n)) * up(n)                   # one fused gate_up call, [T, I]
@@ -114,6 +115,8 @@ class CausalLM:
         q_end, k_end = nq * d, nq * d + nkv * d
         cos, sin = self.rope.gather(batch.positions)              # [T, 1, D/2] each, once per forward
         x = F.embedding(batch.token_ids, self.embed)              # [T, H]
+        plan = ops.ragged_attention_plan(batch.q_start, batch.q_len, batch.kv_start, batch.kv_len,
+                                         t, self.n_slots, nq, nkv, d, self.dtype)
         for layer, k_pool, v_pool in zip(self.layers, self.k_cache, self.v_cache):
             qkv = ops.rmsnorm_qkv(x, layer.input_norm, layer.qkv_weight, layer.qkv_bias, eps)
             q = qkv[:, :q_end].view(t, nq, d)
@@ -126,7 +129,7 @@ class CausalLM:
             k = apply_rope(k, cos, sin)                           # [T, Nkv, D] contiguous
             ops.slab_write(k_pool, v_pool, k, v, batch.slots)
             attn = ops.ragged_attention(q, k_pool, v_pool, batch.q_start, batch.q_len,
-                                        batch.kv_start, batch.kv_len, self.scale)  # [T, Nq, D]
+                                        batch.kv_start, batch.kv_len, self.scale, plan)  # [T, Nq, D]
             x = ops.linear(attn.reshape(t, q_end), layer.o_weight, layer.o_bias, residual=x)
             n = ops.rms_norm(x, layer.post_norm, eps)
             act = ops.linear_silu_mul(n, layer.gate_up_weight, layer.gate_up_bias)  # [T, I]

@@ -1,9 +1,13 @@
 // ragged_attention, part 2: the tensor-core work items (mma.sync m16n8k16, fp16/bf16 in, float32
 // accumulation and softmax). See attention_worklist.cuh for the packed-row scheme.
 //
+// Two kernels run a plan's work list (runtime choice, RaggedAttentionTuning::decode_stages):
+//   ragged_attention_mma_kernel     the shared kernel: 128-row prefill tiles and decode items
+//   ragged_attention_decode_kernel  16-row tiles only, 2 or 3 K/V stages (for decode iterations)
 // Shared memory (element type T, rows padded by 8 elements so ldmatrix is conflict-free):
-//   sQ [128][D+8]                  query tile (decode items use its first 16 rows)
-//   sK [2][64][D+8], sV [2][64][D+8] double-buffered K/V tiles, filled with 16-byte cp.async
+//   shared kernel:  sQ [128][D+8]  query tile (decode items use its first 16 rows)
+//                   sK [2][64][D+8], sV [2][64][D+8] double-buffered K/V tiles (16-byte cp.async)
+//   decode kernel:  sQ [16][D+8], sK [STAGES][64][D+8], sV [STAGES][64][D+8]
 // Scores are kept in the log2 domain (scale * log2(e) folded in) and exponentiated with ex2.
 #pragma once
 #include "cuda/attention/attention_worklist.cuh"
@@ -22,7 +26,6 @@ struct Tile {
   static constexpr size_t BYTES = size_t(Q_ELEMS + 4 * KV_ELEMS) * sizeof(T);
   // Decode cross-warp combine (aliases the K/V buffers after the key loop).
   static constexpr int OLD = D + 8;                 // float row stride
-  static_assert(size_t(4) * kDecodeRows * (OLD + 2) * 4 <= size_t(4) * KV_ELEMS * sizeof(T), "combine scratch");
 };
 
 // Loads keys [pos0, pos0 + 64) of one KV head; positions >= pos_end are zero-filled (never read).
@@ -277,40 +280,54 @@ __device__ __forceinline__ void prefill_item(const Params& p, int4 req, int kv_h
 }
 
 // ---- decode item: <= 16 packed rows, one KV split; 4 warps split each 64-key tile ------------------
-template <typename T, int D>
-__device__ __forceinline__ void decode_item(const Params& p, int4 req, int4 sched, int b, int kv_head, int split,
-                                            T* smem) {
+// Q_ROWS: rows of the shared query buffer of the calling kernel (the shared kernel holds a
+// 128-row tile; the decode kernel only 16). STAGES: K/V tiles in flight (cp.async pipeline).
+// row0 > 0 only in the decode kernel, which runs prefill work as unsplit 16-row tiles: packed
+// rows [row0, row0 + 16) over the keys up to the causal limit of the tile's last row.
+// splits / part_row_base: the request's KV splits and first partial-result row (its sched entry).
+template <typename T, int D, int Q_ROWS, int STAGES>
+__device__ __forceinline__ void decode_item(const Params& p, int4 req, int b, int kv_head, int row0, int split,
+                                            int splits, int part_row_base, T* smem) {
   using TL = Tile<T, D>;
+  static_assert(Q_ROWS >= kDecodeRows && STAGES >= 2, "decode_item layout");
+  static_assert(size_t(4) * kDecodeRows * (TL::OLD + 2) * 4 <= size_t(2) * STAGES * TL::KV_ELEMS * sizeof(T),
+                "combine scratch");
   constexpr int KS = D / 16;
   constexpr int NT = D / 8;
   __shared__ int s_last;
   const int q_start = req.x, q_len = req.y, kv_start = req.z, kv_len = req.w;
   const int G = p.group, n_rows = q_len * G;
-  const int splits = sched.w;
+  const int tile_rows = min(kDecodeRows, n_rows - row0);  // rows of this item (a decode: all of them)
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, g = lane >> 2, c4 = lane & 3;
   T* sQ = smem;
-  T* sK = smem + TL::Q_ELEMS;
-  T* sV = sK + 2 * TL::KV_ELEMS;
+  T* sK = smem + Q_ROWS * TL::LD;
+  T* sV = sK + STAGES * TL::KV_ELEMS;
 
-  int kv_begin = 0, kv_end = kv_len;
+  const int diag = kv_len - q_len;
+  int kv_begin = 0, kv_end = min(kv_len, diag + min(q_len - 1, (row0 + kDecodeRows - 1) / G) + 1);
   if (splits > 1) {
-    const int chunk = p.ctrl[2];
+    const int chunk = p.ctrl[kCtrlChunk];
     kv_begin = split * chunk;
     kv_end = min(kv_len, kv_begin + chunk);
   }
   const int n_tiles = static_cast<int>(ceil_div(kv_end - kv_begin, kTileKeys));
-  const int diag = kv_len - q_len;
   int limit[2];
 #pragma unroll
-  for (int h = 0; h < 2; ++h) limit[h] = diag + min(q_len - 1, (g + 8 * h) / G);
+  for (int h = 0; h < 2; ++h) limit[h] = diag + min(q_len - 1, (row0 + g + 8 * h) / G);
 
   const int64_t row_stride = static_cast<int64_t>(p.n_kv_heads) * D;
   const T* kbase = static_cast<const T*>(p.k_cache) + (static_cast<int64_t>(kv_start) * p.n_kv_heads + kv_head) * D;
   const T* vbase = static_cast<const T*>(p.v_cache) + (static_cast<int64_t>(kv_start) * p.n_kv_heads + kv_head) * D;
 
-  load_q_tile<T, D, kDecodeRows>(sQ, static_cast<const T*>(p.q), q_start, 0, n_rows, G, p.n_q_heads, kv_head);
-  load_kv_tile<T, D>(sK, sV, kbase, vbase, row_stride, kv_begin, kv_end);
-  cp_async_commit();
+  // Pipeline prologue: the query tile and the first STAGES-1 K/V tiles, one commit group each.
+  load_q_tile<T, D, kDecodeRows>(sQ, static_cast<const T*>(p.q), q_start, row0, n_rows, G, p.n_q_heads, kv_head);
+#pragma unroll
+  for (int st = 0; st < STAGES - 1; ++st) {
+    if (st < n_tiles)
+      load_kv_tile<T, D>(sK + st * TL::KV_ELEMS, sV + st * TL::KV_ELEMS, kbase, vbase, row_stride,
+                         kv_begin + st * kTileKeys, kv_end);
+    cp_async_commit();
+  }
 
   float o[NT][4];
   float m[2] = {-INFINITY, -INFINITY}, l[2] = {0.f, 0.f};
@@ -321,18 +338,19 @@ __device__ __forceinline__ void decode_item(const Params& p, int4 req, int4 sche
   uint32_t qf[KS][4];
 
   for (int j = 0; j < n_tiles; ++j) {
-    if (j + 1 < n_tiles)
-      load_kv_tile<T, D>(sK + ((j + 1) & 1) * TL::KV_ELEMS, sV + ((j + 1) & 1) * TL::KV_ELEMS, kbase, vbase,
-                         row_stride, kv_begin + (j + 1) * kTileKeys, kv_end);
+    const int ahead = j + STAGES - 1;  // the tile to prefetch into the stage freed last iteration
+    if (ahead < n_tiles)
+      load_kv_tile<T, D>(sK + (ahead % STAGES) * TL::KV_ELEMS, sV + (ahead % STAGES) * TL::KV_ELEMS, kbase, vbase,
+                         row_stride, kv_begin + ahead * kTileKeys, kv_end);
     cp_async_commit();
-    cp_async_wait<1>();
+    cp_async_wait<STAGES - 1>();  // tile j (and the query tile) have landed
     __syncthreads();
     if (j == 0) {
 #pragma unroll
       for (int kk = 0; kk < KS; ++kk) ldmatrix_x4(qf[kk], sQ + (lane & 15) * TL::LD + kk * 16 + (lane >> 4) * 8);
     }
-    const T* cK = sK + (j & 1) * TL::KV_ELEMS + warp * 16 * TL::LD;  // this warp's 16 keys
-    const T* cV = sV + (j & 1) * TL::KV_ELEMS + warp * 16 * TL::LD;
+    const T* cK = sK + (j % STAGES) * TL::KV_ELEMS + warp * 16 * TL::LD;  // this warp's 16 keys
+    const T* cV = sV + (j % STAGES) * TL::KV_ELEMS + warp * 16 * TL::LD;
     const int key0 = kv_begin + j * kTileKeys + warp * 16;
     if (key0 < kv_end) {
       float s[2][4] = {{0.f, 0.f, 0.f, 0.f}, {0.f, 0.f, 0.f, 0.f}};
@@ -379,7 +397,7 @@ __device__ __forceinline__ void decode_item(const Params& p, int4 req, int4 sche
         mma16816<T>(o[2 * dp + 1], a, bv[2], bv[3]);
       }
     }
-    __syncthreads();
+    __syncthreads();  // stage j % STAGES is refilled by the next iteration
   }
   cp_async_wait<0>();
 
@@ -404,8 +422,8 @@ __device__ __forceinline__ void decode_item(const Params& p, int4 req, int4 sche
   __syncthreads();
 
   T* out = static_cast<T*>(p.out);
-  const int part_row0 = sched.z + (kv_head * splits + split) * n_rows;  // used when splits > 1
-  for (int c = threadIdx.x; c < n_rows * TL::CPR; c += kThreads) {
+  const int part_row0 = part_row_base + (kv_head * splits + split) * tile_rows;  // used when splits > 1
+  for (int c = threadIdx.x; c < tile_rows * TL::CPR; c += kThreads) {
     const int r = c / TL::CPR, ch = c % TL::CPR;
     float mw[4], M = -INFINITY;
 #pragma unroll
@@ -428,7 +446,7 @@ __device__ __forceinline__ void decode_item(const Params& p, int4 req, int4 sche
       T* ve = reinterpret_cast<T*>(&v);
 #pragma unroll
       for (int k = 0; k < 8; ++k) ve[k] = from_float<T>(acc[k] * inv);
-      *reinterpret_cast<uint4*>(out + out_offset<D>(q_start, r, G, p.n_q_heads, kv_head) + ch * 8) = v;
+      *reinterpret_cast<uint4*>(out + out_offset<D>(q_start, row0 + r, G, p.n_q_heads, kv_head) + ch * 8) = v;
     } else {
       float* dst = p.part_o + static_cast<int64_t>(part_row0 + r) * D + ch * 8;
       reinterpret_cast<float4*>(dst)[0] = make_float4(acc[0] * inv, acc[1] * inv, acc[2] * inv, acc[3] * inv);
@@ -438,21 +456,23 @@ __device__ __forceinline__ void decode_item(const Params& p, int4 req, int4 sche
   }
 
   if (splits > 1) {
-    // The block finishing the last split of this (request, KV head) merges all splits.
+    // The block finishing the last split of this (request, KV head) merges all splits (a split
+    // item always has row0 = 0 and all n_rows = tile_rows rows).
+    int* pair_count = p.pair_count + b * p.n_kv_heads + kv_head;
     __threadfence();
     __syncthreads();
-    if (threadIdx.x == 0) s_last = atomicAdd(p.pair_count + b * p.n_kv_heads + kv_head, 1) == splits - 1;
+    if (threadIdx.x == 0) s_last = atomicAdd(pair_count, 1) == splits - 1;
     __syncthreads();
     if (s_last) {
       __threadfence();
-      const int pair_row0 = sched.z + kv_head * splits * n_rows;
-      for (int c = threadIdx.x; c < n_rows * TL::CPR; c += kThreads) {
+      const int pair_row0 = part_row_base + kv_head * splits * tile_rows;
+      for (int c = threadIdx.x; c < tile_rows * TL::CPR; c += kThreads) {
         const int r = c / TL::CPR, ch = c % TL::CPR;
         float M = -INFINITY;
-        for (int s = 0; s < splits; ++s) M = fmaxf(M, __ldcg(p.part_lse + pair_row0 + s * n_rows + r));
+        for (int s = 0; s < splits; ++s) M = fmaxf(M, __ldcg(p.part_lse + pair_row0 + s * tile_rows + r));
         float L = 0.f, acc[8] = {0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f};
         for (int s = 0; s < splits; ++s) {
-          const int prow = pair_row0 + s * n_rows + r;
+          const int prow = pair_row0 + s * tile_rows + r;
           const float lse = __ldcg(p.part_lse + prow);
           const float e = lse == -INFINITY ? 0.f : fast_exp2(lse - M);
           L += e;
@@ -468,35 +488,88 @@ __device__ __forceinline__ void decode_item(const Params& p, int4 req, int4 sche
         for (int k = 0; k < 8; ++k) ve[k] = from_float<T>(acc[k] * inv);
         *reinterpret_cast<uint4*>(out + out_offset<D>(q_start, r, G, p.n_q_heads, kv_head) + ch * 8) = v;
       }
+      // Every split of the pair has counted: reset its counter so the plan serves the next layer.
+      if (threadIdx.x == 0) *pair_count = 0;
     }
   }
   __syncthreads();  // shared buffers are reloaded by the next item
 }
 
-// Persistent blocks: each takes the next item from the counter until the list is exhausted. The
-// next index is fetched while the current item runs.
-template <typename T, int D>
-__global__ void __launch_bounds__(kThreads, 2) ragged_attention_mma_kernel(Params p) {
-  extern __shared__ __align__(16) unsigned char smem_raw[];
-  T* smem = reinterpret_cast<T*>(smem_raw);
+// ---- the persistent loop shared by both attention kernels -------------------------------------------
+// Rows owned by no valid request are zeroed (only when the plan marked some: never in an engine
+// iteration), then each block takes the next item from the counter until the list is exhausted;
+// the next index is fetched while the current item runs. The last block to leave resets the
+// counters, so the same plan serves the next launch (the next layer) as it is.
+template <typename RunItem>
+__device__ __forceinline__ void run_work_list(const Params& p, RunItem&& run_item) {
   __shared__ int s_next;
-  const int n_items = p.ctrl[0];
-  if (threadIdx.x == 0) s_next = atomicAdd(p.ctrl + 1, 1);
+  if (p.ctrl[kCtrlZeroRows]) {
+    uint4* out = static_cast<uint4*>(p.out);
+    const int64_t n_vecs = p.n_tokens * p.out_row_vecs;
+    for (int64_t v = int64_t(blockIdx.x) * kThreads + threadIdx.x; v < n_vecs; v += int64_t(gridDim.x) * kThreads)
+      if (!p.row_mark[v / p.out_row_vecs]) out[v] = make_uint4(0, 0, 0, 0);
+  }
+  const int n_items = p.ctrl[kCtrlItems];
+  if (threadIdx.x == 0) s_next = atomicAdd(p.ctrl + kCtrlNext, 1);
   __syncthreads();
   int idx = s_next;
   while (idx < n_items) {
     __syncthreads();  // every thread has read s_next
-    if (threadIdx.x == 0) s_next = atomicAdd(p.ctrl + 1, 1);
-    const int4 it = p.items[idx];
+    if (threadIdx.x == 0) s_next = atomicAdd(p.ctrl + kCtrlNext, 1);
+    run_item(p.items[idx]);
+    __syncthreads();  // s_next is visible
+    idx = s_next;
+  }
+  if (threadIdx.x == 0) {
+    __threadfence();  // this block's last take from kCtrlNext happens before its count below
+    if (atomicAdd(p.ctrl + kCtrlDone, 1) == static_cast<int>(gridDim.x) - 1) {
+      atomicExch(p.ctrl + kCtrlNext, 0);
+      atomicExch(p.ctrl + kCtrlDone, 0);
+    }
+  }
+}
+
+// The shared kernel: 128-row prefill tiles and decode items, 2 K/V stages.
+template <typename T, int D>
+__global__ void __launch_bounds__(kThreads, 2) ragged_attention_mma_kernel(Params p) {
+  extern __shared__ __align__(16) unsigned char smem_raw[];
+  T* smem = reinterpret_cast<T*>(smem_raw);
+  run_work_list(p, [&](int4 it) {
     const int4 req = p.req[it.x];
     if (it.w == kItemPrefill) {
       prefill_item<T, D>(p, req, it.y, it.z, smem);
     } else if (it.w == kItemDecode) {
-      decode_item<T, D>(p, req, p.sched[it.x], it.x, it.y, it.z, smem);
+      const int4 sched = p.sched[it.x];
+      decode_item<T, D, kPrefillRows, 2>(p, req, it.x, it.y, 0, it.z, sched.w, sched.z, smem);
     }
-    __syncthreads();  // s_next is visible
-    idx = s_next;
-  }
+  });
+}
+
+// ---- the decode kernel (runtime switch RaggedAttentionTuning::decode_stages) ------------------------
+// Only the 16-row decode routine, with a 16-row query buffer and STAGES K/V tiles in flight: far
+// less shared memory and fewer registers than the shared kernel (which reserves a 128-row query
+// tile and the prefill registers), so more blocks fit on an SM and more bytes are in flight.
+// Prefill work, if an iteration has any, arrives as 16-row tiles (the plan was built with
+// prefill_rows = 16) and runs unsplit through the same routine: correct, but slower than the
+// shared kernel's 128-row tiles, so this kernel is meant for decode-only iterations.
+template <typename T, int D, int STAGES>
+struct DecodeTile {
+  static constexpr size_t BYTES = size_t(kDecodeRows * Tile<T, D>::LD + 2 * STAGES * Tile<T, D>::KV_ELEMS) * sizeof(T);
+};
+
+template <typename T, int D, int STAGES>
+__global__ void __launch_bounds__(kThreads, 3) ragged_attention_decode_kernel(Params p) {
+  extern __shared__ __align__(16) unsigned char smem_raw[];
+  T* smem = reinterpret_cast<T*>(smem_raw);
+  run_work_list(p, [&](int4 it) {
+    const int4 req = p.req[it.x];
+    if (it.w == kItemPrefill) {
+      decode_item<T, D, kDecodeRows, STAGES>(p, req, it.x, it.y, it.z, 0, 1, 0, smem);
+    } else if (it.w == kItemDecode) {
+      const int4 sched = p.sched[it.x];
+      decode_item<T, D, kDecodeRows, STAGES>(p, req, it.x, it.y, 0, it.z, sched.w, sched.z, smem);
+    }
+  });
 }
 
 }  // namespace orca::kernels::attn

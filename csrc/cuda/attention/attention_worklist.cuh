@@ -1,7 +1,12 @@
-// ragged_attention, part 1: the work list, built on the device by one small kernel so that a
-// whole iteration runs as one attention launch with no host synchronisation (graph-capturable:
-// every per-request value stays in device memory; every size the host needs is an upper bound
-// computed from T, B and the head shapes).
+// ragged_attention, part 1: the work list (the "plan"), built on the device by one small kernel
+// so that a whole iteration runs as one attention launch with no host synchronisation
+// (graph-capturable: every per-request value stays in device memory; every size the host needs
+// is an upper bound computed from T, B and the head shapes).
+//
+// One plan serves every layer of a forward pass: all layers share the per-request indices, so
+// the work list is built once and the attention kernels of all layers read it. To make that
+// possible the attention kernel leaves the plan as it found it: the last block to finish resets
+// the item counter, and the block that merges a request's splits resets that pair's counter.
 //
 // Packed GQA rows. For request b and KV head g, the "packed rows" are (query row i, head in the
 // group j) flattened as r = i * G + j (G = Hq / Hkv), so one tile reads K/V of head g once for all
@@ -9,9 +14,15 @@
 //   decode  (q_len * G <= 16): one 16-row tile, KV range split into chunks of `chunk` tokens
 //           (flash-decoding); 4 warps split each 64-key tile; the block that finishes a request's
 //           last split merges the partial results with a log-sum-exp combine.
-//   prefill (q_len * G > 16):  128-row tiles (4 warps x 32 rows), all keys up to the causal limit.
+//   prefill (q_len * G > 16):  tiles of `prefill_rows` packed rows, all keys up to the causal
+//           limit of the tile. 128 rows (4 warps x 32 rows) for the shared kernel; 16 rows when
+//           the decode kernel runs the iteration (see attention_mma.cuh), whose small shared
+//           memory holds no 128-row tile.
 // Item order: prefill tiles first (heaviest causal tile of each request first), then decode
 // items; attention blocks take items in that order from an atomic counter (persistent blocks).
+// The split size follows from the total decode work and the target of `items_per_sm` decode
+// items per SM (a runtime knob: more items shorten the tail of the last wave, fewer items mean
+// fewer partial results to merge).
 #pragma once
 #include "cuda/common.cuh"
 
@@ -25,16 +36,26 @@ constexpr int kDecodeRows = 16;     // packed rows per decode tile
 constexpr int kTileKeys = 64;       // keys per shared-memory K/V tile
 constexpr int kMinChunk = 256;      // smallest KV split (keys); a multiple of kTileKeys
 constexpr int kBuilderThreads = 1024;
-constexpr int kItemsPerSm = 16;     // target decode items per SM: small items keep the tail short
+
+// The control words at the start of the plan.
+enum Ctrl : int {
+  kCtrlItems = 0,     // number of work items
+  kCtrlNext = 1,      // next-item counter of the persistent blocks (0 between launches)
+  kCtrlChunk = 2,     // decode split size (keys)
+  kCtrlZeroRows = 3,  // 1: some query rows are owned by no valid request and must be zeroed
+  kCtrlDone = 4,      // blocks of the running attention launch that have finished (0 between launches)
+  kCtrlWords = 8,
+};
 
 enum ItemKind : int { kItemPrefill = 0, kItemDecode = 1, kItemSkip = 2 };
 
-// Workspace layout (byte offsets, each 256-aligned). Computed identically for the size query
-// and the launch.
+// Plan layout (byte offsets, each 256-aligned). Computed identically for the size query, the
+// plan kernel and the attention launch.
 struct Layout {
   int64_t items_cap = 0;    // work items
   int64_t prow_cap = 0;     // partial-result rows of split decode items
   int64_t target_items = 0; // decode items wanted (chooses the split size)
+  int prefill_rows = kPrefillRows;  // packed rows per prefill item
   size_t off_ctrl = 0, off_req = 0, off_sched = 0, off_items = 0, off_pair = 0, off_lse = 0, off_o = 0;
   size_t off_mark = 0;
   size_t total = 0;
@@ -42,13 +63,15 @@ struct Layout {
 
 inline size_t align256(size_t x) { return (x + 255) & ~size_t(255); }
 
+// prefill_rows: kPrefillRows, or kDecodeRows when the decode kernel runs the iteration.
 inline Layout make_layout(int64_t n_tokens, int64_t n_requests, int64_t n_q_heads, int64_t n_kv_heads,
-                          int64_t head_dim, int num_sms) {
+                          int64_t head_dim, int num_sms, int items_per_sm, int prefill_rows) {
   Layout L;
   const int64_t G = n_q_heads / n_kv_heads;
-  L.target_items = int64_t(kItemsPerSm) * (num_sms > 0 ? num_sms : 132);
-  // Prefill tiles: sum_b ceil(q_len_b*G/128) <= T*G/128 + B per KV head (rows are disjoint).
-  const int64_t prefill = n_kv_heads * (ceil_div(n_tokens * G, kPrefillRows) + n_requests);
+  L.prefill_rows = prefill_rows;
+  L.target_items = int64_t(items_per_sm) * (num_sms > 0 ? num_sms : 132);
+  // Prefill tiles: sum_b ceil(q_len_b*G/rows) <= T*G/rows + B per KV head (rows are disjoint).
+  const int64_t prefill = n_kv_heads * (ceil_div(n_tokens * G, prefill_rows) + n_requests);
   // Decode items: one per unsplit (request, KV head) pair, plus at most 2*target_items partials
   // (chunk >= W/target and every split pair has more than `chunk` keys).
   const int64_t decode = n_requests * n_kv_heads + 2 * L.target_items;
@@ -58,7 +81,7 @@ inline Layout make_layout(int64_t n_tokens, int64_t n_requests, int64_t n_q_head
   // per decode item) run unsplit instead (see build_worklist_kernel).
   L.prow_cap = 2 * L.target_items * (G < kDecodeRows ? G : kDecodeRows);
   size_t off = 0;
-  L.off_ctrl = off;  off = align256(off + 4 * sizeof(int));
+  L.off_ctrl = off;  off = align256(off + kCtrlWords * sizeof(int));
   L.off_req = off;   off = align256(off + size_t(n_requests) * sizeof(int4));
   L.off_sched = off; off = align256(off + size_t(n_requests) * sizeof(int4));
   L.off_items = off; off = align256(off + size_t(L.items_cap) * sizeof(int4));
@@ -70,24 +93,26 @@ inline Layout make_layout(int64_t n_tokens, int64_t n_requests, int64_t n_q_head
   return L;
 }
 
-// Everything the attention kernel reads; pointers into the caller's tensors and the workspace.
+// Everything the plan and attention kernels read; pointers into the caller's tensors and the
+// plan. The plan kernel sees no q, caches or out (null there).
 struct Params {
   const void* q;        // [T, Hq, D]
   const void* k_cache;  // [S, Hkv, D]
   const void* v_cache;  // [S, Hkv, D]
   void* out;            // [T, Hq, D]
-  int* ctrl;            // [0] n_items, [1] next-item counter, [2] decode chunk (keys)
+  int* ctrl;            // [kCtrlWords], see Ctrl
   int4* req;            // [B] {q_start, q_len, kv_start, kv_len}; q_len = 0 marks a skipped request
   int4* sched;          // [B] {prefill item base, decode item base, partial row base, splits}
   int4* items;          // [items_cap] {request, kv head, row0 (prefill) or split (decode), kind}
   int* pair_count;      // [B * Hkv] finished splits per (request, KV head)
   float* part_lse;      // [prow_cap] log2-sum-exp of each partial row
   float* part_o;        // [prow_cap, D] normalised partial outputs
-  unsigned char* row_mark;  // [T] scratch: query rows owned by some valid request
+  unsigned char* row_mark;  // [T] query rows owned by some valid request (set when kCtrlZeroRows)
   int64_t out_row_vecs; // 16-byte vectors per output row (Hq * D * sizeof(T) / 16)
   int64_t n_tokens, n_slots;
   int n_requests, n_q_heads, n_kv_heads, group;
   int items_cap;
+  int prefill_rows;     // packed rows per prefill item (Layout::prefill_rows)
   int64_t prow_cap;
   float scale_log2;     // softmax scale * log2(e): scores live in the log2 domain
 };
@@ -127,8 +152,10 @@ __device__ __forceinline__ long long block_sum_ll(long long v) {
 }
 
 // One block of kBuilderThreads threads. Validates every request (invalid ones are skipped, so
-// the attention kernel can never index out of bounds), picks the decode split size from the
-// total decode work, and writes the work list.
+// the attention kernel can never index out of bounds), marks the query rows that no valid
+// request owns, picks the decode split size from the total decode work, and writes the work
+// list. It writes nothing the attention kernel writes (out stays untouched): the zeroing of
+// unowned rows belongs to each attention launch, since every layer has its own output.
 template <typename I>
 __global__ void __launch_bounds__(kBuilderThreads)
     build_worklist_kernel(const I* __restrict__ q_start, const I* __restrict__ q_len,
@@ -152,9 +179,11 @@ __global__ void __launch_bounds__(kBuilderThreads)
   }
   const long long work = block_sum_ll(decode_keys) * Hkv;
   // Rows owned by no valid request must read as zero (the reference's convention). In an
-  // engine iteration the requests tile all T rows, so this is skipped; otherwise mark the owned
-  // rows and zero the others (assumes disjoint requests: overlapping ones are invalid input).
-  if (block_sum_ll(owned_rows) != p.n_tokens) {
+  // engine iteration the requests tile all T rows and there is nothing to mark; otherwise mark
+  // the owned rows for the attention kernels (assumes disjoint requests: overlapping ones are
+  // invalid input).
+  const bool zero_rows = block_sum_ll(owned_rows) != p.n_tokens;
+  if (zero_rows) {
     for (long long t = tid; t < p.n_tokens; t += blockDim.x) p.row_mark[t] = 0;
     __syncthreads();
     const int lane = tid & 31, warp = tid >> 5, n_warps = blockDim.x >> 5;
@@ -162,10 +191,6 @@ __global__ void __launch_bounds__(kBuilderThreads)
       const int4 r = p.req[b];
       for (int i = lane; i < r.y; i += 32) p.row_mark[r.x + i] = 1;
     }
-    __syncthreads();
-    uint4* out = static_cast<uint4*>(p.out);
-    for (long long v = tid; v < p.n_tokens * p.out_row_vecs; v += blockDim.x)
-      if (!p.row_mark[v / p.out_row_vecs]) out[v] = make_uint4(0, 0, 0, 0);
   }
   // chunk >= work / target_items bounds the partial results (see make_layout).
   long long chunk = ceil_div(ceil_div(work, target_items), kTileKeys) * kTileKeys;
@@ -186,7 +211,7 @@ __global__ void __launch_bounds__(kBuilderThreads)
           splits = static_cast<int>(ceil_div(r.w, chunk));
           rows_part = splits > 1 ? static_cast<long long>(Hkv) * splits * rows : 0;
         } else {
-          cnt_p = static_cast<long long>(Hkv) * ceil_div(rows, kPrefillRows);
+          cnt_p = static_cast<long long>(Hkv) * ceil_div(rows, p.prefill_rows);
         }
       }
     }
@@ -221,13 +246,13 @@ __global__ void __launch_bounds__(kBuilderThreads)
     const int4 s = p.sched[b];
     const long long rows = static_cast<long long>(r.y) * G;
     if (rows > kDecodeRows) {
-      const long long n_tiles = ceil_div(rows, kPrefillRows);
+      const long long n_tiles = ceil_div(rows, p.prefill_rows);
       const long long cnt = n_tiles * Hkv;
       for (long long j = lane; j < cnt; j += 32) {
         const long long idx = s.x + j;
         if (idx >= n_items) break;
         const int tile = static_cast<int>(n_tiles - 1 - j / Hkv);  // last (heaviest) tile first
-        p.items[idx] = make_int4(b, static_cast<int>(j % Hkv), tile * kPrefillRows, kItemPrefill);
+        p.items[idx] = make_int4(b, static_cast<int>(j % Hkv), tile * p.prefill_rows, kItemPrefill);
       }
     } else {
       const int splits = s.w;
@@ -244,9 +269,11 @@ __global__ void __launch_bounds__(kBuilderThreads)
     }
   }
   if (tid == 0) {
-    p.ctrl[0] = static_cast<int>(n_items);
-    p.ctrl[1] = 0;
-    p.ctrl[2] = static_cast<int>(chunk);
+    p.ctrl[kCtrlItems] = static_cast<int>(n_items);
+    p.ctrl[kCtrlNext] = 0;
+    p.ctrl[kCtrlChunk] = static_cast<int>(chunk);
+    p.ctrl[kCtrlZeroRows] = zero_rows ? 1 : 0;
+    p.ctrl[kCtrlDone] = 0;
   }
 }
 

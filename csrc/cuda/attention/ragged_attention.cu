@@ -1,5 +1,6 @@
-// ragged_attention launcher: work-list kernel + one persistent tensor-core launch (fp16/bf16,
-// head dims 64/80/96/128), or the CUDA-core fallback (float32, other head dims <= 256).
+// ragged_attention launchers: the plan (the work-list kernel) and the persistent tensor-core
+// launch that reads it (fp16/bf16, head dims 64/80/96/128), or the CUDA-core fallback (float32,
+// other head dims <= 256), which needs no plan.
 #include <cmath>
 
 #include "cuda/attention/attention_generic.cuh"
@@ -55,19 +56,118 @@ cudaError_t launch_builder(const void* qs, const void* ql, const void* ks, const
   return cudaGetLastError();
 }
 
+Layout layout_of(int64_t n_tokens, int64_t n_requests, int64_t n_q_heads, int64_t n_kv_heads, int64_t head_dim,
+                 const RaggedAttentionTuning& tuning) {
+  return attn::make_layout(n_tokens, n_requests, n_q_heads, n_kv_heads, head_dim, detail::current_device_sm_count(),
+                           tuning.items_per_sm, tuning.decode_stages > 0 ? attn::kDecodeRows : attn::kPrefillRows);
+}
+
+// The plan's pointers and the shapes, as both kernels see them (q, caches, out left null).
+Params plan_params(void* plan, const Layout& L, DType dtype, int64_t n_tokens, int64_t n_requests, int64_t n_slots,
+                   int64_t n_q_heads, int64_t n_kv_heads, int64_t head_dim) {
+  char* ws = static_cast<char*>(plan);
+  Params p{};
+  p.ctrl = reinterpret_cast<int*>(ws + L.off_ctrl);
+  p.req = reinterpret_cast<int4*>(ws + L.off_req);
+  p.sched = reinterpret_cast<int4*>(ws + L.off_sched);
+  p.items = reinterpret_cast<int4*>(ws + L.off_items);
+  p.pair_count = reinterpret_cast<int*>(ws + L.off_pair);
+  p.part_lse = reinterpret_cast<float*>(ws + L.off_lse);
+  p.part_o = reinterpret_cast<float*>(ws + L.off_o);
+  p.row_mark = reinterpret_cast<unsigned char*>(ws + L.off_mark);
+  p.out_row_vecs = n_q_heads * head_dim * (dtype == DType::kFloat32 ? 4 : 2) / 16;
+  p.n_tokens = n_tokens;
+  p.n_slots = n_slots;
+  p.n_requests = static_cast<int>(n_requests);
+  p.n_q_heads = static_cast<int>(n_q_heads);
+  p.n_kv_heads = static_cast<int>(n_kv_heads);
+  p.group = static_cast<int>(n_q_heads / n_kv_heads);
+  p.items_cap = static_cast<int>(L.items_cap);
+  p.prefill_rows = L.prefill_rows;
+  p.prow_cap = L.prow_cap;
+  return p;
+}
+
+// Arguments of the tensor-core path that neither step can serve.
+cudaError_t check_planned(DType dtype, const Layout& L, const void* plan, size_t plan_bytes, int64_t n_tokens,
+                          int64_t n_requests, int64_t n_q_heads, int64_t n_kv_heads, int64_t head_dim,
+                          const RaggedAttentionTuning& tuning) {
+  if (!ragged_attention_tuning_valid(tuning) || !ragged_attention_uses_tensor_cores(dtype, head_dim))
+    return cudaErrorInvalidValue;
+  if (!shapes_ok(n_tokens, n_requests, 0, n_q_heads, n_kv_heads, head_dim) || n_tokens == 0 || n_requests == 0)
+    return cudaErrorInvalidValue;
+  if (L.items_cap > 0x7fffffffLL || L.prow_cap > 0x7fffffffLL) return cudaErrorInvalidValue;
+  if (plan == nullptr || plan_bytes < L.total || !detail::aligned16(plan)) return cudaErrorInvalidValue;
+  return cudaSuccess;
+}
+
 }  // namespace
+
+bool ragged_attention_tuning_valid(const RaggedAttentionTuning& tuning) {
+  return tuning.items_per_sm >= 1 && tuning.items_per_sm <= kRaggedAttentionMaxItemsPerSm &&
+         (tuning.decode_stages == 0 || attn::decode_stages_supported(tuning.decode_stages));
+}
 
 bool ragged_attention_uses_tensor_cores(DType dtype, int64_t head_dim) {
   return dtype != DType::kFloat32 && attn::mma_head_dim_supported(head_dim);
 }
 
+size_t ragged_attention_plan_bytes(DType dtype, int64_t n_tokens, int64_t n_requests, int64_t n_q_heads,
+                                   int64_t n_kv_heads, int64_t head_dim, const RaggedAttentionTuning& tuning) {
+  if (!ragged_attention_uses_tensor_cores(dtype, head_dim) || !ragged_attention_tuning_valid(tuning) ||
+      n_kv_heads < 1 || n_tokens <= 0 || n_requests <= 0)
+    return 0;
+  return layout_of(n_tokens, n_requests, n_q_heads, n_kv_heads, head_dim, tuning).total;
+}
+
 size_t ragged_attention_workspace_bytes(DType dtype, int64_t n_tokens, int64_t n_requests, int64_t n_q_heads,
                                         int64_t n_kv_heads, int64_t head_dim) {
-  if (!ragged_attention_uses_tensor_cores(dtype, head_dim) || n_kv_heads < 1 || n_tokens <= 0 || n_requests <= 0)
-    return 0;
-  return attn::make_layout(n_tokens, n_requests, n_q_heads, n_kv_heads, head_dim,
-                           detail::current_device_sm_count())
-      .total;
+  return ragged_attention_plan_bytes(dtype, n_tokens, n_requests, n_q_heads, n_kv_heads, head_dim,
+                                     RaggedAttentionTuning{});
+}
+
+cudaError_t ragged_attention_plan(DType dtype, IndexType index_type, const void* q_start, const void* q_len,
+                                  const void* kv_start, const void* kv_len, void* plan, size_t plan_bytes,
+                                  int64_t n_tokens, int64_t n_requests, int64_t n_slots, int64_t n_q_heads,
+                                  int64_t n_kv_heads, int64_t head_dim, const RaggedAttentionTuning& tuning,
+                                  cudaStream_t stream) {
+  if (!shapes_ok(n_tokens, n_requests, n_slots, n_q_heads, n_kv_heads, head_dim)) return cudaErrorInvalidValue;
+  const Layout L = layout_of(n_tokens, n_requests, n_q_heads, n_kv_heads, head_dim, tuning);
+  const cudaError_t bad =
+      check_planned(dtype, L, plan, plan_bytes, n_tokens, n_requests, n_q_heads, n_kv_heads, head_dim, tuning);
+  if (bad != cudaSuccess) return bad;
+  const Params p = plan_params(plan, L, dtype, n_tokens, n_requests, n_slots, n_q_heads, n_kv_heads, head_dim);
+  return index_type == IndexType::kInt32
+             ? launch_builder<int32_t>(q_start, q_len, kv_start, kv_len, p, L.target_items, stream)
+             : launch_builder<int64_t>(q_start, q_len, kv_start, kv_len, p, L.target_items, stream);
+}
+
+cudaError_t ragged_attention_with_plan(DType dtype, const void* q, const void* k_cache, const void* v_cache,
+                                       void* out, void* plan, size_t plan_bytes, int64_t n_tokens,
+                                       int64_t n_requests, int64_t n_q_heads, int64_t n_kv_heads, int64_t head_dim,
+                                       float scale, const RaggedAttentionTuning& tuning, cudaStream_t stream) {
+  if (!std::isfinite(scale)) return cudaErrorInvalidValue;
+  const Layout L = layout_of(n_tokens, n_requests, n_q_heads, n_kv_heads, head_dim, tuning);
+  const cudaError_t bad =
+      check_planned(dtype, L, plan, plan_bytes, n_tokens, n_requests, n_q_heads, n_kv_heads, head_dim, tuning);
+  if (bad != cudaSuccess) return bad;
+  // The tensor-core kernels read q and the caches with 16-byte copies.
+  if (!detail::aligned16(q) || !detail::aligned16(k_cache) || !detail::aligned16(v_cache) ||
+      !detail::aligned16(out))
+    return cudaErrorMisalignedAddress;
+  Params p = plan_params(plan, L, dtype, n_tokens, n_requests, 0, n_q_heads, n_kv_heads, head_dim);
+  p.q = q;
+  p.k_cache = k_cache;
+  p.v_cache = v_cache;
+  p.out = out;
+  p.scale_log2 = scale * kLog2e;
+  const int d = static_cast<int>(head_dim);
+  if (tuning.decode_stages > 0) {
+    if (dtype == DType::kFloat16) return attn::launch_decode<__half>(p, d, tuning.decode_stages, L.items_cap, stream);
+    return attn::launch_decode<__nv_bfloat16>(p, d, tuning.decode_stages, L.items_cap, stream);
+  }
+  if (dtype == DType::kFloat16) return attn::launch_mma<__half>(p, d, L.items_cap, stream);
+  return attn::launch_mma<__nv_bfloat16>(p, d, L.items_cap, stream);
 }
 
 cudaError_t ragged_attention(DType dtype, IndexType index_type, const void* q, const void* k_cache,
@@ -81,7 +181,6 @@ cudaError_t ragged_attention(DType dtype, IndexType index_type, const void* q, c
       size_t(n_tokens) * size_t(n_q_heads) * size_t(head_dim) * (dtype == DType::kFloat32 ? 4 : 2);
   if (n_tokens == 0) return cudaSuccess;
   if (n_requests == 0) return cudaMemsetAsync(out, 0, out_bytes, stream);
-  const float scale_log2 = scale * kLog2e;
 
   if (!ragged_attention_uses_tensor_cores(dtype, head_dim)) {
     if (head_dim > attn::kGenericMaxDim) return cudaErrorInvalidValue;
@@ -89,6 +188,7 @@ cudaError_t ragged_attention(DType dtype, IndexType index_type, const void* q, c
     // the fast one).
     const cudaError_t zero_err = cudaMemsetAsync(out, 0, out_bytes, stream);
     if (zero_err != cudaSuccess) return zero_err;
+    const float scale_log2 = scale * kLog2e;
     switch (dtype) {
       case DType::kFloat32:
         return dispatch_generic<float>(index_type, q, k_cache, v_cache, q_start, q_len, kv_start, kv_len, out,
@@ -106,47 +206,17 @@ cudaError_t ragged_attention(DType dtype, IndexType index_type, const void* q, c
     return cudaErrorInvalidValue;
   }
 
-  // The tensor-core path reads q and the caches with 16-byte copies.
+  // Misaligned tensors are reported before anything is enqueued.
   if (!detail::aligned16(q) || !detail::aligned16(k_cache) || !detail::aligned16(v_cache) ||
       !detail::aligned16(out))
     return cudaErrorMisalignedAddress;
-  const Layout L = attn::make_layout(n_tokens, n_requests, n_q_heads, n_kv_heads, head_dim,
-                                     detail::current_device_sm_count());
-  if (L.items_cap > 0x7fffffffLL || L.prow_cap > 0x7fffffffLL) return cudaErrorInvalidValue;
-  if (workspace == nullptr || workspace_bytes < L.total || !detail::aligned16(workspace))
-    return cudaErrorInvalidValue;
-
-  char* ws = static_cast<char*>(workspace);
-  Params p;
-  p.q = q;
-  p.k_cache = k_cache;
-  p.v_cache = v_cache;
-  p.out = out;
-  p.ctrl = reinterpret_cast<int*>(ws + L.off_ctrl);
-  p.req = reinterpret_cast<int4*>(ws + L.off_req);
-  p.sched = reinterpret_cast<int4*>(ws + L.off_sched);
-  p.items = reinterpret_cast<int4*>(ws + L.off_items);
-  p.pair_count = reinterpret_cast<int*>(ws + L.off_pair);
-  p.part_lse = reinterpret_cast<float*>(ws + L.off_lse);
-  p.part_o = reinterpret_cast<float*>(ws + L.off_o);
-  p.row_mark = reinterpret_cast<unsigned char*>(ws + L.off_mark);
-  p.out_row_vecs = n_q_heads * head_dim * (dtype == DType::kFloat32 ? 4 : 2) / 16;
-  p.n_tokens = n_tokens;
-  p.n_slots = n_slots;
-  p.n_requests = static_cast<int>(n_requests);
-  p.n_q_heads = static_cast<int>(n_q_heads);
-  p.n_kv_heads = static_cast<int>(n_kv_heads);
-  p.group = static_cast<int>(n_q_heads / n_kv_heads);
-  p.items_cap = static_cast<int>(L.items_cap);
-  p.prow_cap = L.prow_cap;
-  p.scale_log2 = scale_log2;
-
-  cudaError_t err = index_type == IndexType::kInt32
-                        ? launch_builder<int32_t>(q_start, q_len, kv_start, kv_len, p, L.target_items, stream)
-                        : launch_builder<int64_t>(q_start, q_len, kv_start, kv_len, p, L.target_items, stream);
+  const RaggedAttentionTuning tuning{};
+  const cudaError_t err = ragged_attention_plan(dtype, index_type, q_start, q_len, kv_start, kv_len, workspace,
+                                                workspace_bytes, n_tokens, n_requests, n_slots, n_q_heads,
+                                                n_kv_heads, head_dim, tuning, stream);
   if (err != cudaSuccess) return err;
-  if (dtype == DType::kFloat16) return attn::launch_mma<__half>(p, static_cast<int>(head_dim), L.items_cap, stream);
-  return attn::launch_mma<__nv_bfloat16>(p, static_cast<int>(head_dim), L.items_cap, stream);
+  return ragged_attention_with_plan(dtype, q, k_cache, v_cache, out, workspace, workspace_bytes, n_tokens,
+                                    n_requests, n_q_heads, n_kv_heads, head_dim, scale, tuning, stream);
 }
 
 }  // namespace orca::kernels
