@@ -30,6 +30,8 @@ def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
                    help="longest prompt + output in tokens (default: the model's context, capped to n_slots)")
     g.add_argument("--scheduler", default="orca", choices=list(SCHEDULERS),
                    help="orca = iteration-level scheduling, static = request-level baseline")
+    g.add_argument("--enforce-eager", action="store_true",
+                   help="no CUDA graphs (by default decode iterations replay them on CUDA)")
 
 
 def engine_kwargs(args: argparse.Namespace) -> dict:
@@ -37,4 +39,4 @@ def engine_kwargs(args: argparse.Namespace) -> dict:
     return dict(model=args.model, device=args.device, dtype=args.dtype,
                 max_batch_size=args.max_batch_size, n_slots=args.n_slots,
                 max_model_len=args.max_model_len, scheduler=args.scheduler,
-                kv_cache_memory=args.kv_cache_memory)
+                kv_cache_memory=args.kv_cache_memory, enforce_eager=args.enforce_eager)

@@ -68,7 +68,8 @@ class Server:
     models seam interface), `tokenizer` overrides the folder's tokenizer, `kv_cache_memory`
     (bytes or '2GiB'; default $ORCA_EXT_KV_CACHE_MEMORY, else min(2 GiB, 25% of available RAM) on
     CPU and 90% of the free GPU memory after loading the weights) sizes `n_slots` when it is None,
-    and `max_undelivered_outputs` bounds the finished outputs kept for callers.
+    `max_undelivered_outputs` bounds the finished outputs kept for callers, and `enforce_eager`
+    turns off the CUDA graphs that decode iterations replay on CUDA (orca_ext/models/cuda_graphs.py).
     """
 
     def __init__(self, model: Any = None, *, device: Union[str, torch.device] = "auto",
@@ -76,7 +77,8 @@ class Server:
                  n_slots: Optional[int] = None, max_model_len: Optional[int] = None,
                  scheduler: str = "orca", record_iterations: bool = False,
                  tokenizer: Any = None, kv_cache_memory: Union[int, str, None] = None,
-                 max_undelivered_outputs: int = DEFAULT_MAX_UNDELIVERED):
+                 max_undelivered_outputs: int = DEFAULT_MAX_UNDELIVERED,
+                 enforce_eager: bool = False):
         check_positive_int("max_batch_size", max_batch_size)
         check_positive_int("max_undelivered_outputs", max_undelivered_outputs)
         if n_slots is not None:
@@ -84,6 +86,8 @@ class Server:
         if max_model_len is not None:
             check_positive_int("max_model_len", max_model_len)
         check_choice("scheduler", scheduler, SCHEDULERS)
+        if not isinstance(enforce_eager, bool):
+            raise ValueError(f"enforce_eager must be a bool, got {enforce_eager!r}")
 
         self.model, tokenizer, self.model_path = _load(model, device, dtype, tokenizer)
         spec = self.model.spec
@@ -115,8 +119,11 @@ class Server:
         self.record_iterations = record_iterations
         self._validator = RequestValidator(self._tok, self.vocab_size, self.max_model_len, self.n_slots)
 
+        from .models.cuda_graphs import with_decode_graphs
+
         sched = make_scheduler(scheduler, max_batch_size, self.n_slots)
-        self._engine = Engine(self.model, sched, record_iterations=record_iterations)
+        runner = with_decode_graphs(self.model, max_batch_size, enforce_eager=enforce_eager)
+        self._engine = Engine(runner, sched, record_iterations=record_iterations)
 
         self._lock = threading.Lock()
         self._work = threading.Condition(self._lock)   # the loop sleeps here when idle

@@ -23,12 +23,13 @@ def test_engine_arguments_round_trip():
     add_engine_arguments(parser)
     args = parser.parse_args(["--device", "cpu", "--dtype", "bfloat16", "--max-batch-size", "4",
                               "--n-slots", "512", "--max-model-len", "256", "--scheduler", "static",
-                              "--kv-cache-memory", "1GiB", "--model", "/m"])
+                              "--kv-cache-memory", "1GiB", "--model", "/m", "--enforce-eager"])
     assert engine_kwargs(args) == dict(model="/m", device="cpu", dtype="bfloat16", max_batch_size=4,
                                        n_slots=512, max_model_len=256, scheduler="static",
-                                       kv_cache_memory="1GiB")
+                                       kv_cache_memory="1GiB", enforce_eager=True)
     defaults = engine_kwargs(parser.parse_args([]))
     assert defaults["model"] is None and defaults["max_batch_size"] == 32 and defaults["scheduler"] == "orca"
+    assert defaults["enforce_eager"] is False
 
 
 def test_serve_takes_the_engine_options_and_its_own():

@@ -101,7 +101,8 @@ def test_padding_rows_are_restored_after_a_larger_batch():
     assert inputs.long[0, :7].tolist() == list(range(10, 17))
     assert inputs.long[1, :7].tolist() == [3 + i for i in range(7)]
     assert inputs.long[2, :7].tolist() == [20 * i + 3 + i for i in range(7)]
-    assert inputs.int[2, :7].tolist() == [20 * i for i in range(7)] and inputs.int[3, :7].tolist() == [4 + i for i in range(7)]
+    assert inputs.int[2, :7].tolist() == [20 * i for i in range(7)]
+    assert inputs.int[3, :7].tolist() == [4 + i for i in range(7)]
     assert torch.equal(inputs.long[:, 7:], pad_long[:, 7:]) and torch.equal(inputs.int[:, 7:], pad_int[:, 7:])
 
     small = ForwardBatch.build([([50], 8, 300), ([51], 2, 400), ([52], 5, 500)])
@@ -202,3 +203,15 @@ def test_runner_rejects_bad_arguments():
     runner = DecodeGraphRunner(model, 4, backend=EagerReplayBackend())
     with pytest.raises(ValueError, match="n_slots"):
         runner.allocate_kv_cache(0)
+
+
+def test_server_takes_enforce_eager():
+    from orca_ext import SamplingParams, Server
+
+    model = small_model(num_layers=1)
+    with pytest.raises(ValueError, match="enforce_eager must be a bool, got 'yes'"):
+        Server(model, n_slots=64, enforce_eager="yes")
+    with Server(model, n_slots=64, max_batch_size=4) as server:  # CPU: the engine drives the model itself
+        assert server._engine.model is model
+        out = server.generate([[1, 2, 3]], SamplingParams(max_tokens=3))[0]
+        assert len(out.token_ids) == 3

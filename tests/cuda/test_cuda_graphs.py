@@ -88,3 +88,24 @@ def test_with_decode_graphs_wraps_a_cuda_model_unless_eager():
     model = random_causal_lm(random_spec(num_layers=1), "cuda", torch.bfloat16)
     assert isinstance(with_decode_graphs(model, 8), DecodeGraphRunner)
     assert with_decode_graphs(model, 8, enforce_eager=True) is model
+
+
+def test_server_with_graphs_gives_the_tokens_of_an_eager_server():
+    """End to end: requests of different lengths arrive together and leave one by one, so the
+    decode batches shrink step by step through the buckets; float32 tokens must be identical."""
+    from orca_ext import SamplingParams, Server
+
+    model = random_causal_lm(random_spec(num_layers=2, num_heads=8, num_kv_heads=2, head_dim=64), "cuda",
+                             torch.float32, seed=5)
+    prompts = [[(7 * i + j) % 500 for j in range(1 + (i * 13) % 60)] for i in range(40)]
+    params = [SamplingParams(max_tokens=1 + (i * 7) % 24) for i in range(40)]
+    outputs = {}
+    for eager in (False, True):
+        with Server(model if not eager else eager_twin(model), n_slots=4000, max_batch_size=40,
+                    enforce_eager=eager) as server:
+            runner = server._engine.model
+            assert isinstance(runner, DecodeGraphRunner) != eager
+            outputs[eager] = [o.token_ids for o in server.generate(prompts, params)]
+            if not eager:
+                assert runner.replayed_iterations > 10
+    assert outputs[False] == outputs[True]
