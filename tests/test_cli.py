@@ -23,10 +23,11 @@ def test_engine_arguments_round_trip():
     add_engine_arguments(parser)
     args = parser.parse_args(["--device", "cpu", "--dtype", "bfloat16", "--max-batch-size", "4",
                               "--n-slots", "512", "--max-model-len", "256", "--scheduler", "static",
-                              "--kv-cache-memory", "1GiB", "--model", "/m"])
+                              "--kv-cache-memory", "1GiB", "--model", "/m", "-tp", "2",
+                              "--pipeline-parallel-size", "3"])
     assert engine_kwargs(args) == dict(model="/m", device="cpu", dtype="bfloat16", max_batch_size=4,
                                        n_slots=512, max_model_len=256, scheduler="static",
-                                       kv_cache_memory="1GiB")
+                                       kv_cache_memory="1GiB", tensor_parallel_size=2, pipeline_parallel_size=3)
     defaults = engine_kwargs(parser.parse_args([]))
     assert defaults["model"] is None and defaults["max_batch_size"] == 32 and defaults["scheduler"] == "orca"
 
