@@ -399,8 +399,13 @@ class DistributedExecutor:
         logits = self._recv(w, torch.empty(b, self.spec.vocab_size, dtype=torch.float32)) if int(hdr[3]) else None
         with self._lock:
             expected, future = self._pending.popleft() if self._pending else (None, None)
-        if expected != index:
-            raise RuntimeError(f"{w.name()} returned iteration {index} but {expected} was expected")
+        if expected != index:  # cannot happen while every worker follows messages.py
+            if future is not None:
+                with self._lock:
+                    self._pending.appendleft((expected, future))  # failed with the others below
+            self._on_failure(_Failure(w.rank, "raised", f"returned iteration {index} but {expected} was "
+                                                        f"expected (control-plane protocol error)", False, index))
+            return
         future.logits = logits
         future.resolve(SampleResult([t if t >= 0 else None for t in tokens],
                                     [None if t >= 0 else NON_FINITE_LOGITS for t in tokens]))
