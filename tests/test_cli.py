@@ -80,3 +80,13 @@ def test_every_package_folder_ships_in_the_wheel():
     folders = {".".join(p.parent.relative_to(ROOT).parts) for p in (ROOT / "orca_ext").rglob("*.py")}
     assert "orca_ext.benchmarks" in folders
     assert folders <= shipped, sorted(folders - shipped)
+
+
+def test_parallel_flags_on_every_subcommand():
+    from orca_ext.benchmarks.throughput import build_parser as bench_parser
+
+    for args in (build_parser().parse_args(["generate", "hi", "-tp", "2", "-pp", "3"]),
+                 build_parser().parse_args(["serve", "--tensor-parallel-size", "2", "--pipeline-parallel-size", "3"]),
+                 bench_parser().parse_args(["-tp", "2", "-pp", "3"])):
+        kw = engine_kwargs(args)
+        assert (kw["tensor_parallel_size"], kw["pipeline_parallel_size"]) == (2, 3)

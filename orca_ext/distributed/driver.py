@@ -132,7 +132,7 @@ class DistributedExecutor:
         self.torchrun = launched_by_torchrun()
         self.n_slots = 0
         self._lock = threading.Lock()
-        self._send_lock = threading.Lock()       # a header and its payload go out back to back
+        self._send_lock = threading.RLock()      # a header and its payload go out back to back
         self._pending: collections.deque = collections.deque()   # (batch index, BatchFuture)
         self._seq_ids: dict = {}                 # Request -> seq id (identity-hashed)
         self._next_seq = 0
@@ -302,17 +302,22 @@ class DistributedExecutor:
             future.resolve(ValueError(problem))
             return future
         rows = [self._sampling_row(req) for req in batch.requests]
-        with self._lock:
-            free, self._free = self._free, []
-            if self._error is not None:
-                future.resolve(WorkerFailedError(self._error))
-                return future
-            self._pending.append((batch.index, future))
-        hdr, payload = pack_forward(batch.index, batch.inputs, rows, free, want_logits)
-        try:
-            self._post_all(hdr, payload)
-        except Exception as exc:
-            self._on_failure(_Failure(None, "lost", f"sending iteration {batch.index} failed: {exc}"))
+        # Results come back in the order batches were posted: pending and posting stay in step.
+        with self._send_lock:
+            with self._lock:
+                free, self._free = self._free, []
+                if self._error is not None:
+                    future.resolve(WorkerFailedError(self._error))
+                    return future
+                self._pending.append((batch.index, future))
+            hdr, payload = pack_forward(batch.index, batch.inputs, rows, free, want_logits)
+            try:
+                self._post_all(hdr, payload)
+                failed = None
+            except Exception as exc:
+                failed = exc
+        if failed is not None:
+            self._on_failure(_Failure(None, "lost", f"sending iteration {batch.index} failed: {failed}"))
         return future
 
     def wait(self, future: BatchFuture):
@@ -357,7 +362,7 @@ class DistributedExecutor:
         return None
 
     def _post_all(self, *tensors: torch.Tensor) -> None:
-        with self._send_lock:
+        with self._send_lock:  # reentrant: execute() holds it too
             for w in self.workers:
                 for t in tensors:
                     self._sends.put(self._ctl.send([t], w.rank + 1, TAG_DOWN), t)
