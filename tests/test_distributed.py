@@ -398,6 +398,22 @@ def test_killed_worker_fails_every_waiter_and_leaves_no_process(tiny_model_dir):
     assert not st["healthy"] and "worker 1" in st["error"] and st["running"] == 0 and st["slots_allocated"] == 0
     with pytest.raises(EngineDeadError, match="worker 1"):
         server.submit([1, 2, 3])
+    # Over HTTP: /health turns 503 and a new completion gets 503 naming the worker.
+    import asyncio
+
+    import httpx
+
+    from orca_ext.http.app import create_app
+
+    async def ask():
+        app = create_app(server, model_name="tiny")
+        async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://app") as c:
+            return (await c.get("/health"),
+                    await c.post("/v1/completions", json={"model": "tiny", "prompt": [1, 2], "max_tokens": 2}))
+
+    health, completion = asyncio.run(ask())
+    assert health.status_code == 503 and "worker 1" in health.json()["detail"]
+    assert completion.status_code == 503 and "worker 1" in completion.text
     server.shutdown()
     assert all(gone(w["pid"]) for w in workers)
     assert not {w["pid"] for w in workers} & {pid for pid, _ in children_of(os.getpid())}
