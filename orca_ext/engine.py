@@ -15,6 +15,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import logging
+import threading
 import time
 from collections import deque
 from dataclasses import dataclass
@@ -59,10 +60,14 @@ class Engine:
         # in flight is the scheduler's count (n_scheduled); this only holds their results.
         self._inflight: deque = deque()   # (ScheduledBatch, result)
         self.last_step_idle = False       # the last step neither launched nor completed a batch
+        # Set when the pool changes (submit, abort) or a launched batch returns: a free pipeline
+        # stage may then take a new batch. Cleared under the lock before each selection.
+        self._wake = threading.Event()
 
     # -- requests ----------------------------------------------------------------------------
     def add_request(self, req: Request) -> None:
         self.scheduler.add(req)
+        self._wake.set()
 
     def abort_request(self, req: Request, reason: str = "abort", error: Optional[str] = None) -> bool:
         """End a request that has not finished. Its slab is returned now, or when its running
@@ -71,6 +76,7 @@ class Engine:
             return False
         self._end(req, reason, error)
         self.scheduler.remove(req)
+        self._wake.set()  # its slab may let a waiting request in
         return True
 
     def abort_all(self, reason: str, error: Optional[str] = None) -> list:
@@ -105,6 +111,7 @@ class Engine:
         """
         lock = lock if lock is not None else contextlib.nullcontext()
         with lock:
+            self._wake.clear()
             batch = self._schedule()
         if batch is not None:
             self._inflight.append((batch, self._execute(batch)))
@@ -113,7 +120,14 @@ class Engine:
         # Wait for one launched batch when n_workers batches are in flight, or when nothing new
         # could be launched (so in-flight work always drains).
         if self._inflight and (len(self._inflight) >= self.scheduler.n_workers or batch is None):
-            done, future = self._inflight.popleft()
+            done, future = self._inflight[0]
+            if batch is None and len(self._inflight) < self.scheduler.n_workers and not future.done():
+                # A pipeline stage is free: whichever comes first, the oldest batch's tokens or a
+                # request that can fill the stage (Orca launches as soon as a worker is free).
+                future.add_done_callback(lambda _: self._wake.set())
+                if self._wake.wait(getattr(self.executor, "worker_timeout", None)) and not future.done():
+                    return changed  # the caller steps again and launches the newcomer
+            self._inflight.popleft()
             result = self.executor.wait(future)
             with lock:
                 self._record_completion(done, future)

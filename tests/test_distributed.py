@@ -338,6 +338,51 @@ def test_abort_while_its_batch_is_in_flight(llama_pp2):
     assert_idle(server)
 
 
+def test_a_free_stage_takes_a_new_request_at_once(llama_pp2):
+    """With one batch in the pipeline and nothing else to run, a request that arrives is launched
+    into the free stage at once, not after that batch returns."""
+    server, _ = llama_pp2
+    executor = server._engine.executor
+    launch = executor.execute
+    launches: list = []
+    release = threading.Event()
+
+    def gated(batch, **kw):
+        launches.append([r.request_id for r in batch.requests])
+        real = launch(batch, **kw)
+        if len(launches) == 1:  # hold back the first batch's tokens
+            proxy = BatchFuture()
+
+            def relay():
+                release.wait(60)
+                try:
+                    proxy.resolve(real.result(timeout=60))
+                except Exception as exc:
+                    proxy.resolve(exc)
+
+            threading.Thread(target=relay, daemon=True).start()
+            return proxy
+        return real
+
+    executor.execute = gated
+    try:
+        first = server.submit([4, 4, 2], SamplingParams(max_tokens=3, ignore_eos=True))
+        deadline = time.monotonic() + 30
+        while not launches and time.monotonic() < deadline:
+            time.sleep(0.01)
+        second = server.submit([9, 1], SamplingParams(max_tokens=3, ignore_eos=True))
+        while len(launches) < 2 and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert launches[:2] == [[first], [second]]  # launched while the first is still held
+        release.set()
+        assert server.result(first, timeout=60).finish_reason == "length"
+        assert server.result(second, timeout=60).finish_reason == "length"
+    finally:
+        release.set()
+        executor.execute = launch
+    assert_idle(server)
+
+
 def test_seeded_sampling_matches_single_process(llama_pp2, tiny_model_dir):
     server, model_dir = llama_pp2
     jobs = make_jobs(3, n=5)
