@@ -185,7 +185,7 @@ class TensorParallelComm:
         self.group = group
         self.ranks = ranks            # data-group ranks of this stage's tensor ranks, in order
         self.size = len(ranks)
-        self.tp_rank = tp_rank
+        self.rank = tp_rank           # this worker's tensor rank (rank 0 adds the residual, gathers)
         self.vocab_size = vocab_size
         self.vocab_padded = vocab_padded
         self.clock = clock
@@ -205,7 +205,7 @@ class TensorParallelComm:
             if pad:
                 logits = torch.nn.functional.pad(logits, (0, pad), value=float("-inf"))
             logits = logits.contiguous()
-            parts = [torch.empty_like(logits) for _ in range(self.size)] if self.tp_rank == 0 else None
+            parts = [torch.empty_like(logits) for _ in range(self.size)] if self.rank == 0 else None
             dist.gather(logits, parts, dst=self.ranks[0], group=self.group)
             if parts is None:
                 return None
