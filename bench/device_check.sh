@@ -17,6 +17,8 @@
 #   memcheck   30  60  compute-sanitizer memcheck of the small cases (skipped if preflight says the
 #                      sanitizer does not work on this machine's runtime)
 #   reference  20  60  bench/gpu_reference.py: torch references and ours, graph-timed, vs targets
+#   multigpu    - 240  only with more than one GPU visible: bench/parallel_gpu.py (tensor/pipeline
+#                      parallelism over NCCL); its results go into summary.json, not a file of its own
 #   engine    100 rest bench/gpu_engine.py: ours first, transformers baselines last, its own deadline
 #   summary            always: a table of steps and metrics, summary.json
 # Every step runs under `timeout` (its cap, or the time left, whichever is less), the script goes on
@@ -31,7 +33,7 @@ OUT="${OUT:-$(mktemp -d)}"
 mkdir -p "$OUT"
 BUDGET_S="${BUDGET_S:-360}"
 RESERVE_S=15                                  # kept for the summary
-ALL_STEPS="preflight,build,tests,micro,memcheck,reference,engine"
+ALL_STEPS="preflight,build,tests,micro,memcheck,reference,multigpu,engine"
 STEPS="${STEPS:-$ALL_STEPS}"
 DRY_RUN="${DRY_RUN:-0}"
 START=$(date +%s)
@@ -253,6 +255,22 @@ fi
 if want reference; then
   run_step reference 60 "$PY" bench/gpu_reference.py --out "$OUT/gpu_reference.json"
 fi
+
+# ---- multigpu: tensor/pipeline parallelism over NCCL (only with more than one GPU) -------------
+# bench/parallel_gpu.py: greedy parity of tp / pp / tp x pp against one GPU, throughput with 1 vs pp
+# batches in flight, the workers' compute/communication split, NCCL transfer times. Its JSON lands
+# in summary.json (key "parallel_gpu"), so $OUT keeps its 8 files. One GPU: nothing is recorded.
+PARALLEL_JSON="$WORK/parallel_gpu.json"
+if want multigpu; then
+  NGPU=$("$SMI" -L 2>/dev/null | grep -c '^GPU ')
+  if [ "${NGPU:-0}" -gt 1 ]; then
+    run_step multigpu 240 "$PY" bench/parallel_gpu.py --gpus "$NGPU" --out "$PARALLEL_JSON"
+  else
+    log "multigpu: ${NGPU:-0} GPU(s) visible; the tensor/pipeline parallel checks need more than one"
+  fi
+fi
+# ---- end of multigpu ----------------------------------------------------------------------------
+
 if want engine; then
   ENGINE_LEFT=$(( $(left) - 10 ))  # the script's own deadline, inside this step's timeout
   run_step engine 600 "$PY" bench/gpu_engine.py --out "$OUT/gpu_engine.json" --hf-output-scale 4 \
@@ -260,8 +278,8 @@ if want engine; then
 fi
 
 # ---- summary ------------------------------------------------------------------------------------
-"$SUMMARY_PY" - "$OUT" <<'EOF' 2>&1 | tee -a "$LOG"
-import json, sys, xml.etree.ElementTree as ET
+PARALLEL_JSON="$PARALLEL_JSON" "$SUMMARY_PY" - "$OUT" <<'EOF' 2>&1 | tee -a "$LOG"
+import json, os, sys, xml.etree.ElementTree as ET
 from pathlib import Path
 
 out = Path(sys.argv[1])
@@ -329,6 +347,16 @@ for label, value, target in rows:
     table.append({"metric": label, "value": value, "verdict": verdict or None})
 summary = {"steps": [{"step": s, "status": st, "seconds": int(t)} for s, st, t in steps], "tests": tests,
            "metrics": table}
+parallel = Path(os.environ.get("PARALLEL_JSON", "/nonexistent"))
+if parallel.is_file():  # bench/parallel_gpu.py ran (more than one GPU)
+    summary["parallel_gpu"] = json.loads(parallel.read_text())
+    print("\n  tensor/pipeline parallelism (NCCL):")
+    for name, entry in summary["parallel_gpu"].get("configs", {}).items():
+        runs = {k: v for k, v in entry.items() if k.startswith("n_workers_") and isinstance(v, dict)}
+        print(f"  {name:10s} " + ("ERROR " + entry["error"].splitlines()[-1] if "error" in entry else
+              " ".join(f"{k}: {v['tokens_per_s']:.0f} tok/s ({v.get('speedup_vs_1gpu', 1):.2f}x)" for k, v in runs.items())
+              + (f"  same greedy tokens {entry['greedy_tokens_same_as_1gpu']:.3f}" if "greedy_tokens_same_as_1gpu" in entry else "")
+              + (f"  {entry['tokens_per_s']:.0f} tok/s" if "tokens_per_s" in entry else "")))
 (out / "summary.json").write_text(json.dumps(summary, indent=2))
 EOF
 

@@ -1,7 +1,7 @@
 """orca_ext: an Orca-style LLM serving engine (iteration-level scheduling + selective batching).
 
 Public API (docs/DESIGN.md section 5): Server, SamplingParams, RequestOutput, IterationRecord,
-InvalidRequestError, ServerClosedError. Names are imported lazily so that `import orca_ext._C`
+InvalidRequestError, ServerClosedError, EngineDeadError. Names are imported lazily so that `import orca_ext._C`
 or the kernels alone do not pull in transformers.
 """
 from __future__ import annotations
@@ -9,7 +9,7 @@ from __future__ import annotations
 import importlib
 from typing import TYPE_CHECKING
 
-from .errors import InvalidRequestError, ServerClosedError
+from .errors import EngineDeadError, InvalidRequestError, ServerClosedError
 
 __version__ = "0.1.0"
 
@@ -21,7 +21,7 @@ _LAZY = {
 }
 
 __all__ = ["Server", "SamplingParams", "RequestOutput", "IterationRecord", "InvalidRequestError",
-           "ServerClosedError", "__version__"]
+           "ServerClosedError", "EngineDeadError", "__version__"]
 
 if TYPE_CHECKING:  # pragma: no cover
     from .request import IterationRecord, RequestOutput

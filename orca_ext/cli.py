@@ -100,6 +100,12 @@ def _generate(args: argparse.Namespace) -> int:
 
 
 def main(argv: Optional[Sequence[str]] = None) -> int:
+    from .distributed import is_torchrun_worker
+
+    if is_torchrun_worker():  # under torchrun every rank but 0 (the driver) is a worker
+        from .distributed.worker import torchrun_main
+
+        torchrun_main()
     argv = list(sys.argv[1:] if argv is None else argv)
     if argv and argv[0] == "bench":
         from .benchmarks.throughput import main as bench_main

@@ -1,23 +1,29 @@
-"""One engine iteration: schedule -> run (ForwardBatch.build + model.forward + sample) -> postprocess.
+"""One engine iteration: schedule -> launch on the executor -> postprocess when tokens return.
 
 The engine is single-threaded by design: the server's loop thread is its only caller. Server
 calls that touch requests (submit, abort) take the same lock that `step` holds while scheduling
 and postprocessing; the lock is released while the model runs, so submissions never wait for a
 forward pass.
+
+The executor (executor.py) runs batches: in this process (`LocalExecutor`: the forward pass is
+done when `execute` returns), or on tensor x pipeline parallel workers (`DistributedExecutor`:
+`execute` only sends the batch, and up to n_workers = pipeline stages batches are in flight, as
+in Algorithm 1). Either way the engine code path is the same.
 """
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import logging
+import threading
 import time
 from collections import deque
 from dataclasses import dataclass
 from typing import Callable, Optional
 
-import torch
-
 from .detokenizer import find_stop, partial_stop_len
-from .models.batch import ForwardBatch, count_tokens
+from .executor import LocalExecutor
+from .models.batch import count_tokens
 from .request import IterationRecord, Request
 from .sampling import Sampler
 
@@ -31,15 +37,19 @@ class ScheduledBatch:
     index: int
     requests: list
     inputs: list  # [(new_token_ids, start_pos, slab_start)] in batch order
+    record: int = -1  # position of its IterationRecord in Engine.records (-1: not recorded)
 
 
 class Engine:
     def __init__(self, model, scheduler, *, record_iterations: bool = False,
                  sampler: Optional[Sampler] = None):
-        self.model = model
+        """`model`: a model (run here through a LocalExecutor) or an executor."""
+        self.executor = model if hasattr(model, "execute") else LocalExecutor(model, sampler)
+        self.model = getattr(self.executor, "model", None)  # the local model, if any
+        # The scheduler's n_workers bounds the batches in flight; the server sets it to the
+        # executor's pipeline depth (with a LocalExecutor more only delays postprocessing).
         self.scheduler = scheduler
-        self.sampler = sampler or Sampler()
-        self.kv_cache = model.allocate_kv_cache(scheduler.n_slots)
+        self.kv_cache = self.executor.allocate_kv_cache(scheduler.n_slots)
         self.record_iterations = record_iterations
         self.records: list[IterationRecord] = []
         self.num_iterations = 0
@@ -50,10 +60,14 @@ class Engine:
         # in flight is the scheduler's count (n_scheduled); this only holds their results.
         self._inflight: deque = deque()   # (ScheduledBatch, result)
         self.last_step_idle = False       # the last step neither launched nor completed a batch
+        # Set when the pool changes (submit, abort) or a launched batch returns: a free pipeline
+        # stage may then take a new batch. Cleared under the lock before each selection.
+        self._wake = threading.Event()
 
     # -- requests ----------------------------------------------------------------------------
     def add_request(self, req: Request) -> None:
         self.scheduler.add(req)
+        self._wake.set()
 
     def abort_request(self, req: Request, reason: str = "abort", error: Optional[str] = None) -> bool:
         """End a request that has not finished. Its slab is returned now, or when its running
@@ -62,6 +76,7 @@ class Engine:
             return False
         self._end(req, reason, error)
         self.scheduler.remove(req)
+        self._wake.set()  # its slab may let a waiting request in
         return True
 
     def abort_all(self, reason: str, error: Optional[str] = None) -> list:
@@ -96,21 +111,36 @@ class Engine:
         """
         lock = lock if lock is not None else contextlib.nullcontext()
         with lock:
+            self._wake.clear()
             batch = self._schedule()
         if batch is not None:
-            result = self._execute(batch)
-            self._inflight.append((batch, result))
+            self._inflight.append((batch, self._execute(batch)))
         changed: list = []
         self.last_step_idle = batch is None and not self._inflight
         # Wait for one launched batch when n_workers batches are in flight, or when nothing new
         # could be launched (so in-flight work always drains).
         if self._inflight and (len(self._inflight) >= self.scheduler.n_workers or batch is None):
-            done, result = self._inflight.popleft()
+            done, future = self._inflight[0]
+            if batch is None and len(self._inflight) < self.scheduler.n_workers and not future.done():
+                # A pipeline stage is free: whichever comes first, the oldest batch's tokens or a
+                # request that can fill the stage (Orca launches as soon as a worker is free).
+                future.add_done_callback(lambda _: self._wake.set())
+                if self._wake.wait(getattr(self.executor, "worker_timeout", None)) and not future.done():
+                    return changed  # the caller steps again and launches the newcomer
+            self._inflight.popleft()
+            result = self.executor.wait(future)
             with lock:
+                self._record_completion(done, future)
                 changed = self._postprocess(done, result)
+                if self.executor.error is not None:  # the workers are gone: nothing can run any more
+                    changed += self.abort_all("error", f"the engine stopped: {self.executor.error}")
                 if publish is not None:
                     publish(changed)
         return changed
+
+    def shutdown(self) -> None:
+        """Stop the executor (its worker processes, if any). Call after abort_all."""
+        self.executor.shutdown()
 
     def _schedule(self) -> Optional[ScheduledBatch]:
         reqs = self.scheduler.schedule()
@@ -119,23 +149,28 @@ class Engine:
         index = self.num_iterations
         self.num_iterations += 1
         inputs = [(*r.next_inputs(), r.slab_start) for r in reqs]
+        record = -1
         if self.record_iterations:
             n_prefill, n_decode = count_tokens(inputs)
+            record = len(self.records)
             self.records.append(IterationRecord(index, tuple(r.request_id for r in reqs), n_prefill,
                                                 n_decode, self.scheduler.n_rsrv))
-        return ScheduledBatch(index, reqs, inputs)
+        return ScheduledBatch(index, reqs, inputs, record)
 
     def _execute(self, batch: ScheduledBatch):
-        """Run the model and the sampler. Returns a SampleResult, or the exception that failed the
-        whole batch."""
-        try:
-            with torch.inference_mode():
-                fb = ForwardBatch.build(batch.inputs, self.model.device)
-                logits = self.model.forward(fb)
-                return self.sampler(logits, batch.requests)
-        except Exception as exc:  # one bad batch must not kill the loop
-            log.exception("iteration %d failed; failing its %d requests", batch.index, len(batch.requests))
-            return exc
+        """Launch the batch; returns its BatchFuture (already resolved for a LocalExecutor)."""
+        launched = time.perf_counter()
+        future = self.executor.execute(batch)
+        if batch.record >= 0:
+            rec = self.records[batch.record]
+            self.records[batch.record] = dataclasses.replace(rec, launch_time=launched)
+        return future
+
+    def _record_completion(self, batch: ScheduledBatch, future) -> None:
+        if batch.record >= 0:
+            done = future.completed_at if future.completed_at is not None else time.perf_counter()
+            rec = self.records[batch.record]
+            self.records[batch.record] = dataclasses.replace(rec, complete_time=done)
 
     def _postprocess(self, batch: ScheduledBatch, result) -> list:
         changed = []
@@ -166,6 +201,7 @@ class Engine:
         if not req.finished:
             req.mark_finished(reason, error)
             self.num_finished += 1
+            self.executor.request_finished(req)
 
     # -- per-request postprocessing --------------------------------------------------------------
     def _append_token(self, req: Request, token: int) -> None:

@@ -7,3 +7,8 @@ class InvalidRequestError(ValueError):
 
 class ServerClosedError(RuntimeError):
     """The server was shut down; no new request is accepted."""
+
+
+class EngineDeadError(ServerClosedError):
+    """A worker process of a parallel server died or raised: the server cannot run requests any
+    more (shut it down and start a new one). The message names the worker."""

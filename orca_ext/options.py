@@ -32,6 +32,11 @@ def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
                    help="orca = iteration-level scheduling, static = request-level baseline")
     g.add_argument("--enforce-eager", action="store_true",
                    help="no CUDA graphs (by default decode iterations replay them on CUDA)")
+    g.add_argument("-tp", "--tensor-parallel-size", type=int, default=1,
+                   help="split every layer over this many worker processes, one GPU each (default 1)")
+    g.add_argument("-pp", "--pipeline-parallel-size", type=int, default=1,
+                   help="split the layers into this many pipeline stages, one batch in flight per "
+                        "stage (default 1)")
 
 
 def engine_kwargs(args: argparse.Namespace) -> dict:
@@ -39,4 +44,6 @@ def engine_kwargs(args: argparse.Namespace) -> dict:
     return dict(model=args.model, device=args.device, dtype=args.dtype,
                 max_batch_size=args.max_batch_size, n_slots=args.n_slots,
                 max_model_len=args.max_model_len, scheduler=args.scheduler,
-                kv_cache_memory=args.kv_cache_memory, enforce_eager=args.enforce_eager)
+                kv_cache_memory=args.kv_cache_memory, enforce_eager=args.enforce_eager,
+                tensor_parallel_size=args.tensor_parallel_size,
+                pipeline_parallel_size=args.pipeline_parallel_size)

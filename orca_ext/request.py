@@ -43,13 +43,20 @@ class RequestOutput:
 
 @dataclass(frozen=True)
 class IterationRecord:
-    """What one engine iteration ran (kept when the server has record_iterations=True)."""
+    """What one engine iteration ran (kept when the server has record_iterations=True).
+
+    `launch_time` and `complete_time` (time.perf_counter clock) are when the batch was handed to
+    the executor and when its tokens came back; with pipeline parallelism a later batch is
+    launched before an earlier one completes. complete_time is None while the batch is in flight.
+    """
 
     index: int
     request_ids: tuple[str, ...]
     num_prefill_tokens: int
     num_decode_tokens: int
     slots_reserved: int
+    launch_time: float = 0.0
+    complete_time: Optional[float] = None
 
 
 class Request:

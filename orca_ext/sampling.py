@@ -83,6 +83,9 @@ class SamplingParams:
         return self.temperature == 0.0
 
 
+NON_FINITE_LOGITS = "non-finite logits (NaN or Inf) in the model output"
+
+
 class SampleResult:
     """Per-row outcome of one sampling call: a token id, or an error message for that row only."""
 
@@ -143,7 +146,7 @@ class Sampler:
         for i, req in enumerate(requests):
             if not packed[1][i]:
                 tokens[i] = None
-                errors[i] = "non-finite logits (NaN or Inf) in the model output"
+                errors[i] = NON_FINITE_LOGITS
             elif not req.params.greedy:
                 sampled.append(i)
         if sampled:

@@ -20,7 +20,7 @@ from .checks import check_choice, check_positive_int
 from .delivery import OutputBroker
 from .detokenizer import IncrementalDetokenizer
 from .engine import Engine
-from .errors import InvalidRequestError, ServerClosedError
+from .errors import EngineDeadError, InvalidRequestError, ServerClosedError
 from .request import IterationRecord, Request, RequestOutput
 from .resources import kv_budget, plan_kv_cache, resolve_device, resolve_dtype
 from .sampling import SamplingParams
@@ -30,6 +30,7 @@ from .validation import LockedTokenizer, Prompt, RequestValidator
 log = logging.getLogger(__name__)
 
 DEFAULT_MAX_UNDELIVERED = 4096   # finished outputs nobody has collected yet
+SHUTDOWN_WAIT_S = 30.0           # how long shutdown() lets parallel workers finish the running step
 
 
 def _load(model: Any, device, dtype, tokenizer: Any) -> tuple[Any, Any, Optional[str]]:
@@ -70,6 +71,11 @@ class Server:
     CPU and 90% of the free GPU memory after loading the weights) sizes `n_slots` when it is None,
     `max_undelivered_outputs` bounds the finished outputs kept for callers, and `enforce_eager`
     turns off the CUDA graphs that decode iterations replay on CUDA (orca_ext/models/cuda_graphs.py).
+
+    `tensor_parallel_size` x `pipeline_parallel_size` > 1 runs the model on that many worker
+    processes (orca_ext.distributed, docs/DISTRIBUTED.md; `model` must then be a folder):
+    `kv_cache_memory` is then each worker's budget, and pipeline_parallel_size batches are in
+    flight (Algorithm 1's n_workers). The workers run every iteration eagerly.
     """
 
     def __init__(self, model: Any = None, *, device: Union[str, torch.device] = "auto",
@@ -78,8 +84,11 @@ class Server:
                  scheduler: str = "orca", record_iterations: bool = False,
                  tokenizer: Any = None, kv_cache_memory: Union[int, str, None] = None,
                  max_undelivered_outputs: int = DEFAULT_MAX_UNDELIVERED,
-                 enforce_eager: bool = False):
+                 enforce_eager: bool = False,
+                 tensor_parallel_size: int = 1, pipeline_parallel_size: int = 1):
         check_positive_int("max_batch_size", max_batch_size)
+        check_positive_int("tensor_parallel_size", tensor_parallel_size)
+        check_positive_int("pipeline_parallel_size", pipeline_parallel_size)
         check_positive_int("max_undelivered_outputs", max_undelivered_outputs)
         if n_slots is not None:
             check_positive_int("n_slots", n_slots)
@@ -89,10 +98,23 @@ class Server:
         if not isinstance(enforce_eager, bool):
             raise ValueError(f"enforce_eager must be a bool, got {enforce_eager!r}")
 
-        self.model, tokenizer, self.model_path = _load(model, device, dtype, tokenizer)
-        spec = self.model.spec
-        self.device: torch.device = torch.device(self.model.device)
-        self.dtype: torch.dtype = self.model.dtype
+        self.tensor_parallel_size = tensor_parallel_size
+        self.pipeline_parallel_size = pipeline_parallel_size
+        executor = None
+        if tensor_parallel_size * pipeline_parallel_size > 1:
+            from .distributed.launch import start_parallel
+
+            started = start_parallel(model, device=device, dtype=dtype, tokenizer=tokenizer,
+                                     tensor_parallel_size=tensor_parallel_size,
+                                     pipeline_parallel_size=pipeline_parallel_size, kv_cache_memory=kv_cache_memory)
+            executor, tokenizer = started.executor, started.tokenizer
+            self.model, self.model_path = None, started.model_path  # the weights live in the workers
+            spec, self.device, self.dtype = started.spec, started.device, started.dtype
+        else:
+            self.model, tokenizer, self.model_path = _load(model, device, dtype, tokenizer)
+            spec = self.model.spec
+            self.device: torch.device = torch.device(self.model.device)
+            self.dtype: torch.dtype = self.model.dtype
         self.tokenizer = tokenizer
         self._tok = LockedTokenizer(tokenizer) if tokenizer is not None else None
         self.vocab_size: int = int(spec.vocab_size)
@@ -102,10 +124,19 @@ class Server:
             eos.add(tok_eos)
         self.eos_token_ids = frozenset(eos)
 
-        bytes_per_slot = int(self.model.kv_bytes_per_slot())
-        plan = plan_kv_cache(model_context=int(spec.max_position_embeddings), bytes_per_slot=bytes_per_slot,
-                             max_batch_size=max_batch_size, n_slots=n_slots, max_model_len=max_model_len,
-                             budget_bytes=None if n_slots is not None else kv_budget(kv_cache_memory, self.device))
+        bytes_per_slot = self._bytes_per_slot = int((executor or self.model).kv_bytes_per_slot())
+        if executor is not None:  # every worker sized its own pools: n_slots is what all of them hold
+            budget = executor.max_slots * bytes_per_slot
+        else:
+            budget = None if n_slots is not None else kv_budget(kv_cache_memory, self.device)
+        try:
+            plan = plan_kv_cache(model_context=int(spec.max_position_embeddings), bytes_per_slot=bytes_per_slot,
+                                 max_batch_size=max_batch_size, n_slots=n_slots, max_model_len=max_model_len,
+                                 budget_bytes=budget)
+        except BaseException:
+            if executor is not None:
+                executor.shutdown()
+            raise
         if n_slots is None:
             log.info("KV cache: %d slots x %d bytes = %.1f MiB", plan.n_slots, bytes_per_slot,
                      plan.n_slots * bytes_per_slot / 2**20)
@@ -119,11 +150,17 @@ class Server:
         self.record_iterations = record_iterations
         self._validator = RequestValidator(self._tok, self.vocab_size, self.max_model_len, self.n_slots)
 
-        from .models.cuda_graphs import with_decode_graphs
+        sched = make_scheduler(scheduler, max_batch_size, self.n_slots, executor.n_workers if executor else 1)
+        if executor is None:
+            from .models.cuda_graphs import with_decode_graphs
 
-        sched = make_scheduler(scheduler, max_batch_size, self.n_slots)
-        runner = with_decode_graphs(self.model, max_batch_size, enforce_eager=enforce_eager)
-        self._engine = Engine(runner, sched, record_iterations=record_iterations)
+            runner = with_decode_graphs(self.model, max_batch_size, enforce_eager=enforce_eager)
+        try:
+            self._engine = Engine(executor or runner, sched, record_iterations=record_iterations)
+        except BaseException:
+            if executor is not None:
+                executor.shutdown()
+            raise
 
         self._lock = threading.Lock()
         self._work = threading.Condition(self._lock)   # the loop sleeps here when idle
@@ -146,6 +183,7 @@ class Server:
         """Queue a request; returns its id. Invalid input raises InvalidRequestError here."""
         if self._closed:
             raise ServerClosedError("the server is shut down; no new requests are accepted")
+        self._check_engine()
         if params is None:
             params = SamplingParams()
         elif not isinstance(params, SamplingParams):
@@ -158,6 +196,7 @@ class Server:
         with self._lock:
             if self._closed:
                 raise ServerClosedError("the server is shut down; no new requests are accepted")
+            self._check_engine()
             if request_id is None:
                 request_id = self._outputs.unused_id()
             req = Request(request_id, prompt_ids, params, detok, self.eos_token_ids)
@@ -165,6 +204,12 @@ class Server:
             self._engine.add_request(req)
             self._work.notify()
         return request_id
+
+    def _check_engine(self) -> None:
+        error = self._engine.executor.error
+        if error is not None:
+            raise EngineDeadError(f"the engine cannot run requests any more: {error}; "
+                                  f"shut this server down and start a new one")
 
     # -- results ----------------------------------------------------------------------------------
     def result(self, request_id: str, timeout: Optional[float] = None) -> RequestOutput:
@@ -256,12 +301,17 @@ class Server:
                 "scheduler": self.scheduler_policy,
                 "device": str(self.device),
                 "dtype": str(self.dtype).replace("torch.", ""),
-                "kv_cache_bytes": self.n_slots * int(self.model.kv_bytes_per_slot()),
+                "kv_cache_bytes": self.n_slots * self._bytes_per_slot,  # over all workers
                 "prompt_tokens": eng.num_prompt_tokens,
                 "generated_tokens": eng.num_generated_tokens,
                 "undelivered_outputs": self._outputs.n_undelivered,
                 "closed": self._closed,
                 "busy_seconds": self._busy_seconds,
+                "tensor_parallel_size": self.tensor_parallel_size,
+                "pipeline_parallel_size": self.pipeline_parallel_size,
+                "healthy": eng.executor.error is None,  # False once a worker died or raised
+                "error": eng.executor.error,
+                "workers": eng.executor.describe_workers() if hasattr(eng.executor, "describe_workers") else [],
             }
 
     def iterations(self) -> list[IterationRecord]:
@@ -276,9 +326,15 @@ class Server:
             self._closed = True
             self._work.notify_all()
         if self._thread.is_alive() and threading.current_thread() is not self._thread:
-            self._thread.join()
+            # The loop ends after its current step. Parallel workers that stopped answering would
+            # hold that step up to their timeout: after a while they are stopped, which fails it.
+            self._thread.join(None if self.model is not None else SHUTDOWN_WAIT_S)
+            if self._thread.is_alive():
+                self._engine.shutdown()
+                self._thread.join()
         with self._lock:
             self._outputs.publish(self._engine.abort_all("abort"))
+        self._engine.shutdown()
 
     @property
     def closed(self) -> bool:

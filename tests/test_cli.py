@@ -23,10 +23,12 @@ def test_engine_arguments_round_trip():
     add_engine_arguments(parser)
     args = parser.parse_args(["--device", "cpu", "--dtype", "bfloat16", "--max-batch-size", "4",
                               "--n-slots", "512", "--max-model-len", "256", "--scheduler", "static",
-                              "--kv-cache-memory", "1GiB", "--model", "/m", "--enforce-eager"])
+                              "--kv-cache-memory", "1GiB", "--model", "/m", "--enforce-eager", "-tp", "2",
+                              "--pipeline-parallel-size", "3"])
     assert engine_kwargs(args) == dict(model="/m", device="cpu", dtype="bfloat16", max_batch_size=4,
                                        n_slots=512, max_model_len=256, scheduler="static",
-                                       kv_cache_memory="1GiB", enforce_eager=True)
+                                       kv_cache_memory="1GiB", enforce_eager=True, tensor_parallel_size=2,
+                                       pipeline_parallel_size=3)
     defaults = engine_kwargs(parser.parse_args([]))
     assert defaults["model"] is None and defaults["max_batch_size"] == 32 and defaults["scheduler"] == "orca"
     assert defaults["enforce_eager"] is False
@@ -80,3 +82,13 @@ def test_every_package_folder_ships_in_the_wheel():
     folders = {".".join(p.parent.relative_to(ROOT).parts) for p in (ROOT / "orca_ext").rglob("*.py")}
     assert "orca_ext.benchmarks" in folders
     assert folders <= shipped, sorted(folders - shipped)
+
+
+def test_parallel_flags_on_every_subcommand():
+    from orca_ext.benchmarks.throughput import build_parser as bench_parser
+
+    for args in (build_parser().parse_args(["generate", "hi", "-tp", "2", "-pp", "3"]),
+                 build_parser().parse_args(["serve", "--tensor-parallel-size", "2", "--pipeline-parallel-size", "3"]),
+                 bench_parser().parse_args(["-tp", "2", "-pp", "3"])):
+        kw = engine_kwargs(args)
+        assert (kw["tensor_parallel_size"], kw["pipeline_parallel_size"]) == (2, 3)

@@ -59,6 +59,8 @@ def create_app(server: Server, *, model_name: str, max_queue: int = 256, api_key
             return JSONResponse({"status": "unavailable", "detail": str(exc)}, status_code=503)
         if stats["closed"]:
             return JSONResponse({"status": "unavailable", "detail": "server closed"}, status_code=503)
+        if not stats.get("healthy", True):  # a worker process of a parallel server failed
+            return JSONResponse({"status": "unavailable", "detail": stats.get("error")}, status_code=503)
         return JSONResponse({"status": "ok"})
 
     @app.get("/metrics")

@@ -11,6 +11,7 @@ from __future__ import annotations
 import argparse
 import logging
 import os
+import signal
 import sys
 from typing import Any
 
@@ -55,6 +56,10 @@ def build_app(args: argparse.Namespace) -> tuple[Any, Any]:
     return server, app
 
 
+def _exit_on_sigterm(signum, frame) -> None:
+    raise SystemExit(0)
+
+
 def main(args: argparse.Namespace) -> int:
     try:
         import fastapi  # noqa: F401
@@ -69,6 +74,9 @@ def main(args: argparse.Namespace) -> int:
             logger.error("%s must be >= 1 (got %d)", name, value)
             return 2
     server, app = build_app(args)
+    # uvicorn shuts down gracefully on SIGTERM, then re-raises it; turn that into SystemExit so the
+    # `finally` below still shuts the server (and any worker processes) down.
+    signal.signal(signal.SIGTERM, _exit_on_sigterm)
     try:
         logger.info("serving '%s' on http://%s:%d/v1 (max queue %d, api key %s)",
                     app.state.service.model_name, args.host, args.port, args.max_queue,

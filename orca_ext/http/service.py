@@ -15,7 +15,7 @@ from typing import Any
 from fastapi import Request
 from pydantic import ValidationError
 
-from ..errors import InvalidRequestError, ServerClosedError
+from ..errors import EngineDeadError, InvalidRequestError, ServerClosedError
 from ..models import apply_chat_template
 from ..sampling import SamplingParams
 from ..server import Server
@@ -163,6 +163,8 @@ class Service:
             params = SamplingParams(**body.sampling_kwargs(max_tokens))
             # submit tokenizes string prompts: keep that off the event loop.
             await asyncio.to_thread(self.server.submit, prompt, params, request_id=adm.rid)
+        except EngineDeadError as exc:
+            raise APIError(503, str(exc), code="engine_dead") from exc
         except ServerClosedError as exc:
             raise APIError(503, "The server is shutting down", code="server_closed",
                            headers={"Retry-After": "5"}) from exc

@@ -4,23 +4,31 @@ One forward runs every scheduled request at once on a flat [T, hidden] tensor (T
 tokens of the iteration, no padding). Only attention needs per-request structure, and it gets
 it from the ForwardBatch index tensors in a single `ragged_attention` call per layer:
 
-    x = embed(tokens)                                         # [T, H]
+    x = embed(tokens), or the previous pipeline stage's x     # [T, H]
     plan = ragged_attention_plan(per-request ranges)          # attention work list, shared by all layers
     per layer:  qkv = rmsnorm_qkv(x)                          # fused input norm + QKV, [T, Nq*D + 2*Nkv*D]
                 (Qwen3) q, k = rms_norm per head
                 q, k = rope(q, k at each token's own position)
                 slab_write(K/V pools, k, v, slots)            # into each request's slab
                 a = ragged_attention(q, pools, per-request ranges, plan)
-                x = o_proj(a) + x                             # residual added before the rounding
+                x = all_reduce(o_proj(a) + x)                 # residual added before the rounding
                 n = rms_norm(x)
                 act = silu(gate(n)) * up(n)                   # one fused gate_up call, [T, I]
-                x = down(act) + x
-    logits = lm_head(rms_norm(x[last token of each request]))  # [B, V] float32, one fused call
+                x = all_reduce(down(act) + x)
+    not the last stage: return x                              # [T, H] for the next stage
+    logits = gather(lm_head(rms_norm(x[last token of each request])))  # [B, V] float32, one fused call
 
 Weights are plain tensors (no nn.Module): the loader fuses q/k/v into one matrix and gate/up
 into another, so each layer does four matmuls on the flat tensor. On CPU all four (and the
 lm_head) stream their weights through our kernels, whose results for a token do not depend on
 the rest of the batch (unless `_C.set_cpu_stream_max_tokens` hands large T to ATen's GEMM).
+
+Tensor/pipeline parallelism (models/sharding.py): a worker's CausalLM holds only its stage's
+layers and its rank's heads (Nq, Nkv and I above are then this rank's share), `embed` only on the
+first stage, `final_norm`/`lm_head` (its vocabulary rows) only on the last. o_proj and down are
+row-parallel: each rank's product is a partial sum, to which tensor rank 0 alone adds the
+residual (and the bias), and `all_reduce` adds them up; `gather` joins the vocabulary slices of
+the logits. In a single process both are identities and the forward is exactly the one above.
 """
 from __future__ import annotations
 
@@ -34,6 +42,20 @@ from .. import ops
 from .batch import ForwardBatch
 from .config import ModelSpec
 from .rope import RopeTables, apply_rope
+from .sharding import ShardSpec
+
+
+class SingleRank:
+    """The tensor-parallel collectives of a one-rank group: nothing to add up or gather."""
+
+    size = 1
+    rank = 0
+
+    def all_reduce(self, x: torch.Tensor) -> torch.Tensor:
+        return x
+
+    def gather(self, logits: torch.Tensor) -> torch.Tensor:
+        return logits
 
 
 @dataclasses.dataclass
@@ -53,16 +75,21 @@ class LayerWeights:
 
 
 class CausalLM:
-    def __init__(self, spec: ModelSpec, embed: torch.Tensor, layers: list[LayerWeights],
-                 final_norm: torch.Tensor, lm_head: torch.Tensor, device: torch.device,
-                 dtype: torch.dtype):
+    def __init__(self, spec: ModelSpec, embed: torch.Tensor | None, layers: list[LayerWeights],
+                 final_norm: torch.Tensor | None, lm_head: torch.Tensor | None, device: torch.device,
+                 dtype: torch.dtype, shard: ShardSpec | None = None, tp_comm=None):
         self.spec = spec
         self.device = device
         self.dtype = dtype
-        self.embed = embed                # [V, H]
-        self.layers = layers
-        self.final_norm = final_norm      # [H]
-        self.lm_head = lm_head            # [V, H] (the embedding itself when tied)
+        self.embed = embed                # [V, H]; None unless the first pipeline stage
+        self.layers = layers              # this stage's layers
+        self.final_norm = final_norm      # [H]; None unless the last pipeline stage
+        self.lm_head = lm_head            # [V/tp, H] (the embedding itself when tied); last stage only
+        self.shard = shard
+        self.tp = tp_comm if tp_comm is not None else SingleRank()
+        # This rank's share of the heads (all of them in a single process).
+        self.num_heads = shard.num_q_heads if shard else spec.num_heads
+        self.num_kv_heads = shard.num_kv_heads if shard else spec.num_kv_heads
         self.rope = RopeTables(spec.rope, spec.head_dim, spec.max_position_embeddings, device)
         self.scale = 1.0 / math.sqrt(spec.head_dim)
         self.k_cache: list[torch.Tensor] = []   # per layer [n_slots, Hkv, D]
@@ -71,13 +98,14 @@ class CausalLM:
 
     def __repr__(self) -> str:
         s = self.spec
-        return (f"CausalLM({s.architecture}, layers={s.num_layers}, hidden={s.hidden_size}, "
-                f"heads={s.num_heads}/{s.num_kv_heads}x{s.head_dim}, vocab={s.vocab_size}, "
+        return (f"CausalLM({s.architecture}, layers={len(self.layers)}, hidden={s.hidden_size}, "
+                f"heads={self.num_heads}/{self.num_kv_heads}x{s.head_dim}, vocab={s.vocab_size}, "
                 f"device={self.device}, dtype={self.dtype}, n_slots={self.n_slots})")
 
     def kv_bytes_per_slot(self) -> int:
+        """Bytes of one KV slot in this model's pools (its layers and KV heads only)."""
         s = self.spec
-        return 2 * s.num_layers * s.num_kv_heads * s.head_dim * torch.finfo(self.dtype).bits // 8
+        return 2 * len(self.layers) * self.num_kv_heads * s.head_dim * torch.finfo(self.dtype).bits // 8
 
     def allocate_kv_cache(self, n_slots: int) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
         """Allocate per-layer K and V pools [n_slots, Hkv, D] (zeroed); replaces any old cache."""
@@ -86,7 +114,7 @@ class CausalLM:
         s = self.spec
         self.k_cache, self.v_cache = [], []  # free the old pools before allocating new ones
         # One allocation for all layers; each layer's pool is a contiguous view into it.
-        pools = torch.zeros(2, s.num_layers, n_slots, s.num_kv_heads, s.head_dim,
+        pools = torch.zeros(2, len(self.layers), n_slots, self.num_kv_heads, s.head_dim,
                             dtype=self.dtype, device=self.device)
         self.k_cache = list(pools[0].unbind(0))
         self.v_cache = list(pools[1].unbind(0))
@@ -105,16 +133,21 @@ class CausalLM:
             raise ValueError(f"batch has token id {batch.max_token_id} but vocab_size={self.spec.vocab_size}")
 
     @torch.inference_mode()
-    def forward(self, batch: ForwardBatch) -> torch.Tensor:
-        """One iteration over all requests of `batch` -> [B, vocab] float32 last-token logits."""
+    def forward(self, batch: ForwardBatch, hidden: torch.Tensor | None = None) -> torch.Tensor | None:
+        """One iteration over all requests of `batch` -> [B, vocab] float32 last-token logits.
+
+        A later pipeline stage takes the previous stage's `hidden` [T, H] instead of embedding the
+        tokens; a stage other than the last returns its [T, H] output. Under tensor parallelism
+        only the gathering rank (tensor rank 0) gets the logits; the others return None.
+        """
         self._check(batch)
         s = self.spec
         t = batch.num_tokens
         eps = s.rms_norm_eps
-        nq, nkv, d = s.num_heads, s.num_kv_heads, s.head_dim
+        nq, nkv, d = self.num_heads, self.num_kv_heads, s.head_dim
         q_end, k_end = nq * d, nq * d + nkv * d
         cos, sin = self.rope.gather(batch.positions)              # [T, 1, D/2] each, once per forward
-        x = F.embedding(batch.token_ids, self.embed)              # [T, H]
+        x = F.embedding(batch.token_ids, self.embed) if hidden is None else hidden  # [T, H]
         plan = ops.ragged_attention_plan(batch.q_start, batch.q_len, batch.kv_start, batch.kv_len,
                                          t, self.n_slots, nq, nkv, d, self.dtype)
         for layer, k_pool, v_pool in zip(self.layers, self.k_cache, self.v_cache):
@@ -130,11 +163,22 @@ class CausalLM:
             ops.slab_write(k_pool, v_pool, k, v, batch.slots)
             attn = ops.ragged_attention(q, k_pool, v_pool, batch.q_start, batch.q_len,
                                         batch.kv_start, batch.kv_len, self.scale, plan)  # [T, Nq, D]
-            x = ops.linear(attn.reshape(t, q_end), layer.o_weight, layer.o_bias, residual=x)
+            x = self._row_parallel(attn.reshape(t, q_end), layer.o_weight, layer.o_bias, x)
             n = ops.rms_norm(x, layer.post_norm, eps)
             act = ops.linear_silu_mul(n, layer.gate_up_weight, layer.gate_up_bias)  # [T, I]
-            x = ops.linear(act, layer.down_weight, layer.down_bias, residual=x)
+            x = self._row_parallel(act, layer.down_weight, layer.down_bias, x)
+        if self.lm_head is None:  # not the last pipeline stage
+            return x
         # Final norm + lm_head is the same fused "norm then project" op as rmsnorm_qkv.
-        return ops.rmsnorm_qkv(x[batch.logits_index], self.final_norm, self.lm_head, None, eps).float()  # [B, V]
+        logits = ops.rmsnorm_qkv(x[batch.logits_index], self.final_norm, self.lm_head, None, eps)  # [B, V/tp]
+        return self.tp.gather(logits.float())                                                    # [B, V]
+
+    def _row_parallel(self, a: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
+                      residual: torch.Tensor) -> torch.Tensor:
+        """a W^T + bias + residual [T, H]. Under tensor parallelism `weight` holds this rank's
+        input columns: the partial products are added up by one all-reduce, and only tensor
+        rank 0 adds the residual (the loader gives the bias to rank 0 alone too)."""
+        own = residual if self.tp.rank == 0 else None
+        return self.tp.all_reduce(ops.linear(a, weight, bias, residual=own))
 
     __call__ = forward

@@ -5,6 +5,10 @@ A folder holds `config.json`, one or more `*.safetensors` (optionally listed by
 `safetensors.safe_open`, fused per layer on the CPU (q/k/v into one matrix for `rmsnorm_qkv`,
 gate/up into another), converted to the requested dtype and moved to the device one layer at a
 time, so the host never holds more than one layer's extra copy.
+
+With a `ShardSpec` (tensor/pipeline parallelism, see sharding.py) only the worker's layers are
+read, and of each sharded matrix only its rows or columns (safetensors slices, so a worker never
+reads a whole tensor it only needs a part of).
 """
 from __future__ import annotations
 
@@ -19,6 +23,7 @@ import torch
 from ..resources import resolve_dtype
 from .causal_lm import CausalLM, LayerWeights
 from .config import ModelSpec
+from .sharding import ShardSpec
 
 log = logging.getLogger(__name__)
 
@@ -71,69 +76,107 @@ class SafetensorsFolder:
     def __contains__(self, name: str) -> bool:
         return name in self._where
 
-    def get(self, name: str, shape: Sequence[int]) -> torch.Tensor:
-        """The tensor `name` (CPU, stored dtype); ValueError if it is missing or has another shape."""
+    def get(self, name: str, shape: Sequence[int], rows: slice | None = None,
+            cols: slice | None = None) -> torch.Tensor:
+        """The tensor `name` (CPU, stored dtype), or only its `rows` / `cols` slice; ValueError if
+        it is missing or its full shape is not `shape`."""
         handle = self._where.get(name)
         if handle is None:
             raise ValueError(f"{self.path}: tensor {name!r} is missing from {', '.join(self.files)}")
-        tensor = handle.get_tensor(name)
-        if tuple(tensor.shape) != tuple(shape):
-            raise ValueError(f"{self.path}: tensor {name!r} has shape {tuple(tensor.shape)}, "
+        part = handle.get_slice(name)
+        stored = tuple(part.get_shape())
+        if stored != tuple(shape):
+            raise ValueError(f"{self.path}: tensor {name!r} has shape {stored}, "
                              f"expected {tuple(shape)} from config.json")
-        return tensor
+        if rows is None and cols is None:
+            return handle.get_tensor(name)
+        if cols is None:
+            return part[rows]
+        return part[rows if rows is not None else slice(None), cols]
 
 
 def load_model(path: str | Path, device: torch.device | str = "cpu",
-               dtype: torch.dtype | str | None = torch.float32) -> CausalLM:
-    """Load a Llama/Mistral/Qwen2/Qwen3 folder -> CausalLM on `device` in `dtype`."""
+               dtype: torch.dtype | str | None = torch.float32, *, spec: ModelSpec | None = None,
+               shard: ShardSpec | None = None, tp_comm=None) -> CausalLM:
+    """Load a Llama/Mistral/Qwen2/Qwen3 folder -> CausalLM on `device` in `dtype`.
+
+    `spec` skips parsing config.json (workers get it from the driver); `shard` loads only one
+    worker's slice, and `tp_comm` is that worker's tensor-parallel group (all-reduce, gather).
+    """
     t0 = time.perf_counter()
     path = Path(path)
     device = torch.device(device)
     if device.type == "cuda" and device.index is None:
         device = torch.device("cuda", torch.cuda.current_device())
     dtype = resolve_dtype(dtype, device)
-    spec = ModelSpec.from_pretrained(path)
+    spec = spec if spec is not None else ModelSpec.from_pretrained(path)
     st = SafetensorsFolder(path)
     hid, inter, vocab = spec.hidden_size, spec.intermediate_size, spec.vocab_size
     qs, kvs, d = spec.q_size, spec.kv_size, spec.head_dim
+    if shard is None:  # the whole model: one stage, one rank
+        layer_ids = range(spec.num_layers)
+        q_rows = kv_rows = i_rows = vocab_rows = None  # whole tensors
+        first = last = row_bias = True
+    else:
+        layer_ids = range(shard.layer_start, shard.layer_end)
+        q_rows = slice(shard.q_head_start * d, (shard.q_head_start + shard.num_q_heads) * d)
+        kv_rows = slice(shard.kv_head_start * d, (shard.kv_head_start + shard.num_kv_heads) * d)
+        i_rows = slice(shard.inter_start, shard.inter_start + shard.inter_size)
+        vocab_rows = slice(shard.vocab_start, shard.vocab_end)
+        first, last, row_bias = shard.first_stage, shard.last_stage, shard.keeps_row_parallel_bias
 
     def put(t: torch.Tensor) -> torch.Tensor:
         return t.to(device=device, dtype=dtype).contiguous()
 
-    def fetch(name: str, shape: Sequence[int]) -> torch.Tensor:
-        return put(st.get(name, shape))
+    def fetch(name: str, shape: Sequence[int], rows: slice | None = None,
+              cols: slice | None = None) -> torch.Tensor:
+        return put(st.get(name, shape, rows, cols))
 
-    def fuse(names: Sequence[str], shapes: Sequence[Sequence[int]]) -> torch.Tensor:
-        return put(torch.cat([st.get(n, s) for n, s in zip(names, shapes)], dim=0))
+    def fuse(parts: Sequence[tuple[str, Sequence[int], slice]]) -> torch.Tensor:
+        """Row slices of several tensors stacked into one: [(name, full shape, rows), ...]."""
+        return put(torch.cat([st.get(n, s, rows) for n, s, rows in parts], dim=0))
 
-    embed = fetch("model.embed_tokens.weight", (vocab, hid))
+    embed = fetch("model.embed_tokens.weight", (vocab, hid)) if first else None
     layers = []
-    for i in range(spec.num_layers):
+    for i in layer_ids:
         p = f"model.layers.{i}."
         a, m = p + "self_attn.", p + "mlp."
-        qkv_names = [a + "q_proj.", a + "k_proj.", a + "v_proj."]
-        qkv_rows = [qs, kvs, kvs]
+        qkv = [(a + "q_proj.", qs, q_rows), (a + "k_proj.", kvs, kv_rows), (a + "v_proj.", kvs, kv_rows)]
         layers.append(LayerWeights(
             input_norm=fetch(p + "input_layernorm.weight", (hid,)),
-            qkv_weight=fuse([n + "weight" for n in qkv_names], [(r, hid) for r in qkv_rows]),
-            qkv_bias=fuse([n + "bias" for n in qkv_names], [(r,) for r in qkv_rows]) if spec.qkv_bias else None,
+            # column-parallel: this rank's q heads, then its KV heads' k and v rows
+            qkv_weight=fuse([(n + "weight", (r, hid), rows) for n, r, rows in qkv]),
+            qkv_bias=fuse([(n + "bias", (r,), rows) for n, r, rows in qkv]) if spec.qkv_bias else None,
             q_norm=fetch(a + "q_norm.weight", (d,)) if spec.qk_norm else None,
             k_norm=fetch(a + "k_norm.weight", (d,)) if spec.qk_norm else None,
-            o_weight=fetch(a + "o_proj.weight", (hid, qs)),
-            o_bias=fetch(a + "o_proj.bias", (hid,)) if spec.o_bias else None,
+            # row-parallel: the input columns of this rank's heads; the bias is added once
+            o_weight=fetch(a + "o_proj.weight", (hid, qs), cols=q_rows),
+            o_bias=fetch(a + "o_proj.bias", (hid,)) if spec.o_bias and row_bias else None,
             post_norm=fetch(p + "post_attention_layernorm.weight", (hid,)),
-            gate_up_weight=fuse([m + "gate_proj.weight", m + "up_proj.weight"], [(inter, hid)] * 2),
-            gate_up_bias=(fuse([m + "gate_proj.bias", m + "up_proj.bias"], [(inter,)] * 2)
+            gate_up_weight=fuse([(m + "gate_proj.weight", (inter, hid), i_rows),
+                                 (m + "up_proj.weight", (inter, hid), i_rows)]),
+            gate_up_bias=(fuse([(m + "gate_proj.bias", (inter,), i_rows), (m + "up_proj.bias", (inter,), i_rows)])
                           if spec.mlp_bias else None),
-            down_weight=fetch(m + "down_proj.weight", (hid, inter)),
-            down_bias=fetch(m + "down_proj.bias", (hid,)) if spec.mlp_bias else None,
+            down_weight=fetch(m + "down_proj.weight", (hid, inter), cols=i_rows),
+            down_bias=fetch(m + "down_proj.bias", (hid,)) if spec.mlp_bias and row_bias else None,
         ))
-    final_norm = fetch("model.norm.weight", (hid,))
-    # Tied models share the embedding (transformers ties even when lm_head.weight is stored).
-    lm_head = embed if spec.tie_word_embeddings else fetch("lm_head.weight", (vocab, hid))
-    model = CausalLM(spec, embed, layers, final_norm, lm_head, device, dtype)
-    log.info("loaded %s from %s in %.1fs: %d layers, hidden %d, heads %d/%d x %d, vocab %d, %s on %s",
-             spec.architecture, path, time.perf_counter() - t0, spec.num_layers, hid,
+    final_norm = lm_head = None
+    if last:
+        final_norm = fetch("model.norm.weight", (hid,))
+        # Tied models share the embedding (transformers ties even when lm_head.weight is stored);
+        # a vocab shard of it is a row view, unless the embedding lives on another stage.
+        if spec.tie_word_embeddings:
+            if embed is None:
+                lm_head = fetch("model.embed_tokens.weight", (vocab, hid), vocab_rows)
+            else:
+                lm_head = embed if vocab_rows is None else embed[vocab_rows]
+        else:
+            lm_head = fetch("lm_head.weight", (vocab, hid), vocab_rows)
+    model = CausalLM(spec, embed, layers, final_norm, lm_head, device, dtype, shard=shard, tp_comm=tp_comm)
+    where = "" if shard is None else (f" (stage {shard.stage} layers {shard.layer_start}-{shard.layer_end - 1}, "
+                                      f"tensor rank {shard.tp_rank}/{shard.tp_size})")
+    log.info("loaded %s from %s in %.1fs%s: %d layers, hidden %d, heads %d/%d x %d, vocab %d, %s on %s",
+             spec.architecture, path, time.perf_counter() - t0, where, spec.num_layers, hid,
              spec.num_heads, spec.num_kv_heads, d, vocab, dtype, device)
     return model
 

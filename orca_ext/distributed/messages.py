@@ -1,0 +1,156 @@
+"""The control-plane messages between the driver and the workers, as torch tensors.
+
+Everything goes through torch.distributed point-to-point send/recv on the gloo control group
+(driver = rank 0, worker w = rank w + 1). A message is a fixed-size int64 header followed by
+payload tensors whose sizes the header gives, all on one tag per direction, so messages between
+one pair arrive in order.
+
+Driver -> every worker (TAG_DOWN), one per iteration:
+    header  [OP_FORWARD, batch index, T, B, n_free, want_logits, 0, 0]
+    payload int64 [T + 9*B + n_free]:
+        token ids [T] | q_len [B] | start_pos [B] | slab_start [B]             (the ForwardBatch inputs)
+        seq_id [B] | seed [B] | has_seed [B] | top_k [B] | temperature [B] | top_p [B]   (sampling;
+            floats travel as the bits of a float64, seeds as the two's complement of seed mod 2^64)
+        free seq ids [n_free]   (finished requests: the sampler may drop their generators)
+    header [OP_STATS, reset, ...] / [OP_STOP, ...] carry no payload.
+
+Worker -> driver (TAG_UP):
+    [KIND_RESULT, batch index, B, has_logits]  + tokens int64 [B] (-1: non-finite logits)
+                                               (+ logits float32 [B, V] when asked for)
+        sent by the sampling worker (last stage, tensor rank 0) only
+    [KIND_ERROR, batch index or -1, n_bytes, is_communication_error] + utf-8 text uint8 [n_bytes]
+    [KIND_STATS, n]                            + float64 [n] (WorkerTimes.FIELDS)
+    [KIND_BYE]                                 the worker stops after an OP_STOP
+"""
+from __future__ import annotations
+
+import dataclasses
+from typing import Optional, Sequence
+
+import torch
+
+TAG_DOWN = 1
+TAG_UP = 2
+HEADER_LEN = 8
+
+OP_FORWARD = 1
+OP_STATS = 2
+OP_STOP = 3
+
+KIND_RESULT = 1
+KIND_ERROR = 2
+KIND_STATS = 3
+KIND_BYE = 4
+
+_U64 = 1 << 64
+
+
+def header(*values: int) -> torch.Tensor:
+    h = torch.zeros(HEADER_LEN, dtype=torch.int64)
+    h[:len(values)] = torch.tensor(values, dtype=torch.int64)
+    return h
+
+
+@dataclasses.dataclass(frozen=True)
+class SamplingRow:
+    """What the sampling worker needs of one request's SamplingParams."""
+
+    seq_id: int
+    seed: Optional[int]
+    temperature: float
+    top_k: int
+    top_p: float
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0.0
+
+
+@dataclasses.dataclass(frozen=True)
+class ForwardMessage:
+    index: int
+    inputs: list            # [(new_token_ids, start_pos, slab_start)] as ForwardBatch.build takes them
+    rows: list              # [SamplingRow] in batch order
+    free: list              # seq ids whose sampling state can be dropped
+    want_logits: bool
+
+
+def pack_forward(index: int, inputs: Sequence[tuple], rows: Sequence[SamplingRow],
+                 free: Sequence[int], want_logits: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+    tokens: list[int] = []
+    for ids, _, _ in inputs:
+        tokens.extend(ids)
+    b = len(inputs)
+    ints = [len(ids) for ids, _, _ in inputs] + [p for _, p, _ in inputs] + [s for _, _, s in inputs]
+    seeds = []
+    for r in rows:
+        u = 0 if r.seed is None else r.seed % _U64
+        seeds.append(u - _U64 if u >= 1 << 63 else u)
+    ints += [r.seq_id for r in rows] + seeds + [int(r.seed is not None) for r in rows] + [r.top_k for r in rows]
+    floats = torch.tensor([r.temperature for r in rows] + [r.top_p for r in rows], dtype=torch.float64)
+    payload = torch.cat([torch.tensor(tokens + ints, dtype=torch.int64), floats.view(torch.int64),
+                         torch.tensor(list(free), dtype=torch.int64)])
+    return header(OP_FORWARD, index, len(tokens), b, len(free), int(want_logits)), payload
+
+
+def payload_len(h: torch.Tensor) -> int:
+    t, b, n_free = int(h[2]), int(h[3]), int(h[4])
+    return t + 9 * b + n_free
+
+
+def unpack_forward(h: torch.Tensor, payload: torch.Tensor) -> ForwardMessage:
+    t, b, n_free = int(h[2]), int(h[3]), int(h[4])
+    tokens = payload[:t].tolist()
+    ints = payload[t:t + 7 * b].tolist()
+    floats = payload[t + 7 * b:t + 9 * b].view(torch.float64).tolist()
+    free = payload[t + 9 * b:t + 9 * b + n_free].tolist()
+    q_len, start, slab = ints[:b], ints[b:2 * b], ints[2 * b:3 * b]
+    seq, seed, has_seed, top_k = ints[3 * b:4 * b], ints[4 * b:5 * b], ints[5 * b:6 * b], ints[6 * b:7 * b]
+    inputs, rows, pos = [], [], 0
+    for i in range(b):
+        inputs.append((tokens[pos:pos + q_len[i]], start[i], slab[i]))
+        pos += q_len[i]
+        rows.append(SamplingRow(seq[i], seed[i] % _U64 if has_seed[i] else None, floats[i], top_k[i],
+                                floats[b + i]))
+    return ForwardMessage(int(h[1]), inputs, rows, free, bool(h[5]))
+
+
+@dataclasses.dataclass
+class WorkerTimes:
+    """Seconds one worker spent in each part of its loop (since start or the last reset)."""
+
+    FIELDS = ("wall", "compute", "control_wait", "control_recv", "data_recv", "data_send",
+              "all_reduce", "gather", "sample", "iterations")
+
+    wall: float = 0.0          # seconds covered by these counters
+    compute: float = 0.0       # forward pass minus its collectives, plus building the batch
+    control_wait: float = 0.0  # idle, waiting for the driver's next header
+    control_recv: float = 0.0  # receiving and unpacking the payload after its header
+    data_recv: float = 0.0     # waiting for and receiving the previous stage's activations
+    data_send: float = 0.0     # handing activations to the next stage (asynchronous send)
+    all_reduce: float = 0.0    # tensor-parallel all-reduces (includes waiting for the slowest rank)
+    gather: float = 0.0        # vocab-parallel gather of the logits
+    sample: float = 0.0        # sampling and returning the tokens (sampling worker only)
+    iterations: float = 0.0
+
+    def to_tensor(self) -> torch.Tensor:
+        return torch.tensor([getattr(self, f) for f in self.FIELDS], dtype=torch.float64)
+
+    @classmethod
+    def from_tensor(cls, t: torch.Tensor) -> "WorkerTimes":
+        return cls(**dict(zip(cls.FIELDS, t.tolist())))
+
+
+def spec_to_dict(spec) -> dict:
+    """ModelSpec -> JSON-able dict (the driver parses config.json once; workers need no
+    transformers import)."""
+    return dataclasses.asdict(spec)
+
+
+def spec_from_dict(d: dict):
+    from ..models.config import ModelSpec, RopeConfig
+
+    d = dict(d)
+    d["rope"] = RopeConfig(**d["rope"])
+    d["eos_token_ids"] = tuple(d["eos_token_ids"])
+    return ModelSpec(**d)

@@ -1,0 +1,295 @@
+"""A worker process: the weights and KV pools of one pipeline stage's share for one tensor rank.
+
+Start-up (every worker, whether torch.multiprocessing or torchrun started it):
+    config    <- the store (JSON the driver wrote: model path, ModelSpec, dtype, tp, pp, ...)
+    control group (gloo, with the driver), data group (gloo on CPU, NCCL on CUDA; workers only),
+    one tensor-parallel subgroup per stage
+    load this worker's shard, report its KV capacity -> store; n_slots <- store; allocate pools
+
+Loop, one control message at a time, in the order the driver sent them:
+    header <- driver; payload <- driver          (ForwardBatch inputs + sampling rows)
+    x = previous stage's activations (recv), unless the first stage
+    x = model.forward(batch, x)                  (tensor-parallel all-reduces inside)
+    not last stage: isend x to the next stage    (never waits for the next stage to take it)
+    last stage, tensor rank 0: sample, send the token ids to the driver
+
+A stage starts its next batch as soon as it has handed its activations on, so with n_workers =
+pp batches in flight every stage is busy with a different batch. Any exception is reported to
+the driver (with the batch it happened in) and the worker exits: its peers' collectives would
+otherwise never complete, so the driver treats every failure as fatal for the whole group.
+"""
+from __future__ import annotations
+
+import datetime
+import json
+import logging
+import os
+import signal
+import sys
+import threading
+import traceback
+from dataclasses import dataclass
+from typing import Optional
+
+import torch
+import torch.distributed as dist
+
+from ..models.batch import ForwardBatch
+from ..models.loader import load_model
+from ..models.sharding import make_shard
+from ..sampling import Sampler
+from .groups import (NAMESPACE, SendQueue, StageClock, TensorParallelComm, TorchrunEnv, control_group,
+                     is_communication_error, loopback_interface, torchrun_store)
+from .messages import (HEADER_LEN, KIND_BYE, KIND_ERROR, KIND_RESULT, KIND_STATS, OP_FORWARD, OP_STATS,
+                       OP_STOP, TAG_DOWN, TAG_UP, header, payload_len, spec_from_dict, unpack_forward)
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class WorkerLaunch:
+    """How one worker finds the others."""
+
+    worker_rank: int                  # 0-based; control-group rank worker_rank + 1
+    num_workers: int
+    device_index: int                 # cuda:device_index when the config says cuda
+    store_host: Optional[str] = None  # torch.multiprocessing launch: the driver's TCPStore
+    store_port: Optional[int] = None  # (None: a torchrun launch, the store comes from its env)
+    parent: object = None             # read end of a pipe whose write end only the driver holds
+
+
+def spawn_main(launch: WorkerLaunch) -> None:
+    """Entry point of a worker started by the driver with torch.multiprocessing (spawn)."""
+    _exit(_main(launch))
+
+
+def torchrun_main() -> None:
+    """Entry point of a torchrun process other than rank 0 (which is the driver)."""
+    env = TorchrunEnv()
+    # The driver's node runs the driver as local rank 0, so its workers' GPUs start at 0 too.
+    device_index = env.local_rank - 1 if env.node_rank == 0 else env.local_rank
+    _exit(_main(WorkerLaunch(env.rank - 1, env.world_size - 1, device_index)))
+
+
+def _exit(code: int) -> None:
+    # os._exit: no interpreter teardown, which could block on process-group destructors whose
+    # peers are gone.
+    logging.shutdown()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)
+
+
+def _watch_parent(conn) -> None:
+    """Exit as soon as the driver process is gone, however it ended (even SIGKILL): its end of
+    the pipe closes, so recv() sees EOF."""
+    try:
+        conn.recv()
+    except (EOFError, OSError):
+        pass
+    _exit(1)
+
+
+def _main(launch: WorkerLaunch) -> int:
+    # Ctrl-C in a terminal reaches the whole process group; the driver decides how workers stop.
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    if launch.parent is not None:
+        threading.Thread(target=_watch_parent, args=(launch.parent,), name="parent-watch", daemon=True).start()
+    if launch.store_host is not None:
+        store = dist.TCPStore(launch.store_host, launch.store_port, is_master=False,
+                              timeout=datetime.timedelta(seconds=600))
+    else:
+        store = torchrun_store(datetime.timedelta(seconds=600))
+    cfg = json.loads(store.get(NAMESPACE + "config"))
+    logging.basicConfig(level=cfg.get("log_level", "WARNING"),
+                        format=f"%(asctime)s %(levelname)s worker{launch.worker_rank} %(name)s: %(message)s")
+    worker = Worker(cfg, launch, store)
+    try:
+        worker.start()
+    except BaseException as exc:
+        log.exception("worker %d failed to start", launch.worker_rank)
+        store.set(NAMESPACE + f"error/{launch.worker_rank}", f"{type(exc).__name__}: {exc}")
+        return 1
+    try:
+        worker.loop()
+    except BaseException as exc:
+        log.exception("worker %d failed in iteration %s", launch.worker_rank, worker.batch_index)
+        worker.report_error(exc)
+        return 1
+    worker.close()
+    return 0
+
+
+class _Row:
+    """A batch row as the Sampler sees a request: its params and its generator."""
+
+    __slots__ = ("params", "generator")
+
+    def __init__(self, params, generator):
+        self.params = params
+        self.generator = generator
+
+
+class Worker:
+    def __init__(self, cfg: dict, launch: WorkerLaunch, store):
+        self.cfg = cfg
+        self.store = store
+        self.rank = launch.worker_rank
+        self.num_workers = launch.num_workers
+        self.tp, self.pp = int(cfg["tp"]), int(cfg["pp"])
+        if self.tp * self.pp != self.num_workers:
+            raise ValueError(f"{self.num_workers} workers were started for tp={self.tp} x pp={self.pp}")
+        self.stage, self.tp_rank = divmod(self.rank, self.tp)
+        self.device = (torch.device("cuda", launch.device_index) if cfg["device"] == "cuda"
+                       else torch.device("cpu"))
+        self.first = self.stage == 0
+        self.last = self.stage == self.pp - 1
+        self.samples = self.last and self.tp_rank == 0
+        self.prev = self.rank - self.tp   # the same tensor rank one stage earlier / later
+        self.next = self.rank + self.tp
+        self.clock = StageClock(self.device, bool(cfg.get("sync_timing", False)))
+        self.sampler = Sampler()
+        self.generators: dict[int, torch.Generator] = {}   # seq id -> seeded request's generator
+        self.batch_index: Optional[int] = None
+        self.ctl = None
+        self.model = None
+
+    # -- start-up --------------------------------------------------------------------------
+    def start(self) -> None:
+        cfg = self.cfg
+        if cfg.get("threads"):
+            torch.set_num_threads(int(cfg["threads"]))
+        if self.device.type == "cuda":
+            torch.cuda.set_device(self.device)
+        self.ctl = control_group(self.store, self.rank + 1, self.num_workers + 1, bool(cfg["loopback"]))
+        if cfg["loopback"] and self.device.type == "cpu" and "GLOO_SOCKET_IFNAME" not in os.environ:
+            lo = loopback_interface()
+            if lo:
+                os.environ["GLOO_SOCKET_IFNAME"] = lo
+        backend = "nccl" if self.device.type == "cuda" else "gloo"
+        timeout = datetime.timedelta(seconds=float(cfg["data_timeout_s"]))
+        kwargs = {"device_id": self.device} if backend == "nccl" else {}
+        dist.init_process_group(backend, store=dist.PrefixStore(NAMESPACE + "data/", self.store),
+                                rank=self.rank, world_size=self.num_workers, timeout=timeout, **kwargs)
+        tp_comm = None
+        spec = spec_from_dict(cfg["spec"])
+        shard = make_shard(spec, self.tp, self.pp, self.tp_rank, self.stage)
+        if self.tp > 1:
+            for stage in range(self.pp):  # every worker creates every subgroup, in one order
+                ranks = [stage * self.tp + r for r in range(self.tp)]
+                group = dist.new_group(ranks)
+                if stage == self.stage:
+                    tp_comm = TensorParallelComm(group, ranks, self.tp_rank, spec.vocab_size,
+                                                 shard.vocab_padded, self.clock)
+        self.sends = SendQueue(f"worker{self.rank}-sends", threaded=backend == "gloo")
+        self.up = SendQueue(f"worker{self.rank}-up")
+        self.model = load_model(cfg["model_path"], self.device, cfg["dtype"], spec=spec, shard=shard,
+                                tp_comm=tp_comm)
+        per_slot = self.model.kv_bytes_per_slot()
+        budget = int(cfg["kv_cache_memory"]) if cfg.get("kv_cache_memory") else self._default_kv_budget()
+        self.store.set(NAMESPACE + f"ready/{self.rank}", json.dumps({
+            "pid": os.getpid(), "host": os.uname().nodename, "device": str(self.device),
+            "bytes_per_slot": per_slot, "budget": budget, "max_slots": budget // per_slot}))
+        n_slots = int(self.store.get(NAMESPACE + "n_slots"))
+        self.model.allocate_kv_cache(n_slots)
+        self.store.set(NAMESPACE + f"allocated/{self.rank}", "1")
+        self.clock.reset()
+
+    def _default_kv_budget(self) -> int:
+        from ..resources import default_kv_memory
+
+        budget = default_kv_memory(self.device)
+        if self.device.type == "cpu":  # workers on one host share its RAM
+            if TorchrunEnv.present():
+                env = TorchrunEnv()
+                per_host = int(os.environ.get("LOCAL_WORLD_SIZE", "1")) - (1 if env.node_rank == 0 else 0)
+            else:
+                per_host = int(self.cfg.get("workers_per_host", 1))
+            budget //= max(1, per_host)
+        return budget
+
+    # -- the loop ----------------------------------------------------------------------------
+    def loop(self) -> None:
+        hdr = torch.empty(HEADER_LEN, dtype=torch.int64)
+        while True:
+            with self.clock.measure("control_wait"):
+                self.ctl.recv([hdr], 0, TAG_DOWN).wait()
+            op = int(hdr[0])
+            if op == OP_STOP:
+                return
+            if op == OP_STATS:
+                self._send_stats(reset=bool(hdr[1]))
+                continue
+            if op != OP_FORWARD:
+                raise RuntimeError(f"unknown control op {op}")
+            with self.clock.measure("control_recv"):
+                payload = torch.empty(payload_len(hdr), dtype=torch.int64)
+                self.ctl.recv([payload], 0, TAG_DOWN).wait()
+                msg = unpack_forward(hdr, payload)
+            self._forward(msg)
+
+    def _forward(self, msg) -> None:
+        self.batch_index = msg.index
+        for seq in msg.free:
+            self.generators.pop(seq, None)
+        with torch.inference_mode():
+            with self.clock.compute():
+                fb = ForwardBatch.build(msg.inputs, self.device)
+            hidden = None
+            if not self.first:
+                with self.clock.measure("data_recv"):
+                    hidden = torch.empty(fb.num_tokens, self.model.spec.hidden_size, dtype=self.model.dtype,
+                                         device=self.device)
+                    dist.recv(hidden, src=self.prev)
+            with self.clock.compute():
+                out = self.model.forward(fb, hidden)
+            self.clock.times.iterations += 1
+            if not self.last:
+                with self.clock.measure("data_send"):
+                    self.sends.put(dist.isend(out, dst=self.next), out)
+            elif self.samples:
+                with self.clock.measure("sample"):
+                    self._sample(msg, out)
+        self.batch_index = None
+
+    def _sample(self, msg, logits: torch.Tensor) -> None:
+        rows = [_Row(r, self.generators.get(r.seq_id)) for r in msg.rows]
+        result = self.sampler(logits, rows)
+        for row in rows:
+            if row.generator is not None:
+                self.generators[row.params.seq_id] = row.generator
+        tokens = torch.tensor([-1 if e is not None else t for t, e in zip(result.tokens, result.errors)],
+                              dtype=torch.int64)
+        self._send_up(header(KIND_RESULT, msg.index, len(rows), int(msg.want_logits)), tokens)
+        if msg.want_logits:
+            self._send_up(logits.float().cpu().contiguous())
+
+    def _send_stats(self, reset: bool) -> None:
+        values = self.clock.snapshot().to_tensor()
+        self._send_up(header(KIND_STATS, values.numel()), values)
+        if reset:
+            self.clock.reset()
+
+    def _send_up(self, *tensors: torch.Tensor) -> None:
+        for t in tensors:
+            self.up.put(self.ctl.send([t], 0, TAG_UP), t)
+
+    # -- the end -------------------------------------------------------------------------------
+    def report_error(self, exc: BaseException) -> None:
+        """Tell the driver what failed (best effort: the driver may be gone too)."""
+        text = f"{type(exc).__name__}: {exc}"
+        if self.ctl is None:
+            return
+        try:
+            data = torch.tensor(list(text.encode("utf-8", "replace")[:4000]), dtype=torch.uint8)
+            index = -1 if self.batch_index is None else self.batch_index
+            self._send_up(header(KIND_ERROR, index, data.numel(), int(is_communication_error(exc))), data)
+            self.up.close(5.0)
+        except Exception:
+            log.debug("could not report the error to the driver:\n%s", traceback.format_exc())
+
+    def close(self) -> None:
+        self.sends.close(30.0)
+        self._send_up(header(KIND_BYE))
+        self.up.close(30.0)
+        dist.destroy_process_group()
