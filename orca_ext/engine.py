@@ -16,10 +16,9 @@ from typing import Callable, Optional
 
 import torch
 
-from .detokenizer import find_stop, partial_stop_len
 from .models.batch import ForwardBatch, count_tokens
 from .request import IterationRecord, Request
-from .sampling import Sampler
+from .sampling import SampleResult, Sampler
 
 log = logging.getLogger(__name__)
 
@@ -126,16 +125,47 @@ class Engine:
         return ScheduledBatch(index, reqs, inputs)
 
     def _execute(self, batch: ScheduledBatch):
-        """Run the model and the sampler. Returns a SampleResult, or the exception that failed the
-        whole batch."""
+        """Run the model and the sampler. Returns a SampleResult (a token or an error per row), or
+        the exception that failed the whole batch. A row whose inputs the model cannot take is
+        left out of the forward and fails alone: the model checks its inputs per batch, so one
+        such row would otherwise fail every request in the iteration."""
+        errors = [self._input_error(inp) for inp in batch.inputs]
+        rows = [i for i, err in enumerate(errors) if err is None]
+        tokens: list = [None] * len(errors)
+        if not rows:
+            return SampleResult(tokens, errors)
+        inputs, requests = batch.inputs, batch.requests
+        if len(rows) < len(errors):
+            log.warning("iteration %d: %d request(s) failed their input check: %s", batch.index,
+                        len(errors) - len(rows), "; ".join(e for e in errors if e is not None))
+            inputs, requests = [inputs[i] for i in rows], [requests[i] for i in rows]
         try:
             with torch.inference_mode():
-                fb = ForwardBatch.build(batch.inputs, self.model.device)
+                fb = ForwardBatch.build(inputs, self.model.device)
                 logits = self.model.forward(fb)
-                return self.sampler(logits, batch.requests)
+                result = self.sampler(logits, requests)
         except Exception as exc:  # one bad batch must not kill the loop
-            log.exception("iteration %d failed; failing its %d requests", batch.index, len(batch.requests))
-            return exc
+            log.exception("iteration %d failed; failing its %d requests", batch.index, len(requests))
+            if len(rows) == len(errors):
+                return exc
+            result = SampleResult([None] * len(rows), [_forward_failed(exc)] * len(rows))
+        for j, i in enumerate(rows):
+            tokens[i], errors[i] = result.tokens[j], result.errors[j]
+        return SampleResult(tokens, errors)
+
+    def _input_error(self, inputs) -> Optional[str]:
+        """Why the model cannot take one request's `(new_token_ids, start_pos, slab_start)`, or None.
+        The same bounds the model checks for the whole batch, per row and on host ints."""
+        new_ids, start_pos, slab_start = inputs
+        vocab = self.model.spec.vocab_size
+        if min(new_ids) < 0 or max(new_ids) >= vocab:
+            return f"input token id outside the vocabulary [0, {vocab}): {[t for t in new_ids if not 0 <= t < vocab][:4]}"
+        last = start_pos + len(new_ids) - 1
+        if last >= self.model.spec.max_position_embeddings:
+            return f"position {last} is past the model's max_position_embeddings"
+        if slab_start < 0 or slab_start + last >= self.scheduler.n_slots:
+            return f"KV slot {slab_start + last} is outside the cache of {self.scheduler.n_slots} slots"
+        return None
 
     def _postprocess(self, batch: ScheduledBatch, result) -> list:
         changed = []
@@ -143,7 +173,7 @@ class Engine:
             if req.finished:  # aborted while running: its token is dropped, complete() frees the slab
                 continue
             if isinstance(result, BaseException):
-                self._end(req, "error", f"model forward failed: {type(result).__name__}: {result}")
+                self._end(req, "error", _forward_failed(result))
             else:
                 req.num_cached += len(batch.inputs[i][0])
                 if req.num_cached == len(req.prompt_token_ids):
@@ -155,7 +185,7 @@ class Engine:
                     try:
                         self._append_token(req, result.tokens[i])
                     except Exception as exc:  # e.g. a detokenizer error: only this request fails
-                        log.exception("request %s failed in postprocessing", req.request_id)
+                        log.exception("request %r failed in postprocessing", req.request_id)
                         self._end(req, "error", f"{type(exc).__name__}: {exc}")
             changed.append(req)
         self.scheduler.complete(batch.requests)
@@ -191,18 +221,20 @@ class Engine:
         detok = req.detokenizer
         if detok is None:
             return
-        searched = req.stop_searched
         if final:
             detok.flush()
         full = detok.text
-        stops = req.params.stop
-        if stops:
-            hit = find_stop(full, stops, searched)
-            req.stop_searched = len(full)
+        matcher = req.stop_matcher
+        if matcher is not None:
+            hit = matcher.feed(full)  # reads only the new characters
             if hit is not None:
-                req.text = full[:hit[0]]
+                req.text = full[:hit]
                 self._end(req, "stop")
                 return
             if not final:
-                full = full[:len(full) - partial_stop_len(full, stops)]
+                full = full[:len(full) - matcher.held]
         req.text = full
+
+
+def _forward_failed(exc: BaseException) -> str:
+    return f"model forward failed: {type(exc).__name__}: {exc}"
