@@ -10,9 +10,13 @@ that bystanders finish meanwhile.
 """
 from __future__ import annotations
 
+import asyncio
+import json
+import logging
 import sys
 import threading
 
+import httpx
 import pytest
 import torch
 
@@ -231,3 +235,405 @@ def test_stop_check_cost_does_not_multiply_with_the_stop_strings(make_server):
     assert hit.finish_reason == "stop" and hit.text == ""
     assert_idle(server)
     assert sys.getprofile() is None  # this thread was never profiled
+
+
+# -- prompt encoding used to run under the engine's tokenizer lock --------------------------------
+class GatedTokenizer(FakeTokenizer):
+    """encode() of a text containing 'Z' blocks until `gate` is set (a stand-in for encoding a
+    megabyte of text). Copies share the gate and the counters, as copies of one tokenizer would
+    share nothing but the test's view of them."""
+
+    def __init__(self, shared=None):
+        super().__init__()
+        self.shared = shared or {"gate": threading.Event(), "encoding": threading.Event(), "calls": [0]}
+
+    def encode(self, text: str) -> list[int]:
+        self.shared["calls"][0] += 1
+        if "Z" in text:
+            self.shared["encoding"].set()
+            assert self.shared["gate"].wait(60)
+        return super().encode(text)
+
+    def __deepcopy__(self, memo):
+        return GatedTokenizer(self.shared)
+
+
+def test_encoding_a_prompt_never_blocks_generation(make_server):
+    """Before: text prompts were encoded under the lock the engine thread takes to detokenize
+    every token, so a client encoding a huge text stalled every stream (400 -> 6 tokens/s). Here
+    the attacker's encode blocks outright; bystanders must still run to completion meanwhile.
+    (With the shared lock they cannot: result() then times out, a hang guard, not a speed check.)"""
+    tok = GatedTokenizer()
+    server = make_server(tokenizer=tok)
+    rids = []
+    attacker = threading.Thread(target=lambda: rids.append(server.submit("ZZZZ", SamplingParams(max_tokens=3))))
+    attacker.start()
+    try:
+        assert tok.shared["encoding"].wait(30)
+        params = SamplingParams(max_tokens=BYSTANDER_TOKENS, ignore_eos=True)
+        ids = [server.submit(p, params) for p in BYSTANDER_PROMPTS]
+        for rid, prompt in zip(ids, BYSTANDER_PROMPTS):
+            out = server.result(rid, timeout=60)
+            assert out.token_ids == fake_reference(prompt, BYSTANDER_TOKENS)
+            assert out.text == FakeTokenizer().decode(out.token_ids)  # detokenized meanwhile
+    finally:
+        tok.shared["gate"].set()
+        attacker.join(60)
+    assert server.result(rids[0]).prompt_token_ids == [25] * 4  # 'Z'
+    assert_idle(server)
+
+
+def test_text_too_long_for_the_context_is_rejected_before_encoding(make_server):
+    """Before: a text prompt was encoded in full and only then found too long (a 0.9 MB prompt
+    cost its whole encoding each time). FakeTokenizer's longest token is 1 character, so with
+    max_model_len 64 any text over 64 characters is rejected without calling encode."""
+    tok = GatedTokenizer()
+    server = make_server(tokenizer=tok, max_model_len=64)
+    with pytest.raises(InvalidRequestError, match="prompt has 65 characters; at most 64 can fit max_model_len"):
+        server.submit("A" * 65)
+    assert tok.shared["calls"][0] == 0
+    out = server.generate("A" * 60, SamplingParams(max_tokens=4))[0]  # the bound itself fits
+    assert out.prompt_token_ids == [0] * 60 and tok.shared["calls"][0] == 1
+    assert_idle(server)
+
+
+@pytest.fixture(scope="module")
+def hf_tokenizer(tokenizer_dir):
+    from orca_ext.models import load_tokenizer
+
+    return load_tokenizer(tokenizer_dir)
+
+
+def test_real_tokenizer_bound_rejects_a_megabyte_prompt(make_server, hf_tokenizer):
+    model = FakeModel(FakeSpec(vocab_size=len(hf_tokenizer)))
+    server = make_server(model, tokenizer=hf_tokenizer)
+    with pytest.raises(InvalidRequestError, match=r"prompt has 900000 characters; at most \d+ can fit"):
+        server.submit("lorem ipsum " * 75_000)
+    assert server.stats()["iterations"] == 0
+
+
+# -- Python API inputs ----------------------------------------------------------------------------
+def test_lone_surrogate_and_bytes_prompts_are_invalid_requests(make_server, hf_tokenizer):
+    """Before: a lone surrogate reached the HF tokenizer, which raised a raw TypeError; and bytes
+    were iterated as token ids (b"hi" became [104, 105]) without a word."""
+    model = FakeModel(FakeSpec(vocab_size=len(hf_tokenizer)))
+    server = make_server(model, tokenizer=hf_tokenizer)
+    with pytest.raises(InvalidRequestError, match=r"prompt is not valid Unicode text: a lone surrogate '\\ud800' at character 3"):
+        server.submit("hi \ud800 there")
+    for prompt in (b"hi", bytearray(b"hi"), memoryview(b"hi")):
+        with pytest.raises(InvalidRequestError, match=f"got {type(prompt).__name__}; decode it to a str"):
+            server.submit(prompt)
+    with pytest.raises(InvalidRequestError, match=r"prompt has 3000 tokens; max_model_len = 2000"):
+        server.submit([1] * 3000)
+    out = server.generate("hi there", SamplingParams(max_tokens=3))[0]  # the server still serves
+    assert len(out.token_ids) == 3
+    assert_idle(server)
+
+
+@pytest.mark.parametrize("command", ["generate", "serve"])
+def test_cli_max_model_len_above_the_model_is_one_line(tiny_model_dir, capsys, caplog, command):
+    """Before: the ValueError escaped as a traceback."""
+    from orca_ext.cli import main
+
+    args = [command] + (["hello"] if command == "generate" else []) + [
+        "--model", str(tiny_model_dir("llama")), "--max-model-len", "100000", "--device", "cpu"]
+    assert main(args) == 2
+    err = capsys.readouterr().err + "".join(r.getMessage() + "\n" for r in caplog.records if r.levelname == "ERROR")
+    lines = [line for line in err.splitlines() if "max_model_len=100000" in line]
+    assert len(lines) == 1 and "max_position_embeddings=512" in lines[0]
+    assert "Traceback" not in err
+
+
+# -- HTTP: logs, uploads, browsers, docs ----------------------------------------------------------
+def make_app(server, **kw):
+    from orca_ext.http import create_app
+
+    return create_app(server, model_name="m", max_queue=16, **kw)
+
+
+async def asgi_call(app, path: str, messages: list, headers: list | None = None, method: str = "POST"):
+    """Call the ASGI app with `messages` as the client's side; after them the client goes quiet.
+    Returns the status (None if nothing was sent)."""
+    sent = []
+    pending = list(messages)
+
+    async def receive():
+        if pending:
+            return pending.pop(0)
+        await asyncio.sleep(3600)
+
+    async def send(message):
+        sent.append(message)
+
+    scope = {"type": "http", "asgi": {"version": "3.0"}, "http_version": "1.1", "method": method,
+             "scheme": "http", "path": path, "raw_path": path.encode(), "query_string": b"", "root_path": "",
+             "headers": [(b"host", b"127.0.0.1:8000"), (b"content-type", b"application/json")] + (headers or []),
+             "client": ("127.0.0.1", 50000), "server": ("127.0.0.1", 8000)}
+    await asyncio.wait_for(app(scope, receive, send), 60)  # a hang guard
+    starts = [m for m in sent if m["type"] == "http.response.start"]
+    return starts[0]["status"] if starts else None
+
+
+def outcome_count(app, outcome: str) -> float:
+    return app.state.service.metrics.registry.get_sample_value(
+        "orca_http_requests_total", {"endpoint": "completions", "outcome": outcome}) or 0.0
+
+
+def test_client_strings_are_escaped_in_logs(make_server, caplog):
+    """Before: the model name and unknown field names went into INFO lines verbatim, so a newline
+    and ANSI escapes forged a CRITICAL record."""
+    server = make_server()
+    app = make_app(server)
+    forged = "x\n2026-01-01 00:00:00 CRITICAL root: disk on fire\x1b[2K\x1b[31m"
+
+    async def go():
+        async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://127.0.0.1:8000") as c:
+            bad_model = await c.post("/v1/completions", json={"model": forged, "prompt": "AB"})
+            bad_field = await c.post("/v1/completions", json={"prompt": "AB", forged: 1})
+            good = await c.post("/v1/completions", json={"prompt": "AB", "max_tokens": 3, "temperature": 0})
+            return bad_model, bad_field, good
+
+    with caplog.at_level(logging.DEBUG):
+        bad_model, bad_field, good = asyncio.run(go())
+    assert bad_model.status_code == 404 and bad_model.json()["error"]["param"] == "model"
+    assert bad_field.status_code == 400 and bad_field.json()["error"]["message"].endswith(forged)  # JSON-escaped
+    assert good.status_code == 200 and good.json()["choices"][0]["text"] == FakeTokenizer().decode(
+        fake_reference([0, 1], 3))  # 'AB'
+    ours = [r.getMessage() for r in caplog.records if r.name.startswith("orca_ext")]
+    assert sum("CRITICAL root" in m for m in ours) == 2  # both rejections were logged ...
+    assert not any("\n" in m or "\x1b" in m for m in ours)  # ... on one line each, escapes escaped
+    assert_idle(server)
+
+
+def test_upload_aborted_mid_body_is_a_disconnect_not_an_internal_error(make_server, caplog):
+    """Before: the ClientDisconnect from reading the body fell into the catch-all: an ERROR with a
+    traceback and outcome="internal_error"."""
+    server = make_server()
+    app = make_app(server)
+    messages = [{"type": "http.request", "body": b'{"prompt": "AB', "more_body": True}, {"type": "http.disconnect"}]
+    with caplog.at_level(logging.INFO):
+        asyncio.run(asgi_call(app, "/v1/completions", messages))
+    assert outcome_count(app, "abort") == 1 and outcome_count(app, "internal_error") == 0
+    assert not [r for r in caplog.records if r.levelno >= logging.WARNING]
+    assert any("disconnected while sending its body" in r.getMessage() and r.levelno == logging.INFO
+               for r in caplog.records)
+    assert app.state.service.inflight == 0
+    assert_idle(server)
+
+
+def test_a_body_that_never_completes_times_out(make_server):
+    """Before: no body timeout; a client could hold a request (and its connection) forever by
+    never finishing its body."""
+    server = make_server()
+    app = make_app(server, body_timeout=0.2)
+    status = asyncio.run(asgi_call(app, "/v1/completions",
+                                   [{"type": "http.request", "body": b'{"prompt": ', "more_body": True}]))
+    assert status == 408 and outcome_count(app, "invalid") == 1
+    assert_idle(server)
+
+
+def test_dns_rebinding_and_cross_site_posts_are_refused(make_server):
+    """Before: with no API key, a text/plain POST with a foreign Origin and a foreign Host was
+    served. Now a loopback-bound server answers loopback Host names only, POST bodies must be
+    application/json (which a browser sends cross-origin only after a CORS preflight), and CORS
+    headers appear only for origins given to --cors-origins."""
+    server = make_server()
+    app = make_app(server, bind_host="127.0.0.1")
+    widened = make_app(server, bind_host="127.0.0.1", trusted_hosts=["api.example.com", "*.corp.example"],
+                       cors_origins=["https://ui.example.com"])
+    body = b'{"prompt": "AB", "max_tokens": 2}'
+    foreign = {"Host": "evil.example", "Origin": "http://evil.example", "Content-Type": "text/plain"}
+
+    async def go(a, headers, method="POST"):
+        async with httpx.AsyncClient(transport=httpx.ASGITransport(app=a), base_url="http://127.0.0.1:8000") as c:
+            return await c.request(method, "/v1/completions", content=body, headers=headers)
+
+    r = asyncio.run(go(app, foreign))
+    assert r.status_code == 400 and r.json()["error"]["code"] == "invalid_host"
+    r = asyncio.run(go(app, {**foreign, "Host": "localhost:8000"}))
+    assert r.status_code == 415 and r.json()["error"]["code"] == "unsupported_media_type"
+    assert "access-control-allow-origin" not in r.headers
+    for host in ("127.0.0.1:8000", "localhost", "[::1]:8000"):
+        r = asyncio.run(go(app, {"Host": host, "Content-Type": "application/json; charset=utf-8"}))
+        assert r.status_code == 200, (host, r.text)
+    for host, status in (("api.example.com", 200), ("a.corp.example:443", 200), ("evil.example", 400),
+                         ("api.example.com.evil.example", 400)):
+        r = asyncio.run(go(widened, {"Host": host, "Content-Type": "application/json"}))
+        assert r.status_code == status, host
+    preflight = {"Host": "api.example.com", "Access-Control-Request-Method": "POST",
+                 "Access-Control-Request-Headers": "content-type,authorization"}
+    r = asyncio.run(go(widened, {**preflight, "Origin": "https://ui.example.com"}, "OPTIONS"))
+    assert r.status_code == 200 and r.headers["access-control-allow-origin"] == "https://ui.example.com"
+    r = asyncio.run(go(widened, {**preflight, "Origin": "http://evil.example"}, "OPTIONS"))
+    assert "access-control-allow-origin" not in r.headers
+    assert_idle(server)
+
+
+def test_api_docs_are_off_by_default_and_behind_the_key(make_server):
+    """Before: /docs, /redoc and /openapi.json were served without auth even with --api-key."""
+    server = make_server()
+    plain = make_app(server, api_key="k")
+    docs = make_app(server, api_key="k", enable_docs=True)
+
+    async def go(a, path, headers=None):
+        async with httpx.AsyncClient(transport=httpx.ASGITransport(app=a), base_url="http://127.0.0.1:8000") as c:
+            return await c.get(path, headers=headers)
+
+    for path in ("/docs", "/redoc", "/openapi.json"):
+        assert asyncio.run(go(plain, path)).status_code == 404
+        assert asyncio.run(go(docs, path)).status_code == 401
+        assert asyncio.run(go(docs, path, {"Authorization": "Bearer k"})).status_code == 200
+    assert "/v1/completions" in asyncio.run(go(docs, "/openapi.json", {"Authorization": "Bearer k"})).json()["paths"]
+
+
+# -- slow clients ---------------------------------------------------------------------------------
+def test_slow_header_connections_are_closed(make_server):
+    """Before: uvicorn ran with no header timeout; 300 connections that trickled their headers
+    were held indefinitely. Now a connection whose request headers are incomplete
+    --header-timeout seconds after it opened (or after its previous response) is closed, while
+    a normal client is served meanwhile. (recv's socket timeout is a hang guard only.)"""
+    import socket
+
+    from http_utils import free_port
+    from orca_ext.http import transport
+
+    server = make_server()
+    app = make_app(server)
+    port = free_port()
+    config = transport.make_config(app, host="127.0.0.1", port=port, log_level="warning", header_timeout=0.3)
+    http = transport.DrainingServer(config, lambda hurry: app.state.service.drain(0.0, hurry))
+    thread = threading.Thread(target=http.run, daemon=True)
+    thread.start()
+    try:
+        for _ in range(600):
+            if http.started:
+                break
+            threading.Event().wait(0.05)
+        slow = []
+        for _ in range(20):
+            s = socket.create_connection(("127.0.0.1", port), timeout=30)
+            s.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: 127.0.0.1\r\nX-Slow: ")
+            slow.append(s)
+        # A keep-alive connection: one full request, then a slow second one.
+        keep = socket.create_connection(("127.0.0.1", port), timeout=30)
+        keep.sendall(b"GET /health HTTP/1.1\r\nHost: 127.0.0.1\r\n\r\n")
+        first = b""
+        while not first.endswith(b'{"status":"ok"}'):  # the whole first response
+            chunk = keep.recv(4096)
+            assert chunk, first
+            first += chunk
+        assert first.startswith(b"HTTP/1.1 200")
+        keep.sendall(b"GET /health HTTP/1.1\r\nHo")
+        ok = httpx.post(f"http://127.0.0.1:{port}/v1/completions", json={"prompt": "AB", "max_tokens": 3}, timeout=60)
+        assert ok.status_code == 200
+        for s in slow + [keep]:
+            assert s.recv(4096) == b""  # closed by the server
+            s.close()
+    finally:
+        http.should_exit = True
+        thread.join(60)
+    assert not thread.is_alive()
+    assert_idle(server)
+
+
+# -- shutdown -------------------------------------------------------------------------------------
+def sse_events(text: str) -> list:
+    return [line[len("data: "):] for line in text.splitlines() if line.startswith("data: ")]
+
+
+def test_drain_lets_running_requests_finish_then_ends_the_rest_in_band(make_server):
+    """Before: on SIGINT/SIGTERM the engine kept generating through uvicorn's grace period, then
+    every stream was cut with no error event and no [DONE]. drain() (what SIGINT/SIGTERM run)
+    refuses new requests, gives running ones the grace period (here cut short the moment the
+    short request is done), then ends the rest with an error event followed by [DONE]."""
+    server = make_server()
+    app = make_app(server)
+    svc = app.state.service
+
+    async def go():
+        async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://127.0.0.1:8000",
+                                     timeout=60) as c:
+            def post(max_tokens):
+                return asyncio.create_task(c.post("/v1/completions", json={
+                    "prompt": "AB", "max_tokens": max_tokens, "temperature": 0, "ignore_eos": True, "stream": True}))
+
+            short, long = post(3), post(1900)
+            while svc.inflight < 2:
+                await asyncio.sleep(0.01)
+            drain = asyncio.create_task(svc.drain(60.0, hurry=short.done))
+            while not svc.draining:
+                await asyncio.sleep(0.01)
+            refused = await c.post("/v1/completions", json={"prompt": "AB"})
+            await drain
+            return await short, await long, refused
+
+    short, long, refused = asyncio.run(go())
+    events = sse_events(short.text)
+    assert events[-1] == "[DONE]" and json.loads(events[-2])["choices"][0]["finish_reason"] == "length"
+    events = sse_events(long.text)
+    assert events[-1] == "[DONE]"
+    assert json.loads(events[-2])["error"]["code"] == "server_shutting_down"
+    text = "".join(json.loads(e)["choices"][0]["text"] for e in events[:-2])
+    assert FakeTokenizer().decode(fake_reference([0, 1], 1900)).startswith(text) and len(text) < 1900
+    assert refused.status_code == 503 and refused.json()["error"]["code"] == "server_shutting_down"
+    assert outcome_count(app, "shutdown") == 2 and outcome_count(app, "length") == 1
+    assert svc.inflight == 0
+    assert_idle(server)
+
+
+def test_sigterm_drains_streams_and_exits_cleanly(tiny_model_dir):
+    """The same drain through a real signal: every open stream ends with [DONE] (those cut after
+    the grace period with an error event first), the process exits 0, and its log holds no
+    traceback and no ERROR line."""
+    import signal
+
+    from http_utils import ServerProcess
+
+    with ServerProcess("--model", str(tiny_model_dir("llama")), "--max-batch-size", "1", "--shutdown-grace", "0.3",
+                       env={"ORCA_EXT_KV_CACHE_MEMORY": "64MiB"}) as sp:
+        results: dict[int, list] = {}
+        started = threading.Semaphore(0)
+
+        def stream(i):
+            body = {"prompt": "Once upon a time", "max_tokens": 400, "temperature": 0, "ignore_eos": True, "stream": True}
+            lines = []
+            with httpx.stream("POST", sp.url("/v1/completions"), json=body, timeout=120) as r:
+                for line in r.iter_lines():
+                    if line.startswith("data: "):
+                        if not lines:
+                            started.release()
+                        lines.append(line[len("data: "):])
+            results[i] = lines
+
+        threads = [threading.Thread(target=stream, args=(i,)) for i in range(3)]
+        for t in threads:
+            t.start()
+        assert started.acquire(timeout=120)  # the first stream is producing
+        sp.proc.send_signal(signal.SIGTERM)
+        for t in threads:
+            t.join(120)
+        code = sp.proc.wait(120)
+        log = sp.log()
+    assert code == 0, log[-3000:]
+    assert all(results[i][-1] == "[DONE]" for i in range(3)), results
+    cut = [i for i in range(3) if any('"server_shutting_down"' in e for e in results[i])]
+    assert cut, "with --max-batch-size 1 and 3 x 400 tokens, something must outlast a 0.3 s grace"
+    assert "Traceback" not in log and " ERROR " not in log, log[-3000:]
+
+
+def test_dropped_undelivered_outputs_are_summarised(make_server, caplog):
+    """Before: one warning per dropped output, so a client that never collects its outputs could
+    flood the log. Now: the first drop is reported, later ones as a periodic summary (and one at
+    shutdown); stats() counts them all."""
+    server = make_server(max_batch_size=1, max_undelivered_outputs=3)
+    with caplog.at_level(logging.WARNING, logger="orca_ext.server"):
+        ids = [server.submit([i + 1], SamplingParams(max_tokens=2)) for i in range(10)]
+        last = server.submit([9], SamplingParams(max_tokens=1))
+        server.result(last)  # FCFS with batch size 1: all earlier requests have finished
+        assert server.stats()["dropped_outputs"] == 7
+        assert len(caplog.records) == 1 and "dropping" in caplog.records[0].getMessage()
+        for i, rid in enumerate(ids[7:], start=7):
+            assert server.result(rid).token_ids == fake_reference([i + 1], 2)
+        assert_idle(server)
+        server.shutdown()
+    assert len(caplog.records) == 2 and "dropped 6 more" in caplog.records[1].getMessage()
