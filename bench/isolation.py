@@ -4,8 +4,14 @@ Victims (`--victims` clients, each streaming greedy completions back to back) ru
 benchmark against one `python -m orca_ext serve` on 127.0.0.1. Phases of `--window` seconds
 alternate: a baseline with the victims alone, then one attack, then a baseline again, and so on.
 An attack's ratio is the victims' token rate during it over the mean of the two baselines around
-it, so drift of a shared machine cancels out. The target: no attack may cut the rate by more than
-25% (ratio >= 0.75).
+it, so slow drift of a shared machine cancels out. The target: no attack may cut the rate by more
+than 25% (ratio >= 0.75).
+
+Next to the wall-clock rate it reports the victims' tokens per CPU second of the server process
+(utime + stime from /proc). An attack that makes the server burn CPU (encoding, stop checks)
+lowers that too, while other jobs on a shared machine slow tokens and server CPU time alike, so
+this ratio stays meaningful when the wall-clock one is swamped by other load. (An attack that
+stalls the engine without using CPU shows only in the wall-clock rate.)
 
 Attacks (each is one client unless noted; requests are sent back to back):
   top_k_overflow     accepted: top_k = 2**63, temperature 1
@@ -29,6 +35,7 @@ import argparse
 import asyncio
 import json
 import logging
+import os
 import platform
 import random
 import sys
@@ -46,6 +53,7 @@ from loopback import REPO, ServeProcess, stream_completion  # noqa: E402
 log = logging.getLogger("bench.isolation")
 
 VICTIM_PROMPT = "Write a short story about a lighthouse keeper who finds a message in a bottle."
+VICTIM_TOKENS = 16
 TARGET_RATIO = 0.75
 
 
@@ -61,16 +69,30 @@ class Phase:
     name: str
     start: float = 0.0
     end: float = 0.0
+    cpu_s: float = 0.0  # CPU seconds the server process used during the phase
     attack_statuses: Counter = field(default_factory=Counter)
 
-    def rate(self, spans: list[Span]) -> float:
-        """Victim tokens per second inside [start, end] (each request's tokens spread over its life)."""
+    def tokens(self, spans: list[Span]) -> float:
+        """Victim tokens inside [start, end] (each request's tokens spread over its life)."""
         total = 0.0
         for s in spans:
             overlap = min(s.end, self.end) - max(s.start, self.start)
             if overlap > 0 and s.end > s.start:
                 total += s.tokens * overlap / (s.end - s.start)
-        return total / (self.end - self.start)
+        return total
+
+    def rate(self, spans: list[Span]) -> float:
+        return self.tokens(spans) / (self.end - self.start)
+
+    def per_cpu(self, spans: list[Span]) -> float:
+        return self.tokens(spans) / self.cpu_s if self.cpu_s > 0 else float("nan")
+
+
+def cpu_seconds(pid: int) -> float:
+    """utime + stime of a process, in seconds."""
+    with open(f"/proc/{pid}/stat") as f:
+        fields = f.read().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
 # -- attacks: each runs until cancelled, recording the HTTP statuses it got -------------------------
@@ -110,30 +132,30 @@ async def _disconnect_loop(client, url, body, statuses: Counter) -> None:
 
 
 async def _slow_headers(port: int, statuses: Counter, n: int = 300, gap: float = 3.0) -> None:
-    writers = []
+    conns = []
     try:
         for _ in range(n):
             try:
-                _, w = await asyncio.open_connection("127.0.0.1", port)
+                r, w = await asyncio.open_connection("127.0.0.1", port)
             except OSError as exc:
                 statuses[type(exc).__name__] += 1
                 continue
             w.write(b"POST /v1/completions HTTP/1.1\r\nHost: 127.0.0.1\r\n")
-            writers.append(w)
-        statuses["opened"] += len(writers)
+            conns.append((r, w))
+        statuses["opened"] += len(conns)
         while True:  # one more header byte per connection every `gap` seconds
             await asyncio.sleep(gap)
-            for w in writers:
-                if w.is_closing():
+            for r, w in conns:
+                if r.at_eof() or w.is_closing():
                     continue
                 try:
                     w.write(b"X")
                     await w.drain()
                 except (ConnectionError, OSError):
                     w.close()
-            statuses["open"] = sum(not w.is_closing() and not w.transport.is_closing() for w in writers)
+            statuses["closed_by_server"] = sum(r.at_eof() for r, _ in conns)
     finally:
-        for w in writers:
+        for _, w in conns:
             w.close()
 
 
@@ -167,7 +189,8 @@ async def run(server: ServeProcess, names: list[str], *, victims: int, window: f
     spans: list[Span] = []
     victim_errors: Counter = Counter()
     stop = asyncio.Event()
-    victim_body = {"model": model, "prompt": VICTIM_PROMPT, "max_tokens": 32, "temperature": 0, "ignore_eos": True}
+    victim_body = {"model": model, "prompt": VICTIM_PROMPT, "max_tokens": VICTIM_TOKENS, "temperature": 0,
+                   "ignore_eos": True}
 
     async def victim(client: httpx.AsyncClient) -> None:
         while not stop.is_set():
@@ -194,15 +217,15 @@ async def run(server: ServeProcess, names: list[str], *, victims: int, window: f
             if name != "baseline":
                 task = asyncio.create_task(table[name](ac, url, phase.attack_statuses))
             await asyncio.sleep(settle)  # let the attack reach its steady state
-            phase.start = time.perf_counter()
+            cpu0, phase.start = cpu_seconds(server.proc.pid), time.perf_counter()
             await asyncio.sleep(window)
-            phase.end = time.perf_counter()
+            phase.end, phase.cpu_s = time.perf_counter(), cpu_seconds(server.proc.pid) - cpu0
             if task is not None:
                 task.cancel()
                 await asyncio.gather(task, return_exceptions=True)
             phases.append(phase)
-            log.info("phase %d/%d %-18s victims %.1f tok/s  attacker %s", i + 1, len(order), name,
-                     phase.rate(spans), dict(phase.attack_statuses))
+            log.info("phase %d/%d %-18s server %.1f CPU-s, attacker %s", i + 1, len(order), name,
+                     phase.cpu_s, dict(phase.attack_statuses))
         stop.set()
         await asyncio.gather(*vtasks, return_exceptions=True)
 
@@ -212,11 +235,16 @@ async def run(server: ServeProcess, names: list[str], *, victims: int, window: f
             continue
         base = (phases[i - 1].rate(spans) + phases[i + 1].rate(spans)) / 2
         during = phase.rate(spans)
+        base_cpu = (phases[i - 1].per_cpu(spans) + phases[i + 1].per_cpu(spans)) / 2
+        during_cpu = phase.per_cpu(spans)
         rows.append({"attack": phase.name, "baseline_tok_s": base, "attack_tok_s": during,
                      "ratio": during / base if base else float("nan"),
+                     "baseline_tok_per_cpu_s": base_cpu, "attack_tok_per_cpu_s": during_cpu,
+                     "cpu_ratio": during_cpu / base_cpu if base_cpu else float("nan"),
                      "attacker": {str(k): v for k, v in phase.attack_statuses.items()}})
     return {"rows": rows, "victim_errors": dict(victim_errors),
-            "baselines_tok_s": [p.rate(spans) for p in phases if p.name == "baseline"]}
+            "baselines_tok_s": [p.rate(spans) for p in phases if p.name == "baseline"],
+            "baselines_tok_per_cpu_s": [p.per_cpu(spans) for p in phases if p.name == "baseline"]}
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -224,7 +252,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--model", default=None, help="model folder (default: the embedded SmolLM2-135M-Instruct)")
     p.add_argument("--attacks", default=None, help="comma-separated subset (default: all)")
     p.add_argument("--victims", type=int, default=4, help="victim clients (default 4)")
-    p.add_argument("--window", type=float, default=12.0, help="seconds measured per phase (default 12)")
+    p.add_argument("--window", type=float, default=20.0, help="seconds measured per phase (default 20)")
     p.add_argument("--settle", type=float, default=2.0, help="seconds before each phase is measured (default 2)")
     p.add_argument("--python", default=sys.executable, help="interpreter that runs the server")
     p.add_argument("--cwd", default=str(REPO), help="checkout the server runs from")
@@ -242,11 +270,14 @@ def main(argv: list[str] | None = None) -> int:
         result = asyncio.run(run(server, names, victims=args.victims, window=args.window, settle=args.settle))
     result.update({"label": args.label, "date": time.strftime("%Y-%m-%d %H:%M"), "machine": platform.processor()
                    or platform.machine(), "victims": args.victims, "window_s": args.window, "server_cwd": args.cwd})
-    print(f"\n{'attack':<18} {'baseline tok/s':>14} {'attack tok/s':>12} {'ratio':>6}  attacker statuses")
+    print(f"\n{'attack':<18} {'baseline tok/s':>14} {'attack tok/s':>12} {'ratio':>6}   "
+          f"{'tok/CPU-s base':>14} {'attack':>7} {'ratio':>6}  attacker statuses")
     ok = True
     for r in result["rows"]:
         ok &= r["ratio"] >= TARGET_RATIO
-        print(f"{r['attack']:<18} {r['baseline_tok_s']:>14.1f} {r['attack_tok_s']:>12.1f} {r['ratio']:>6.2f}  {r['attacker']}")
+        print(f"{r['attack']:<18} {r['baseline_tok_s']:>14.1f} {r['attack_tok_s']:>12.1f} {r['ratio']:>6.2f}   "
+              f"{r['baseline_tok_per_cpu_s']:>14.1f} {r['attack_tok_per_cpu_s']:>7.1f} {r['cpu_ratio']:>6.2f}  "
+              f"{r['attacker']}")
     print(f"victim errors: {result['victim_errors'] or 'none'}")
     print(f"PASS: every attack kept the victims at >= {TARGET_RATIO:.0%} of their baseline rate" if ok else
           f"FAIL: some attack cut the victims below {TARGET_RATIO:.0%} of their baseline rate")
