@@ -67,9 +67,9 @@ def alongside_bystanders(server: Server, model: FakeModel, attack) -> list:
     attackers = attack()
     model.gate = None
     gate.set()
-    outs = [server.result(rid) for rid in attackers]
+    outs = [server.result(rid, timeout=120) for rid in attackers]  # timeouts: hang guards
     for rid, prompt in zip(bystanders, BYSTANDER_PROMPTS):
-        out = server.result(rid)
+        out = server.result(rid, timeout=120)
         assert out.finish_reason == "length" and out.error is None, out
         assert out.token_ids == fake_reference(prompt, BYSTANDER_TOKENS)
     assert_idle(server)
@@ -546,9 +546,18 @@ def test_drain_lets_running_requests_finish_then_ends_the_rest_in_band(make_serv
     every stream was cut with no error event and no [DONE]. drain() (what SIGINT/SIGTERM run)
     refuses new requests, gives running ones the grace period (here cut short the moment the
     short request is done), then ends the rest with an error event followed by [DONE]."""
-    server = make_server()
+    gate = threading.Event()
+    model = FakeModel(gate=gate)  # holds the engine until both requests are in
+    server = make_server(model)
     app = make_app(server)
     svc = app.state.service
+
+    async def until(condition, what: str) -> None:  # a hang guard, not a speed check
+        for _ in range(6000):
+            if condition():
+                return
+            await asyncio.sleep(0.01)
+        raise AssertionError(f"never happened: {what}")
 
     async def go():
         async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://127.0.0.1:8000",
@@ -558,12 +567,13 @@ def test_drain_lets_running_requests_finish_then_ends_the_rest_in_band(make_serv
                     "prompt": "AB", "max_tokens": max_tokens, "temperature": 0, "ignore_eos": True, "stream": True}))
 
             short, long = post(3), post(1900)
-            while svc.inflight < 2:
-                await asyncio.sleep(0.01)
+            await until(lambda: svc.inflight == 2 and all(a.submitted for a in svc.admissions.values()),
+                        "both requests submitted")
             drain = asyncio.create_task(svc.drain(60.0, hurry=short.done))
-            while not svc.draining:
-                await asyncio.sleep(0.01)
+            await until(lambda: svc.draining, "draining")
             refused = await c.post("/v1/completions", json={"prompt": "AB"})
+            model.gate = None
+            gate.set()
             await drain
             return await short, await long, refused
 
