@@ -13,7 +13,11 @@ lowers that too, while other jobs on a shared machine slow tokens and server CPU
 this ratio stays meaningful when the wall-clock one is swamped by other load. (An attack that
 stalls the engine without using CPU shows only in the wall-clock rate.)
 
-Attacks (each is one client unless noted; requests are sent back to back):
+Victims connect from 127.0.0.1 and the attacker from 127.0.0.2 (both loopback), so the server
+sees them as two clients, as it would two machines. Attacks (each is one client unless noted;
+requests are sent back to back):
+  benign_client      a reference, not an attack: a fifth client with ordinary parameters
+                     (temperature 1), i.e. what any extra client costs the victims
   top_k_overflow     accepted: top_k = 2**63, temperature 1
   tiny_temperature   accepted: temperature 1e-39
   stop_strings_max   accepted: the most stop strings allowed, each as long as allowed, never matching
@@ -54,6 +58,7 @@ log = logging.getLogger("bench.isolation")
 
 VICTIM_PROMPT = "Write a short story about a lighthouse keeper who finds a message in a bottle."
 VICTIM_TOKENS = 16
+ATTACKER_ADDRESS = "127.0.0.2"  # a second loopback address: a different client to the server
 TARGET_RATIO = 0.75
 
 
@@ -113,9 +118,8 @@ async def _raw_loop(client, url, payload: bytes, statuses: Counter) -> None:
         try:
             r = await client.post(url, content=payload, headers=headers)
             statuses[r.status_code] += 1
-        except httpx.HTTPError as exc:
+        except httpx.HTTPError as exc:  # e.g. the server closed the connection mid-upload
             statuses[type(exc).__name__] += 1
-            await asyncio.sleep(0.05)
 
 
 async def _disconnect_loop(client, url, body, statuses: Counter) -> None:
@@ -136,7 +140,7 @@ async def _slow_headers(port: int, statuses: Counter, n: int = 300, gap: float =
     try:
         for _ in range(n):
             try:
-                r, w = await asyncio.open_connection("127.0.0.1", port)
+                r, w = await asyncio.open_connection("127.0.0.1", port, local_addr=(ATTACKER_ADDRESS, 0))
             except OSError as exc:
                 statuses[type(exc).__name__] += 1
                 continue
@@ -169,6 +173,7 @@ def attacks(model: str, port: int) -> dict[str, Callable[[httpx.AsyncClient, str
     huge_prompt_body = json.dumps({**_body(model), "prompt": "lorem ipsum dolor sit amet " * 33_000}).encode()
     oversize_body = json.dumps({**_body(model), "prompt": "x" * (2 << 20)}).encode()
     return {
+        "benign_client": lambda c, u, s: _accepted_loop(c, u, _body(model, temperature=1.0), s),
         "top_k_overflow": lambda c, u, s: _accepted_loop(c, u, _body(model, temperature=1.0, top_k=2**63), s),
         "tiny_temperature": lambda c, u, s: _accepted_loop(c, u, _body(model, temperature=1e-39), s),
         "stop_strings_max": lambda c, u, s: _accepted_loop(c, u, _body(model, stop=max_stops), s),
@@ -204,8 +209,9 @@ async def run(server: ServeProcess, names: list[str], *, victims: int, window: f
 
     phases: list[Phase] = []
     limits = httpx.Limits(max_connections=None, max_keepalive_connections=32)
+    attacker_transport = httpx.AsyncHTTPTransport(local_address=ATTACKER_ADDRESS, limits=limits)
     async with httpx.AsyncClient(timeout=httpx.Timeout(600.0), limits=limits) as vc, \
-            httpx.AsyncClient(timeout=httpx.Timeout(600.0), limits=limits) as ac:
+            httpx.AsyncClient(timeout=httpx.Timeout(600.0), transport=attacker_transport) as ac:
         vtasks = [asyncio.create_task(victim(vc)) for _ in range(victims)]
         await asyncio.sleep(settle * 2)  # warm up
         order = ["baseline"]
@@ -272,15 +278,18 @@ def main(argv: list[str] | None = None) -> int:
                    or platform.machine(), "victims": args.victims, "window_s": args.window, "server_cwd": args.cwd})
     print(f"\n{'attack':<18} {'baseline tok/s':>14} {'attack tok/s':>12} {'ratio':>6}   "
           f"{'tok/CPU-s base':>14} {'attack':>7} {'ratio':>6}  attacker statuses")
-    ok = True
+    attacks_only = [r for r in result["rows"] if r["attack"] != "benign_client"]  # the reference is no attack
     for r in result["rows"]:
-        ok &= r["ratio"] >= TARGET_RATIO
         print(f"{r['attack']:<18} {r['baseline_tok_s']:>14.1f} {r['attack_tok_s']:>12.1f} {r['ratio']:>6.2f}   "
               f"{r['baseline_tok_per_cpu_s']:>14.1f} {r['attack_tok_per_cpu_s']:>7.1f} {r['cpu_ratio']:>6.2f}  "
               f"{r['attacker']}")
     print(f"victim errors: {result['victim_errors'] or 'none'}")
-    print(f"PASS: every attack kept the victims at >= {TARGET_RATIO:.0%} of their baseline rate" if ok else
-          f"FAIL: some attack cut the victims below {TARGET_RATIO:.0%} of their baseline rate")
+    below = [r["attack"] for r in attacks_only if not r["ratio"] >= TARGET_RATIO]
+    below_cpu = [r["attack"] for r in attacks_only if not r["cpu_ratio"] >= TARGET_RATIO]
+    ok = not below and not result["victim_errors"]
+    print(f"{'PASS' if ok else 'FAIL'}: wall-clock rate >= {TARGET_RATIO:.0%} of baseline for every attack"
+          f"{'' if not below else ' except ' + ', '.join(below)}; per server CPU second: "
+          f"{'all' if not below_cpu else 'all but ' + ', '.join(below_cpu)}")
     if args.out:
         Path(args.out).write_text(json.dumps(result, indent=1))
     return 0 if ok else 1

@@ -647,3 +647,56 @@ def test_dropped_undelivered_outputs_are_summarised(make_server, caplog):
         assert_idle(server)
         server.shutdown()
     assert len(caplog.records) == 2 and "dropped 6 more" in caplog.records[1].getMessage()
+
+
+# -- a stream of rejected requests used to take the engine's CPU ----------------------------------
+def test_rejection_budget_arithmetic():
+    from orca_ext.http.rejections import RejectionBudget
+
+    now = [0.0]
+    b = RejectionBudget(rate=100, burst=300, min_charge=50, max_delay=2.0, max_clients=2, clock=lambda: now[0])
+    assert b.delay("a") == 0.0
+    b.charge("a", 10)           # charged at least min_charge: 300 - 50 = 250 left
+    b.charge("a", 250)          # 0 left: still allowed
+    assert b.delay("a") == 0.0
+    b.charge("a", 120)          # -120: in debt for 1.2 s
+    assert b.delay("a") == pytest.approx(1.2)
+    b.charge("a", 1000)         # -1120: the delay is capped
+    assert b.delay("a") == 2.0
+    assert b.delay("b") == 0.0  # other addresses are unaffected
+    now[0] = 11.2               # 11.2 s x 100 B/s paid it off
+    assert b.delay("a") == 0.0
+    now[0] = 100.0
+    b.charge("a", 50), b.charge("b", 50), b.charge("c", 50)
+    assert len(b._left) == 2 and "a" not in b._left  # bounded memory: the oldest is forgotten
+
+
+def test_a_client_flooding_rejected_bodies_is_slowed_and_others_are_not(make_server):
+    """Before: every rejected request was received and parsed in full, however many a client sent
+    back to back (a 1 MB body each: ~40% of the server's CPU in bench/isolation.py). Now a client
+    address over its rejected-bytes budget gets 429 (after a delay, Connection: close) without its
+    body being read, while another address is served normally."""
+    from orca_ext.http.rejections import RejectionBudget
+
+    server = make_server()
+    app = make_app(server, rejections=RejectionBudget(rate=1000, burst=40_000, min_charge=1000, max_delay=0.01))
+    big = json.dumps({"prompt": "AB", "stop": ["x"] * 5000}).encode()  # ~25 kB, invalid (too many stops)
+
+    async def go():
+        attacker = httpx.AsyncClient(transport=httpx.ASGITransport(app=app, client=("127.0.0.2", 4000)),
+                                     base_url="http://127.0.0.1:8000")
+        bystander = httpx.AsyncClient(transport=httpx.ASGITransport(app=app, client=("127.0.0.1", 4001)),
+                                      base_url="http://127.0.0.1:8000")
+        async with attacker, bystander:
+            headers = {"Content-Type": "application/json"}
+            statuses = [(await attacker.post("/v1/completions", content=big, headers=headers)) for _ in range(4)]
+            good = await bystander.post("/v1/completions", json={"prompt": "AB", "max_tokens": 3})
+            return statuses, good
+
+    statuses, good = asyncio.run(go())
+    assert [r.status_code for r in statuses] == [400, 400, 429, 429]  # 2 x 25 kB > 40 kB burst
+    assert statuses[2].json()["error"]["code"] == "too_many_rejected_requests"
+    assert statuses[2].headers["connection"] == "close" and int(statuses[2].headers["retry-after"]) >= 1
+    assert good.status_code == 200
+    assert outcome_count(app, "rejected_too_many_errors") == 2 and outcome_count(app, "invalid") == 2
+    assert_idle(server)

@@ -1,7 +1,8 @@
 """FastAPI application: OpenAI-compatible completions and chat completions over orca_ext.Server.
 
 Request path of one completion (`_handle`):
-  Host allow-list (400, guards.py) -> auth (401) -> Content-Type application/json (415)
+  Host allow-list (400, guards.py) -> the client's budget for rejected requests (429 after a
+  delay, rejections.py) -> auth (401) -> Content-Type application/json (415)
   -> body read with a size limit (413) and a time limit (408) -> strict parse (400)
   -> model name (404) -> unsupported options (400) -> admission against --max-queue (429 +
   Retry-After; 503 while draining) -> SamplingParams + Server.submit (InvalidRequestError -> 400)
@@ -33,6 +34,7 @@ from ..server import Server
 from . import protocol, sse
 from .errors import APIError, bad_request, engine_error, internal_error, shutdown_error
 from .guards import Guards, allowed_hosts
+from .rejections import RejectionBudget
 from .service import Admission, Service, validation_error
 from .settings import DEFAULT_BODY_TIMEOUT, DEFAULT_CHAT_MAX_TOKENS, DEFAULT_MAX_BODY_BYTES
 
@@ -45,7 +47,8 @@ def create_app(server: Server, *, model_name: str, max_queue: int = 256, api_key
                max_body_bytes: int = DEFAULT_MAX_BODY_BYTES,
                default_max_tokens: int = DEFAULT_CHAT_MAX_TOKENS, body_timeout: float = DEFAULT_BODY_TIMEOUT,
                bind_host: str | None = None, trusted_hosts: list[str] | None = None,
-               cors_origins: list[str] | None = None, enable_docs: bool = False) -> FastAPI:
+               cors_origins: list[str] | None = None, enable_docs: bool = False,
+               rejections: RejectionBudget | None = None) -> FastAPI:
     """The HTTP app over a running ``orca_ext.Server`` (which the caller owns and shuts down).
 
     model_name: the only name accepted in the "model" field (others get 404).
@@ -56,11 +59,12 @@ def create_app(server: Server, *, model_name: str, max_queue: int = 256, api_key
     not know where it is served and checks no Host, unless trusted_hosts is given.
     cors_origins: origins allowed by CORS (None: no CORS headers, so browsers refuse cross-origin calls).
     enable_docs: serve /docs, /redoc and /openapi.json (off by default).
+    rejections: the per-address budget for rejected requests (default: rejections.py's limits).
     The chat template, the context limit and the vocabulary size are the server's.
     """
     svc = Service(server, model_name=model_name, max_queue=max_queue, api_key=api_key,
                   max_body_bytes=max_body_bytes, default_max_tokens=default_max_tokens,
-                  body_timeout=body_timeout)
+                  body_timeout=body_timeout, rejections=rejections)
     docs = {} if enable_docs else {"docs_url": None, "redoc_url": None, "openapi_url": None}
     app = FastAPI(title="orca_ext", summary="OpenAI-compatible serving with iteration-level scheduling", **docs)
     app.state.service = svc
@@ -145,6 +149,7 @@ async def _handle(svc: Service, request: Request, endpoint: str, run: Runner, mo
     request.state.rid = rid
     adm: Admission | None = None
     try:
+        await svc.check_rejections(request)
         svc.check_auth(request)
         svc.check_content_type(request)
         raw = await svc.read_body(request)
@@ -160,8 +165,12 @@ async def _handle(svc: Service, request: Request, endpoint: str, run: Runner, mo
         if adm is not None:
             adm.close()
         outcome = {401: "unauthorized", 429: "rejected_queue_full", 503: "shutdown"}.get(exc.status, "invalid")
-        if exc.status >= 500 and exc.status != 503:
+        if exc.code == "too_many_rejected_requests":
+            outcome = "rejected_too_many_errors"
+        elif exc.status >= 500 and exc.status != 503:
             outcome = "internal_error"
+        elif 400 <= exc.status < 500 and exc.status != 429:
+            svc.charge_rejection(request)
         svc.metrics.observe_rejected(endpoint, outcome)
         # %r: the message quotes client strings (model names, field names).
         logger.info("request %s: %d %r", rid, exc.status, exc.message)

@@ -28,6 +28,7 @@ from . import protocol
 from .errors import APIError, bad_request, param_from_engine_message
 from .guards import bearer_ok
 from .metrics import Metrics
+from .rejections import RejectionBudget
 from .settings import DEFAULT_BODY_TIMEOUT
 
 logger = logging.getLogger(__name__)
@@ -89,7 +90,7 @@ class Admission:
 class Service:
     def __init__(self, server: Server, *, model_name: str, max_queue: int, api_key: str | None,
                  max_body_bytes: int, default_max_tokens: int,
-                 body_timeout: float = DEFAULT_BODY_TIMEOUT) -> None:
+                 body_timeout: float = DEFAULT_BODY_TIMEOUT, rejections: RejectionBudget | None = None) -> None:
         if max_queue < 1:
             raise ValueError(f"max_queue must be >= 1 (got {max_queue})")
         if not body_timeout > 0:
@@ -101,6 +102,7 @@ class Service:
         self.max_body_bytes = max_body_bytes
         self.default_max_tokens = default_max_tokens
         self.body_timeout = body_timeout
+        self.rejections = rejections if rejections is not None else RejectionBudget()
         # Chat prompts are encoded with private copies of the server's tokenizer, which its
         # engine thread uses to detokenize.
         self.encoder = (PromptEncoder(server.tokenizer, max_tokens=min(server.max_model_len, server.n_slots))
@@ -136,18 +138,24 @@ class Service:
 
     async def read_body(self, request: Request) -> bytes:
         """The body, within --max-body-bytes (413) and --body-timeout (408). A client that
-        disconnects meanwhile raises starlette's ClientDisconnect."""
+        disconnects meanwhile raises starlette's ClientDisconnect. request.state.body_bytes
+        counts what was read (the cost a rejection charges to the client)."""
         limit = self.max_body_bytes
         declared = request.headers.get("content-length")
-        too_big = APIError(413, f"Request body over the limit of {limit} bytes", code="request_too_large")
+        # Connection: close, so the rest of an oversize body is never read.
+        too_big = APIError(413, f"Request body over the limit of {limit} bytes", code="request_too_large",
+                           headers={"Connection": "close"})
+        request.state.body_bytes = 0
         if declared is not None and declared.isdigit() and int(declared) > limit:
+            # Charged as sent (capped): declaring a huge body and hanging up is not free either.
+            request.state.body_bytes = min(int(declared), 4 * limit)
             raise too_big
 
         async def read() -> bytes:
-            chunks, size = [], 0
+            chunks = []
             async for chunk in request.stream():
-                size += len(chunk)
-                if size > limit:  # chunked uploads declare no length
+                request.state.body_bytes += len(chunk)
+                if request.state.body_bytes > limit:  # chunked uploads declare no length
                     raise too_big
                 chunks.append(chunk)
             return b"".join(chunks)
@@ -157,6 +165,21 @@ class Service:
         except asyncio.TimeoutError:
             raise APIError(408, f"Request body not received within {self.body_timeout:g} s",
                            code="request_timeout", headers={"Connection": "close"}) from None
+
+    async def check_rejections(self, request: Request) -> None:
+        """429 (after a delay, body unread) for a client address whose recent requests were
+        rejected faster than its budget allows (rejections.py)."""
+        addr = request.client.host if request.client else ""
+        wait = self.rejections.delay(addr)
+        if wait > 0:
+            await asyncio.sleep(wait)  # a client that retries at once is slowed to the budget's pace
+            raise APIError(429, "Too many rejected requests from this address; fix the requests, then retry",
+                           code="too_many_rejected_requests",
+                           headers={"Retry-After": str(max(1, round(wait))), "Connection": "close"})
+
+    def charge_rejection(self, request: Request) -> None:
+        addr = request.client.host if request.client else ""
+        self.rejections.charge(addr, getattr(request.state, "body_bytes", 0))
 
     def check_model(self, name: str | None) -> None:
         if name is not None and name != self.model_name:
