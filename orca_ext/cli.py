@@ -60,7 +60,12 @@ def _generate(args: argparse.Namespace) -> int:
     except InvalidRequestError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
-    with Server(**engine_kwargs(args)) as server:
+    try:
+        server = Server(**engine_kwargs(args))
+    except (ValueError, FileNotFoundError) as exc:  # a bad option or model folder: one line, no traceback
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+    with server:
         tok = server.tokenizer
         prompt: object = args.prompt
         use_chat = args.chat if args.chat is not None else bool(getattr(tok, "chat_template", None))

@@ -3,15 +3,16 @@
 The broker owns the request ids in use. An id stays in use from submit until its final output
 is handed to a caller (result(), or a stream reaching finished=True); then it can be reused.
 A finished request that no caller is waiting on is kept as "undelivered", oldest first, and
-beyond `max_undelivered` the oldest is dropped (with a warning) so abandoned ids cannot grow
-memory without bound.
+beyond `max_undelivered` the oldest is dropped so abandoned ids cannot grow memory without bound.
+Drops are logged rate-limited (DropReport): a client that never collects its outputs cannot
+flood the log either.
 
 Threads sleep on a per-request Condition over the server's lock; asyncio consumers register a
 wake-up that the engine thread schedules with `loop.call_soon_threadsafe`. Nothing polls.
 
-Locking: `add`, `find`, `unused_id`, `publish` and `n_undelivered` expect the caller to hold
-the server lock (they run inside submit/abort/the engine step); `result`, `stream`,
-`stream_async` and `discard` take it themselves.
+Locking: `add`, `find`, `unused_id`, `publish`, `n_undelivered`, `n_dropped` and
+`report_drops` expect the caller to hold the server lock (they run inside submit/abort/the
+engine step/shutdown); `result`, `stream`, `stream_async` and `discard` take it themselves.
 """
 from __future__ import annotations
 
@@ -27,6 +28,40 @@ from .errors import InvalidRequestError
 from .request import Request, RequestOutput
 
 log = logging.getLogger(__name__)
+
+DROP_REPORT_INTERVAL = 60.0  # seconds between two warnings about dropped undelivered outputs
+
+
+class DropReport:
+    """Warnings about dropped undelivered outputs: the first drop is reported at once, later
+    ones as one summary per `interval` seconds (and at shutdown, by `flush`)."""
+
+    def __init__(self, limit: int, interval: float = DROP_REPORT_INTERVAL) -> None:
+        self.limit = limit
+        self.interval = interval
+        self.total = 0                       # drops since the server started
+        self._pending = 0                    # drops not reported yet
+        self._last: Optional[float] = None   # time.monotonic() of the last warning
+
+    def dropped(self, request_id: str) -> None:
+        self.total += 1
+        self._pending += 1
+        now = time.monotonic()
+        if self._last is None:
+            log.warning("dropping the undelivered output of request %r: more than %d finished outputs "
+                        "are waiting to be collected (oldest first; further drops are summarised "
+                        "every %g s)", request_id, self.limit, self.interval)
+        elif now - self._last >= self.interval:
+            log.warning("dropped %d more undelivered outputs in the last %.0f s (latest: request %r)",
+                        self._pending, now - self._last, request_id)
+        else:
+            return
+        self._pending, self._last = 0, now
+
+    def flush(self) -> None:
+        if self._pending:
+            log.warning("dropped %d more undelivered outputs since the last report", self._pending)
+            self._pending = 0
 
 
 class _Waiters:
@@ -47,6 +82,7 @@ class OutputBroker:
         self._max_undelivered = max_undelivered
         self._live: dict[str, _Waiters] = {}  # every id in use
         self._undelivered: collections.OrderedDict[str, _Waiters] = collections.OrderedDict()
+        self._drops = DropReport(max_undelivered)
 
     # -- called with the lock held --------------------------------------------------------------
     def unused_id(self) -> str:
@@ -67,6 +103,14 @@ class OutputBroker:
     @property
     def n_undelivered(self) -> int:
         return len(self._undelivered)
+
+    @property
+    def n_dropped(self) -> int:
+        return self._drops.total
+
+    def report_drops(self) -> None:
+        """Log the drops not reported yet (at shutdown)."""
+        self._drops.flush()
 
     def publish(self, changed: list[Request]) -> None:
         """New snapshots of `changed` exist: wake their waiters; keep finished outputs that
@@ -197,8 +241,7 @@ class OutputBroker:
         while len(self._undelivered) > self._max_undelivered:
             old, _ = self._undelivered.popitem(last=False)
             del self._live[old]
-            log.warning("dropping the undelivered output of request %r (more than %d finished "
-                        "outputs are waiting to be collected)", old, self._max_undelivered)
+            self._drops.dropped(old)
 
     def _deliver(self, w: _Waiters) -> None:
         rid = w.req.request_id

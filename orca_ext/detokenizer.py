@@ -6,6 +6,10 @@ streamed text only ever grows and never shows half a character. It decodes a sho
 (a few already-emitted tokens plus the new ones) rather than the whole sequence, and seeds that
 window with the tail of the prompt so a first token's leading space survives SentencePiece-style
 decoding.
+
+Stop strings are searched by StopMatcher, a streaming Aho-Corasick search: each generated
+token's check reads only the new characters, so its cost does not grow with the number of stop
+strings times their length.
 """
 from __future__ import annotations
 
@@ -52,26 +56,90 @@ class IncrementalDetokenizer:
         return delta
 
 
-def find_stop(text: str, stops: Sequence[str], search_from: int = 0) -> tuple[int, str] | None:
-    """Earliest occurrence of any stop string that ends after `search_from`; (index, stop) or None."""
-    best = None
-    for s in stops:
-        idx = text.find(s, max(0, search_from - len(s) + 1))
-        if idx != -1 and (best is None or idx < best[0]):
-            best = (idx, s)
-    return best
+class StopAutomaton:
+    """The stop strings of one SamplingParams compiled into an Aho-Corasick automaton (immutable,
+    shared by every request that uses those params).
 
-
-def partial_stop_len(text: str, stops: Sequence[str]) -> int:
-    """Length of the longest suffix of `text` that is a proper prefix of some stop string.
-
-    A streamed snapshot withholds that suffix: if the stop string completes later it must not
-    appear in the output, and published text must never shrink.
+    A state is a node of the trie of all stop strings: the longest suffix of the text read so far
+    that is a prefix of some stop string. Reading one character costs O(1) amortised and at most
+    O(longest stop) at once, whatever the number of stop strings, which is what keeps the
+    per-token stop check linear in the new text (scanning every stop string at every position
+    costs their count times their length per token, on the engine thread).
     """
-    best = 0
-    for s in stops:
-        for n in range(min(len(s) - 1, len(text)), best, -1):
-            if text.endswith(s[:n]):
-                best = n
-                break
-    return best
+
+    __slots__ = ("goto", "fail", "depth", "match_len", "longest")
+
+    def __init__(self, stops: Sequence[str]):
+        if not stops or not all(isinstance(s, str) and s for s in stops):
+            raise ValueError("StopAutomaton needs at least one stop string, all non-empty")
+        goto: list[dict[str, int]] = [{}]
+        depth = [0]
+        terminal = [False]
+        for stop in stops:
+            node = 0
+            for ch in stop:
+                nxt = goto[node].get(ch)
+                if nxt is None:
+                    nxt = len(goto)
+                    goto[node][ch] = nxt
+                    goto.append({})
+                    depth.append(depth[node] + 1)
+                    terminal.append(False)
+                node = nxt
+            terminal[node] = True
+        fail = [0] * len(goto)
+        # match_len[v]: length of the longest stop string that is a suffix of v's string (0: none);
+        # the longest one ending at a position is the one that starts earliest there.
+        match_len = [0] * len(goto)
+        queue = list(goto[0].values())  # the root's children fail to the root
+        for v in queue:  # breadth first: a node's failure link is shallower than the node
+            match_len[v] = depth[v] if terminal[v] else match_len[fail[v]]
+            for ch, w in goto[v].items():
+                f = fail[v]
+                while f and ch not in goto[f]:
+                    f = fail[f]
+                fail[w] = goto[f].get(ch, 0)
+                queue.append(w)
+        self.goto = goto
+        self.fail = fail
+        self.depth = depth
+        self.match_len = match_len
+        self.longest = max(len(s) for s in stops)
+
+
+class StopMatcher:
+    """One request's streaming stop-string search over its append-only detokenized text."""
+
+    __slots__ = ("_auto", "_state", "_pos")
+
+    def __init__(self, automaton: StopAutomaton):
+        self._auto = automaton
+        self._state = 0    # trie node: longest suffix of text[:_pos] that is a prefix of a stop
+        self._pos = 0      # characters of the text already read
+
+    def feed(self, text: str) -> int | None:
+        """Read the characters of `text` not read before (`text` only ever grows). Returns the
+        start index of the earliest-starting stop string that ends in them, or None."""
+        auto = self._auto
+        goto, fail, match_len = auto.goto, auto.fail, auto.match_len
+        state, pos, end, best = self._state, self._pos, len(text), None
+        while pos < end:
+            if best is not None and pos - auto.longest + 1 > best:
+                break  # every later match starts after the one found
+            ch = text[pos]
+            while state and ch not in goto[state]:
+                state = fail[state]
+            state = goto[state].get(ch, 0)
+            n = match_len[state]
+            if n and (best is None or pos - n + 1 < best):
+                best = pos - n + 1
+            pos += 1
+        self._state, self._pos = state, pos
+        return best
+
+    @property
+    def held(self) -> int:
+        """Length of the longest suffix of the text read so far that is a prefix of some stop
+        string. A streamed snapshot withholds it: if the stop string completes later it must not
+        appear in the output, and published text must never shrink."""
+        return self._auto.depth[self._state]

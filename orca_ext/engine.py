@@ -21,7 +21,6 @@ from collections import deque
 from dataclasses import dataclass
 from typing import Callable, Optional
 
-from .detokenizer import find_stop, partial_stop_len
 from .executor import LocalExecutor
 from .models.batch import count_tokens
 from .request import IterationRecord, Request
@@ -38,6 +37,9 @@ class ScheduledBatch:
     requests: list
     inputs: list  # [(new_token_ids, start_pos, slab_start)] in batch order
     record: int = -1  # position of its IterationRecord in Engine.records (-1: not recorded)
+    # Selected requests whose inputs the model cannot take (token id, position or slot out of
+    # range): already failed, left out of the forward, and completed with the batch.
+    dropped: list = dataclasses.field(default_factory=list)
 
 
 class Engine:
@@ -113,6 +115,11 @@ class Engine:
         with lock:
             self._wake.clear()
             batch = self._schedule()
+            if batch is not None and not batch.requests:  # every row failed its input check
+                changed = self._postprocess(batch, None)
+                if publish is not None:
+                    publish(changed)
+                return changed
         if batch is not None:
             self._inflight.append((batch, self._execute(batch)))
         changed: list = []
@@ -149,13 +156,23 @@ class Engine:
         index = self.num_iterations
         self.num_iterations += 1
         inputs = [(*r.next_inputs(), r.slab_start) for r in reqs]
+        # One row the model cannot take would fail the whole forward: it fails alone instead.
+        errors = [self._input_error(inp) for inp in inputs]
+        dropped = [r for r, err in zip(reqs, errors) if err is not None]
+        if dropped:
+            for r, err in zip(reqs, errors):
+                if err is not None:
+                    self._end(r, "error", err)
+            log.warning("iteration %d: %d request(s) failed their input check", index, len(dropped))
+            inputs = [inp for inp, err in zip(inputs, errors) if err is None]
+            reqs = [r for r, err in zip(reqs, errors) if err is None]
         record = -1
         if self.record_iterations:
             n_prefill, n_decode = count_tokens(inputs)
             record = len(self.records)
             self.records.append(IterationRecord(index, tuple(r.request_id for r in reqs), n_prefill,
                                                 n_decode, self.scheduler.n_rsrv))
-        return ScheduledBatch(index, reqs, inputs, record)
+        return ScheduledBatch(index, reqs, inputs, record, dropped)
 
     def _execute(self, batch: ScheduledBatch):
         """Launch the batch; returns its BatchFuture (already resolved for a LocalExecutor)."""
@@ -172,13 +189,28 @@ class Engine:
             rec = self.records[batch.record]
             self.records[batch.record] = dataclasses.replace(rec, complete_time=done)
 
+    def _input_error(self, inputs) -> Optional[str]:
+        """Why the model cannot take one request's `(new_token_ids, start_pos, slab_start)`, or None.
+        The same bounds the model checks for the whole batch, per row and on host ints."""
+        new_ids, start_pos, slab_start = inputs
+        spec = self.executor.spec
+        vocab = spec.vocab_size
+        if min(new_ids) < 0 or max(new_ids) >= vocab:
+            return f"input token id outside the vocabulary [0, {vocab}): {[t for t in new_ids if not 0 <= t < vocab][:4]}"
+        last = start_pos + len(new_ids) - 1
+        if last >= spec.max_position_embeddings:
+            return f"position {last} is past the model's max_position_embeddings"
+        if slab_start < 0 or slab_start + last >= self.scheduler.n_slots:
+            return f"KV slot {slab_start + last} is outside the cache of {self.scheduler.n_slots} slots"
+        return None
+
     def _postprocess(self, batch: ScheduledBatch, result) -> list:
-        changed = []
+        changed = list(batch.dropped)
         for i, req in enumerate(batch.requests):
             if req.finished:  # aborted while running: its token is dropped, complete() frees the slab
                 continue
             if isinstance(result, BaseException):
-                self._end(req, "error", f"model forward failed: {type(result).__name__}: {result}")
+                self._end(req, "error", _forward_failed(result))
             else:
                 req.num_cached += len(batch.inputs[i][0])
                 if req.num_cached == len(req.prompt_token_ids):
@@ -190,10 +222,10 @@ class Engine:
                     try:
                         self._append_token(req, result.tokens[i])
                     except Exception as exc:  # e.g. a detokenizer error: only this request fails
-                        log.exception("request %s failed in postprocessing", req.request_id)
+                        log.exception("request %r failed in postprocessing", req.request_id)
                         self._end(req, "error", f"{type(exc).__name__}: {exc}")
             changed.append(req)
-        self.scheduler.complete(batch.requests)
+        self.scheduler.complete(batch.requests + batch.dropped)
         return changed
 
     def _end(self, req: Request, reason: str, error: Optional[str] = None) -> None:
@@ -227,18 +259,20 @@ class Engine:
         detok = req.detokenizer
         if detok is None:
             return
-        searched = req.stop_searched
         if final:
             detok.flush()
         full = detok.text
-        stops = req.params.stop
-        if stops:
-            hit = find_stop(full, stops, searched)
-            req.stop_searched = len(full)
+        matcher = req.stop_matcher
+        if matcher is not None:
+            hit = matcher.feed(full)  # reads only the new characters
             if hit is not None:
-                req.text = full[:hit[0]]
+                req.text = full[:hit]
                 self._end(req, "stop")
                 return
             if not final:
-                full = full[:len(full) - partial_stop_len(full, stops)]
+                full = full[:len(full) - matcher.held]
         req.text = full
+
+
+def _forward_failed(exc: BaseException) -> str:
+    return f"model forward failed: {type(exc).__name__}: {exc}"

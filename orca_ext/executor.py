@@ -60,6 +60,10 @@ class LocalExecutor:
         self.model = model
         self.sampler = sampler or Sampler()
 
+    @property
+    def spec(self):
+        return self.model.spec
+
     def allocate_kv_cache(self, n_slots: int):
         return self.model.allocate_kv_cache(n_slots)
 

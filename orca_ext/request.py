@@ -86,7 +86,7 @@ class Request:
         self.stop_token_ids = frozenset(stops)
         self.generator = None              # per-request torch.Generator, made on first sampled step
         self.version = 0                   # bumped whenever a new snapshot is available
-        self.stop_searched = 0             # detokenized chars already searched for stop strings
+        self.stop_matcher = params.stop_matcher()  # streaming stop-string search (None: no stops)
 
     # -- Algorithm 1 accessors -------------------------------------------------------------
     @property

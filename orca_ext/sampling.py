@@ -1,8 +1,13 @@
 """Sampling parameters (validated at construction) and the batched sampler.
 
-Greedy rows are served by one argmax over the whole batch; only rows with temperature > 0 take the
-sampled path. A sampled row draws its randomness from its own request's torch.Generator, so a seeded
-request produces the same tokens whatever else shares its batch.
+Greedy rows are served by one argmax over the whole batch; only rows with temperature >=
+GREEDY_TEMPERATURE take the sampled path. A sampled row draws its randomness from its own request's
+torch.Generator, so a seeded request produces the same tokens whatever else shares its batch.
+
+Client-supplied numbers are hostile: every field is validated here, and the sampler clamps each
+value to what its float32/int64 tensors can hold (top_k to the vocabulary, temperature to the
+float32 range), so no accepted value can raise inside the batched sampler. Should a row still fail
+there, only that row's request fails: the batch is re-run row by row to find it.
 """
 from __future__ import annotations
 
@@ -13,7 +18,20 @@ from typing import Optional, Sequence
 
 import torch
 
+from .detokenizer import StopAutomaton, StopMatcher
 from .errors import InvalidRequestError
+
+# Temperatures below this are greedy. Dividing logits by a temperature near float32's smallest
+# normal (~1e-38) overflows to inf/NaN; long before that, at 1e-5, a sampled draw is already an
+# argmax for any logit gap a model produces, so the cut-off changes no meaningful distribution.
+GREEDY_TEMPERATURE = 1e-5
+# Stop-string limits (OpenAI allows 4 stop sequences). The per-token stop check is linear in the
+# new text (detokenizer.StopMatcher), but building the matcher and holding text back still scale
+# with these, so they are bounded.
+MAX_STOP_STRINGS = 16
+MAX_STOP_STRING_CHARS = 256
+MAX_STOP_TOKEN_IDS = 1024
+_FLOAT32_MAX = float(torch.finfo(torch.float32).max)
 
 
 def _is_int(x) -> bool:
@@ -49,22 +67,18 @@ class SamplingParams:
             raise InvalidRequestError(f"top_p must be in (0, 1], got {self.top_p!r}")
         if self.seed is not None and not _is_int(self.seed):
             raise InvalidRequestError(f"seed must be an integer or None, got {self.seed!r}")
-        stop = (self.stop,) if isinstance(self.stop, str) else self.stop
-        if stop is None:
-            stop = ()
-        try:
-            stop = tuple(stop)
-        except TypeError:
-            raise InvalidRequestError(f"stop must be a string or a list of strings, got {self.stop!r}") from None
-        for i, s in enumerate(stop):
-            if not isinstance(s, str) or not s:
-                raise InvalidRequestError(f"stop[{i}] must be a non-empty string, got {s!r}")
+        stop = _check_stop(self.stop)
         stop_ids = self.stop_token_ids if self.stop_token_ids is not None else ()
+        if isinstance(stop_ids, (str, bytes)):
+            raise InvalidRequestError(f"stop_token_ids must be a list of integers, got {_short(stop_ids)}")
         try:
             stop_ids = tuple(stop_ids)
         except TypeError:
             raise InvalidRequestError(
-                f"stop_token_ids must be a list of integers, got {self.stop_token_ids!r}") from None
+                f"stop_token_ids must be a list of integers, got {_short(self.stop_token_ids)}") from None
+        if len(stop_ids) > MAX_STOP_TOKEN_IDS:
+            raise InvalidRequestError(
+                f"stop_token_ids has {len(stop_ids)} entries; at most {MAX_STOP_TOKEN_IDS} are allowed")
         for i, t in enumerate(stop_ids):
             if not _is_int(t) or t < 0:
                 raise InvalidRequestError(f"stop_token_ids[{i}] must be an integer >= 0, got {t!r}")
@@ -77,10 +91,57 @@ class SamplingParams:
         object.__setattr__(self, "top_p", float(self.top_p))
         object.__setattr__(self, "stop", stop)
         object.__setattr__(self, "stop_token_ids", tuple(int(t) for t in stop_ids))
+        # Compiled once here, on the caller's thread, and shared by every request using these
+        # params (not a dataclass field: it takes no part in equality or repr).
+        object.__setattr__(self, "_stop_automaton", StopAutomaton(stop) if stop else None)
+
+    def stop_matcher(self) -> Optional[StopMatcher]:
+        """A fresh streaming matcher of the stop strings (None without stop strings)."""
+        return StopMatcher(self._stop_automaton) if self._stop_automaton is not None else None
 
     @property
     def greedy(self) -> bool:
-        return self.temperature == 0.0
+        """Temperature 0, or below GREEDY_TEMPERATURE (too small to sample from safely)."""
+        return self.temperature < GREEDY_TEMPERATURE
+
+
+def _short(value, limit: int = 60) -> str:
+    """repr() of a client value, cut so that an error message stays one short line."""
+    text = repr(value)
+    return text if len(text) <= limit else text[:limit] + f"... ({len(text)} chars)"
+
+
+def _check_stop(stop) -> tuple:
+    """The stop strings as a tuple, within MAX_STOP_STRINGS x MAX_STOP_STRING_CHARS."""
+    if stop is None:
+        return ()
+    if isinstance(stop, str):
+        stop = (stop,)
+    elif isinstance(stop, (bytes, bytearray, memoryview)):
+        raise InvalidRequestError(f"stop must be a string or a list of strings, got {type(stop).__name__}")
+    try:
+        stop = tuple(stop)
+    except TypeError:
+        raise InvalidRequestError(f"stop must be a string or a list of strings, got {_short(stop)}") from None
+    if len(stop) > MAX_STOP_STRINGS:
+        raise InvalidRequestError(f"stop has {len(stop)} strings; at most {MAX_STOP_STRINGS} are allowed")
+    for i, s in enumerate(stop):
+        if not isinstance(s, str) or not s:
+            raise InvalidRequestError(f"stop[{i}] must be a non-empty string, got {_short(s)}")
+        if len(s) > MAX_STOP_STRING_CHARS:
+            raise InvalidRequestError(f"stop[{i}] has {len(s)} characters; at most "
+                                      f"{MAX_STOP_STRING_CHARS} are allowed")
+        if not _is_utf8(s):
+            raise InvalidRequestError(f"stop[{i}] is not valid Unicode text (it holds a lone surrogate)")
+    return stop
+
+
+def _is_utf8(text: str) -> bool:
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError:
+        return False
+    return True
 
 
 NON_FINITE_LOGITS = "non-finite logits (NaN or Inf) in the model output"
@@ -123,6 +184,9 @@ def filter_logits(logits: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor
     # Keep the smallest prefix whose mass reaches top_p (the first token is always kept).
     threshold = torch.where(top_p < 1.0, top_p, torch.full_like(top_p, 2.0))
     drop = mass_before >= threshold.unsqueeze(1)
+    # Explicitly: a top_p that rounds to 0 in float32 (e.g. 1e-50) would otherwise drop even the
+    # first token and leave an all -inf row.
+    drop[:, 0] = False
     sorted_logits = sorted_logits.masked_fill(drop, float("-inf"))
     return torch.empty_like(logits).scatter_(1, order, sorted_logits)
 
@@ -150,17 +214,35 @@ class Sampler:
             elif not req.params.greedy:
                 sampled.append(i)
         if sampled:
-            self._sample_rows(logits, requests, sampled, tokens)
+            try:
+                self._sample_rows(logits, best, requests, sampled, tokens, errors)
+            except Exception:
+                # Some row's values broke the batched path: redo the rows one at a time so that
+                # only the request that causes the failure fails.
+                for i in sampled:
+                    try:
+                        self._sample_rows(logits, best, requests, [i], tokens, errors)
+                    except Exception as exc:
+                        tokens[i] = None
+                        errors[i] = f"sampling failed: {type(exc).__name__}: {exc}"
         return SampleResult(tokens, errors)
 
-    def _sample_rows(self, logits, requests, rows, tokens) -> None:
+    def _sample_rows(self, logits, best, requests, rows, tokens, errors) -> None:
         device = logits.device
+        vocab = logits.shape[-1]
         params = [requests[i].params for i in rows]
-        sub = logits[torch.tensor(rows, device=device)]
-        temps = torch.tensor([p.temperature for p in params], device=device, dtype=torch.float32)
+        index = torch.tensor(rows, device=device)
+        # Shift each row so its maximum is exactly 0 before dividing: the scaled logits are then
+        # in [-inf, 0] for any temperature, so nothing overflows to +inf and softmax has a 1.
+        sub = logits[index] - best[index].unsqueeze(1)
+        # Clamped to float32's range: a huge temperature would otherwise become inf, and
+        # -inf / inf is NaN. (Greedy rows never get here, so the lower end is >= GREEDY_TEMPERATURE.)
+        temps = torch.tensor([min(p.temperature, _FLOAT32_MAX) for p in params],
+                             device=device, dtype=torch.float32)
         sub = sub / temps.unsqueeze(1)
         if any(p.top_k > 0 or p.top_p < 1.0 for p in params):
-            top_k = torch.tensor([p.top_k for p in params], device=device, dtype=torch.int64)
+            # top_k >= vocab keeps everything: clamping makes any accepted integer fit in int64.
+            top_k = torch.tensor([min(p.top_k, vocab) for p in params], device=device, dtype=torch.int64)
             top_p = torch.tensor([p.top_p for p in params], device=device, dtype=torch.float32)
             sub = filter_logits(sub, top_k, top_p)
         probs = sub.softmax(dim=-1)
@@ -171,6 +253,14 @@ class Sampler:
             noise[j].exponential_(generator=_generator_for(requests[i], device))
         # A zero draw would turn a masked (p = 0) token into 0/0 = NaN, which argmax would pick.
         noise.clamp_(min=torch.finfo(noise.dtype).tiny)
-        picked = (probs / noise).argmax(dim=-1).tolist()
+        picked = (probs / noise).argmax(dim=-1)
+        # Defence in depth: a row whose probabilities are not all finite would yield an arbitrary
+        # token; it fails instead of returning garbage with success.
+        healthy = torch.isfinite(probs).all(dim=-1)
+        packed = torch.stack([picked, healthy.long()]).tolist()
         for j, i in enumerate(rows):
-            tokens[i] = picked[j]
+            if packed[1][j]:
+                tokens[i] = packed[0][j]
+            else:
+                tokens[i] = None
+                errors[i] = "sampling produced non-finite probabilities"

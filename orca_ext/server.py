@@ -19,6 +19,7 @@ import torch
 from .checks import check_choice, check_positive_int
 from .delivery import OutputBroker
 from .detokenizer import IncrementalDetokenizer
+from .encoding import PromptEncoder
 from .engine import Engine
 from .errors import EngineDeadError, InvalidRequestError, ServerClosedError
 from .request import IterationRecord, Request, RequestOutput
@@ -148,7 +149,9 @@ class Server:
         self.max_batch_size = max_batch_size
         self.scheduler_policy = scheduler
         self.record_iterations = record_iterations
-        self._validator = RequestValidator(self._tok, self.vocab_size, self.max_model_len, self.n_slots)
+        encoder = (PromptEncoder(tokenizer, max_tokens=min(self.max_model_len, self.n_slots),
+                                 fallback_lock=self._tok.lock) if tokenizer is not None else None)
+        self._validator = RequestValidator(encoder, self.vocab_size, self.max_model_len, self.n_slots)
 
         sched = make_scheduler(scheduler, max_batch_size, self.n_slots, executor.n_workers if executor else 1)
         if executor is None:
@@ -305,6 +308,7 @@ class Server:
                 "prompt_tokens": eng.num_prompt_tokens,
                 "generated_tokens": eng.num_generated_tokens,
                 "undelivered_outputs": self._outputs.n_undelivered,
+                "dropped_outputs": self._outputs.n_dropped,
                 "closed": self._closed,
                 "busy_seconds": self._busy_seconds,
                 "tensor_parallel_size": self.tensor_parallel_size,
@@ -334,6 +338,7 @@ class Server:
                 self._thread.join()
         with self._lock:
             self._outputs.publish(self._engine.abort_all("abort"))
+            self._outputs.report_drops()
         self._engine.shutdown()
 
     @property

@@ -1,11 +1,14 @@
 """From user input to a request the engine can run, or an InvalidRequestError that names the
-field and the limit. Nothing here touches the engine, so a rejected request costs no engine work.
+field and the limit. Nothing here touches the engine, so a rejected request costs no engine work,
+and text prompts are encoded by `encoding.PromptEncoder` on the caller's thread, never with the
+tokenizer the engine thread detokenizes with.
 """
 from __future__ import annotations
 
 import threading
 from typing import Optional, Sequence, Union
 
+from .encoding import PromptEncoder
 from .errors import InvalidRequestError
 from .sampling import SamplingParams
 
@@ -13,28 +16,26 @@ Prompt = Union[str, Sequence[int]]
 
 
 class LockedTokenizer:
-    """Serialises tokenizer calls: HF fast tokenizers may raise 'Already borrowed' when encode
-    (which resets truncation/padding state) runs concurrently with another call."""
+    """Serialises the detokenizer's calls: HF fast tokenizers may raise 'Already borrowed' when
+    encode (which resets truncation/padding state) runs concurrently with another call. Only the
+    engine thread decodes through it; prompts are encoded with a PromptEncoder's private copies,
+    so no prompt, however long, ever holds this lock."""
 
     def __init__(self, tokenizer):
         self.tokenizer = tokenizer
-        self._lock = threading.Lock()
-
-    def encode(self, text: str) -> list[int]:
-        with self._lock:
-            return list(self.tokenizer.encode(text))
+        self.lock = threading.Lock()
 
     def decode(self, ids, **kwargs) -> str:
-        with self._lock:
+        with self.lock:
             return self.tokenizer.decode(ids, **kwargs)
 
 
 class RequestValidator:
     """Checks prompts and sampling parameters against one server's limits."""
 
-    def __init__(self, tokenizer: Optional[LockedTokenizer], vocab_size: int, max_model_len: int,
+    def __init__(self, encoder: Optional[PromptEncoder], vocab_size: int, max_model_len: int,
                  n_slots: int) -> None:
-        self.tokenizer = tokenizer
+        self.encoder = encoder
         self.vocab_size = vocab_size
         self.max_model_len = max_model_len
         self.n_slots = n_slots
@@ -44,12 +45,17 @@ class RequestValidator:
         if isinstance(prompt, str):
             if not prompt:
                 raise InvalidRequestError("prompt must not be empty")
-            if self.tokenizer is None:
+            if self.encoder is None:
                 raise InvalidRequestError("prompt: a text prompt needs a tokenizer; pass token ids")
-            ids = self.tokenizer.encode(prompt)
+            # Checks its length and Unicode first, then encodes with a private tokenizer copy.
+            ids = self.encoder.encode(prompt)
             if not ids:
                 raise InvalidRequestError("prompt must not be empty (it encodes to no tokens)")
             return ids
+        if isinstance(prompt, (bytes, bytearray, memoryview)):
+            # Iterating bytes gives ints, which would silently pass as token ids.
+            raise InvalidRequestError(f"prompt must be a string or a list of token ids, got "
+                                      f"{type(prompt).__name__}; decode it to a str first")
         try:
             ids = list(prompt)
         except TypeError:
@@ -57,6 +63,8 @@ class RequestValidator:
                 f"prompt must be a string or a list of token ids, got {type(prompt).__name__}") from None
         if not ids:
             raise InvalidRequestError("prompt must not be empty")
+        if len(ids) > self.max_model_len:  # before looking at each id
+            raise InvalidRequestError(f"prompt has {len(ids)} tokens; max_model_len = {self.max_model_len}")
         for i, t in enumerate(ids):
             if hasattr(t, "item") and not isinstance(t, int):  # numpy / torch scalars
                 t = t.item()
@@ -83,5 +91,5 @@ class RequestValidator:
             if t >= self.vocab_size:
                 raise InvalidRequestError(
                     f"stop_token_ids[{i}] = {t} is outside the vocabulary [0, {self.vocab_size})")
-        if params.stop and self.tokenizer is None:
+        if params.stop and self.encoder is None:
             raise InvalidRequestError("stop: stop strings need a tokenizer, and this model has none")

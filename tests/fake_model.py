@@ -111,6 +111,9 @@ class FakeTokenizer:
     def encode(self, text: str) -> list[int]:
         return [self._index[c] for c in text]
 
+    def get_vocab(self) -> dict[str, int]:
+        return dict(self._index)
+
     def decode(self, ids, skip_special_tokens: bool = True, **kwargs) -> str:
         if self.bad_token is not None and self.bad_token in ids:
             raise ValueError("injected detokenizer failure")

@@ -1,11 +1,12 @@
-"""Incremental detokenization never shows half a UTF-8 character; stop-string helpers."""
+"""Incremental detokenization never shows half a UTF-8 character; the streaming stop-string matcher
+agrees with a plain scan of the whole text."""
 from __future__ import annotations
 
 import random
 
 import pytest
 
-from orca_ext.detokenizer import REPLACEMENT_CHAR, IncrementalDetokenizer, find_stop, partial_stop_len
+from orca_ext.detokenizer import REPLACEMENT_CHAR, IncrementalDetokenizer, StopAutomaton, StopMatcher
 
 
 @pytest.fixture(scope="module")
@@ -102,12 +103,55 @@ def test_real_tokenizer_splits_and_resolves(byte_tokenizer):
     assert detok.text == tok.decode(ids)
 
 
-def test_find_stop_reports_the_earliest_stop_after_the_searched_prefix():
-    assert find_stop("hello world", ["wor", "lo"]) == (3, "lo")
-    assert find_stop("hello world", ["xyz"]) is None
-    # only matches that end after `search_from` count; a stop straddling it is found
-    assert find_stop("abcSTOPdef", ["STOP"], search_from=5) == (3, "STOP")
-    assert find_stop("STOPabcdefgh", ["STOP"], search_from=8) is None
+# -- stop strings: plain references over the whole text ------------------------------------------
+def find_stop(text: str, stops, search_from: int = 0):
+    """Earliest-starting occurrence of any stop string that ends after `search_from` (index or None)."""
+    best = None
+    for s in stops:
+        idx = text.find(s, max(0, search_from - len(s) + 1))
+        if idx != -1 and (best is None or idx < best):
+            best = idx
+    return best
+
+
+def partial_stop_len(text: str, stops) -> int:
+    """Length of the longest suffix of `text` that is a proper prefix of some stop string."""
+    return max((n for s in stops for n in range(1, min(len(s) - 1, len(text)) + 1)
+                if text.endswith(s[:n])), default=0)
+
+
+def run_matcher(chunks, stops):
+    """Feed growing text chunk by chunk; (hit index or None, held-back length) after each chunk,
+    stopping at the first hit as the engine does."""
+    matcher, text, got = StopMatcher(StopAutomaton(stops)), "", []
+    for chunk in chunks:
+        text += chunk
+        hit = matcher.feed(text)
+        got.append((hit, matcher.held if hit is None else None))
+        if hit is not None:
+            break
+    return got
+
+
+def reference(chunks, stops):
+    text, searched, got = "", 0, []
+    for chunk in chunks:
+        text += chunk
+        hit = find_stop(text, stops, searched)
+        searched = len(text)
+        got.append((hit, partial_stop_len(text, stops) if hit is None else None))
+        if hit is not None:
+            break
+    return got
+
+
+def test_matcher_reports_the_earliest_stop_ending_in_the_new_text():
+    assert run_matcher(["hello world"], ["wor", "lo"]) == [(3, None)]
+    assert run_matcher(["hello world"], ["xyz"]) == [(None, 0)]
+    # a stop straddling two feeds is found; one wholly in earlier text was already reported
+    assert run_matcher(["abcST", "OPdef"], ["STOP"]) == [(None, 2), (3, None)]
+    # one feed holding two stops: the earliest start wins even if it ends later
+    assert run_matcher(["xabcd"], ["abcd", "c"]) == [(1, None)]
 
 
 @pytest.mark.parametrize("text, stops, want", [
@@ -115,7 +159,22 @@ def test_find_stop_reports_the_earliest_stop_after_the_searched_prefix():
     ("hello w", ["world", "w!"], 1),
     ("hello", ["world"], 0),
     ("abcab", ["abcabd"], 5),
-    ("xxab", ["abc", "b"], 2),  # "b" itself would be a full match, handled by find_stop
 ])
-def test_partial_stop_len(text, stops, want):
-    assert partial_stop_len(text, stops) == want
+def test_held_back_tail(text, stops, want):
+    assert run_matcher([text], stops) == [(None, want)]
+
+
+def test_matcher_equals_the_plain_scan_on_random_streams():
+    """A small alphabet makes overlapping, nested and repeated stops common."""
+    rng = random.Random(5)
+    for _ in range(400):
+        stops = ["".join(rng.choice("abc") for _ in range(rng.randint(1, 6))) for _ in range(rng.randint(1, 5))]
+        chunks = ["".join(rng.choice("abcd") for _ in range(rng.randint(0, 4))) for _ in range(rng.randint(1, 12))]
+        assert run_matcher(chunks, stops) == reference(chunks, stops), (stops, chunks)
+
+
+def test_automaton_rejects_empty_stop_lists():
+    with pytest.raises(ValueError):
+        StopAutomaton([])
+    with pytest.raises(ValueError):
+        StopAutomaton(["ok", ""])

@@ -358,20 +358,21 @@ def test_bad_inputs_never_reach_the_engine(server, client, model_name):
         for body, status, param in BAD_CHATS:
             _check_error(c.post(server.url("/v1/chat/completions"), json={"model": model_name, **body}),
                          status, param)
+        json_type = {"content-type": "application/json"}
         for path in ("/v1/completions", "/v1/chat/completions"):
             url = server.url(path)
-            err = _check_error(c.post(url, content=b'{"prompt": "hi",', headers={"content-type": "application/json"}),
-                               400, None)
+            err = _check_error(c.post(url, content=b'{"prompt": "hi",', headers=json_type), 400, None)
             assert "JSON" in err["message"]
-            _check_error(c.post(url, content=b"[1, 2]"), 400, None)
+            _check_error(c.post(url, content=b"[1, 2]", headers=json_type), 400, None)
+            _check_error(c.post(url, content=b'{"prompt": "hi"}'), 415, None)  # no Content-Type
             big = b'{"prompt": "' + b"a" * (1 << 20) + b'"}'
-            _check_error(c.post(url, content=big), 413, None)
+            _check_error(c.post(url, content=big, headers=json_type), 413, None)
 
             def chunked():  # no Content-Length: the limit must hold while reading
                 for _ in range(40):
                     yield b"x" * (64 << 10)
 
-            _check_error(c.post(url, content=chunked()), 413, None)
+            _check_error(c.post(url, content=chunked(), headers=json_type), 413, None)
         _check_error(c.get(server.url("/v1/nothing-here")), 404, None)
     # The openai client turns these into its typed errors.
     with pytest.raises(openai.BadRequestError) as info:

@@ -1,12 +1,19 @@
 """FastAPI application: OpenAI-compatible completions and chat completions over orca_ext.Server.
 
 Request path of one completion (`_handle`):
-  auth (401) -> body read with a size limit (413) -> strict parse (400) -> model name (404)
-  -> unsupported options (400) -> admission against --max-queue (429 + Retry-After)
-  -> SamplingParams + Server.submit (InvalidRequestError -> 400) -> stream or collect.
+  Host allow-list (400, guards.py) -> the client's budget for rejected requests (429 after a
+  delay, rejections.py) -> auth (401) -> Content-Type application/json (415)
+  -> body read with a size limit (413) and a time limit (408) -> strict parse (400)
+  -> model name (404) -> unsupported options (400) -> admission against --max-queue (429 +
+  Retry-After; 503 while draining) -> SamplingParams + Server.submit (InvalidRequestError -> 400)
+  -> stream or collect.
 Nothing reaches the engine before admission (service.py). Snapshots come from
 `Server.stream_async`; a client that goes away gets its request aborted, which frees its KV slab
-at once. Streaming responses are built in sse.py.
+at once. A client that goes away while still sending its body is a disconnect (INFO, outcome
+"abort"), not a server error. Streaming responses are built in sse.py.
+
+Every client-supplied string that reaches a log line (model names, field names, paths) is logged
+with %r, so newlines and terminal escapes cannot forge log records.
 """
 
 from __future__ import annotations
@@ -21,35 +28,56 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response
 from pydantic import ValidationError
 from starlette.exceptions import HTTPException as StarletteHTTPException
+from starlette.requests import ClientDisconnect
 
 from ..server import Server
 from . import protocol, sse
-from .errors import APIError, bad_request, engine_error, internal_error
+from .errors import APIError, bad_request, engine_error, internal_error, shutdown_error
+from .guards import Guards, allowed_hosts
+from .rejections import RejectionBudget
 from .service import Admission, Service, validation_error
+from .settings import DEFAULT_BODY_TIMEOUT, DEFAULT_CHAT_MAX_TOKENS, DEFAULT_MAX_BODY_BYTES
 
 logger = logging.getLogger(__name__)
-
-DEFAULT_MAX_BODY_BYTES = 1 << 20
-DEFAULT_CHAT_MAX_TOKENS = 256
 
 Runner = Callable[[Service, Request, Any, Admission], Awaitable[Response]]
 
 
 def create_app(server: Server, *, model_name: str, max_queue: int = 256, api_key: str | None = None,
                max_body_bytes: int = DEFAULT_MAX_BODY_BYTES,
-               default_max_tokens: int = DEFAULT_CHAT_MAX_TOKENS) -> FastAPI:
+               default_max_tokens: int = DEFAULT_CHAT_MAX_TOKENS, body_timeout: float = DEFAULT_BODY_TIMEOUT,
+               bind_host: str | None = None, trusted_hosts: list[str] | None = None,
+               cors_origins: list[str] | None = None, enable_docs: bool = False,
+               rejections: RejectionBudget | None = None) -> FastAPI:
     """The HTTP app over a running ``orca_ext.Server`` (which the caller owns and shuts down).
 
     model_name: the only name accepted in the "model" field (others get 404).
     max_queue: most requests admitted and not finished (waiting + running); more get 429.
-    api_key: when set, /v1/* require ``Authorization: Bearer <api_key>``.
+    api_key: when set, /v1/* (and the docs, when enabled) require ``Authorization: Bearer <api_key>``.
+    body_timeout: seconds for a whole request body to arrive (408 after that).
+    bind_host / trusted_hosts: the Host allow-list (guards.py). With bind_host None the app does
+    not know where it is served and checks no Host, unless trusted_hosts is given.
+    cors_origins: origins allowed by CORS (None: no CORS headers, so browsers refuse cross-origin calls).
+    enable_docs: serve /docs, /redoc and /openapi.json (off by default).
+    rejections: the per-address budget for rejected requests (default: rejections.py's limits).
     The chat template, the context limit and the vocabulary size are the server's.
     """
     svc = Service(server, model_name=model_name, max_queue=max_queue, api_key=api_key,
-                  max_body_bytes=max_body_bytes, default_max_tokens=default_max_tokens)
-    app = FastAPI(title="orca_ext", summary="OpenAI-compatible serving with iteration-level scheduling")
+                  max_body_bytes=max_body_bytes, default_max_tokens=default_max_tokens,
+                  body_timeout=body_timeout, rejections=rejections)
+    docs = {} if enable_docs else {"docs_url": None, "redoc_url": None, "openapi_url": None}
+    app = FastAPI(title="orca_ext", summary="OpenAI-compatible serving with iteration-level scheduling", **docs)
     app.state.service = svc
     _add_error_handlers(app)
+    if cors_origins:
+        from starlette.middleware.cors import CORSMiddleware
+
+        app.add_middleware(CORSMiddleware, allow_origins=list(cors_origins), allow_methods=["GET", "POST"],
+                           allow_headers=["Authorization", "Content-Type"], max_age=600)
+    hosts = (allowed_hosts(bind_host or "0.0.0.0", trusted_hosts)
+             if bind_host is not None or trusted_hosts else None)
+    # Added last, so outermost: a foreign Host is refused before CORS and the routes see it.
+    app.add_middleware(Guards, allowed=hosts, api_key=api_key if enable_docs else None)
 
     @app.get("/health")
     async def health() -> Response:
@@ -111,7 +139,7 @@ def _add_error_handlers(app: FastAPI) -> None:
     @app.exception_handler(Exception)
     async def _bug(request: Request, exc: Exception) -> JSONResponse:
         rid = getattr(request.state, "rid", None)
-        logger.error("internal error on %s %s (request %s)", request.method, request.url.path, rid, exc_info=exc)
+        logger.error("internal error on %s %r (request %s)", request.method, request.url.path, rid, exc_info=exc)
         return internal_error(rid).response()
 
 
@@ -123,7 +151,9 @@ async def _handle(svc: Service, request: Request, endpoint: str, run: Runner, mo
     request.state.rid = rid
     adm: Admission | None = None
     try:
+        await svc.check_rejections(request)
         svc.check_auth(request)
+        svc.check_content_type(request)
         raw = await svc.read_body(request)
         try:
             body = model_cls.model_validate_json(raw)
@@ -136,12 +166,23 @@ async def _handle(svc: Service, request: Request, endpoint: str, run: Runner, mo
     except APIError as exc:
         if adm is not None:
             adm.close()
-        outcome = {401: "unauthorized", 429: "rejected_queue_full"}.get(exc.status, "invalid")
-        if exc.status >= 500:
+        outcome = {401: "unauthorized", 429: "rejected_queue_full", 503: "shutdown"}.get(exc.status, "invalid")
+        if exc.code == "too_many_rejected_requests":
+            outcome = "rejected_too_many_errors"
+        elif exc.status >= 500 and exc.status != 503:
             outcome = "internal_error"
+        elif 400 <= exc.status < 500 and exc.status != 429:
+            svc.charge_rejection(request)
         svc.metrics.observe_rejected(endpoint, outcome)
-        logger.info("request %s: %d %s", rid, exc.status, exc.message)
+        # %r: the message quotes client strings (model names, field names).
+        logger.info("request %s: %d %r", rid, exc.status, exc.message)
         response = exc.response()
+    except ClientDisconnect:  # gone while sending its body: the client's doing, not ours
+        if adm is not None:
+            adm.close()
+        svc.metrics.observe_rejected(endpoint, "abort")
+        logger.info("request %s: client disconnected while sending its body", rid)
+        response = Response(status_code=499)
     except asyncio.CancelledError:
         if adm is not None:
             adm.close()
@@ -170,6 +211,8 @@ async def _respond(svc: Service, request: Request, body: Any, adm: Admission,
         return Response(status_code=499)
     if out.finish_reason == "error":
         raise engine_error(adm.rid, out.error)
+    if out.finish_reason == "abort" and adm.shutdown:
+        raise shutdown_error()
     return JSONResponse(make_body(out))
 
 

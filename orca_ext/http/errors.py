@@ -19,7 +19,9 @@ _TYPE_BY_STATUS = {
     401: "authentication_error",
     404: "not_found_error",
     405: "invalid_request_error",
+    408: "invalid_request_error",
     413: "invalid_request_error",
+    415: "invalid_request_error",
     429: "rate_limit_error",
     500: "server_error",
     503: "server_error",
@@ -72,8 +74,13 @@ def internal_error(rid: str) -> APIError:
 
 def engine_error(rid: str, error: str | None) -> APIError:
     """The engine finished request `rid` with finish_reason 'error'."""
-    logger.error("request %s failed inside the engine: %s", rid, error)
+    logger.error("request %s failed inside the engine: %r", rid, error)
     return APIError(500, f"The engine failed on this request ({rid}): {error}", code="engine_error")
+
+
+def shutdown_error() -> APIError:
+    """The server's drain ended this request before it finished."""
+    return APIError(503, "The server shut down before this request finished", code="server_shutting_down")
 
 
 # Field names the engine's InvalidRequestError messages may start with or mention, in the

@@ -100,7 +100,8 @@ class Metrics:
         r = self.registry
         self.requests = Counter(
             f"{PREFIX}_http_requests", "Completion requests by endpoint and outcome "
-            "(stop, length, abort, error, rejected_queue_full, invalid, unauthorized, internal_error).",
+            "(stop, length, abort = the client disconnected, error, rejected_queue_full, invalid, unauthorized, "
+            "shutdown = ended or refused by the server's drain, rejected_too_many_errors, internal_error).",
             ["endpoint", "outcome"], registry=r)
         self.inflight = Gauge(f"{PREFIX}_http_requests_inflight",
                               "Requests admitted by the HTTP layer and not finished (bounded by --max-queue).",

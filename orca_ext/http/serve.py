@@ -4,6 +4,7 @@ The CLI (orca_ext/cli.py) declares the subcommand and calls `add_arguments(parse
 `main(args)` here. Engine options (device, dtype, batch size, KV slots, scheduler, ...) come
 from orca_ext/options.py, shared with the other subcommands. FastAPI and uvicorn are imported
 only when the server starts, so the rest of the command line works without the HTTP extras.
+The protections and limits are described in transport.py, guards.py and README's server section.
 """
 
 from __future__ import annotations
@@ -11,11 +12,11 @@ from __future__ import annotations
 import argparse
 import logging
 import os
-import signal
 import sys
 from typing import Any
 
 from ..options import add_engine_arguments, engine_kwargs
+from . import settings
 
 logger = logging.getLogger(__name__)
 
@@ -31,15 +32,42 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--max-queue", type=int, default=256,
                    help="most requests admitted and unfinished (waiting + running); more get 429 (default 256)")
     g.add_argument("--api-key", default=os.environ.get(API_KEY_ENV),
-                   help=f"require 'Authorization: Bearer KEY' on /v1/* (default: ${API_KEY_ENV}, else none)")
+                   help=f"require 'Authorization: Bearer KEY' on /v1/* (default: ${API_KEY_ENV}, else none). "
+                        f"Prefer ${API_KEY_ENV}: a command-line key is visible to every user in `ps`")
     g.add_argument("--served-model-name", default=None,
                    help="the name clients pass as 'model' (default: the model folder's name)")
-    g.add_argument("--default-max-tokens", type=int, default=256,
-                   help="max_tokens of a chat request that gives none (default 256)")
-    g.add_argument("--max-body-bytes", type=int, default=1 << 20,
+    g.add_argument("--default-max-tokens", type=int, default=settings.DEFAULT_CHAT_MAX_TOKENS,
+                   help="max_tokens of a chat request that gives none (default %(default)d)")
+    g.add_argument("--max-body-bytes", type=int, default=settings.DEFAULT_MAX_BODY_BYTES,
                    help="largest accepted request body; larger get 413 (default 1 MiB)")
     g.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"],
                    help="logging level (default info)")
+    p = parser.add_argument_group("HTTP protections and limits")
+    p.add_argument("--trusted-hosts", type=_names, default=None, metavar="NAMES",
+                   help="comma-separated Host names to answer besides loopback ones ('*' = any; "
+                        "'*.example.com' = subdomains). Default: a loopback --host answers loopback "
+                        "names only (against DNS rebinding), any other --host answers any name")
+    p.add_argument("--cors-origins", type=_names, default=None, metavar="ORIGINS",
+                   help="comma-separated origins allowed by CORS, e.g. https://app.example.com "
+                        "(default: none; browsers then refuse cross-origin calls)")
+    p.add_argument("--enable-docs", action="store_true",
+                   help="serve /docs, /redoc and /openapi.json (default off; behind --api-key when one is set)")
+    p.add_argument("--header-timeout", type=float, default=settings.DEFAULT_HEADER_TIMEOUT, metavar="S",
+                   help="seconds a connection gets to send complete request headers (default %(default)g)")
+    p.add_argument("--body-timeout", type=float, default=settings.DEFAULT_BODY_TIMEOUT, metavar="S",
+                   help="seconds a request gets to send its whole body; then 408 (default %(default)g)")
+    p.add_argument("--keep-alive-timeout", type=float, default=settings.DEFAULT_KEEP_ALIVE_TIMEOUT, metavar="S",
+                   help="seconds an idle keep-alive connection stays open (default %(default)g)")
+    p.add_argument("--max-connections", type=int, default=settings.DEFAULT_MAX_CONNECTIONS, metavar="N",
+                   help="open connections (or running requests) beyond which requests get 503 "
+                        "(default %(default)d)")
+    p.add_argument("--shutdown-grace", type=float, default=settings.DEFAULT_SHUTDOWN_GRACE, metavar="S",
+                   help="on SIGINT/SIGTERM: seconds running requests get to finish before they are "
+                        "ended with an error event (default %(default)g)")
+
+
+def _names(value: str) -> list[str]:
+    return [v.strip() for v in value.split(",") if v.strip()]
 
 
 def build_app(args: argparse.Namespace) -> tuple[Any, Any]:
@@ -51,40 +79,57 @@ def build_app(args: argparse.Namespace) -> tuple[Any, Any]:
     logger.info("starting the engine with %s", kwargs)
     server = Server(**kwargs)
     model_name = args.served_model_name or os.path.basename(os.path.normpath(server.model_path))
-    app = create_app(server, model_name=model_name, max_queue=args.max_queue, api_key=args.api_key,
-                     max_body_bytes=args.max_body_bytes, default_max_tokens=args.default_max_tokens)
+    try:
+        app = create_app(server, model_name=model_name, max_queue=args.max_queue, api_key=args.api_key,
+                         max_body_bytes=args.max_body_bytes, default_max_tokens=args.default_max_tokens,
+                         body_timeout=args.body_timeout, bind_host=args.host, trusted_hosts=args.trusted_hosts,
+                         cors_origins=args.cors_origins, enable_docs=args.enable_docs)
+    except BaseException:
+        server.shutdown()
+        raise
     return server, app
-
-
-def _exit_on_sigterm(signum, frame) -> None:
-    raise SystemExit(0)
 
 
 def main(args: argparse.Namespace) -> int:
     try:
         import fastapi  # noqa: F401
-        import uvicorn
+        import uvicorn  # noqa: F401
     except ImportError as exc:
         print(f"error: `serve` needs the HTTP extras (pip install 'orca_ext[serve]'): {exc}", file=sys.stderr)
         return 2
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     for name, value in (("--max-queue", args.max_queue), ("--max-body-bytes", args.max_body_bytes),
-                        ("--default-max-tokens", args.default_max_tokens)):
+                        ("--default-max-tokens", args.default_max_tokens),
+                        ("--max-connections", args.max_connections)):
         if value < 1:
             logger.error("%s must be >= 1 (got %d)", name, value)
             return 2
-    server, app = build_app(args)
-    # uvicorn shuts down gracefully on SIGTERM, then re-raises it; turn that into SystemExit so the
-    # `finally` below still shuts the server (and any worker processes) down.
-    signal.signal(signal.SIGTERM, _exit_on_sigterm)
+    for name, value in (("--header-timeout", args.header_timeout), ("--body-timeout", args.body_timeout),
+                        ("--keep-alive-timeout", args.keep_alive_timeout)):
+        if not value > 0:
+            logger.error("%s must be > 0 seconds (got %g)", name, value)
+            return 2
+    if not args.shutdown_grace >= 0:
+        logger.error("--shutdown-grace must be >= 0 seconds (got %g)", args.shutdown_grace)
+        return 2
     try:
-        logger.info("serving '%s' on http://%s:%d/v1 (max queue %d, api key %s)",
-                    app.state.service.model_name, args.host, args.port, args.max_queue,
-                    "required" if args.api_key else "off")
-        # timeout_graceful_shutdown: streams still open at Ctrl-C are cut after a few seconds
-        # instead of holding the process until they finish.
-        uvicorn.run(app, host=args.host, port=args.port, log_level=args.log_level,
-                    timeout_graceful_shutdown=5)
+        server, app = build_app(args)
+    except (ValueError, FileNotFoundError) as exc:  # a bad option or model folder: one line, no traceback
+        logger.error("%s", exc)
+        return 2
+    service = app.state.service
+    try:
+        from . import transport
+
+        logger.info("serving %r on http://%s:%d/v1 (max queue %d, api key %s)", service.model_name, args.host,
+                    args.port, args.max_queue, "required" if args.api_key else "off")
+        config = transport.make_config(app, host=args.host, port=args.port, log_level=args.log_level,
+                                       header_timeout=args.header_timeout,
+                                       keep_alive_timeout=args.keep_alive_timeout,
+                                       max_connections=args.max_connections)
+        # SIGINT/SIGTERM: drain (stop admitting, a bounded grace, end the rest in-band), then exit 0.
+        transport.DrainingServer(config, lambda hurry: service.drain(args.shutdown_grace, hurry)).run()
     finally:
         server.shutdown()
+    logger.info("stopped")
     return 0

@@ -1,27 +1,35 @@
 """The HTTP layer's per-app state and the steps every completion request goes through.
 
-`Service` holds the app's configuration and its admission count; `Admission` is one request's
-place in the --max-queue budget. The checks that run before admission (auth, body size, model
-name) never touch the engine, so malformed or oversize input costs no engine work.
+`Service` holds the app's configuration and its admissions; `Admission` is one request's place
+in the --max-queue budget. The checks that run before admission (auth, content type, body size
+and time, model name) never touch the engine, so malformed or oversize input costs no engine
+work.
+
+Shutdown: drain() stops admitting (503), lets admitted requests finish for a bounded grace
+period, then aborts the rest, which end with an in-band error event (streams, see sse.py) or a
+503 (non-streaming).
 """
 
 from __future__ import annotations
 
 import asyncio
-import hmac
 import logging
-from typing import Any
+from typing import Any, Callable
 
 from fastapi import Request
 from pydantic import ValidationError
 
+from ..encoding import PromptEncoder
 from ..errors import EngineDeadError, InvalidRequestError, ServerClosedError
 from ..models import apply_chat_template
 from ..sampling import SamplingParams
 from ..server import Server
 from . import protocol
 from .errors import APIError, bad_request, param_from_engine_message
+from .guards import bearer_ok
 from .metrics import Metrics
+from .rejections import RejectionBudget
+from .settings import DEFAULT_BODY_TIMEOUT
 
 logger = logging.getLogger(__name__)
 
@@ -53,12 +61,14 @@ class Admission:
         self.endpoint = endpoint
         self.submitted = False
         self.finished = False
+        self.shutdown = False   # ended by the server's drain, not by the client or the engine
         self._closed = False
 
     def close(self) -> None:
         if self._closed:
             return
         self._closed = True
+        self.service.admissions.pop(self.rid, None)
         self.service.inflight -= 1
         self.service.metrics.inflight.set(self.service.inflight)
         if self.submitted and not self.finished:
@@ -66,7 +76,7 @@ class Admission:
             server = self.service.server
             try:
                 aborted = server.abort(self.rid)
-                self.service.metrics.observe_rejected(self.endpoint, "abort")
+                self.service.metrics.observe_rejected(self.endpoint, "shutdown" if self.shutdown else "abort")
                 logger.info("request %s aborted (client disconnected or failed; was live: %s)", self.rid, aborted)
                 # Collect the final output so the server releases the id now instead of keeping
                 # an undelivered output around (abort() finishes the request synchronously).
@@ -79,17 +89,29 @@ class Admission:
 
 class Service:
     def __init__(self, server: Server, *, model_name: str, max_queue: int, api_key: str | None,
-                 max_body_bytes: int, default_max_tokens: int) -> None:
+                 max_body_bytes: int, default_max_tokens: int,
+                 body_timeout: float = DEFAULT_BODY_TIMEOUT, rejections: RejectionBudget | None = None) -> None:
         if max_queue < 1:
             raise ValueError(f"max_queue must be >= 1 (got {max_queue})")
+        if not body_timeout > 0:
+            raise ValueError(f"body_timeout must be > 0 seconds (got {body_timeout})")
         self.server = server
         self.model_name = model_name
         self.max_queue = max_queue
         self.api_key = api_key
         self.max_body_bytes = max_body_bytes
         self.default_max_tokens = default_max_tokens
+        self.body_timeout = body_timeout
+        self.rejections = rejections if rejections is not None else RejectionBudget()
+        # Chat prompts are encoded with private copies of the server's tokenizer, which its
+        # engine thread uses to detokenize.
+        self.encoder = (PromptEncoder(server.tokenizer, max_tokens=min(server.max_model_len, server.n_slots))
+                        if server.tokenizer is not None else None)
         self.created = protocol.now()
         self.inflight = 0
+        self.admissions: dict[str, Admission] = {}
+        self.draining = False    # no new admissions
+        self.cutting = False     # the grace period is over: whatever is still admitted is aborted
         self.metrics = Metrics(server.stats)
 
     def model_card(self) -> dict:
@@ -101,38 +123,114 @@ class Service:
     def check_auth(self, request: Request) -> None:
         if self.api_key is None:
             return
-        header = request.headers.get("authorization", "")
-        scheme, _, token = header.partition(" ")
-        if scheme.lower() != "bearer" or not hmac.compare_digest(token.strip().encode(), self.api_key.encode()):
+        if not bearer_ok(request.headers.get("authorization", ""), self.api_key):
             raise APIError(401, "Invalid or missing API key: send 'Authorization: Bearer <key>'",
                            code="invalid_api_key", headers={"WWW-Authenticate": "Bearer"})
 
+    @staticmethod
+    def check_content_type(request: Request) -> None:
+        """POST bodies must be declared JSON. A browser sends a cross-origin application/json
+        POST only after a CORS preflight, so this also stops cross-site form and text posts."""
+        declared = request.headers.get("content-type", "")
+        if declared.split(";", 1)[0].strip().lower() != "application/json":
+            raise APIError(415, f"Content-Type must be application/json (got {declared[:60]!r})",
+                           code="unsupported_media_type")
+
     async def read_body(self, request: Request) -> bytes:
+        """The body, within --max-body-bytes (413) and --body-timeout (408). A client that
+        disconnects meanwhile raises starlette's ClientDisconnect. request.state.body_bytes
+        counts what was read (the cost a rejection charges to the client)."""
         limit = self.max_body_bytes
         declared = request.headers.get("content-length")
-        too_big = APIError(413, f"Request body over the limit of {limit} bytes", code="request_too_large")
+        # Connection: close, so the rest of an oversize body is never read.
+        too_big = APIError(413, f"Request body over the limit of {limit} bytes", code="request_too_large",
+                           headers={"Connection": "close"})
+        request.state.body_bytes = 0
         if declared is not None and declared.isdigit() and int(declared) > limit:
+            # Charged as sent (capped): declaring a huge body and hanging up is not free either.
+            request.state.body_bytes = min(int(declared), 4 * limit)
             raise too_big
-        chunks, size = [], 0
-        async for chunk in request.stream():
-            size += len(chunk)
-            if size > limit:  # chunked uploads declare no length
-                raise too_big
-            chunks.append(chunk)
-        return b"".join(chunks)
+
+        async def read() -> bytes:
+            chunks = []
+            async for chunk in request.stream():
+                request.state.body_bytes += len(chunk)
+                if request.state.body_bytes > limit:  # chunked uploads declare no length
+                    raise too_big
+                chunks.append(chunk)
+            return b"".join(chunks)
+
+        try:
+            return await asyncio.wait_for(read(), self.body_timeout)
+        except asyncio.TimeoutError:
+            raise APIError(408, f"Request body not received within {self.body_timeout:g} s",
+                           code="request_timeout", headers={"Connection": "close"}) from None
+
+    async def check_rejections(self, request: Request) -> None:
+        """429 (after a delay, body unread) for a client address whose recent requests were
+        rejected faster than its budget allows (rejections.py)."""
+        addr = request.client.host if request.client else ""
+        wait = self.rejections.delay(addr)
+        if wait > 0:
+            await asyncio.sleep(wait)  # a client that retries at once is slowed to the budget's pace
+            raise APIError(429, "Too many rejected requests from this address; fix the requests, then retry",
+                           code="too_many_rejected_requests",
+                           headers={"Retry-After": str(max(1, round(wait))), "Connection": "close"})
+
+    def charge_rejection(self, request: Request) -> None:
+        addr = request.client.host if request.client else ""
+        self.rejections.charge(addr, getattr(request.state, "body_bytes", 0))
 
     def check_model(self, name: str | None) -> None:
         if name is not None and name != self.model_name:
-            raise APIError(404, f"The model '{name}' does not exist; this server serves '{self.model_name}'",
-                           param="model", code="model_not_found")
+            raise APIError(404, f"The model {name[:200]!r} does not exist; this server serves "
+                           f"{self.model_name!r}", param="model", code="model_not_found")
 
     def admit(self, rid: str, endpoint: str) -> Admission:
+        if self.draining:
+            raise APIError(503, "The server is shutting down", code="server_shutting_down",
+                           headers={"Retry-After": "5", "Connection": "close"})
         if self.inflight >= self.max_queue:
             raise APIError(429, f"Server busy: {self.inflight} requests in flight (limit --max-queue "
                            f"{self.max_queue}); retry later", code="queue_full", headers={"Retry-After": "1"})
         self.inflight += 1
         self.metrics.inflight.set(self.inflight)
-        return Admission(self, rid, endpoint)
+        adm = Admission(self, rid, endpoint)
+        self.admissions[rid] = adm
+        return adm
+
+    async def drain(self, grace: float, hurry: Callable[[], bool] = lambda: False) -> None:
+        """Stop admitting; give admitted requests up to `grace` seconds to finish (less if
+        `hurry()` turns True); then abort the rest."""
+        self.draining = True
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + grace
+        if self.inflight:
+            logger.info("draining: %d request(s) in flight get up to %g s to finish", self.inflight, grace)
+        while self.inflight and loop.time() < deadline and not hurry():
+            await asyncio.sleep(0.05)
+        self.cutting = True
+        cut = [adm for adm in list(self.admissions.values()) if not adm.finished]
+        for adm in cut:
+            self.cut(adm)
+        if cut:
+            logger.info("draining: ended %d request(s) still running after the grace period", len(cut))
+        # Give the aborted requests' responses a moment to send their last events.
+        end = loop.time() + 5.0
+        while self.inflight and loop.time() < end and not hurry():
+            await asyncio.sleep(0.02)
+
+    def cut(self, adm: Admission) -> None:
+        """End one admitted request because the server is going away."""
+        adm.shutdown = True
+        if adm.submitted:
+            self.server.abort(adm.rid)
+
+    def observe_finished(self, adm: Admission, out: Any) -> None:
+        if out.finish_reason == "abort" and adm.shutdown:
+            self.metrics.observe_rejected(adm.endpoint, "shutdown")
+        else:
+            self.metrics.observe_finished(adm.endpoint, out)
 
     # -- prompts --------------------------------------------------------------------------------
 
@@ -148,8 +246,12 @@ class Service:
             if type(exc).__module__.startswith("jinja2"):
                 raise bad_request(f"messages: the chat template rejected them: {exc}", "messages") from exc
             raise
-        # The template already wrote the special tokens (BOS, role markers) as text.
-        return list(tokenizer.encode(rendered, add_special_tokens=False))
+        # The template already wrote the special tokens (BOS, role markers) as text. Encoded with
+        # a private tokenizer copy, after the length check (the engine decodes with `tokenizer`).
+        try:
+            return self.encoder.encode(rendered, field="messages", add_special_tokens=False)
+        except InvalidRequestError as exc:
+            raise bad_request(str(exc), "messages") from exc
 
     def chat_default_max_tokens(self, prompt_len: int) -> int:
         limit = min(self.server.max_model_len, self.server.n_slots)
@@ -175,6 +277,8 @@ class Service:
             raise bad_request(message, param_from_engine_message(
                 str(exc), max_tokens_name=max_tokens_field, prompt_name=prompt_field)) from exc
         adm.submitted = True
+        if self.cutting:  # admitted before the drain began, submitted after its grace period
+            self.cut(adm)
 
     async def collect(self, adm: Admission, request: Request) -> Any:
         """The final output, or None when the client disconnected first (the caller's
@@ -201,7 +305,7 @@ class Service:
                 result_task.cancel()
         if final is not None and final.finished:
             adm.finished = True
-            self.metrics.observe_finished(adm.endpoint, final)
+            self.observe_finished(adm, final)
         return final
 
 

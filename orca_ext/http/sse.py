@@ -2,8 +2,9 @@
 
 Each request's stream is `data: {json}` events built from the Server's snapshots (which carry
 the full text so far; the client gets only the new part), then `data: [DONE]`. The response
-headers are already sent when streaming starts, so a failure is reported in-band as an error
-event in OpenAI's shape, followed by [DONE].
+headers are already sent when streaming starts, so a failure, or the end of a request by the
+server's drain at shutdown, is reported in-band as an error event in OpenAI's shape, followed by
+[DONE].
 """
 
 from __future__ import annotations
@@ -15,7 +16,7 @@ from typing import Any, AsyncIterator, Callable
 from fastapi.responses import StreamingResponse
 
 from . import protocol
-from .errors import engine_error, internal_error
+from .errors import engine_error, internal_error, shutdown_error
 from .service import Admission
 
 logger = logging.getLogger(__name__)
@@ -72,16 +73,25 @@ async def _deltas(adm: Admission) -> AsyncIterator[tuple[str, Any]]:
             delta = ""
         if out.finished:
             adm.finished = True
-            svc.metrics.observe_finished(adm.endpoint, out)
+            svc.observe_finished(adm, out)
         yield delta, out
+
+
+def _ended_early(adm: Admission, out: Any) -> str | None:
+    """The error event that ends a stream the engine or the server's drain ended, else None."""
+    if out.finished and out.finish_reason == "error":
+        return event(engine_error(adm.rid, out.error).body())
+    if out.finished and out.finish_reason == "abort" and adm.shutdown:
+        return event(shutdown_error().body())
+    return None
 
 
 async def completion_events(adm: Admission, body: protocol.CompletionRequest, created: int) -> AsyncIterator[str]:
     model, rid, with_usage = adm.service.model_name, adm.rid, body.include_usage
     usage_field = {"usage": None} if with_usage else {}
     async for delta, out in _deltas(adm):
-        if out.finished and out.finish_reason == "error":
-            yield event(engine_error(rid, out.error).body())
+        if (error := _ended_early(adm, out)) is not None:
+            yield error
             return
         if delta or out.finished:
             chunk = protocol.completion_body(rid, created, model, delta,
@@ -97,8 +107,8 @@ async def chat_events(adm: Admission, body: protocol.ChatCompletionRequest, crea
     yield event(protocol.chat_chunk(rid, created, model, {"role": "assistant", "content": ""}, None,
                                     with_usage_field=with_usage))
     async for delta, out in _deltas(adm):
-        if out.finished and out.finish_reason == "error":
-            yield event(engine_error(rid, out.error).body())
+        if (error := _ended_early(adm, out)) is not None:
+            yield error
             return
         if delta:
             yield event(protocol.chat_chunk(rid, created, model, {"content": delta}, None,

@@ -1,0 +1,299 @@
+"""Isolation benchmark: can one client cut the others' token rate?
+
+Victims (`--victims` clients, each streaming greedy completions back to back) run for the whole
+benchmark against one `python -m orca_ext serve` on 127.0.0.1. Phases of `--window` seconds
+alternate: a baseline with the victims alone, then one attack, then a baseline again, and so on.
+An attack's ratio is the victims' token rate during it over the mean of the two baselines around
+it, so slow drift of a shared machine cancels out. The target: no attack may cut the rate by more
+than 25% (ratio >= 0.75).
+
+Next to the wall-clock rate it reports the victims' tokens per CPU second of the server process
+(utime + stime from /proc). An attack that makes the server burn CPU (encoding, stop checks)
+lowers that too, while other jobs on a shared machine slow tokens and server CPU time alike, so
+this ratio stays meaningful when the wall-clock one is swamped by other load. (An attack that
+stalls the engine without using CPU shows only in the wall-clock rate.)
+
+Victims connect from 127.0.0.1 and the attacker from 127.0.0.2 (both loopback), so the server
+sees them as two clients, as it would two machines. Attacks (each is one client unless noted;
+requests are sent back to back):
+  benign_client      a reference, not an attack: a fifth client with ordinary parameters
+                     (temperature 1), i.e. what any extra client costs the victims
+  top_k_overflow     accepted: top_k = 2**63, temperature 1
+  tiny_temperature   accepted: temperature 1e-39
+  stop_strings_max   accepted: the most stop strings allowed, each as long as allowed, never matching
+  stop_strings_huge  rejected by the limits: 1,000 stop strings of 1,000 characters
+  huge_prompt        rejected: a 0.9 MB text prompt (longer than the context can hold)
+  oversize_body      rejected: a 2 MiB body (over --max-body-bytes)
+  disconnect_churn   accepted, then the client hangs up after the first chunk
+  slow_headers       300 connections that send headers one byte every few seconds
+
+Usage:
+  python bench/isolation.py --out bench/isolation.json
+  python bench/isolation.py --python /path/other/.venv/bin/python --cwd /path/other   # another build
+Per-victim token counts come from each stream's final usage chunk, spread evenly over that
+request's lifetime, so a request that straddles two phases counts in both.
+"""
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import logging
+import os
+import platform
+import random
+import sys
+import time
+from collections import Counter
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Awaitable, Callable
+
+import httpx
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from loopback import REPO, ServeProcess, stream_completion  # noqa: E402
+
+log = logging.getLogger("bench.isolation")
+
+VICTIM_PROMPT = "Write a short story about a lighthouse keeper who finds a message in a bottle."
+VICTIM_TOKENS = 16
+ATTACKER_ADDRESS = "127.0.0.2"  # a second loopback address: a different client to the server
+TARGET_RATIO = 0.75
+
+
+@dataclass
+class Span:
+    start: float
+    end: float
+    tokens: int
+
+
+@dataclass
+class Phase:
+    name: str
+    start: float = 0.0
+    end: float = 0.0
+    cpu_s: float = 0.0  # CPU seconds the server process used during the phase
+    attack_statuses: Counter = field(default_factory=Counter)
+
+    def tokens(self, spans: list[Span]) -> float:
+        """Victim tokens inside [start, end] (each request's tokens spread over its life)."""
+        total = 0.0
+        for s in spans:
+            overlap = min(s.end, self.end) - max(s.start, self.start)
+            if overlap > 0 and s.end > s.start:
+                total += s.tokens * overlap / (s.end - s.start)
+        return total
+
+    def rate(self, spans: list[Span]) -> float:
+        return self.tokens(spans) / (self.end - self.start)
+
+    def per_cpu(self, spans: list[Span]) -> float:
+        return self.tokens(spans) / self.cpu_s if self.cpu_s > 0 else float("nan")
+
+
+def cpu_seconds(pid: int) -> float:
+    """utime + stime of a process, in seconds."""
+    with open(f"/proc/{pid}/stat") as f:
+        fields = f.read().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+# -- attacks: each runs until cancelled, recording the HTTP statuses it got -------------------------
+
+def _body(model: str, **extra: Any) -> dict:
+    return {"model": model, "prompt": VICTIM_PROMPT, "max_tokens": 32, "ignore_eos": True, **extra}
+
+
+async def _accepted_loop(client, url, body, statuses: Counter) -> None:
+    while True:
+        res = await stream_completion(client, url, body)
+        statuses[res.status if not res.error or res.status != 200 else f"{res.status}+error"] += 1
+
+
+async def _raw_loop(client, url, payload: bytes, statuses: Counter) -> None:
+    headers = {"Content-Type": "application/json"}
+    while True:
+        try:
+            r = await client.post(url, content=payload, headers=headers)
+            statuses[r.status_code] += 1
+        except httpx.HTTPError as exc:  # e.g. the server closed the connection mid-upload
+            statuses[type(exc).__name__] += 1
+
+
+async def _disconnect_loop(client, url, body, statuses: Counter) -> None:
+    body = {**body, "stream": True, "max_tokens": 200}
+    while True:
+        try:
+            async with client.stream("POST", url, json=body) as r:
+                statuses[r.status_code] += 1
+                async for line in r.aiter_lines():
+                    if line.startswith("data: "):
+                        break  # hang up after the first event
+        except httpx.HTTPError as exc:
+            statuses[type(exc).__name__] += 1
+
+
+async def _slow_headers(port: int, statuses: Counter, n: int = 300, gap: float = 3.0) -> None:
+    conns = []
+    try:
+        for _ in range(n):
+            try:
+                r, w = await asyncio.open_connection("127.0.0.1", port, local_addr=(ATTACKER_ADDRESS, 0))
+            except OSError as exc:
+                statuses[type(exc).__name__] += 1
+                continue
+            w.write(b"POST /v1/completions HTTP/1.1\r\nHost: 127.0.0.1\r\n")
+            conns.append((r, w))
+        statuses["opened"] += len(conns)
+        while True:  # one more header byte per connection every `gap` seconds
+            await asyncio.sleep(gap)
+            for r, w in conns:
+                if r.at_eof() or w.is_closing():
+                    continue
+                try:
+                    w.write(b"X")
+                    await w.drain()
+                except (ConnectionError, OSError):
+                    w.close()
+            statuses["closed_by_server"] = sum(r.at_eof() for r, _ in conns)
+    finally:
+        for _, w in conns:
+            w.close()
+
+
+def attacks(model: str, port: int) -> dict[str, Callable[[httpx.AsyncClient, str, Counter], Awaitable[None]]]:
+    rng = random.Random(0)
+    letters = "abcdefghijklmnopqrstuvwxyz"
+    # Long random stops: they never occur in the text, so every character is checked against all.
+    max_stops = ["".join(rng.choice(letters) for _ in range(255)) + "#" for _ in range(16)]
+    huge_stops = ["".join(rng.choice(letters) for _ in range(1000)) for _ in range(1000)]
+    huge_stops_body = json.dumps(_body(model, stop=huge_stops)).encode()
+    huge_prompt_body = json.dumps({**_body(model), "prompt": "lorem ipsum dolor sit amet " * 33_000}).encode()
+    oversize_body = json.dumps({**_body(model), "prompt": "x" * (2 << 20)}).encode()
+    return {
+        "benign_client": lambda c, u, s: _accepted_loop(c, u, _body(model, temperature=1.0), s),
+        "top_k_overflow": lambda c, u, s: _accepted_loop(c, u, _body(model, temperature=1.0, top_k=2**63), s),
+        "tiny_temperature": lambda c, u, s: _accepted_loop(c, u, _body(model, temperature=1e-39), s),
+        "stop_strings_max": lambda c, u, s: _accepted_loop(c, u, _body(model, stop=max_stops), s),
+        "stop_strings_huge": lambda c, u, s: _raw_loop(c, u, huge_stops_body, s),
+        "huge_prompt": lambda c, u, s: _raw_loop(c, u, huge_prompt_body, s),
+        "oversize_body": lambda c, u, s: _raw_loop(c, u, oversize_body, s),
+        "disconnect_churn": lambda c, u, s: _disconnect_loop(c, u, _body(model), s),
+        "slow_headers": lambda c, u, s: _slow_headers(port, s),
+    }
+
+
+# -- the run --------------------------------------------------------------------------------------
+
+async def run(server: ServeProcess, names: list[str], *, victims: int, window: float, settle: float) -> dict:
+    model = server.model_card()["id"]
+    url = server.base_url + "/v1/completions"
+    table = attacks(model, server.port)
+    spans: list[Span] = []
+    victim_errors: Counter = Counter()
+    stop = asyncio.Event()
+    victim_body = {"model": model, "prompt": VICTIM_PROMPT, "max_tokens": VICTIM_TOKENS, "temperature": 0,
+                   "ignore_eos": True}
+
+    async def victim(client: httpx.AsyncClient) -> None:
+        while not stop.is_set():
+            start = time.perf_counter()
+            res = await stream_completion(client, url, victim_body)
+            if res.status == 200 and not res.error:
+                spans.append(Span(start, res.finished, res.tokens))
+            else:
+                victim_errors[f"{res.status} {res.error[:60]}"] += 1
+                await asyncio.sleep(0.1)
+
+    phases: list[Phase] = []
+    limits = httpx.Limits(max_connections=None, max_keepalive_connections=32)
+    attacker_transport = httpx.AsyncHTTPTransport(local_address=ATTACKER_ADDRESS, limits=limits)
+    async with httpx.AsyncClient(timeout=httpx.Timeout(600.0), limits=limits) as vc, \
+            httpx.AsyncClient(timeout=httpx.Timeout(600.0), transport=attacker_transport) as ac:
+        vtasks = [asyncio.create_task(victim(vc)) for _ in range(victims)]
+        await asyncio.sleep(settle * 2)  # warm up
+        order = ["baseline"]
+        for name in names:
+            order += [name, "baseline"]
+        for i, name in enumerate(order):
+            phase = Phase(name)
+            task = None
+            if name != "baseline":
+                task = asyncio.create_task(table[name](ac, url, phase.attack_statuses))
+            await asyncio.sleep(settle)  # let the attack reach its steady state
+            cpu0, phase.start = cpu_seconds(server.proc.pid), time.perf_counter()
+            await asyncio.sleep(window)
+            phase.end, phase.cpu_s = time.perf_counter(), cpu_seconds(server.proc.pid) - cpu0
+            if task is not None:
+                task.cancel()
+                await asyncio.gather(task, return_exceptions=True)
+            phases.append(phase)
+            log.info("phase %d/%d %-18s server %.1f CPU-s, attacker %s", i + 1, len(order), name,
+                     phase.cpu_s, dict(phase.attack_statuses))
+        stop.set()
+        await asyncio.gather(*vtasks, return_exceptions=True)
+
+    rows = []
+    for i, phase in enumerate(phases):
+        if phase.name == "baseline":
+            continue
+        base = (phases[i - 1].rate(spans) + phases[i + 1].rate(spans)) / 2
+        during = phase.rate(spans)
+        base_cpu = (phases[i - 1].per_cpu(spans) + phases[i + 1].per_cpu(spans)) / 2
+        during_cpu = phase.per_cpu(spans)
+        rows.append({"attack": phase.name, "baseline_tok_s": base, "attack_tok_s": during,
+                     "ratio": during / base if base else float("nan"),
+                     "baseline_tok_per_cpu_s": base_cpu, "attack_tok_per_cpu_s": during_cpu,
+                     "cpu_ratio": during_cpu / base_cpu if base_cpu else float("nan"),
+                     "attacker": {str(k): v for k, v in phase.attack_statuses.items()}})
+    return {"rows": rows, "victim_errors": dict(victim_errors),
+            "baselines_tok_s": [p.rate(spans) for p in phases if p.name == "baseline"],
+            "baselines_tok_per_cpu_s": [p.per_cpu(spans) for p in phases if p.name == "baseline"]}
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--model", default=None, help="model folder (default: the embedded SmolLM2-135M-Instruct)")
+    p.add_argument("--attacks", default=None, help="comma-separated subset (default: all)")
+    p.add_argument("--victims", type=int, default=4, help="victim clients (default 4)")
+    p.add_argument("--window", type=float, default=20.0, help="seconds measured per phase (default 20)")
+    p.add_argument("--settle", type=float, default=2.0, help="seconds before each phase is measured (default 2)")
+    p.add_argument("--python", default=sys.executable, help="interpreter that runs the server")
+    p.add_argument("--cwd", default=str(REPO), help="checkout the server runs from")
+    p.add_argument("--label", default="", help="a name for this run in the output")
+    p.add_argument("--out", default=None, help="write the results as JSON here")
+    args = p.parse_args(argv)
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(message)s")
+    logging.getLogger("httpx").setLevel(logging.WARNING)
+    names = list(attacks("m", 0)) if args.attacks is None else args.attacks.split(",")
+    serve_args = ["--max-queue", "100000", "--log-level", "warning"]
+    if args.model:
+        serve_args += ["--model", args.model]
+    with ServeProcess(*serve_args, python=args.python, cwd=args.cwd,
+                      env={"ORCA_EXT_KV_CACHE_MEMORY": "512MiB"}) as server:
+        result = asyncio.run(run(server, names, victims=args.victims, window=args.window, settle=args.settle))
+    result.update({"label": args.label, "date": time.strftime("%Y-%m-%d %H:%M"), "machine": platform.processor()
+                   or platform.machine(), "victims": args.victims, "window_s": args.window, "server_cwd": args.cwd})
+    print(f"\n{'attack':<18} {'baseline tok/s':>14} {'attack tok/s':>12} {'ratio':>6}   "
+          f"{'tok/CPU-s base':>14} {'attack':>7} {'ratio':>6}  attacker statuses")
+    attacks_only = [r for r in result["rows"] if r["attack"] != "benign_client"]  # the reference is no attack
+    for r in result["rows"]:
+        print(f"{r['attack']:<18} {r['baseline_tok_s']:>14.1f} {r['attack_tok_s']:>12.1f} {r['ratio']:>6.2f}   "
+              f"{r['baseline_tok_per_cpu_s']:>14.1f} {r['attack_tok_per_cpu_s']:>7.1f} {r['cpu_ratio']:>6.2f}  "
+              f"{r['attacker']}")
+    print(f"victim errors: {result['victim_errors'] or 'none'}")
+    below = [r["attack"] for r in attacks_only if not r["ratio"] >= TARGET_RATIO]
+    below_cpu = [r["attack"] for r in attacks_only if not r["cpu_ratio"] >= TARGET_RATIO]
+    ok = not below and not result["victim_errors"]
+    print(f"{'PASS' if ok else 'FAIL'}: wall-clock rate >= {TARGET_RATIO:.0%} of baseline for every attack"
+          f"{'' if not below else ' except ' + ', '.join(below)}; per server CPU second: "
+          f"{'all' if not below_cpu else 'all but ' + ', '.join(below_cpu)}")
+    if args.out:
+        Path(args.out).write_text(json.dumps(result, indent=1))
+    return 0 if ok else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

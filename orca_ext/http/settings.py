@@ -1,0 +1,13 @@
+"""Default limits of the HTTP server (the `serve` options, create_app and the uvicorn config).
+
+Kept free of FastAPI/uvicorn imports so that the CLI can declare its options cheaply.
+"""
+
+DEFAULT_MAX_BODY_BYTES = 1 << 20     # largest request body (413 above)
+DEFAULT_CHAT_MAX_TOKENS = 256        # max_tokens of a chat request that gives none
+DEFAULT_BODY_TIMEOUT = 30.0          # seconds for a whole request body to arrive (408 after)
+DEFAULT_HEADER_TIMEOUT = 10.0        # seconds for complete request headers (connection closed after)
+DEFAULT_KEEP_ALIVE_TIMEOUT = 5.0     # seconds an idle keep-alive connection stays open
+DEFAULT_MAX_CONNECTIONS = 2048       # open connections or running requests; 503 beyond
+DEFAULT_SHUTDOWN_GRACE = 10.0        # seconds running requests get to finish on SIGINT/SIGTERM
+MAX_HEADER_BYTES = 16 * 1024         # request line + headers (h11 answers 400 above)

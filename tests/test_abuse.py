@@ -1,0 +1,702 @@
+"""One client must never hurt the others: hostile parameters, inputs and connections.
+
+Every test is a regression test for one way a single request used to fail, stall or corrupt other
+requests. Each asserts the error shape the attacker gets AND that bystanders running alongside it
+finish with exactly the fake model's greedy reference, with every KV slot back afterwards.
+
+No assertion is about time: where the defect was a cost (stop strings, tokenization), the test
+counts work (profiler events on the engine thread) or blocks the attacker on an event and checks
+that bystanders finish meanwhile.
+"""
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import sys
+import threading
+
+import httpx
+import pytest
+import torch
+
+from fake_model import FakeModel, FakeSpec, FakeTokenizer, fake_reference
+from orca_ext.errors import InvalidRequestError
+from orca_ext.sampling import MAX_STOP_STRING_CHARS, MAX_STOP_STRINGS, MAX_STOP_TOKEN_IDS, SamplingParams
+from orca_ext.server import Server
+
+V = FakeSpec().vocab_size
+BYSTANDER_PROMPTS = [[3, 1, 4, 1, 5], [9, 2, 6], [5, 3, 5, 8, 9, 7], [2, 7]]
+BYSTANDER_TOKENS = 12
+
+
+@pytest.fixture
+def make_server():
+    servers = []
+
+    def make(model=None, tokenizer=None, **kw):
+        kw.setdefault("n_slots", 2000)
+        kw.setdefault("max_batch_size", 8)
+        s = Server(model or FakeModel(), tokenizer=tokenizer or FakeTokenizer(), **kw)
+        servers.append(s)
+        return s
+
+    yield make
+    for s in servers:
+        s.shutdown()
+
+
+def assert_idle(server: Server) -> None:
+    st = server.stats()
+    assert st["waiting"] == 0 and st["running"] == 0
+    assert st["slots_reserved"] == 0 and st["slots_used"] == 0 and st["slots_allocated"] == 0
+
+
+def alongside_bystanders(server: Server, model: FakeModel, attack) -> list:
+    """Run `attack()` (which submits the hostile requests and returns their ids) in the same
+    iterations as greedy bystanders: a gated first forward holds the engine while everything is
+    submitted, so all of them share the next batch. Checks every bystander against the fake
+    model's reference and returns the attackers' final outputs."""
+    gate = threading.Event()
+    model.gate = gate
+    model.entered.clear()
+    params = SamplingParams(max_tokens=BYSTANDER_TOKENS, ignore_eos=True)
+    bystanders = [server.submit(BYSTANDER_PROMPTS[0], params)]
+    assert model.entered.wait(30)  # the first bystander's prefill is executing, held at the gate
+    bystanders += [server.submit(p, params) for p in BYSTANDER_PROMPTS[1:]]
+    attackers = attack()
+    model.gate = None
+    gate.set()
+    outs = [server.result(rid, timeout=120) for rid in attackers]  # timeouts: hang guards
+    for rid, prompt in zip(bystanders, BYSTANDER_PROMPTS):
+        out = server.result(rid, timeout=120)
+        assert out.finish_reason == "length" and out.error is None, out
+        assert out.token_ids == fake_reference(prompt, BYSTANDER_TOKENS)
+    assert_idle(server)
+    return outs
+
+
+# -- one request used to fail its whole batch -----------------------------------------------------
+@pytest.mark.parametrize("top_k", [2**63, 2**64 + 5, 10**40])
+def test_top_k_beyond_int64_is_served_and_fails_nobody(make_server, top_k):
+    """Before: top_k = 2**63 passed validation and overflowed the sampler's int64 tensor; the
+    exception failed every request of the iteration. Now top_k is clamped to the vocabulary
+    (top_k >= vocab keeps every token), so the request is served like top_k = 0."""
+    model = FakeModel()
+    server = make_server(model)
+    params = SamplingParams(max_tokens=8, temperature=1.0, top_k=top_k, seed=3, ignore_eos=True)
+    [out] = alongside_bystanders(server, model, lambda: [server.submit([1, 2, 3], params)])
+    assert out.finish_reason == "length" and len(out.token_ids) == 8
+    assert all(0 <= t < V for t in out.token_ids)
+    same = SamplingParams(max_tokens=8, temperature=1.0, top_k=0, seed=3, ignore_eos=True)
+    assert server.generate([1, 2, 3], same)[0].token_ids == out.token_ids
+
+
+def test_a_sampler_failure_fails_only_its_row(make_server):
+    """A value that slipped past validation (forced in here) makes the batched sampler raise.
+    Before, that exception failed every request of the iteration; now the rows are re-run one
+    by one and only the guilty request ends with an error."""
+    model = FakeModel()
+    server = make_server(model)
+    broken = SamplingParams(max_tokens=5, temperature=1.0, seed=1)
+    object.__setattr__(broken, "seed", "1")  # no generator can be seeded with it
+    [out] = alongside_bystanders(server, model, lambda: [server.submit([4, 4], broken)])
+    assert out.finish_reason == "error" and "sampling failed" in out.error and out.token_ids == []
+
+
+class WideLogitsModel(FakeModel):
+    """A model whose logits are wider than its vocabulary (padded lm_head) and which, like
+    CausalLM, rejects a whole batch holding an out-of-vocabulary token id. A context holding
+    `trigger` puts its greedy token at id V, outside the vocabulary."""
+
+    def __init__(self, trigger: int, **kw):
+        super().__init__(**kw)
+        self.trigger = trigger
+
+    def forward(self, batch):
+        if batch.max_token_id >= self.spec.vocab_size:
+            raise ValueError(f"batch has token id {batch.max_token_id} but vocab_size={self.spec.vocab_size}")
+        logits = super().forward(batch)
+        wide = torch.cat([logits, torch.full((logits.shape[0], 3), -1e4)], dim=1)
+        for b, (s, n) in enumerate(zip(batch.kv_start.tolist(), batch.kv_len.tolist())):
+            if self.trigger in self.cache[s:s + n].tolist():
+                wide[b, V] = 1e4
+        return wide
+
+
+def test_an_unusable_forward_input_fails_only_its_request(make_server):
+    """Before: the out-of-vocabulary token sampled for one request made the next forward raise
+    for the whole batch, failing every bystander. Now the engine checks each row's inputs and
+    leaves the bad row out of the forward."""
+    trigger = 100
+    assert all(trigger not in p + fake_reference(p, BYSTANDER_TOKENS) for p in BYSTANDER_PROMPTS)
+    model = WideLogitsModel(trigger)
+    server = make_server(model, tokenizer=FakeTokenizer(vocab_size=V + 3))  # can show id V
+    params = SamplingParams(max_tokens=6, ignore_eos=True)
+    [out] = alongside_bystanders(server, model, lambda: [server.submit([7, trigger], params)])
+    assert out.finish_reason == "error" and "outside the vocabulary" in out.error
+    assert out.token_ids == [V]  # the sampled id that no forward can take
+
+
+# -- tiny temperatures and top_p used to return garbage with success ------------------------------
+@pytest.mark.parametrize("temperature", [1e-6, 1e-39, 5e-324])
+def test_tiny_temperature_is_greedy(make_server, temperature):
+    """Before: temperatures below ~1e-38 divided the logits into inf/NaN; argmax then returned
+    token 0 every step with finish_reason 'length'. Below GREEDY_TEMPERATURE (1e-5) a request is
+    now greedy, so it must equal the greedy reference."""
+    model = FakeModel()
+    server = make_server(model)
+    params = SamplingParams(max_tokens=10, temperature=temperature, seed=5, ignore_eos=True)
+    assert params.greedy
+    [out] = alongside_bystanders(server, model, lambda: [server.submit([6, 1, 6], params)])
+    assert out.finish_reason == "length" and out.token_ids == fake_reference([6, 1, 6], 10)
+
+
+def test_extreme_top_p_and_temperature_give_valid_tokens(make_server):
+    """top_p = 1e-50 rounds to 0 in float32 and used to mask every token (an all -inf row, then
+    NaN probabilities); the nucleus always keeps the most likely token now, so such a request is
+    greedy. A temperature of 1e300 (inf in float32) is clamped and samples almost uniformly."""
+    model = FakeModel()
+    server = make_server(model)
+    nucleus = SamplingParams(max_tokens=10, temperature=1.0, top_p=1e-50, seed=2, ignore_eos=True)
+    hot = SamplingParams(max_tokens=30, temperature=1e300, top_k=50, seed=2, ignore_eos=True)
+    a, b = alongside_bystanders(server, model, lambda: [server.submit([8, 8], nucleus),
+                                                        server.submit([8, 9], hot)])
+    assert a.finish_reason == "length" and a.token_ids == fake_reference([8, 8], 10)
+    assert b.finish_reason == "length" and len(b.token_ids) == 30 and all(0 <= t < V for t in b.token_ids)
+    assert len(set(b.token_ids)) > 10  # spread out, not one garbage id repeated
+
+
+# -- stop strings used to multiply the engine's per-token work ------------------------------------
+@pytest.mark.parametrize("stop, message", [
+    (["x"] * (MAX_STOP_STRINGS + 1), rf"stop has {MAX_STOP_STRINGS + 1} strings; at most {MAX_STOP_STRINGS}"),
+    (["ok", "y" * (MAX_STOP_STRING_CHARS + 1)],
+     rf"stop\[1\] has {MAX_STOP_STRING_CHARS + 1} characters; at most {MAX_STOP_STRING_CHARS}"),
+    (["ok", "\ud800"], r"stop\[1\] is not valid Unicode"),
+    (b"STOP", "stop must be a string or a list of strings"),
+])
+def test_stop_string_limits(stop, message):
+    """Before: 1,000 stop strings of 1,000 characters were accepted."""
+    with pytest.raises(InvalidRequestError, match=message):
+        SamplingParams(stop=stop)
+    with pytest.raises(InvalidRequestError, match=rf"at most {MAX_STOP_TOKEN_IDS}"):
+        SamplingParams(stop_token_ids=list(range(MAX_STOP_TOKEN_IDS + 1)))
+    SamplingParams(stop=["z" * MAX_STOP_STRING_CHARS] * MAX_STOP_STRINGS)  # the limits themselves pass
+
+
+class OneTokenModel(FakeModel):
+    """Always predicts token 0 ('A' for FakeTokenizer): the text is 'AAAA...'."""
+
+    def forward(self, batch):
+        logits = super().forward(batch)  # keeps the fake model's KV bookkeeping checks
+        out = torch.full_like(logits, -1.0)
+        out[:, 0] = 0.0
+        return out
+
+
+def engine_thread_calls(server: Server, prompt, params) -> tuple[int, object]:
+    """Profiler events (Python and C calls) the engine thread spends on one request run alone."""
+    counter = server._test_profile_counter
+    before = counter[0]
+    out = server.generate(prompt, params)[0]
+    return counter[0] - before, out
+
+
+def test_stop_check_cost_does_not_multiply_with_the_stop_strings(make_server):
+    """Before: each token checked every prefix of every stop string against the text's end (about
+    count x length^2 character comparisons: 16 x 255 endswith calls per token here, 10^6 with
+    1,000 x 1,000). Now the check reads only the new characters. The work is counted as profiler
+    events on the engine thread: a request with the largest allowed, never-matching stop strings
+    may cost only a few events per generated character more than the same request without them
+    (plus at most the longest stop string, for a streaming matcher's failure transitions)."""
+    counter = [0]
+
+    def profile(frame, event, arg):
+        if event in ("call", "c_call"):
+            counter[0] += 1
+
+    threading.setprofile(profile)  # applies to threads started from now on: the engine's loop
+    try:
+        server = make_server(OneTokenModel())
+    finally:
+        threading.setprofile(None)
+    server._test_profile_counter = counter
+    n = 120
+    # Every prefix of every stop is checked and fails ('B'/'C'/... never follow the text's 'A's).
+    stops = [chr(0x42 + i) + "A" * (MAX_STOP_STRING_CHARS - 1) for i in range(MAX_STOP_STRINGS)]
+    plain_calls, plain = engine_thread_calls(server, [1, 2], SamplingParams(max_tokens=n, ignore_eos=True))
+    stop_calls, stopped = engine_thread_calls(server, [1, 2], SamplingParams(max_tokens=n, ignore_eos=True,
+                                                                            stop=stops))
+    assert plain.text == stopped.text == "A" * n
+    extra = stop_calls - plain_calls
+    assert extra <= 8 * (n + MAX_STOP_STRING_CHARS), (extra, plain_calls)
+    # Stops that do match the text's pattern: held back while they could still complete, then cut.
+    hit, = server.generate([1, 2], SamplingParams(max_tokens=n, stop=["A" * 50 + "B", "A" * 40]))
+    assert hit.finish_reason == "stop" and hit.text == ""
+    assert_idle(server)
+    assert sys.getprofile() is None  # this thread was never profiled
+
+
+# -- prompt encoding used to run under the engine's tokenizer lock --------------------------------
+class GatedTokenizer(FakeTokenizer):
+    """encode() of a text containing 'Z' blocks until `gate` is set (a stand-in for encoding a
+    megabyte of text). Copies share the gate and the counters, as copies of one tokenizer would
+    share nothing but the test's view of them."""
+
+    def __init__(self, shared=None):
+        super().__init__()
+        self.shared = shared or {"gate": threading.Event(), "encoding": threading.Event(), "calls": [0]}
+
+    def encode(self, text: str) -> list[int]:
+        self.shared["calls"][0] += 1
+        if "Z" in text:
+            self.shared["encoding"].set()
+            assert self.shared["gate"].wait(60)
+        return super().encode(text)
+
+    def __deepcopy__(self, memo):
+        return GatedTokenizer(self.shared)
+
+
+def test_encoding_a_prompt_never_blocks_generation(make_server):
+    """Before: text prompts were encoded under the lock the engine thread takes to detokenize
+    every token, so a client encoding a huge text stalled every stream (400 -> 6 tokens/s). Here
+    the attacker's encode blocks outright; bystanders must still run to completion meanwhile.
+    (With the shared lock they cannot: result() then times out, a hang guard, not a speed check.)"""
+    tok = GatedTokenizer()
+    server = make_server(tokenizer=tok)
+    rids = []
+    attacker = threading.Thread(target=lambda: rids.append(server.submit("ZZZZ", SamplingParams(max_tokens=3))))
+    attacker.start()
+    try:
+        assert tok.shared["encoding"].wait(30)
+        params = SamplingParams(max_tokens=BYSTANDER_TOKENS, ignore_eos=True)
+        ids = [server.submit(p, params) for p in BYSTANDER_PROMPTS]
+        for rid, prompt in zip(ids, BYSTANDER_PROMPTS):
+            out = server.result(rid, timeout=60)
+            assert out.token_ids == fake_reference(prompt, BYSTANDER_TOKENS)
+            assert out.text == FakeTokenizer().decode(out.token_ids)  # detokenized meanwhile
+    finally:
+        tok.shared["gate"].set()
+        attacker.join(60)
+    assert server.result(rids[0]).prompt_token_ids == [25] * 4  # 'Z'
+    assert_idle(server)
+
+
+def test_text_too_long_for_the_context_is_rejected_before_encoding(make_server):
+    """Before: a text prompt was encoded in full and only then found too long (a 0.9 MB prompt
+    cost its whole encoding each time). FakeTokenizer's longest token is 1 character, so with
+    max_model_len 64 any text over 64 characters is rejected without calling encode."""
+    tok = GatedTokenizer()
+    server = make_server(tokenizer=tok, max_model_len=64)
+    with pytest.raises(InvalidRequestError, match="prompt has 65 characters; at most 64 can fit max_model_len"):
+        server.submit("A" * 65)
+    assert tok.shared["calls"][0] == 0
+    out = server.generate("A" * 60, SamplingParams(max_tokens=4))[0]  # the bound itself fits
+    assert out.prompt_token_ids == [0] * 60 and tok.shared["calls"][0] == 1
+    assert_idle(server)
+
+
+@pytest.fixture(scope="module")
+def hf_tokenizer(tokenizer_dir):
+    from orca_ext.models import load_tokenizer
+
+    return load_tokenizer(tokenizer_dir)
+
+
+def test_real_tokenizer_bound_rejects_a_megabyte_prompt(make_server, hf_tokenizer):
+    model = FakeModel(FakeSpec(vocab_size=len(hf_tokenizer)))
+    server = make_server(model, tokenizer=hf_tokenizer)
+    with pytest.raises(InvalidRequestError, match=r"prompt has 900000 characters; at most \d+ can fit"):
+        server.submit("lorem ipsum " * 75_000)
+    assert server.stats()["iterations"] == 0
+
+
+# -- Python API inputs ----------------------------------------------------------------------------
+def test_lone_surrogate_and_bytes_prompts_are_invalid_requests(make_server, hf_tokenizer):
+    """Before: a lone surrogate reached the HF tokenizer, which raised a raw TypeError; and bytes
+    were iterated as token ids (b"hi" became [104, 105]) without a word."""
+    model = FakeModel(FakeSpec(vocab_size=len(hf_tokenizer)))
+    server = make_server(model, tokenizer=hf_tokenizer)
+    with pytest.raises(InvalidRequestError, match=r"prompt is not valid Unicode text: a lone surrogate '\\ud800' at character 3"):
+        server.submit("hi \ud800 there")
+    for prompt in (b"hi", bytearray(b"hi"), memoryview(b"hi")):
+        with pytest.raises(InvalidRequestError, match=f"got {type(prompt).__name__}; decode it to a str"):
+            server.submit(prompt)
+    with pytest.raises(InvalidRequestError, match=r"prompt has 3000 tokens; max_model_len = 2000"):
+        server.submit([1] * 3000)
+    out = server.generate("hi there", SamplingParams(max_tokens=3))[0]  # the server still serves
+    assert len(out.token_ids) == 3
+    assert_idle(server)
+
+
+@pytest.mark.parametrize("command", ["generate", "serve"])
+def test_cli_max_model_len_above_the_model_is_one_line(tiny_model_dir, capsys, caplog, command):
+    """Before: the ValueError escaped as a traceback."""
+    from orca_ext.cli import main
+
+    args = [command] + (["hello"] if command == "generate" else []) + [
+        "--model", str(tiny_model_dir("llama")), "--max-model-len", "100000", "--device", "cpu"]
+    assert main(args) == 2
+    err = capsys.readouterr().err + "".join(r.getMessage() + "\n" for r in caplog.records if r.levelname == "ERROR")
+    lines = [line for line in err.splitlines() if "max_model_len=100000" in line]
+    assert len(lines) == 1 and "max_position_embeddings=512" in lines[0]
+    assert "Traceback" not in err
+
+
+# -- HTTP: logs, uploads, browsers, docs ----------------------------------------------------------
+def make_app(server, **kw):
+    from orca_ext.http import create_app
+
+    return create_app(server, model_name="m", max_queue=16, **kw)
+
+
+async def asgi_call(app, path: str, messages: list, headers: list | None = None, method: str = "POST"):
+    """Call the ASGI app with `messages` as the client's side; after them the client goes quiet.
+    Returns the status (None if nothing was sent)."""
+    sent = []
+    pending = list(messages)
+
+    async def receive():
+        if pending:
+            return pending.pop(0)
+        await asyncio.sleep(3600)
+
+    async def send(message):
+        sent.append(message)
+
+    scope = {"type": "http", "asgi": {"version": "3.0"}, "http_version": "1.1", "method": method,
+             "scheme": "http", "path": path, "raw_path": path.encode(), "query_string": b"", "root_path": "",
+             "headers": [(b"host", b"127.0.0.1:8000"), (b"content-type", b"application/json")] + (headers or []),
+             "client": ("127.0.0.1", 50000), "server": ("127.0.0.1", 8000)}
+    await asyncio.wait_for(app(scope, receive, send), 60)  # a hang guard
+    starts = [m for m in sent if m["type"] == "http.response.start"]
+    return starts[0]["status"] if starts else None
+
+
+def outcome_count(app, outcome: str) -> float:
+    return app.state.service.metrics.registry.get_sample_value(
+        "orca_http_requests_total", {"endpoint": "completions", "outcome": outcome}) or 0.0
+
+
+def test_client_strings_are_escaped_in_logs(make_server, caplog):
+    """Before: the model name and unknown field names went into INFO lines verbatim, so a newline
+    and ANSI escapes forged a CRITICAL record."""
+    server = make_server()
+    app = make_app(server)
+    forged = "x\n2026-01-01 00:00:00 CRITICAL root: disk on fire\x1b[2K\x1b[31m"
+
+    async def go():
+        async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://127.0.0.1:8000") as c:
+            bad_model = await c.post("/v1/completions", json={"model": forged, "prompt": "AB"})
+            bad_field = await c.post("/v1/completions", json={"prompt": "AB", forged: 1})
+            good = await c.post("/v1/completions", json={"prompt": "AB", "max_tokens": 3, "temperature": 0})
+            return bad_model, bad_field, good
+
+    with caplog.at_level(logging.DEBUG):
+        bad_model, bad_field, good = asyncio.run(go())
+    assert bad_model.status_code == 404 and bad_model.json()["error"]["param"] == "model"
+    assert bad_field.status_code == 400 and bad_field.json()["error"]["message"].endswith(forged)  # JSON-escaped
+    assert good.status_code == 200 and good.json()["choices"][0]["text"] == FakeTokenizer().decode(
+        fake_reference([0, 1], 3))  # 'AB'
+    ours = [r.getMessage() for r in caplog.records if r.name.startswith("orca_ext")]
+    assert sum("CRITICAL root" in m for m in ours) == 2  # both rejections were logged ...
+    assert not any("\n" in m or "\x1b" in m for m in ours)  # ... on one line each, escapes escaped
+    assert_idle(server)
+
+
+def test_upload_aborted_mid_body_is_a_disconnect_not_an_internal_error(make_server, caplog):
+    """Before: the ClientDisconnect from reading the body fell into the catch-all: an ERROR with a
+    traceback and outcome="internal_error"."""
+    server = make_server()
+    app = make_app(server)
+    messages = [{"type": "http.request", "body": b'{"prompt": "AB', "more_body": True}, {"type": "http.disconnect"}]
+    with caplog.at_level(logging.INFO):
+        asyncio.run(asgi_call(app, "/v1/completions", messages))
+    assert outcome_count(app, "abort") == 1 and outcome_count(app, "internal_error") == 0
+    assert not [r for r in caplog.records if r.levelno >= logging.WARNING]
+    assert any("disconnected while sending its body" in r.getMessage() and r.levelno == logging.INFO
+               for r in caplog.records)
+    assert app.state.service.inflight == 0
+    assert_idle(server)
+
+
+def test_a_body_that_never_completes_times_out(make_server):
+    """Before: no body timeout; a client could hold a request (and its connection) forever by
+    never finishing its body."""
+    server = make_server()
+    app = make_app(server, body_timeout=0.2)
+    status = asyncio.run(asgi_call(app, "/v1/completions",
+                                   [{"type": "http.request", "body": b'{"prompt": ', "more_body": True}]))
+    assert status == 408 and outcome_count(app, "invalid") == 1
+    assert_idle(server)
+
+
+def test_dns_rebinding_and_cross_site_posts_are_refused(make_server):
+    """Before: with no API key, a text/plain POST with a foreign Origin and a foreign Host was
+    served. Now a loopback-bound server answers loopback Host names only, POST bodies must be
+    application/json (which a browser sends cross-origin only after a CORS preflight), and CORS
+    headers appear only for origins given to --cors-origins."""
+    server = make_server()
+    app = make_app(server, bind_host="127.0.0.1")
+    widened = make_app(server, bind_host="127.0.0.1", trusted_hosts=["api.example.com", "*.corp.example"],
+                       cors_origins=["https://ui.example.com"])
+    body = b'{"prompt": "AB", "max_tokens": 2}'
+    foreign = {"Host": "evil.example", "Origin": "http://evil.example", "Content-Type": "text/plain"}
+
+    async def go(a, headers, method="POST"):
+        async with httpx.AsyncClient(transport=httpx.ASGITransport(app=a), base_url="http://127.0.0.1:8000") as c:
+            return await c.request(method, "/v1/completions", content=body, headers=headers)
+
+    r = asyncio.run(go(app, foreign))
+    assert r.status_code == 400 and r.json()["error"]["code"] == "invalid_host"
+    r = asyncio.run(go(app, {**foreign, "Host": "localhost:8000"}))
+    assert r.status_code == 415 and r.json()["error"]["code"] == "unsupported_media_type"
+    assert "access-control-allow-origin" not in r.headers
+    for host in ("127.0.0.1:8000", "localhost", "[::1]:8000"):
+        r = asyncio.run(go(app, {"Host": host, "Content-Type": "application/json; charset=utf-8"}))
+        assert r.status_code == 200, (host, r.text)
+    for host, status in (("api.example.com", 200), ("a.corp.example:443", 200), ("evil.example", 400),
+                         ("api.example.com.evil.example", 400)):
+        r = asyncio.run(go(widened, {"Host": host, "Content-Type": "application/json"}))
+        assert r.status_code == status, host
+    preflight = {"Host": "api.example.com", "Access-Control-Request-Method": "POST",
+                 "Access-Control-Request-Headers": "content-type,authorization"}
+    r = asyncio.run(go(widened, {**preflight, "Origin": "https://ui.example.com"}, "OPTIONS"))
+    assert r.status_code == 200 and r.headers["access-control-allow-origin"] == "https://ui.example.com"
+    r = asyncio.run(go(widened, {**preflight, "Origin": "http://evil.example"}, "OPTIONS"))
+    assert "access-control-allow-origin" not in r.headers
+    assert_idle(server)
+
+
+def test_api_docs_are_off_by_default_and_behind_the_key(make_server):
+    """Before: /docs, /redoc and /openapi.json were served without auth even with --api-key."""
+    server = make_server()
+    plain = make_app(server, api_key="k")
+    docs = make_app(server, api_key="k", enable_docs=True)
+
+    async def go(a, path, headers=None):
+        async with httpx.AsyncClient(transport=httpx.ASGITransport(app=a), base_url="http://127.0.0.1:8000") as c:
+            return await c.get(path, headers=headers)
+
+    for path in ("/docs", "/redoc", "/openapi.json"):
+        assert asyncio.run(go(plain, path)).status_code == 404
+        assert asyncio.run(go(docs, path)).status_code == 401
+        assert asyncio.run(go(docs, path, {"Authorization": "Bearer k"})).status_code == 200
+    assert "/v1/completions" in asyncio.run(go(docs, "/openapi.json", {"Authorization": "Bearer k"})).json()["paths"]
+
+
+# -- slow clients ---------------------------------------------------------------------------------
+def test_slow_header_connections_are_closed(make_server):
+    """Before: uvicorn ran with no header timeout; 300 connections that trickled their headers
+    were held indefinitely. Now a connection whose request headers are incomplete
+    --header-timeout seconds after it opened (or after its previous response) is closed, while
+    a normal client is served meanwhile. (recv's socket timeout is a hang guard only.)"""
+    import socket
+
+    from http_utils import free_port
+    from orca_ext.http import transport
+
+    server = make_server()
+    app = make_app(server)
+    port = free_port()
+    config = transport.make_config(app, host="127.0.0.1", port=port, log_level="warning", header_timeout=0.3)
+    http = transport.DrainingServer(config, lambda hurry: app.state.service.drain(0.0, hurry))
+    thread = threading.Thread(target=http.run, daemon=True)
+    thread.start()
+    try:
+        for _ in range(600):
+            if http.started:
+                break
+            threading.Event().wait(0.05)
+        slow = []
+        for _ in range(20):
+            s = socket.create_connection(("127.0.0.1", port), timeout=30)
+            s.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: 127.0.0.1\r\nX-Slow: ")
+            slow.append(s)
+        # A keep-alive connection: one full request, then a slow second one.
+        keep = socket.create_connection(("127.0.0.1", port), timeout=30)
+        keep.sendall(b"GET /health HTTP/1.1\r\nHost: 127.0.0.1\r\n\r\n")
+        first = b""
+        while not first.endswith(b'{"status":"ok"}'):  # the whole first response
+            chunk = keep.recv(4096)
+            assert chunk, first
+            first += chunk
+        assert first.startswith(b"HTTP/1.1 200")
+        keep.sendall(b"GET /health HTTP/1.1\r\nHo")
+        ok = httpx.post(f"http://127.0.0.1:{port}/v1/completions", json={"prompt": "AB", "max_tokens": 3}, timeout=60)
+        assert ok.status_code == 200
+        for s in slow + [keep]:
+            assert s.recv(4096) == b""  # closed by the server
+            s.close()
+    finally:
+        http.should_exit = True
+        thread.join(60)
+    assert not thread.is_alive()
+    assert_idle(server)
+
+
+# -- shutdown -------------------------------------------------------------------------------------
+def sse_events(text: str) -> list:
+    return [line[len("data: "):] for line in text.splitlines() if line.startswith("data: ")]
+
+
+def test_drain_lets_running_requests_finish_then_ends_the_rest_in_band(make_server):
+    """Before: on SIGINT/SIGTERM the engine kept generating through uvicorn's grace period, then
+    every stream was cut with no error event and no [DONE]. drain() (what SIGINT/SIGTERM run)
+    refuses new requests, gives running ones the grace period (here cut short the moment the
+    short request is done), then ends the rest with an error event followed by [DONE]."""
+    gate = threading.Event()
+    model = FakeModel(gate=gate)  # holds the engine until both requests are in
+    server = make_server(model)
+    app = make_app(server)
+    svc = app.state.service
+
+    async def until(condition, what: str) -> None:  # a hang guard, not a speed check
+        for _ in range(6000):
+            if condition():
+                return
+            await asyncio.sleep(0.01)
+        raise AssertionError(f"never happened: {what}")
+
+    async def go():
+        async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://127.0.0.1:8000",
+                                     timeout=60) as c:
+            def post(max_tokens):
+                return asyncio.create_task(c.post("/v1/completions", json={
+                    "prompt": "AB", "max_tokens": max_tokens, "temperature": 0, "ignore_eos": True, "stream": True}))
+
+            short, long = post(3), post(1900)
+            await until(lambda: svc.inflight == 2 and all(a.submitted for a in svc.admissions.values()),
+                        "both requests submitted")
+            drain = asyncio.create_task(svc.drain(60.0, hurry=short.done))
+            await until(lambda: svc.draining, "draining")
+            refused = await c.post("/v1/completions", json={"prompt": "AB"})
+            model.gate = None
+            gate.set()
+            await drain
+            return await short, await long, refused
+
+    short, long, refused = asyncio.run(go())
+    events = sse_events(short.text)
+    assert events[-1] == "[DONE]" and json.loads(events[-2])["choices"][0]["finish_reason"] == "length"
+    events = sse_events(long.text)
+    assert events[-1] == "[DONE]"
+    assert json.loads(events[-2])["error"]["code"] == "server_shutting_down"
+    text = "".join(json.loads(e)["choices"][0]["text"] for e in events[:-2])
+    assert FakeTokenizer().decode(fake_reference([0, 1], 1900)).startswith(text) and len(text) < 1900
+    assert refused.status_code == 503 and refused.json()["error"]["code"] == "server_shutting_down"
+    assert outcome_count(app, "shutdown") == 2 and outcome_count(app, "length") == 1
+    assert svc.inflight == 0
+    assert_idle(server)
+
+
+def test_sigterm_drains_streams_and_exits_cleanly(tiny_model_dir):
+    """The same drain through a real signal: every open stream ends with [DONE] (those cut after
+    the grace period with an error event first), the process exits 0, and its log holds no
+    traceback and no ERROR line."""
+    import signal
+
+    from http_utils import ServerProcess
+
+    with ServerProcess("--model", str(tiny_model_dir("llama")), "--max-batch-size", "1", "--shutdown-grace", "0.3",
+                       env={"ORCA_EXT_KV_CACHE_MEMORY": "64MiB"}) as sp:
+        results: dict[int, list] = {}
+        started = threading.Semaphore(0)
+
+        def stream(i):
+            body = {"prompt": "Once upon a time", "max_tokens": 400, "temperature": 0, "ignore_eos": True, "stream": True}
+            lines = []
+            with httpx.stream("POST", sp.url("/v1/completions"), json=body, timeout=120) as r:
+                for line in r.iter_lines():
+                    if line.startswith("data: "):
+                        if not lines:
+                            started.release()
+                        lines.append(line[len("data: "):])
+            results[i] = lines
+
+        threads = [threading.Thread(target=stream, args=(i,)) for i in range(3)]
+        for t in threads:
+            t.start()
+        assert started.acquire(timeout=120)  # the first stream is producing
+        sp.proc.send_signal(signal.SIGTERM)
+        for t in threads:
+            t.join(120)
+        code = sp.proc.wait(120)
+        log = sp.log()
+    assert code == 0, log[-3000:]
+    assert all(results[i][-1] == "[DONE]" for i in range(3)), results
+    cut = [i for i in range(3) if any('"server_shutting_down"' in e for e in results[i])]
+    assert cut, "with --max-batch-size 1 and 3 x 400 tokens, something must outlast a 0.3 s grace"
+    assert "Traceback" not in log and " ERROR " not in log, log[-3000:]
+
+
+def test_dropped_undelivered_outputs_are_summarised(make_server, caplog):
+    """Before: one warning per dropped output, so a client that never collects its outputs could
+    flood the log. Now: the first drop is reported, later ones as a periodic summary (and one at
+    shutdown); stats() counts them all."""
+    server = make_server(max_batch_size=1, max_undelivered_outputs=3)
+    with caplog.at_level(logging.WARNING, logger="orca_ext.server"):
+        ids = [server.submit([i + 1], SamplingParams(max_tokens=2)) for i in range(10)]
+        last = server.submit([9], SamplingParams(max_tokens=1))
+        server.result(last)  # FCFS with batch size 1: all earlier requests have finished
+        assert server.stats()["dropped_outputs"] == 7
+        assert len(caplog.records) == 1 and "dropping" in caplog.records[0].getMessage()
+        for i, rid in enumerate(ids[7:], start=7):
+            assert server.result(rid).token_ids == fake_reference([i + 1], 2)
+        assert_idle(server)
+        server.shutdown()
+    assert len(caplog.records) == 2 and "dropped 6 more" in caplog.records[1].getMessage()
+
+
+# -- a stream of rejected requests used to take the engine's CPU ----------------------------------
+def test_rejection_budget_arithmetic():
+    from orca_ext.http.rejections import RejectionBudget
+
+    now = [0.0]
+    b = RejectionBudget(rate=100, burst=300, min_charge=50, max_delay=2.0, max_clients=2, clock=lambda: now[0])
+    assert b.delay("a") == 0.0
+    b.charge("a", 10)           # charged at least min_charge: 300 - 50 = 250 left
+    b.charge("a", 250)          # 0 left: still allowed
+    assert b.delay("a") == 0.0
+    b.charge("a", 120)          # -120: in debt for 1.2 s
+    assert b.delay("a") == pytest.approx(1.2)
+    b.charge("a", 1000)         # -1120: the delay is capped
+    assert b.delay("a") == 2.0
+    assert b.delay("b") == 0.0  # other addresses are unaffected
+    now[0] = 11.2               # 11.2 s x 100 B/s paid it off
+    assert b.delay("a") == 0.0
+    now[0] = 100.0
+    b.charge("a", 50), b.charge("b", 50), b.charge("c", 50)
+    assert len(b._left) == 2 and "a" not in b._left  # bounded memory: the oldest is forgotten
+
+
+def test_a_client_flooding_rejected_bodies_is_slowed_and_others_are_not(make_server):
+    """Before: every rejected request was received and parsed in full, however many a client sent
+    back to back (a 1 MB body each: ~40% of the server's CPU in bench/isolation.py). Now a client
+    address over its rejected-bytes budget gets 429 (after a delay, Connection: close) without its
+    body being read, while another address is served normally."""
+    from orca_ext.http.rejections import RejectionBudget
+
+    server = make_server()
+    app = make_app(server, rejections=RejectionBudget(rate=1000, burst=40_000, min_charge=1000, max_delay=0.01))
+    big = json.dumps({"prompt": "AB", "stop": ["x"] * 5000}).encode()  # ~25 kB, invalid (too many stops)
+
+    async def go():
+        attacker = httpx.AsyncClient(transport=httpx.ASGITransport(app=app, client=("127.0.0.2", 4000)),
+                                     base_url="http://127.0.0.1:8000")
+        bystander = httpx.AsyncClient(transport=httpx.ASGITransport(app=app, client=("127.0.0.1", 4001)),
+                                      base_url="http://127.0.0.1:8000")
+        async with attacker, bystander:
+            headers = {"Content-Type": "application/json"}
+            statuses = [(await attacker.post("/v1/completions", content=big, headers=headers)) for _ in range(4)]
+            good = await bystander.post("/v1/completions", json={"prompt": "AB", "max_tokens": 3})
+            return statuses, good
+
+    statuses, good = asyncio.run(go())
+    assert [r.status_code for r in statuses] == [400, 400, 429, 429]  # 2 x 25 kB > 40 kB burst
+    assert statuses[2].json()["error"]["code"] == "too_many_rejected_requests"
+    assert statuses[2].headers["connection"] == "close" and int(statuses[2].headers["retry-after"]) >= 1
+    assert good.status_code == 200
+    assert outcome_count(app, "rejected_too_many_errors") == 2 and outcome_count(app, "invalid") == 2
+    assert_idle(server)
