@@ -148,12 +148,28 @@ def test_stream_snapshots_are_monotone_and_release_the_id(make_server):
     assert server.result("s1").token_ids == want[:2]
 
 
+class StepGate:
+    """FakeModel's gate, one forward per `allow()`: the test decides how far the engine gets."""
+
+    def __init__(self):
+        self._steps = threading.Semaphore(0)
+
+    def wait(self):
+        assert self._steps.acquire(timeout=30), "the test never allowed this forward"
+
+    def allow(self, n: int = 1):
+        self._steps.release(n)
+
+
 def test_leaving_a_stream_early_does_not_abort(make_server):
-    server = make_server()
+    gate = StepGate()
+    server = make_server(FakeModel(gate=gate))
     rid = server.submit([5, 6], SamplingParams(max_tokens=20))
+    gate.allow(1)  # only the first token exists when the stream is left
     for snap in server.stream(rid):
-        assert not snap.finished
+        assert not snap.finished and len(snap.token_ids) == 1
         break
+    gate.allow(19)
     out = server.result(rid)
     assert out.finish_reason == "length" and out.token_ids == fake_reference([5, 6], 20)
 
