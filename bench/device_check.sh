@@ -17,9 +17,11 @@
 #   memcheck   30  60  compute-sanitizer memcheck of the small cases (skipped if preflight says the
 #                      sanitizer does not work on this machine's runtime)
 #   reference  20  60  bench/gpu_reference.py: torch references and ours, graph-timed, vs targets
+#   graphs     15  60  bench/cuda_graphs.py: host time per decode iteration, eager vs CUDA-graph
+#                      replay, at batch 1, 32, 256 (target < 100 us at 256); into summary.json
 #   multigpu    - 240  only with more than one GPU visible: bench/parallel_gpu.py (tensor/pipeline
 #                      parallelism over NCCL); its results go into summary.json, not a file of its own
-#   engine    100 rest bench/gpu_engine.py: ours first, transformers baselines last, its own deadline
+#   engine     85 rest bench/gpu_engine.py: ours first, transformers baselines last, its own deadline
 #   summary            always: a table of steps and metrics, summary.json
 # Every step runs under `timeout` (its cap, or the time left, whichever is less), the script goes on
 # after a failure, and each step appends its results to $OUT as soon as it ends. $OUT holds at
@@ -33,7 +35,7 @@ OUT="${OUT:-$(mktemp -d)}"
 mkdir -p "$OUT"
 BUDGET_S="${BUDGET_S:-360}"
 RESERVE_S=15                                  # kept for the summary
-ALL_STEPS="preflight,build,tests,micro,memcheck,reference,multigpu,engine"
+ALL_STEPS="preflight,build,tests,micro,memcheck,reference,graphs,multigpu,engine"
 STEPS="${STEPS:-$ALL_STEPS}"
 DRY_RUN="${DRY_RUN:-0}"
 START=$(date +%s)
@@ -118,6 +120,7 @@ EOF
 step=other
 case "$*" in
   *"-m pytest"*) step=tests ;; *gpu_reference.py*) step=reference ;; *gpu_engine.py*) step=engine ;;
+  *cuda_graphs.py*) step=graphs ;;
   *orca_ext._C*) step=build ;;
 esac
 if [ -n "${DRY_RUN_SLEEP:-}" ] && [ "${DRY_RUN_SLEEP%%:*}" = "$step" ]; then sleep "${DRY_RUN_SLEEP#*:}"; fi
@@ -129,6 +132,7 @@ case "$step" in
   tests) echo '<testsuites><testsuite name="pytest" tests="3" failures="0" errors="0" skipped="0"/></testsuites>' > "$junit" ;;
   reference) echo '{"rows": [{"name": "copy", "gbps": 4200.0}]}' > "$out" ;;
   engine) echo '{"runs": {"ours_64": {"tok_per_s": 1000.0}}, "ratios": {}}' > "$out" ;;
+  graphs) echo '{"host_us_at_256_graph": 50.0, "rows": []}' > "$out" ;;
 esac
 echo "python $step (dry run)"
 EOF
@@ -147,7 +151,7 @@ for step in ${STEPS//,/ }; do
   case ",$ALL_STEPS," in *",$step,"*) ;; *) echo "unknown step '$step'; steps are $ALL_STEPS" >&2; exit 2 ;; esac
 done
 log "device check in $ROOT -> $OUT; steps: $STEPS; budget ${BUDGET_S}s (dry run: $DRY_RUN)"
-log "estimate: preflight 15 + build 75 + tests 60 + micro 60 + memcheck 30 + reference 20 + engine 100 = 360 s"
+log "estimate: preflight 15 + build 75 + tests 60 + micro 60 + memcheck 30 + reference 20 + graphs 15 + engine 85 = 360 s"
 
 # compute-sanitizer refuses the GPU on some runtimes ("Device not supported", error 999): try it on
 # a 10-line program first, and skip memcheck rather than fail the run where it cannot work.
@@ -256,6 +260,12 @@ if want reference; then
   run_step reference 60 "$PY" bench/gpu_reference.py --out "$OUT/gpu_reference.json"
 fi
 
+# ---- graphs: CUDA-graph replay of decode iterations (its JSON goes into summary.json) -------------
+GRAPHS_JSON="$WORK/cuda_graphs.json"
+if want graphs; then
+  run_step graphs 60 "$PY" bench/cuda_graphs.py --batches 1,32,256 --iters 15 --out "$GRAPHS_JSON"
+fi
+
 # ---- multigpu: tensor/pipeline parallelism over NCCL (only with more than one GPU) -------------
 # bench/parallel_gpu.py: greedy parity of tp / pp / tp x pp against one GPU, throughput with 1 vs pp
 # batches in flight, the workers' compute/communication split, NCCL transfer times. Its JSON lands
@@ -278,7 +288,7 @@ if want engine; then
 fi
 
 # ---- summary ------------------------------------------------------------------------------------
-PARALLEL_JSON="$PARALLEL_JSON" "$SUMMARY_PY" - "$OUT" <<'EOF' 2>&1 | tee -a "$LOG"
+PARALLEL_JSON="$PARALLEL_JSON" GRAPHS_JSON="$GRAPHS_JSON" "$SUMMARY_PY" - "$OUT" <<'EOF' 2>&1 | tee -a "$LOG"
 import json, os, sys, xml.etree.ElementTree as ET
 from pathlib import Path
 
@@ -311,6 +321,8 @@ try:
 except Exception:
     pass
 ref = {r["name"]: r for r in load("gpu_reference.json").get("rows", [])}
+graphs_path = Path(os.environ.get("GRAPHS_JSON", "/nonexistent"))
+graphs = json.loads(graphs_path.read_text()) if graphs_path.is_file() else {}
 eng = load("gpu_engine.json")
 runs = eng.get("runs", {})
 big = next((v for k, v in runs.items() if k.startswith("ours_") and "host_time_at_batch" in v), {})
@@ -332,6 +344,7 @@ rows = [  # (label, value, target: >= if positive, <= if negative, None for a pl
     ("engine 64 req % of memory floor", g(runs, "ours_64", "pct_of_floor"), None),
     ("engine 256 req tok/s", g(runs, "ours_256", "tok_per_s"), None),
     ("host ms per iteration at batch 256", g(big, "host_time_at_batch", "host_ms_median"), None),
+    ("decode host us at batch 256, CUDA graphs (<= 100)", g(graphs, "host_us_at_256_graph"), -100),
 ]
 print("\n==== device check summary ====")
 for name, status, secs in steps:
@@ -347,6 +360,8 @@ for label, value, target in rows:
     table.append({"metric": label, "value": value, "verdict": verdict or None})
 summary = {"steps": [{"step": s, "status": st, "seconds": int(t)} for s, st, t in steps], "tests": tests,
            "metrics": table}
+if graphs:
+    summary["cuda_graphs"] = graphs
 parallel = Path(os.environ.get("PARALLEL_JSON", "/nonexistent"))
 if parallel.is_file():  # bench/parallel_gpu.py ran (more than one GPU)
     summary["parallel_gpu"] = json.loads(parallel.read_text())

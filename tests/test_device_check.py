@@ -39,7 +39,7 @@ def test_dry_run_runs_every_step_within_budget_and_the_file_limit(tmp_path):
     proc, steps = run(tmp_path)
     assert proc.returncode == 0, proc.stdout + proc.stderr
     assert set(steps) == {"preflight", "build", "tests", "bench_build", "memcheck_bench_slab_write",
-                          "memcheck_bench_ragged_attention", "reference", "engine"} | {
+                          "memcheck_bench_ragged_attention", "reference", "graphs", "engine"} | {
         f"micro_bench_{b}" for b in ("ceiling", "rms_norm", "slab_write", "rmsnorm_qkv", "ragged_attention")}
     assert set(steps.values()) == {"ok"}
     # The device tool returns at most 8 files from $OUT.
@@ -52,6 +52,7 @@ def test_dry_run_runs_every_step_within_budget_and_the_file_limit(tmp_path):
     summary = json.loads((tmp_path / "out" / "summary.json").read_text())
     assert summary["tests"].startswith("3 run, 0 failed")
     assert len(summary["steps"]) == len(steps)
+    assert summary["cuda_graphs"]["host_us_at_256_graph"] == 50.0  # the graphs step lands in the summary
     micro = (tmp_path / "out" / "microbench.jsonl").read_text().splitlines()
     assert len(micro) == 5 and all(json.loads(line)["median_us"] == 1.0 for line in micro)
 
