@@ -234,7 +234,8 @@ if want micro; then
   for b in bench_ceiling bench_rms_norm bench_slab_write bench_rmsnorm_qkv bench_ragged_attention; do
     exe="$(bench_exe "$b")"
     if [ -z "$exe" ]; then log "missing $BUILD_DIR/bench/cuda/$b"; record "micro_$b" missing 0; continue; fi
-    run_step "micro_$b" 30 bash -c "set -o pipefail; '$exe' | tee -a '$WORK/micro.out'"
+    cap=30; [ "$b" = bench_ragged_attention ] && cap=60  # it sweeps items_per_sm x decode_stages
+    run_step "micro_$b" "$cap" bash -c "set -o pipefail; '$exe' | tee -a '$WORK/micro.out'"
     grep '^RESULT ' "$WORK/micro.out" 2>/dev/null | sed 's/^RESULT //' >> "$MICRO"
     : > "$WORK/micro.out"
   done
