@@ -10,7 +10,8 @@ Per dtype (float32 <-> GGUF F32, bfloat16 <-> GGUF BF16) and per round, each sys
     output tok/s and the cores the system kept busy (CPU seconds per wall second of the run).
 Systems alternate inside each round; the report keeps min and median over rounds. The streaming
 read bandwidth of this machine (`_C.stream_read`, all threads) is measured before every round; the
-single-stream bound is that bandwidth divided by the bytes a decode step reads (all weights + the
+single-stream bound is the best such bandwidth (also measured right before each single-stream
+case) divided by the bytes a decode step reads (all weights + the
 lm_head + the KV cache at the mean context).
 
 Our side runs in this process (orca_ext.Server, the engine without HTTP); llama.cpp runs as its
@@ -264,6 +265,8 @@ def main(argv=None) -> int:
         log.info("round %d: streaming read %.1f GB/s", rnd + 1, ceilings[-1])
         for dtype in args.dtypes:
             for case, limit, work in cases:
+                if case == "stream":  # the ceiling right next to the runs it bounds
+                    ceilings.append(read_bandwidth_gbs())
                 systems = [("ours", lambda: ours(args.model, dtype, limit, work, case == "stream"))]
                 if binary:
                     systems.append(("llama.cpp", lambda: llama(binary, ggufs[dtype], args.threads, limit, work,
