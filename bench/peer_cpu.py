@@ -230,7 +230,7 @@ def main(argv=None) -> int:
                    help="llama.cpp source tree with build/bin/llama-server (none: our engine only)")
     p.add_argument("--model", default=None, help="checkpoint folder (default: the embedded SmolLM2-135M-Instruct)")
     p.add_argument("--dtypes", nargs="+", default=["float32", "bfloat16"], choices=list(GGUF_TYPES))
-    p.add_argument("--batch-limits", type=int, nargs="+", default=[16, 32])
+    p.add_argument("--batch-limits", type=int, nargs="*", default=[16, 32], help="none: single streams only")
     p.add_argument("--requests", type=int, default=32)
     p.add_argument("--rounds", type=int, default=2)
     p.add_argument("--threads", type=int, default=int(os.environ.get("OMP_NUM_THREADS", os.cpu_count() or 1)))
