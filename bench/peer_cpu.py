@@ -10,7 +10,8 @@ Per dtype (float32 <-> GGUF F32, bfloat16 <-> GGUF BF16) and per round, each sys
     output tok/s and the cores the system kept busy (CPU seconds per wall second of the run).
 Systems alternate inside each round; the report keeps min and median over rounds. The streaming
 read bandwidth of this machine (`_C.stream_read`, all threads) is measured before every round; the
-single-stream bound is that bandwidth divided by the bytes a decode step reads (all weights + the
+single-stream bound is the best such bandwidth (also measured right before each single-stream
+case) divided by the bytes a decode step reads (all weights + the
 lm_head + the KV cache at the mean context).
 
 Our side runs in this process (orca_ext.Server, the engine without HTTP); llama.cpp runs as its
@@ -229,7 +230,7 @@ def main(argv=None) -> int:
                    help="llama.cpp source tree with build/bin/llama-server (none: our engine only)")
     p.add_argument("--model", default=None, help="checkpoint folder (default: the embedded SmolLM2-135M-Instruct)")
     p.add_argument("--dtypes", nargs="+", default=["float32", "bfloat16"], choices=list(GGUF_TYPES))
-    p.add_argument("--batch-limits", type=int, nargs="+", default=[16, 32])
+    p.add_argument("--batch-limits", type=int, nargs="*", default=[16, 32], help="none: single streams only")
     p.add_argument("--requests", type=int, default=32)
     p.add_argument("--rounds", type=int, default=2)
     p.add_argument("--threads", type=int, default=int(os.environ.get("OMP_NUM_THREADS", os.cpu_count() or 1)))
@@ -264,6 +265,8 @@ def main(argv=None) -> int:
         log.info("round %d: streaming read %.1f GB/s", rnd + 1, ceilings[-1])
         for dtype in args.dtypes:
             for case, limit, work in cases:
+                if case == "stream":  # the ceiling right next to the runs it bounds
+                    ceilings.append(read_bandwidth_gbs())
                 systems = [("ours", lambda: ours(args.model, dtype, limit, work, case == "stream"))]
                 if binary:
                     systems.append(("llama.cpp", lambda: llama(binary, ggufs[dtype], args.threads, limit, work,
