@@ -248,6 +248,16 @@ def test_control_message_round_trip():
     assert (msg.index, msg.inputs, msg.free, msg.want_logits) == (12, inputs, [5, 6], True)
     assert [r.seed for r in msg.rows] == [None, 2**64 - 5, (-3) % 2**64]  # what manual_seed gets
     assert [(r.temperature, r.top_k, r.top_p) for r in msg.rows] == [(0.0, 0, 1.0), (0.7, 5, 0.9), (1.5, 0, 0.5)]
+    # The sampling worker follows SamplingParams' greedy rule (tiny temperatures are greedy).
+    for t in (0.0, 1e-7, 1e-5, 0.5):
+        assert SamplingRow(0, None, t, 0, 1.0).greedy == SamplingParams(temperature=t).greedy
+    # Per-row sampling errors travel back with their own message.
+    from orca_ext.distributed.messages import pack_row_errors, unpack_row_errors
+
+    errors = [None, "non-finite logits", None, "sampling failed: ValueError: a\nb"]
+    tokens = [5, -1, 7, -1]
+    assert unpack_row_errors(pack_row_errors(errors), tokens) == errors
+    assert pack_row_errors([None, None]).numel() == 0 and unpack_row_errors(None, [1, 2]) == [None, None]
 
 
 # -- parity ---------------------------------------------------------------------------------------------

@@ -37,10 +37,11 @@ import torch
 
 from ..executor import BatchFuture
 from ..models.sharding import check_shardable
-from ..sampling import NON_FINITE_LOGITS, SampleResult
+from ..sampling import SampleResult
 from .groups import NAMESPACE, SendQueue, TorchrunEnv, control_group, torchrun_store
 from .messages import (HEADER_LEN, KIND_BYE, KIND_ERROR, KIND_RESULT, KIND_STATS, OP_STATS, OP_STOP,
-                       TAG_DOWN, TAG_UP, SamplingRow, WorkerTimes, header, pack_forward, spec_to_dict)
+                       TAG_DOWN, TAG_UP, SamplingRow, WorkerTimes, header, pack_forward, spec_to_dict,
+                       unpack_row_errors)
 
 log = logging.getLogger(__name__)
 
@@ -399,8 +400,9 @@ class DistributedExecutor:
                 self._on_failure(_Failure(w.rank, "lost", str(exc).split("\n")[0]))
 
     def _on_result(self, w: WorkerInfo, hdr: torch.Tensor) -> None:
-        index, b = int(hdr[1]), int(hdr[2])
+        index, b, n_err = int(hdr[1]), int(hdr[2]), int(hdr[4])
         tokens = self._recv(w, torch.empty(b, dtype=torch.int64)).tolist()
+        errors = unpack_row_errors(self._recv(w, torch.empty(n_err, dtype=torch.uint8)) if n_err else None, tokens)
         logits = self._recv(w, torch.empty(b, self.spec.vocab_size, dtype=torch.float32)) if int(hdr[3]) else None
         with self._lock:
             expected, future = self._pending.popleft() if self._pending else (None, None)
@@ -412,8 +414,7 @@ class DistributedExecutor:
                                                         f"expected (control-plane protocol error)", False, index))
             return
         future.logits = logits
-        future.resolve(SampleResult([t if t >= 0 else None for t in tokens],
-                                    [None if t >= 0 else NON_FINITE_LOGITS for t in tokens]))
+        future.resolve(SampleResult([t if t >= 0 else None for t in tokens], errors))
 
     def _watch_processes(self) -> None:
         alive = {w.process.sentinel: w for w in self.workers if w.process is not None}

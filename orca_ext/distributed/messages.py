@@ -15,8 +15,9 @@ Driver -> every worker (TAG_DOWN), one per iteration:
     header [OP_STATS, reset, ...] / [OP_STOP, ...] carry no payload.
 
 Worker -> driver (TAG_UP):
-    [KIND_RESULT, batch index, B, has_logits]  + tokens int64 [B] (-1: non-finite logits)
-                                               (+ logits float32 [B, V] when asked for)
+    [KIND_RESULT, batch index, B, has_logits, n_err]  + tokens int64 [B] (-1: the row failed)
+        (+ the failed rows' messages, utf-8, NUL-separated, uint8 [n_err], when n_err > 0)
+        (+ logits float32 [B, V] when asked for)
         sent by the sampling worker (last stage, tensor rank 0) only
     [KIND_ERROR, batch index or -1, n_bytes, is_communication_error] + utf-8 text uint8 [n_bytes]
     [KIND_STATS, n]                            + float64 [n] (WorkerTimes.FIELDS)
@@ -28,6 +29,8 @@ import dataclasses
 from typing import Optional, Sequence
 
 import torch
+
+from ..sampling import GREEDY_TEMPERATURE
 
 TAG_DOWN = 1
 TAG_UP = 2
@@ -63,7 +66,26 @@ class SamplingRow:
 
     @property
     def greedy(self) -> bool:
-        return self.temperature == 0.0
+        return self.temperature < GREEDY_TEMPERATURE  # the rule of SamplingParams.greedy
+
+
+def pack_row_errors(errors: Sequence[Optional[str]]) -> torch.Tensor:
+    """The messages of the rows that failed (in row order) as one uint8 tensor."""
+    failed = [e for e in errors if e is not None]
+    data = "\0".join(failed).encode("utf-8", "replace") if failed else b""
+    return torch.tensor(list(data), dtype=torch.uint8)
+
+
+def unpack_row_errors(data: Optional[torch.Tensor], tokens: Sequence[int]) -> list[Optional[str]]:
+    """Per-row error messages (None for rows with a token) from pack_row_errors' bytes."""
+    messages = bytes(data.tolist()).decode("utf-8", "replace").split("\0") if data is not None else []
+    out: list[Optional[str]] = []
+    for t in tokens:
+        if t >= 0:
+            out.append(None)
+        else:
+            out.append(messages.pop(0) if messages else "sampling failed on the worker")
+    return out
 
 
 @dataclasses.dataclass(frozen=True)

@@ -41,7 +41,8 @@ from ..sampling import Sampler
 from .groups import (NAMESPACE, SendQueue, StageClock, TensorParallelComm, TorchrunEnv, control_group,
                      is_communication_error, loopback_interface, torchrun_store)
 from .messages import (HEADER_LEN, KIND_BYE, KIND_ERROR, KIND_RESULT, KIND_STATS, OP_FORWARD, OP_STATS,
-                       OP_STOP, TAG_DOWN, TAG_UP, header, payload_len, spec_from_dict, unpack_forward)
+                       OP_STOP, TAG_DOWN, TAG_UP, header, pack_row_errors, payload_len, spec_from_dict,
+                       unpack_forward)
 
 log = logging.getLogger(__name__)
 
@@ -260,7 +261,10 @@ class Worker:
                 self.generators[row.params.seq_id] = row.generator
         tokens = torch.tensor([-1 if e is not None else t for t, e in zip(result.tokens, result.errors)],
                               dtype=torch.int64)
-        self._send_up(header(KIND_RESULT, msg.index, len(rows), int(msg.want_logits)), tokens)
+        errors = pack_row_errors(result.errors)
+        self._send_up(header(KIND_RESULT, msg.index, len(rows), int(msg.want_logits), errors.numel()), tokens)
+        if errors.numel():
+            self._send_up(errors)
         if msg.want_logits:
             self._send_up(logits.float().cpu().contiguous())
 
