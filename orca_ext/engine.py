@@ -16,6 +16,7 @@ from typing import Callable, Optional
 
 import torch
 
+from . import ops
 from .detokenizer import find_stop, partial_stop_len
 from .models.batch import ForwardBatch, count_tokens
 from .request import IterationRecord, Request
@@ -35,11 +36,17 @@ class ScheduledBatch:
 
 class Engine:
     def __init__(self, model, scheduler, *, record_iterations: bool = False,
-                 sampler: Optional[Sampler] = None):
+                 sampler: Optional[Sampler] = None, slab_compaction: bool = True):
         self.model = model
         self.scheduler = scheduler
         self.sampler = sampler or Sampler()
         self.kv_cache = model.allocate_kv_cache(scheduler.n_slots)
+        self.compaction_moved_bytes = 0
+        if slab_compaction:
+            if getattr(model, "kv_pools", None) is None:
+                log.warning("%s exposes no kv_pools; slab compaction is off", type(model).__name__)
+            else:
+                scheduler.slab_mover = self._move_slabs
         self.record_iterations = record_iterations
         self.records: list[IterationRecord] = []
         self.num_iterations = 0
@@ -122,7 +129,8 @@ class Engine:
         if self.record_iterations:
             n_prefill, n_decode = count_tokens(inputs)
             self.records.append(IterationRecord(index, tuple(r.request_id for r in reqs), n_prefill,
-                                                n_decode, self.scheduler.n_rsrv))
+                                                n_decode, self.scheduler.n_rsrv,
+                                                tuple(len(new_ids) for new_ids, _, _ in inputs)))
         return ScheduledBatch(index, reqs, inputs)
 
     def _execute(self, batch: ScheduledBatch):
@@ -148,6 +156,8 @@ class Engine:
                 req.num_cached += len(batch.inputs[i][0])
                 if req.num_cached == len(req.prompt_token_ids):
                     self.num_prompt_tokens += req.num_cached
+                elif req.prompt_remaining:
+                    continue  # a prompt chunk that is not the last: its KV is cached, no token yet
                 err = result.errors[i]
                 if err is not None:
                     self._end(req, "error", err)
@@ -160,6 +170,21 @@ class Engine:
             changed.append(req)
         self.scheduler.complete(batch.requests)
         return changed
+
+    def _move_slabs(self, moves: list) -> None:
+        """The scheduler compacted the slabs: copy each moved request's cached KV rows from its
+        old slab start to its new one, in the order given (the scheduler's slab_mover)."""
+        rows = [(old, new, req.num_cached) for req, old, new in moves if req.num_cached > 0]
+        if rows:
+            pools = self.model.kv_pools  # [P, n_slots, ...]: every layer's K and V pool
+            ops.slab_move(pools, torch.tensor(rows, dtype=torch.int64))
+            row_bytes = pools[0, 0].numel() * pools.element_size() * pools.shape[0]
+            self.compaction_moved_bytes += sum(n for _, _, n in rows) * row_bytes
+        log.debug("slab compaction moved %d slabs (%d with cached KV)", len(moves), len(rows))
+
+    @property
+    def num_compactions(self) -> int:
+        return self.scheduler.num_compactions
 
     def _end(self, req: Request, reason: str, error: Optional[str] = None) -> None:
         """Set a request's finish reason once; it leaves the pool through the scheduler."""

@@ -49,3 +49,12 @@ def ragged_attention(q, k_cache, v_cache, q_start, q_len, kv_start, kv_len, scal
     if _C is None:
         return reference.ragged_attention(q, k_cache, v_cache, q_start, q_len, kv_start, kv_len, scale)
     return _C.ragged_attention(q, k_cache, v_cache, q_start, q_len, kv_start, kv_len, scale)
+
+
+def slab_move(pools: torch.Tensor, moves: torch.Tensor) -> None:
+    """pools [P, S, ...] (every layer's K and V pool, contiguous); moves [M, 3] int64 on the CPU,
+    rows (src, dst, n): rows [src, src+n) of every pool go to [dst, dst+n), move after move,
+    each as if through a temporary (the two ranges may overlap)."""
+    if _C is None or not hasattr(_C, "slab_move"):
+        return reference.slab_move(pools, moves.tolist())
+    _C.slab_move(pools, moves)

@@ -84,7 +84,8 @@ class SamplingParams:
 
 
 class SampleResult:
-    """Per-row outcome of one sampling call: a token id, or an error message for that row only."""
+    """Per-row outcome of one sampling call: a token id, or an error message for that row only.
+    Both are None for a row that emits no token (a prompt chunk that is not the last)."""
 
     __slots__ = ("tokens", "errors")
 
@@ -141,7 +142,11 @@ class Sampler:
         errors: list[Optional[str]] = [None] * n
         sampled: list[int] = []
         for i, req in enumerate(requests):
-            if not packed[1][i]:
+            if not req.emits_token:
+                # A prompt chunk that is not the last: no token, and no draw from its generator,
+                # so a seeded request samples the same stream however its prompt was split.
+                tokens[i] = None
+            elif not packed[1][i]:
                 tokens[i] = None
                 errors[i] = "non-finite logits (NaN or Inf) in the model output"
             elif not req.params.greedy:

@@ -56,6 +56,13 @@ PYBIND11_MODULE(_C, m) {
       .def("allocate", &orca::SlabAllocator::allocate, py::arg("n"),
            "Start slot of a free contiguous run of n slots, or -1 if none exists.")
       .def("free", &orca::SlabAllocator::free, py::arg("start"), "Return the slab that starts at `start`.")
+      .def("compact", [](orca::SlabAllocator& a) {
+             py::list moves;
+             for (const auto& m : a.compact()) moves.append(py::make_tuple(m[0], m[1], m[2]));
+             return moves;
+           },
+           "Slide every slab toward slot 0; returns [(old_start, new_start, length)] of the moved "
+           "slabs in address order.")
       .def_property_readonly("n_slots", &orca::SlabAllocator::n_slots)
       .def_property_readonly("n_used", &orca::SlabAllocator::n_used)
       .def_property_readonly("n_free", &orca::SlabAllocator::n_free)

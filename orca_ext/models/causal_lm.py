@@ -61,6 +61,7 @@ class CausalLM:
         self.scale = 1.0 / math.sqrt(spec.head_dim)
         self.k_cache: list[torch.Tensor] = []   # per layer [n_slots, Hkv, D]
         self.v_cache: list[torch.Tensor] = []
+        self.kv_pools: torch.Tensor | None = None  # [2 * layers, n_slots, Hkv, D]: all pools, one tensor
         self.n_slots = 0
 
     def __repr__(self) -> str:
@@ -78,12 +79,13 @@ class CausalLM:
         if n_slots < 1:
             raise ValueError(f"n_slots must be >= 1, got {n_slots}")
         s = self.spec
-        self.k_cache, self.v_cache = [], []  # free the old pools before allocating new ones
+        self.k_cache, self.v_cache, self.kv_pools = [], [], None  # free the old pools first
         # One allocation for all layers; each layer's pool is a contiguous view into it.
         pools = torch.zeros(2, s.num_layers, n_slots, s.num_kv_heads, s.head_dim,
                             dtype=self.dtype, device=self.device)
         self.k_cache = list(pools[0].unbind(0))
         self.v_cache = list(pools[1].unbind(0))
+        self.kv_pools = pools.view(2 * s.num_layers, n_slots, s.num_kv_heads, s.head_dim)
         self.n_slots = n_slots
         return self.k_cache, self.v_cache
 
