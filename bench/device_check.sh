@@ -85,7 +85,7 @@ run_step pytest_cuda 150 "$PY" -m pytest -q -p no:cacheprovider --junitxml="$OUT
 
 # 3. compute-sanitizer memcheck on small runs.
 SANITIZER="$(command -v compute-sanitizer || echo /usr/local/cuda/bin/compute-sanitizer)"
-for b in bench_slab_write bench_ragged_attention; do
+for b in bench_slab_write bench_slab_move bench_ragged_attention; do
   exe="$(find_bench "$b")"
   if [ -z "$exe" ]; then
     log "missing executable $b under build/"; printf 'memcheck_%s\tmissing\t0\n' "$b" >> "$STEPS"; continue
@@ -94,7 +94,7 @@ for b in bench_slab_write bench_ragged_attention; do
 done
 
 # 4. Microbenchmarks (validate, then time) and the torch references of bench/RESULTS.md.
-for b in bench_ceiling bench_rms_norm bench_slab_write bench_rmsnorm_qkv bench_ragged_attention; do
+for b in bench_ceiling bench_rms_norm bench_slab_write bench_slab_move bench_rmsnorm_qkv bench_ragged_attention; do
   exe="$(find_bench "$b")"
   if [ -z "$exe" ]; then
     log "missing executable $b under build/"; printf '%s\tmissing\t0\n' "$b" >> "$STEPS"; continue

@@ -30,11 +30,29 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     return _C.rms_norm(x, weight, eps)
 
 
-def rmsnorm_qkv(x, norm_weight, qkv_weight, qkv_bias, eps: float) -> torch.Tensor:
-    """[T, H] -> [T, Nq*D + 2*Nkv*D]."""
+def rmsnorm_qkv(x, norm_weight, qkv_weight, qkv_bias, eps: float, batch_invariant: bool = False) -> torch.Tensor:
+    """[T, H] -> [T, Nq*D + 2*Nkv*D]. batch_invariant: one code path for every T."""
     if _C is None:
         return reference.rmsnorm_qkv(x, norm_weight, qkv_weight, qkv_bias, eps)
-    return _C.rmsnorm_qkv(x, norm_weight, qkv_weight, qkv_bias, eps)
+    return _C.rmsnorm_qkv(x, norm_weight, qkv_weight, qkv_bias, eps, batch_invariant)
+
+
+def linear(x, weight, bias, batch_invariant: bool = False) -> torch.Tensor:
+    """[T, K] -> [T, N] = x W^T + b. With batch_invariant each row's result depends only on that
+    row (`_C.linear`); otherwise ATen's GEMM, whose blocking and reduction order change with T."""
+    if not batch_invariant or _C is None:
+        return torch.nn.functional.linear(x, weight, bias)
+    return _C.linear(x, weight, bias)
+
+
+def silu_mul(gate_up: torch.Tensor, batch_invariant: bool = False) -> torch.Tensor:
+    """[T, 2I] -> [T, I] = silu(gate) * up. ATen's CPU silu rounds an element differently
+    depending on where T puts the thread and vector boundaries, hence `_C.silu_mul` when
+    batch_invariant."""
+    n = gate_up.shape[-1] // 2
+    if not batch_invariant or _C is None:
+        return torch.nn.functional.silu(gate_up[:, :n]) * gate_up[:, n:]
+    return _C.silu_mul(gate_up)
 
 
 def slab_write(k_cache, v_cache, k, v, slots) -> None:
@@ -44,17 +62,19 @@ def slab_write(k_cache, v_cache, k, v, slots) -> None:
     _C.slab_write(k_cache, v_cache, k, v, slots)
 
 
-def ragged_attention(q, k_cache, v_cache, q_start, q_len, kv_start, kv_len, scale: float):
-    """q [T, Hq, D] -> [T, Hq, D]; see docs/DESIGN.md section 4."""
+def ragged_attention(q, k_cache, v_cache, q_start, q_len, kv_start, kv_len, scale: float,
+                     batch_invariant: bool = False):
+    """q [T, Hq, D] -> [T, Hq, D]; see docs/DESIGN.md section 4. batch_invariant: each row's
+    arithmetic depends only on its own request's context."""
     if _C is None:
         return reference.ragged_attention(q, k_cache, v_cache, q_start, q_len, kv_start, kv_len, scale)
-    return _C.ragged_attention(q, k_cache, v_cache, q_start, q_len, kv_start, kv_len, scale)
+    return _C.ragged_attention(q, k_cache, v_cache, q_start, q_len, kv_start, kv_len, scale, batch_invariant)
 
 
 def slab_move(pools: torch.Tensor, moves: torch.Tensor) -> None:
     """pools [P, S, ...] (every layer's K and V pool, contiguous); moves [M, 3] int64 on the CPU,
     rows (src, dst, n): rows [src, src+n) of every pool go to [dst, dst+n), move after move,
     each as if through a temporary (the two ranges may overlap)."""
-    if _C is None or not hasattr(_C, "slab_move"):
+    if _C is None:
         return reference.slab_move(pools, moves.tolist())
     _C.slab_move(pools, moves)

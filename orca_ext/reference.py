@@ -24,6 +24,14 @@ def rmsnorm_qkv(x, norm_weight, qkv_weight, qkv_bias, eps: float) -> torch.Tenso
     return torch.nn.functional.linear(normed, qkv_weight.to(acc), bias).to(x.dtype)
 
 
+def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
+    """gate_up [T, 2I] -> [T, I] = silu(gate) * up, computed in at least float32."""
+    acc = torch.promote_types(gate_up.dtype, torch.float32)
+    n = gate_up.shape[-1] // 2
+    g = gate_up[:, :n].to(acc)
+    return (torch.nn.functional.silu(g) * gate_up[:, n:].to(acc)).to(gate_up.dtype)
+
+
 def slab_write(k_cache, v_cache, k, v, slots) -> None:
     """k_cache[slots[t]] = k[t]; v_cache[slots[t]] = v[t] (in place)."""
     idx = slots.long()

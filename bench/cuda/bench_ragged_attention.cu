@@ -23,6 +23,7 @@ struct Case {
   int hq = 16, hkv = 8, d = 128;
   bool timed = false;
   bool int64_index = false;
+  bool batch_invariant = false;  // every row through prefill tiles (no decode splits)
   int sample_rows = 64;  // rows per request checked against the CPU reference (all if fewer)
   int extra_rows = 0;    // trailing query rows owned by no request: must come out as zeros
 };
@@ -75,7 +76,7 @@ bool run_case(const Case& c, const Args& args, double copy_gbps, uint64_t seed) 
   auto launch = [&] {
     BENCH_CHECK(kern::ragged_attention(dt, c.int64_index ? kern::IndexType::kInt64 : kern::IndexType::kInt32, dq.ptr,
                                        dk.ptr, dv.ptr, d_qs, d_ql, d_ks, d_kl, dout.ptr, ws.ptr, ws_bytes, n_tokens, B,
-                                       n_slots, hq, hkv, D, scale, nullptr));
+                                       n_slots, hq, hkv, D, scale, c.batch_invariant, nullptr));
   };
   launch();
   BENCH_CHECK(cudaDeviceSynchronize());
@@ -163,6 +164,9 @@ int main(int argc, char** argv) {
     c.int64_index = true;
     c.extra_rows = 3;
     ok &= run_case<__nv_bfloat16>(c, args, NAN, 3);
+    c.name = "small_mixed_invariant";
+    c.batch_invariant = true;
+    ok &= run_case<__half>(c, args, NAN, 10);
   }
   {
     Case c{"small_gqa8_d64", {1, 1, 2, 3, 40, 1}, {33, 700, 90, 129, 40, 1}, 8, 1, 64};
@@ -197,6 +201,9 @@ int main(int argc, char** argv) {
     Case c{"decode_ctx1024", std::vector<int>(64, 1), std::vector<int>(64, 1024)};
     c.timed = true;
     ok &= run_case<__nv_bfloat16>(c, args, copy, 12);
+    c.name = "decode_ctx1024_invariant";  // the cost of giving up flash-decoding splits
+    c.batch_invariant = true;
+    ok &= run_case<__nv_bfloat16>(c, args, copy, 15);
   }
   {
     Case c{"prefill_4x2048", std::vector<int>(4, 2048), std::vector<int>(4, 2048)};

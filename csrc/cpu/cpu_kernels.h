@@ -42,7 +42,11 @@ void rms_norm(const T* x,       // [T, H]
               int64_t n_tokens, int64_t hidden, float eps);
 
 // out[T, N] = linear(rms_norm(x) * norm_weight, qkv_weight, qkv_bias); N = Nq*D + 2*Nkv*D.
-// The norm is computed in float32; accumulation is float32.
+// The norm is computed in float32; accumulation is float32. norm_weight == nullptr skips the norm
+// (out = x W^T + b, the plain linear layer of the batch-invariant mode).
+// Batch invariance: every output element is one dot product over H accumulated in one fixed lane
+// order, whichever micro-kernel (3x4, 2x4, 1x4, 3x1, 1x1 rows x columns) computes it and however
+// the tokens are tiled, so a token's outputs do not depend on T or on the other rows.
 template <typename T>
 void rmsnorm_qkv(const T* x,            // [T, H]
                  const T* norm_weight,  // [H]
@@ -66,6 +70,10 @@ void slab_write(T* k_cache,        // [S, Hkv, D]
 // positions of its kv_len[b]-token context at k_cache[kv_start[b] ..]. Row i attends to context
 // positions 0 .. kv_len[b]-q_len[b]+i. Head h reads KV head h / (Hq/Hkv). Softmax in float32
 // with a running max. The caller has validated every index.
+// batch_invariant: every query row takes the query-vectorized tile path, whose arithmetic per
+// row depends only on that row's own context, never on how many rows share its tile. Without
+// it, a few rows (decodes, short prompt chunks) take the faster row-major path instead, so a
+// prompt row's result can change with the chunk it was computed in.
 template <typename T, typename I>
 void ragged_attention(const T* q,         // [T, Hq, D]
                       const T* k_cache,   // [S, Hkv, D]
@@ -76,7 +84,24 @@ void ragged_attention(const T* q,         // [T, Hq, D]
                       const I* kv_len,    // [B]
                       T* out,             // [T, Hq, D]
                       int64_t n_requests, int64_t n_q_heads, int64_t n_kv_heads, int64_t head_dim,
-                      float scale);
+                      float scale, bool batch_invariant);
+
+// out[T, I] = silu(gate_up[:, :I]) * gate_up[:, I:] in float32, rounded once. Each row is
+// computed whole by one thread, so every element's arithmetic depends only on its column (the
+// batch-invariant replacement of ATen's silu, whose vector/scalar split points move with T).
+template <typename T>
+void silu_mul(const T* gate_up,  // [T, 2I]
+              T* out,            // [T, I]
+              int64_t n_tokens, int64_t n_inter);
+
+// Slab compaction of the KV pools: for each move (src, dst, n), in the given order, rows
+// [src, src+n) of every pool are copied to rows [dst, dst+n) as if through a temporary (the two
+// ranges may overlap). Rows are opaque bytes, so every dtype shares this kernel. The caller has
+// checked every range against the pool size.
+void slab_move(void* pools,               // [P, S, row_bytes]
+               int64_t n_pools, int64_t n_slots, int64_t row_bytes,
+               const int64_t* moves,      // [M, 3] (src, dst, n)
+               int64_t n_moves);
 
 }  // namespace cpu
 }  // namespace orca

@@ -72,8 +72,10 @@ void rmsnorm_qkv(const T* x,            // [T, H]
   float* xn = detail::thread_scratch(0, static_cast<size_t>(n_tokens * ldx));  // [T, H], rows ldx apart
 
 #pragma omp parallel for schedule(static) if (n_tokens > 1 && n_tokens * hidden >= (int64_t{1} << 15))
-  for (int64_t t = 0; t < n_tokens; ++t)
-    detail::rms_normalize_row(x + t * hidden, norm_weight, xn + t * ldx, hidden, eps);
+  for (int64_t t = 0; t < n_tokens; ++t) {
+    if (norm_weight != nullptr) detail::rms_normalize_row(x + t * hidden, norm_weight, xn + t * ldx, hidden, eps);
+    else detail::load_row(x + t * hidden, xn + t * ldx, hidden);
+  }
 
   const int64_t token_tile = n_tokens <= kTokenTile ? n_tokens : kTokenTile;
   const int64_t t_tiles = (n_tokens + token_tile - 1) / token_tile;

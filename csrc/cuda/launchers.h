@@ -67,6 +67,9 @@ cudaError_t slab_write(DType dtype, IndexType index_type,
 // Requests whose indices are invalid (q_len < 0, kv_len < q_len, rows outside [0, T), slots
 // outside [0, S)) are skipped. Every row of `out` owned by no valid request is set to zero (so
 // `out` may be uninitialised); requests are assumed not to share query rows.
+// batch_invariant: no flash-decoding splits and no decode tiles, so each row's result depends only
+// on its own request's context (never on batch-mates or on the prompt chunk it is in). The
+// CUDA-core path is batch-invariant either way (one warp per row over fixed 32-key blocks).
 //
 // Scratch: `workspace` of at least ragged_attention_workspace_bytes(...) bytes (any content; it is
 // an upper bound computed from the shapes alone, so no device value is read on the host).
@@ -88,6 +91,19 @@ cudaError_t ragged_attention(DType dtype, IndexType index_type,
                              void* workspace, size_t workspace_bytes,
                              int64_t n_tokens, int64_t n_requests, int64_t n_slots,
                              int64_t n_q_heads, int64_t n_kv_heads, int64_t head_dim,
-                             float scale, cudaStream_t stream);
+                             float scale, bool batch_invariant, cudaStream_t stream);
+
+// ---- slab_move -----------------------------------------------------------------------------------
+// Slab compaction of the KV pools: for each move (src, dst, n) of `moves`, in the given order,
+// rows [src, src+n) of every pool are copied to rows [dst, dst+n) as if through a temporary (the
+// ranges may overlap). Rows are opaque bytes (any dtype). `moves` is HOST memory: the launcher
+// walks it to enqueue device copies, so nothing is read back from the device. An overlapping move
+// is staged through `scratch` (any content, may be nullptr) when it holds more rows per pool than
+// the move's shift, else copied in pieces of `shift` rows. cudaErrorInvalidValue for a range
+// outside [0, S).
+cudaError_t slab_move(void* pools,             // [P, S, row_bytes]
+                      int64_t n_pools, int64_t n_slots, int64_t row_bytes,
+                      const int64_t* moves,    // [M, 3] (src, dst, n), host memory
+                      int64_t n_moves, void* scratch, size_t scratch_bytes, cudaStream_t stream);
 
 }  // namespace orca::kernels

@@ -32,14 +32,24 @@ PYBIND11_MODULE(_C, m) {
   m.def("rms_norm", &orca::rms_norm, py::arg("x"), py::arg("weight"), py::arg("eps"),
         "rms_norm(x[T,H], weight[H], eps) -> [T,H]; the norm in float32.");
   m.def("rmsnorm_qkv", &orca::rmsnorm_qkv, py::arg("x"), py::arg("norm_weight"), py::arg("qkv_weight"),
-        py::arg("qkv_bias"), py::arg("eps"),
-        "rmsnorm_qkv(x[T,H], norm_weight[H], qkv_weight[N,H], qkv_bias[N] or None, eps) -> [T,N]");
+        py::arg("qkv_bias"), py::arg("eps"), py::arg("batch_invariant") = false,
+        "rmsnorm_qkv(x[T,H], norm_weight[H], qkv_weight[N,H], qkv_bias[N] or None, eps, batch_invariant=False) "
+        "-> [T,N]; batch_invariant keeps one code path for every T");
+  m.def("linear", &orca::linear, py::arg("x"), py::arg("weight"), py::arg("bias"),
+        "linear(x[T,K], weight[N,K], bias[N] or None) -> [T,N] = x W^T + b, batch-invariant: each row's "
+        "result depends only on that row");
   m.def("slab_write", &orca::slab_write, py::arg("k_cache"), py::arg("v_cache"), py::arg("k"), py::arg("v"),
         py::arg("slots"), "slab_write(k_cache[S,Hkv,D], v_cache, k[T,Hkv,D], v, slots[T]): cache[slots[t]] = k[t]");
   m.def("ragged_attention", &orca::ragged_attention, py::arg("q"), py::arg("k_cache"), py::arg("v_cache"),
         py::arg("q_start"), py::arg("q_len"), py::arg("kv_start"), py::arg("kv_len"), py::arg("scale"),
+        py::arg("batch_invariant") = false,
         "ragged_attention(q[T,Hq,D], k_cache[S,Hkv,D], v_cache, q_start[B], q_len[B], kv_start[B], kv_len[B], "
-        "scale) -> [T,Hq,D]; causal per request, GQA, softmax in float32");
+        "scale, batch_invariant=False) -> [T,Hq,D]; causal per request, GQA, softmax in float32");
+  m.def("silu_mul", &orca::silu_mul, py::arg("gate_up"),
+        "silu_mul(gate_up[T,2I]) -> [T,I] = silu(gate) * up, batch-invariant (each row computed whole)");
+  m.def("slab_move", &orca::slab_move, py::arg("pools"), py::arg("moves"),
+        "slab_move(pools[P,S,...], moves[M,3] int64 CPU): for each (src, dst, n) in order, rows [src, src+n) "
+        "of every pool go to [dst, dst+n) as if through a temporary (slab compaction)");
   py::dict fused_max;  // rmsnorm_qkv on CPU: largest T that runs the fused kernel, per dtype
   fused_max["float32"] = orca::cpu_ops::kCpuFusedMaxTokensFloat;
   fused_max["bfloat16"] = orca::cpu_ops::kCpuFusedMaxTokensBf16;

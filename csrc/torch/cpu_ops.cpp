@@ -56,13 +56,13 @@ at::Tensor rms_norm(const at::Tensor& x, const at::Tensor& weight, double eps) {
 }
 
 at::Tensor rmsnorm_qkv(const at::Tensor& x, const at::Tensor& norm_weight, const at::Tensor& qkv_weight,
-                       const std::optional<at::Tensor>& qkv_bias, double eps) {
+                       const std::optional<at::Tensor>& qkv_bias, double eps, bool batch_invariant) {
   const int64_t n_tokens = x.size(0), hidden = x.size(1), n_out = qkv_weight.size(0);
   const bool is_float = x.scalar_type() == at::kFloat;
   const int64_t fused_max = !is_float ? kCpuFusedMaxTokensBf16
                             : n_out >= kCpuWideOutputs ? kCpuFusedMaxTokensWide
                                                        : kCpuFusedMaxTokensFloat;
-  if (n_tokens > fused_max) {
+  if (n_tokens > fused_max && !batch_invariant) {
     // Prefill-sized: our norm kernel, then one GEMM through ATen.
     return at::linear(rms_norm(x, norm_weight, eps), qkv_weight, qkv_bias);
   }
@@ -73,6 +73,34 @@ at::Tensor rmsnorm_qkv(const at::Tensor& x, const at::Tensor& norm_weight, const
     cpu::rmsnorm_qkv<T>(ptr<T>(x), ptr<T>(norm_weight), ptr<T>(qkv_weight),
                         qkv_bias.has_value() ? ptr<T>(*qkv_bias) : nullptr, ptr<T>(out), n_tokens, hidden, n_out,
                         static_cast<float>(eps));
+  });
+  return out;
+}
+
+at::Tensor linear(const at::Tensor& x, const at::Tensor& weight, const std::optional<at::Tensor>& bias) {
+  const int64_t n_tokens = x.size(0), k = x.size(1), n_out = weight.size(0);
+  at::Tensor out = at::empty({n_tokens, n_out}, x.options());
+  if (n_tokens == 0 || n_out == 0) return out;
+  if (k == 0) {  // empty dot products: zeros (+ bias)
+    out.zero_();
+    if (bias.has_value()) out.add_(*bias);
+    return out;
+  }
+  dispatch_float(x.scalar_type(), [&](auto tag) {
+    using T = decltype(tag);
+    cpu::rmsnorm_qkv<T>(ptr<T>(x), /*norm_weight=*/nullptr, ptr<T>(weight), bias.has_value() ? ptr<T>(*bias) : nullptr,
+                        ptr<T>(out), n_tokens, k, n_out, /*eps=*/0.0f);
+  });
+  return out;
+}
+
+at::Tensor silu_mul(const at::Tensor& gate_up) {
+  const int64_t n_tokens = gate_up.size(0), n_inter = gate_up.size(1) / 2;
+  at::Tensor out = at::empty({n_tokens, n_inter}, gate_up.options());
+  if (n_tokens == 0 || n_inter == 0) return out;
+  dispatch_float(gate_up.scalar_type(), [&](auto tag) {
+    using T = decltype(tag);
+    cpu::silu_mul<T>(ptr<T>(gate_up), ptr<T>(out), n_tokens, n_inter);
   });
   return out;
 }
@@ -95,7 +123,7 @@ void slab_write(at::Tensor& k_cache, at::Tensor& v_cache, const at::Tensor& k, c
 
 at::Tensor ragged_attention(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
                             const at::Tensor& q_start, const at::Tensor& q_len, const at::Tensor& kv_start,
-                            const at::Tensor& kv_len, double scale) {
+                            const at::Tensor& kv_len, double scale, bool batch_invariant) {
   const int64_t n_tokens = q.size(0), n_slots = k_cache.size(0);
   const auto qs = index_values(q_start), ql = index_values(q_len), ks = index_values(kv_start),
              kl = index_values(kv_len);
@@ -116,10 +144,17 @@ at::Tensor ragged_attention(const at::Tensor& q, const at::Tensor& k_cache, cons
       cpu::ragged_attention<T, I>(ptr<T>(q), ptr<T>(k_cache), ptr<T>(v_cache), q_start.data_ptr<I>(),
                                   q_len.data_ptr<I>(), kv_start.data_ptr<I>(), kv_len.data_ptr<I>(), ptr<T>(out),
                                   static_cast<int64_t>(qs.size()), q.size(1), k_cache.size(1), q.size(2),
-                                  static_cast<float>(scale));
+                                  static_cast<float>(scale), batch_invariant);
     });
   });
   return out;
+}
+
+void slab_move(at::Tensor& pools, const at::Tensor& moves) {
+  const int64_t n_pools = pools.size(0), n_slots = pools.size(1);
+  if (n_pools == 0 || n_slots == 0) return;
+  const int64_t row_bytes = pools.numel() / (n_pools * n_slots) * static_cast<int64_t>(pools.element_size());
+  cpu::slab_move(pools.data_ptr(), n_pools, n_slots, row_bytes, moves.data_ptr<int64_t>(), moves.size(0));
 }
 
 }  // namespace orca::cpu_ops

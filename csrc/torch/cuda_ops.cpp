@@ -4,6 +4,11 @@
 
 #include <ATen/ops/empty.h>
 #include <ATen/ops/linear.h>
+#include <ATen/ops/mul.h>
+#include <ATen/ops/silu.h>
+#include <ATen/ops/zeros.h>
+
+#include <algorithm>
 #include <c10/cuda/CUDAGuard.h>
 #include <c10/cuda/CUDAStream.h>
 #include <c10/util/Exception.h>
@@ -45,6 +50,15 @@ void check_launch(cudaError_t err, const char* op) {
 
 cudaStream_t current_stream() { return c10::cuda::getCurrentCUDAStream().stream(); }
 
+// Rows per cuBLAS call of the batch-invariant linear. cuBLAS picks its kernel, and with it every
+// output's reduction order (tile shape, split-K), from the problem shape; giving every call the
+// same shape gives every row the same arithmetic. 64 rows keep a decode's padding cheap: the
+// weight is read once per call and 64 rows of FLOPs stay below that read for any dense layer.
+constexpr int64_t kInvariantRows = 64;
+
+// Largest scratch slab_move may stage overlapping moves through.
+constexpr int64_t kSlabMoveScratchBytes = int64_t{64} << 20;
+
 }  // namespace
 
 at::Tensor rms_norm(const at::Tensor& x, const at::Tensor& weight, double eps) {
@@ -59,14 +73,32 @@ at::Tensor rms_norm(const at::Tensor& x, const at::Tensor& weight, double eps) {
   return out;
 }
 
+at::Tensor linear(const at::Tensor& x, const at::Tensor& weight, const std::optional<at::Tensor>& bias) {
+  check_cuda(x, "x");
+  const c10::cuda::CUDAGuard guard(x.device());
+  const int64_t n_tokens = x.size(0), k = x.size(1), n_out = weight.size(0);
+  at::Tensor out = at::empty({n_tokens, n_out}, x.options());
+  if (n_tokens == 0 || n_out == 0) return out;
+  at::Tensor chunk = at::zeros({kInvariantRows, k}, x.options());  // padding rows stay zero
+  for (int64_t t0 = 0; t0 < n_tokens; t0 += kInvariantRows) {
+    const int64_t n = std::min(kInvariantRows, n_tokens - t0);
+    if (n < kInvariantRows) chunk.narrow(0, n, kInvariantRows - n).zero_();
+    chunk.narrow(0, 0, n).copy_(x.narrow(0, t0, n));
+    out.narrow(0, t0, n).copy_(at::linear(chunk, weight, bias).narrow(0, 0, n));
+  }
+  return out;
+}
+
 at::Tensor rmsnorm_qkv(const at::Tensor& x, const at::Tensor& norm_weight, const at::Tensor& qkv_weight,
-                       const std::optional<at::Tensor>& qkv_bias, double eps) {
+                       const std::optional<at::Tensor>& qkv_bias, double eps, bool batch_invariant) {
   check_cuda(x, "x");
   check_cuda(qkv_weight, "qkv_weight");
   const c10::cuda::CUDAGuard guard(x.device());
   const int64_t n_tokens = x.size(0), hidden = x.size(1), n_out = qkv_weight.size(0);
   if (n_tokens == 0 || n_out == 0) return at::empty({n_tokens, n_out}, x.options());
   if (hidden == 0) return at::linear(x, qkv_weight, qkv_bias);  // no norm of an empty row: zeros (+ bias)
+  // The fused kernel serves only decode-sized T, so the invariant path never uses it.
+  if (batch_invariant) return cuda_ops::linear(rms_norm(x, norm_weight, eps), qkv_weight, qkv_bias);
 
   const kern::DType dt = float_dtype(x, "x");
   // Decode-sized T: one fused kernel streams the weight once. Larger T (or shapes it cannot
@@ -81,6 +113,15 @@ at::Tensor rmsnorm_qkv(const at::Tensor& x, const at::Tensor& norm_weight, const
     return out;
   }
   return at::linear(rms_norm(x, norm_weight, eps), qkv_weight, qkv_bias);
+}
+
+at::Tensor silu_mul(const at::Tensor& gate_up) {
+  check_cuda(gate_up, "gate_up");
+  const c10::cuda::CUDAGuard guard(gate_up.device());
+  const int64_t n_inter = gate_up.size(1) / 2;
+  // ATen's CUDA elementwise kernels run the same per-element code for every element (vector
+  // loads only change how data arrives), so this is batch-invariant as it stands.
+  return at::mul(at::silu(gate_up.narrow(1, 0, n_inter)), gate_up.narrow(1, n_inter, n_inter));
 }
 
 void slab_write(at::Tensor& k_cache, at::Tensor& v_cache, const at::Tensor& k, const at::Tensor& v,
@@ -98,7 +139,7 @@ void slab_write(at::Tensor& k_cache, at::Tensor& v_cache, const at::Tensor& k, c
 
 at::Tensor ragged_attention(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
                             const at::Tensor& q_start, const at::Tensor& q_len, const at::Tensor& kv_start,
-                            const at::Tensor& kv_len, double scale) {
+                            const at::Tensor& kv_len, double scale, bool batch_invariant) {
   check_cuda(q, "q");
   check_cuda(q_start, "q_start");
   // The launcher reads all four index arrays with the one type it is given.
@@ -122,7 +163,7 @@ at::Tensor ragged_attention(const at::Tensor& q, const at::Tensor& k_cache, cons
       dt, index_type(q_start, "q_start"), q.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(), q_start.data_ptr(),
       q_len.data_ptr(), kv_start.data_ptr(), kv_len.data_ptr(), out.data_ptr(), ws_bytes > 0 ? ws.data_ptr() : nullptr,
       ws_bytes, n_tokens, n_requests, n_slots, n_q_heads, n_kv_heads, head_dim, static_cast<float>(scale),
-      current_stream());
+      batch_invariant, current_stream());
   TORCH_CHECK_VALUE(err != cudaErrorMisalignedAddress,
                     "ragged_attention: q, k_cache and v_cache must start at 16-byte aligned addresses");
   TORCH_CHECK_VALUE(err != cudaErrorInvalidValue || kern::ragged_attention_uses_tensor_cores(dt, head_dim) ||
@@ -130,6 +171,25 @@ at::Tensor ragged_attention(const at::Tensor& q, const at::Tensor& k_cache, cons
                     "ragged_attention: head_dim ", head_dim, " is not supported (at most 256)");
   check_launch(err, "ragged_attention");
   return out;
+}
+
+void slab_move(at::Tensor& pools, const at::Tensor& moves) {
+  check_cuda(pools, "pools");
+  const c10::cuda::CUDAGuard guard(pools.device());
+  const int64_t n_pools = pools.size(0), n_slots = pools.size(1), n_moves = moves.size(0);
+  if (n_pools == 0 || n_slots == 0 || n_moves == 0) return;
+  const int64_t row_bytes = pools.numel() / (n_pools * n_slots) * static_cast<int64_t>(pools.element_size());
+  // Scratch for overlapping moves: enough for the longest move's rows in every pool, capped.
+  const int64_t* m = moves.data_ptr<int64_t>();
+  int64_t longest = 0;
+  for (int64_t i = 0; i < n_moves; ++i) longest = std::max(longest, m[3 * i + 2]);
+  const int64_t scratch_bytes = std::min(kSlabMoveScratchBytes, longest * n_pools * row_bytes);
+  at::Tensor scratch;
+  if (scratch_bytes > 0) scratch = at::empty({scratch_bytes}, pools.options().dtype(at::kByte));
+  check_launch(kern::slab_move(pools.data_ptr(), n_pools, n_slots, row_bytes, m, n_moves,
+                               scratch_bytes > 0 ? scratch.data_ptr() : nullptr, static_cast<size_t>(scratch_bytes),
+                               current_stream()),
+               "slab_move");
 }
 
 }  // namespace orca::cuda_ops

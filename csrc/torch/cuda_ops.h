@@ -17,13 +17,20 @@ at::Tensor rmsnorm_qkv(const at::Tensor& x,                      // [T, H]
                        const at::Tensor& norm_weight,            // [H]
                        const at::Tensor& qkv_weight,             // [N, H]
                        const std::optional<at::Tensor>& qkv_bias, // [N]
-                       double eps);                              // -> [T, N]
+                       double eps, bool batch_invariant);        // -> [T, N]
+
+// cuBLAS on fixed-shape row chunks (batch-invariant, see ops.h and kInvariantRows).
+at::Tensor linear(const at::Tensor& x,                    // [T, K]
+                  const at::Tensor& weight,               // [N, K]
+                  const std::optional<at::Tensor>& bias);  // [N] -> [T, N]
 
 void slab_write(at::Tensor& k_cache,       // [S, Hkv, D]
                 at::Tensor& v_cache,       // [S, Hkv, D]
                 const at::Tensor& k,       // [T, Hkv, D]
                 const at::Tensor& v,       // [T, Hkv, D]
                 const at::Tensor& slots);  // [T] int32 or int64
+
+at::Tensor silu_mul(const at::Tensor& gate_up);  // [T, 2I] -> [T, I]
 
 at::Tensor ragged_attention(const at::Tensor& q,         // [T, Hq, D]
                             const at::Tensor& k_cache,   // [S, Hkv, D]
@@ -32,6 +39,9 @@ at::Tensor ragged_attention(const at::Tensor& q,         // [T, Hq, D]
                             const at::Tensor& q_len,     // [B]
                             const at::Tensor& kv_start,  // [B]
                             const at::Tensor& kv_len,    // [B]
-                            double scale);               // -> [T, Hq, D]
+                            double scale, bool batch_invariant);  // -> [T, Hq, D]
+
+void slab_move(at::Tensor& pools,         // [P, S, ...] on the GPU
+               const at::Tensor& moves);  // [M, 3] int64 on the CPU, ranges checked
 
 }  // namespace orca::cuda_ops

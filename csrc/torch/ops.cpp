@@ -39,7 +39,7 @@ at::Tensor rms_norm(const at::Tensor& x_in, const at::Tensor& weight_in, double 
 }
 
 at::Tensor rmsnorm_qkv(const at::Tensor& x_in, const at::Tensor& norm_weight_in, const at::Tensor& qkv_weight_in,
-                       const std::optional<at::Tensor>& qkv_bias_in, double eps) {
+                       const std::optional<at::Tensor>& qkv_bias_in, double eps, bool batch_invariant) {
   checks::rank(x_in, 2, "x", "[T, H]");
   checks::rank(norm_weight_in, 1, "norm_weight", "[H]");
   checks::rank(qkv_weight_in, 2, "qkv_weight", "[Nq*D + 2*Nkv*D, H]");
@@ -66,9 +66,33 @@ at::Tensor rmsnorm_qkv(const at::Tensor& x_in, const at::Tensor& norm_weight_in,
   const at::Tensor x = x_in.contiguous(), norm_weight = norm_weight_in.contiguous(),
                    qkv_weight = qkv_weight_in.contiguous();
 #ifdef ORCA_WITH_CUDA
-  if (x.is_cuda()) return cuda_ops::rmsnorm_qkv(x, norm_weight, qkv_weight, bias, eps);
+  if (x.is_cuda()) return cuda_ops::rmsnorm_qkv(x, norm_weight, qkv_weight, bias, eps, batch_invariant);
 #endif
-  return cpu_ops::rmsnorm_qkv(x, norm_weight, qkv_weight, bias, eps);
+  return cpu_ops::rmsnorm_qkv(x, norm_weight, qkv_weight, bias, eps, batch_invariant);
+}
+
+at::Tensor linear(const at::Tensor& x_in, const at::Tensor& weight_in, const std::optional<at::Tensor>& bias_in) {
+  checks::rank(x_in, 2, "x", "[T, K]");
+  checks::rank(weight_in, 2, "weight", "[N, K]");
+  TORCH_CHECK_VALUE(weight_in.size(1) == x_in.size(1), "weight has ", weight_in.size(1),
+                    " columns but x has ", x_in.size(1));
+  checks::float_dtype(x_in, "x");
+  checks::same_dtype(x_in, weight_in, "x", "weight");
+  checks::same_device(x_in, weight_in, "x", "weight");
+  std::optional<at::Tensor> bias;
+  if (bias_in.has_value() && bias_in->defined()) {
+    checks::rank(*bias_in, 1, "bias", "[N]");
+    TORCH_CHECK_VALUE(bias_in->size(0) == weight_in.size(0), "bias has ", bias_in->size(0),
+                      " elements but weight has ", weight_in.size(0), " rows");
+    checks::same_dtype(x_in, *bias_in, "x", "bias");
+    checks::same_device(x_in, *bias_in, "x", "bias");
+    bias = bias_in->contiguous();
+  }
+  const at::Tensor x = x_in.contiguous(), weight = weight_in.contiguous();
+#ifdef ORCA_WITH_CUDA
+  if (x.is_cuda()) return cuda_ops::linear(x, weight, bias);
+#endif
+  return cpu_ops::linear(x, weight, bias);
 }
 
 void slab_write(at::Tensor k_cache, at::Tensor v_cache, const at::Tensor& k_in, const at::Tensor& v_in,
@@ -103,9 +127,21 @@ void slab_write(at::Tensor k_cache, at::Tensor v_cache, const at::Tensor& k_in, 
   cpu_ops::slab_write(k_cache, v_cache, k, v, slots);
 }
 
+at::Tensor silu_mul(const at::Tensor& gate_up_in) {
+  checks::rank(gate_up_in, 2, "gate_up", "[T, 2I]");
+  TORCH_CHECK_VALUE(gate_up_in.size(1) % 2 == 0, "gate_up has ", gate_up_in.size(1),
+                    " columns; it must be [T, 2I] (gate columns, then up columns)");
+  checks::float_dtype(gate_up_in, "gate_up");
+  const at::Tensor gate_up = gate_up_in.contiguous();
+#ifdef ORCA_WITH_CUDA
+  if (gate_up.is_cuda()) return cuda_ops::silu_mul(gate_up);
+#endif
+  return cpu_ops::silu_mul(gate_up);
+}
+
 at::Tensor ragged_attention(const at::Tensor& q_in, const at::Tensor& k_cache_in, const at::Tensor& v_cache_in,
                             const at::Tensor& q_start_in, const at::Tensor& q_len_in, const at::Tensor& kv_start_in,
-                            const at::Tensor& kv_len_in, double scale) {
+                            const at::Tensor& kv_len_in, double scale, bool batch_invariant) {
   checks::rank(q_in, 3, "q", "[T, Hq, D]");
   checks::rank(k_cache_in, 3, "k_cache", "[S, Hkv, D]");
   checks::rank(v_cache_in, 3, "v_cache", "[S, Hkv, D]");
@@ -134,9 +170,39 @@ at::Tensor ragged_attention(const at::Tensor& q_in, const at::Tensor& k_cache_in
   const auto index = checks::with_common_index_type({q_start_in, q_len_in, kv_start_in, kv_len_in});
   const at::Tensor q = q_in.contiguous(), k_cache = k_cache_in.contiguous(), v_cache = v_cache_in.contiguous();
 #ifdef ORCA_WITH_CUDA
-  if (q.is_cuda()) return cuda_ops::ragged_attention(q, k_cache, v_cache, index[0], index[1], index[2], index[3], scale);
+  if (q.is_cuda())
+    return cuda_ops::ragged_attention(q, k_cache, v_cache, index[0], index[1], index[2], index[3], scale,
+                                      batch_invariant);
 #endif
-  return cpu_ops::ragged_attention(q, k_cache, v_cache, index[0], index[1], index[2], index[3], scale);
+  return cpu_ops::ragged_attention(q, k_cache, v_cache, index[0], index[1], index[2], index[3], scale,
+                                   batch_invariant);
+}
+
+void slab_move(at::Tensor pools, const at::Tensor& moves) {
+  TORCH_CHECK_VALUE(pools.defined() && pools.dim() >= 2, "pools must be [P, S, ...] (at least 2-D), got shape ",
+                    pools.defined() ? checks::shape_str(pools) : std::string("undefined"));
+  TORCH_CHECK_VALUE(pools.is_contiguous(), "pools must be contiguous (rows are moved in place)");
+  TORCH_CHECK_VALUE(pools.is_cpu() || pools.is_cuda(), "pools is on unsupported device ", pools.device(),
+                    " (expected cpu or cuda)");
+  checks::rank(moves, 2, "moves", "[M, 3]");
+  TORCH_CHECK_VALUE(moves.size(1) == 3, "moves must be [M, 3] rows of (src, dst, n), got shape ",
+                    checks::shape_str(moves));
+  TORCH_CHECK_VALUE(moves.scalar_type() == at::kLong, "moves must be int64, got ", moves.scalar_type());
+  TORCH_CHECK_VALUE(moves.is_cpu(), "moves must be a CPU tensor (the host walks it), got device ", moves.device());
+  const at::Tensor m = moves.contiguous();
+  const int64_t n_slots = pools.size(1);
+  const int64_t* v = m.data_ptr<int64_t>();
+  for (int64_t i = 0; i < m.size(0); ++i) {
+    const int64_t src = v[3 * i], dst = v[3 * i + 1], n = v[3 * i + 2];
+    TORCH_CHECK_VALUE(n >= 0 && src >= 0 && dst >= 0 && src <= n_slots - n && dst <= n_slots - n, "moves[", i,
+                      "] = (", src, ", ", dst, ", ", n, ") reaches outside the ", n_slots,
+                      " slots of pools (need 0 <= src, dst and src + n, dst + n <= S, n >= 0)");
+  }
+#ifdef ORCA_WITH_CUDA
+  if (pools.is_cuda()) return cuda_ops::slab_move(pools, m);
+#endif
+  TORCH_CHECK(pools.is_cpu(), "pools is a CUDA tensor but orca_ext._C was built without CUDA support");
+  cpu_ops::slab_move(pools, m);
 }
 
 }  // namespace orca

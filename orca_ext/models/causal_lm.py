@@ -15,6 +15,11 @@ it from the ForwardBatch index tensors in a single `ragged_attention` call per l
 
 Weights are plain tensors (no nn.Module): the loader fuses q/k/v into one matrix and gate/up
 into another, so each layer does four matmuls on the flat tensor.
+
+`batch_invariant = True` makes a request's logits independent of its batch-mates: every matmul
+(rmsnorm_qkv, the o/gate_up/down projections, the lm_head), the attention and silu * up take one
+code path whose arithmetic per token does not depend on T, nor on the prompt chunk a token is in.
+The remaining operations (embedding, rope, norms, residual adds) are per token already.
 """
 from __future__ import annotations
 
@@ -63,6 +68,7 @@ class CausalLM:
         self.v_cache: list[torch.Tensor] = []
         self.kv_pools: torch.Tensor | None = None  # [2 * layers, n_slots, Hkv, D]: all pools, one tensor
         self.n_slots = 0
+        self.batch_invariant = False  # see the module docstring
 
     def __repr__(self) -> str:
         s = self.spec
@@ -109,11 +115,11 @@ class CausalLM:
         eps = s.rms_norm_eps
         nq, nkv, d = s.num_heads, s.num_kv_heads, s.head_dim
         q_end, k_end = nq * d, nq * d + nkv * d
-        inter = s.intermediate_size
+        inv = self.batch_invariant
         cos, sin = self.rope.gather(batch.positions)              # [T, 1, D/2] each, once per forward
         x = F.embedding(batch.token_ids, self.embed)              # [T, H]
         for layer, k_pool, v_pool in zip(self.layers, self.k_cache, self.v_cache):
-            qkv = ops.rmsnorm_qkv(x, layer.input_norm, layer.qkv_weight, layer.qkv_bias, eps)
+            qkv = ops.rmsnorm_qkv(x, layer.input_norm, layer.qkv_weight, layer.qkv_bias, eps, inv)
             q = qkv[:, :q_end].view(t, nq, d)
             k = qkv[:, q_end:k_end].view(t, nkv, d)
             v = qkv[:, k_end:].reshape(t, nkv, d).contiguous()
@@ -124,13 +130,14 @@ class CausalLM:
             k = apply_rope(k, cos, sin)                           # [T, Nkv, D] contiguous
             ops.slab_write(k_pool, v_pool, k, v, batch.slots)
             attn = ops.ragged_attention(q, k_pool, v_pool, batch.q_start, batch.q_len,
-                                        batch.kv_start, batch.kv_len, self.scale)  # [T, Nq, D]
-            x = x + F.linear(attn.reshape(t, q_end), layer.o_weight, layer.o_bias)
+                                        batch.kv_start, batch.kv_len, self.scale, inv)  # [T, Nq, D]
+            x = x + ops.linear(attn.reshape(t, q_end), layer.o_weight, layer.o_bias, inv)
             h = ops.rms_norm(x, layer.post_norm, eps)
-            gate_up = F.linear(h, layer.gate_up_weight, layer.gate_up_bias)  # [T, 2I]
-            act = F.silu(gate_up[:, :inter]) * gate_up[:, inter:]
-            x = x + F.linear(act, layer.down_weight, layer.down_bias)
+            gate_up = ops.linear(h, layer.gate_up_weight, layer.gate_up_bias, inv)  # [T, 2I]
+            act = ops.silu_mul(gate_up, inv)                          # silu(gate) * up, [T, I]
+            x = x + ops.linear(act, layer.down_weight, layer.down_bias, inv)
         # Final norm + lm_head is the same fused "norm then project" op as rmsnorm_qkv.
-        return ops.rmsnorm_qkv(x[batch.logits_index], self.final_norm, self.lm_head, None, eps).float()  # [B, V]
+        last = x[batch.logits_index]
+        return ops.rmsnorm_qkv(last, self.final_norm, self.lm_head, None, eps, inv).float()  # [B, V]
 
     __call__ = forward

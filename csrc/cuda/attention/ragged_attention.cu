@@ -74,7 +74,8 @@ cudaError_t ragged_attention(DType dtype, IndexType index_type, const void* q, c
                              const void* v_cache, const void* q_start, const void* q_len, const void* kv_start,
                              const void* kv_len, void* out, void* workspace, size_t workspace_bytes,
                              int64_t n_tokens, int64_t n_requests, int64_t n_slots, int64_t n_q_heads,
-                             int64_t n_kv_heads, int64_t head_dim, float scale, cudaStream_t stream) {
+                             int64_t n_kv_heads, int64_t head_dim, float scale, bool batch_invariant,
+                             cudaStream_t stream) {
   if (!shapes_ok(n_tokens, n_requests, n_slots, n_q_heads, n_kv_heads, head_dim) || !std::isfinite(scale))
     return cudaErrorInvalidValue;
   const size_t out_bytes =
@@ -140,6 +141,7 @@ cudaError_t ragged_attention(DType dtype, IndexType index_type, const void* q, c
   p.items_cap = static_cast<int>(L.items_cap);
   p.prow_cap = L.prow_cap;
   p.scale_log2 = scale_log2;
+  p.batch_invariant = batch_invariant ? 1 : 0;
 
   cudaError_t err = index_type == IndexType::kInt32
                         ? launch_builder<int32_t>(q_start, q_len, kv_start, kv_len, p, L.target_items, stream)
