@@ -10,6 +10,7 @@ import argparse
 
 from .resources import DTYPES
 from .scheduler import SCHEDULERS
+from .server import DEFAULT_BATCH_INVARIANT, DEFAULT_MAX_NUM_BATCHED_TOKENS
 
 
 def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
@@ -30,6 +31,28 @@ def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
                    help="longest prompt + output in tokens (default: the model's context, capped to n_slots)")
     g.add_argument("--scheduler", default="orca", choices=list(SCHEDULERS),
                    help="orca = iteration-level scheduling, static = request-level baseline")
+    g.add_argument("--max-num-batched-tokens", type=_budget, default=DEFAULT_MAX_NUM_BATCHED_TOKENS,
+                   help="tokens per iteration: decodes first, then prompt chunks (chunked prefill); "
+                        f"'none' runs whole prompts (default {DEFAULT_MAX_NUM_BATCHED_TOKENS})")
+    g.add_argument("--batch-invariant", action=argparse.BooleanOptionalAction, default=DEFAULT_BATCH_INVARIANT,
+                   help="a request's tokens do not depend on its batch-mates "
+                        f"(default {'on' if DEFAULT_BATCH_INVARIANT else 'off'})")
+    g.add_argument("--slab-compaction", action=argparse.BooleanOptionalAction, default=True,
+                   help="slide live KV slabs together when the queue head only lacks a contiguous run "
+                        "(default on)")
+
+
+def _budget(value: str):
+    """--max-num-batched-tokens: a positive integer or 'none'."""
+    if value.lower() == "none":
+        return None
+    try:
+        n = int(value)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a positive integer or 'none', got {value!r}") from None
+    if n < 1:
+        raise argparse.ArgumentTypeError(f"must be >= 1, got {n}")
+    return n
 
 
 def engine_kwargs(args: argparse.Namespace) -> dict:
@@ -37,4 +60,5 @@ def engine_kwargs(args: argparse.Namespace) -> dict:
     return dict(model=args.model, device=args.device, dtype=args.dtype,
                 max_batch_size=args.max_batch_size, n_slots=args.n_slots,
                 max_model_len=args.max_model_len, scheduler=args.scheduler,
-                kv_cache_memory=args.kv_cache_memory)
+                kv_cache_memory=args.kv_cache_memory, max_num_batched_tokens=args.max_num_batched_tokens,
+                batch_invariant=args.batch_invariant, slab_compaction=args.slab_compaction)

@@ -30,6 +30,8 @@ from .validation import LockedTokenizer, Prompt, RequestValidator
 log = logging.getLogger(__name__)
 
 DEFAULT_MAX_UNDELIVERED = 4096   # finished outputs nobody has collected yet
+DEFAULT_MAX_NUM_BATCHED_TOKENS = None  # chosen from bench/chunked_prefill.py, see README
+DEFAULT_BATCH_INVARIANT = False        # chosen from bench/batch_invariance.py, see README
 
 
 def _load(model: Any, device, dtype, tokenizer: Any) -> tuple[Any, Any, Optional[str]]:
@@ -69,6 +71,11 @@ class Server:
     (bytes or '2GiB'; default $ORCA_EXT_KV_CACHE_MEMORY, else min(2 GiB, 25% of available RAM) on
     CPU and 90% of the free GPU memory after loading the weights) sizes `n_slots` when it is None,
     and `max_undelivered_outputs` bounds the finished outputs kept for callers.
+
+    Beyond Algorithm 1 (docs/DESIGN.md section 3): `max_num_batched_tokens` is the per-iteration
+    token budget of chunked prefill (None: whole prompts, plain Orca; orca policy only),
+    `batch_invariant` makes each request's tokens independent of its batch-mates, and
+    `slab_compaction` slides live slabs together when the queue head only lacks a contiguous run.
     """
 
     def __init__(self, model: Any = None, *, device: Union[str, torch.device] = "auto",
@@ -76,7 +83,9 @@ class Server:
                  n_slots: Optional[int] = None, max_model_len: Optional[int] = None,
                  scheduler: str = "orca", record_iterations: bool = False,
                  tokenizer: Any = None, kv_cache_memory: Union[int, str, None] = None,
-                 max_undelivered_outputs: int = DEFAULT_MAX_UNDELIVERED):
+                 max_undelivered_outputs: int = DEFAULT_MAX_UNDELIVERED,
+                 max_num_batched_tokens: Optional[int] = DEFAULT_MAX_NUM_BATCHED_TOKENS,
+                 batch_invariant: bool = DEFAULT_BATCH_INVARIANT, slab_compaction: bool = True):
         check_positive_int("max_batch_size", max_batch_size)
         check_positive_int("max_undelivered_outputs", max_undelivered_outputs)
         if n_slots is not None:
@@ -84,6 +93,11 @@ class Server:
         if max_model_len is not None:
             check_positive_int("max_model_len", max_model_len)
         check_choice("scheduler", scheduler, SCHEDULERS)
+        if max_num_batched_tokens is not None:
+            check_positive_int("max_num_batched_tokens", max_num_batched_tokens)
+        for name, flag in (("batch_invariant", batch_invariant), ("slab_compaction", slab_compaction)):
+            if not isinstance(flag, bool):
+                raise ValueError(f"{name} must be True or False, got {flag!r}")
 
         self.model, tokenizer, self.model_path = _load(model, device, dtype, tokenizer)
         spec = self.model.spec
@@ -115,8 +129,17 @@ class Server:
         self.record_iterations = record_iterations
         self._validator = RequestValidator(self._tok, self.vocab_size, self.max_model_len, self.n_slots)
 
-        sched = make_scheduler(scheduler, max_batch_size, self.n_slots)
-        self._engine = Engine(self.model, sched, record_iterations=record_iterations)
+        # The static baseline runs whole prompts; the budget belongs to iteration-level scheduling.
+        self.max_num_batched_tokens = max_num_batched_tokens if scheduler == "orca" else None
+        if self.max_num_batched_tokens is not None and self.max_num_batched_tokens < max_batch_size:
+            raise ValueError(f"max_num_batched_tokens ({max_num_batched_tokens}) must be >= max_batch_size "
+                             f"({max_batch_size}): every running request decodes one token per iteration")
+        self.batch_invariant = batch_invariant
+        self.model.batch_invariant = batch_invariant
+        sched = make_scheduler(scheduler, max_batch_size, self.n_slots,
+                               max_num_batched_tokens=self.max_num_batched_tokens)
+        self._engine = Engine(self.model, sched, record_iterations=record_iterations,
+                              slab_compaction=slab_compaction)
 
         self._lock = threading.Lock()
         self._work = threading.Condition(self._lock)   # the loop sleeps here when idle
@@ -255,6 +278,10 @@ class Server:
                 "undelivered_outputs": self._outputs.n_undelivered,
                 "closed": self._closed,
                 "busy_seconds": self._busy_seconds,
+                "max_num_batched_tokens": self.max_num_batched_tokens,
+                "batch_invariant": self.batch_invariant,
+                "compactions": eng.num_compactions,
+                "compaction_moved_bytes": eng.compaction_moved_bytes,
             }
 
     def iterations(self) -> list[IterationRecord]:
