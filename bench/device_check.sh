@@ -105,7 +105,7 @@ EOF
 # --build DIR --target cuda_benchmarks: stub benchmark executables that print RESULT lines.
 if [ "${1:-}" = "--build" ] && [[ " $* " == *" cuda_benchmarks "* ]]; then
   mkdir -p "$2/bench/cuda"
-  for b in bench_ceiling bench_rms_norm bench_slab_write bench_rmsnorm_qkv bench_ragged_attention; do
+  for b in bench_ceiling bench_rms_norm bench_slab_write bench_slab_move bench_rmsnorm_qkv bench_ragged_attention; do
     printf '#!/usr/bin/env bash\necho "validated (dry run)"\necho "RESULT {\\"bench\\": \\"%s\\", \\"median_us\\": 1.0}"\n' \
       "$b" > "$2/bench/cuda/$b"
     chmod +x "$2/bench/cuda/$b"
@@ -231,7 +231,7 @@ if want micro || want memcheck; then
   run_step bench_build 90 "$CMAKE" --build "$BUILD_DIR" --target cuda_benchmarks -j "$MAX_JOBS"
 fi
 if want micro; then
-  for b in bench_ceiling bench_rms_norm bench_slab_write bench_rmsnorm_qkv bench_ragged_attention; do
+  for b in bench_ceiling bench_rms_norm bench_slab_write bench_slab_move bench_rmsnorm_qkv bench_ragged_attention; do
     exe="$(bench_exe "$b")"
     if [ -z "$exe" ]; then log "missing $BUILD_DIR/bench/cuda/$b"; record "micro_$b" missing 0; continue; fi
     cap=30; [ "$b" = bench_ragged_attention ] && cap=60  # it sweeps items_per_sm x decode_stages
@@ -248,7 +248,7 @@ if want memcheck; then
     log "SKIP memcheck: compute-sanitizer does not work on this machine (see preflight)"
     record memcheck "skipped(sanitizer)" 0
   else
-    for b in bench_slab_write bench_ragged_attention; do
+    for b in bench_slab_write bench_slab_move bench_ragged_attention; do
       exe="$(bench_exe "$b")"
       if [ -z "$exe" ]; then record "memcheck_$b" missing 0; continue; fi
       run_step "memcheck_$b" 30 "$SANITIZER" --tool memcheck --error-exitcode 3 --leak-check no "$exe" --small

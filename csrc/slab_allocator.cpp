@@ -1,5 +1,6 @@
 #include "slab_allocator.h"
 
+#include <algorithm>
 #include <cstdint>
 #include <iterator>
 #include <stdexcept>
@@ -59,6 +60,24 @@ void SlabAllocator::free(int64_t start) {
     }
   }
   insert_free_run(run_start, run_len);
+}
+
+std::vector<std::array<int64_t, 3>> SlabAllocator::compact() {
+  std::lock_guard<std::mutex> lock(mutex_);
+  std::vector<std::pair<int64_t, int64_t>> slabs(allocated_.begin(), allocated_.end());  // (start, length)
+  std::sort(slabs.begin(), slabs.end());
+  std::vector<std::array<int64_t, 3>> moves;
+  allocated_.clear();
+  int64_t end = 0;
+  for (const auto& [start, len] : slabs) {
+    if (start != end) moves.push_back({start, end, len});
+    allocated_.emplace(end, len);
+    end += len;
+  }
+  free_by_start_.clear();
+  free_by_size_.clear();
+  if (end < n_slots_) insert_free_run(end, n_slots_ - end);
+  return moves;
 }
 
 int64_t SlabAllocator::n_used() const {

@@ -7,12 +7,14 @@
 // neighbours coalesce at once, and n_used / n_free / largest_free are O(1).
 // A mutex makes each call atomic, so an abort on a user thread can never race the engine loop.
 #pragma once
+#include <array>
 #include <cstdint>
 #include <map>
 #include <mutex>
 #include <set>
 #include <unordered_map>
 #include <utility>
+#include <vector>
 
 namespace orca {
 
@@ -25,6 +27,10 @@ class SlabAllocator {
   int64_t allocate(int64_t n);
   // Returns the slab that starts at `start`. Throws std::invalid_argument when no slab starts there.
   void free(int64_t start);
+  // Slides every slab toward slot 0, keeping their order, so that the free slots become one run
+  // at the end. Returns {old_start, new_start, length} of each slab that moved, in address order:
+  // copying the slabs' contents in that order never overwrites a slab that has yet to be copied.
+  std::vector<std::array<int64_t, 3>> compact();
 
   int64_t n_slots() const { return n_slots_; }
   int64_t n_used() const;

@@ -21,6 +21,9 @@ from collections import deque
 from dataclasses import dataclass
 from typing import Callable, Optional
 
+import torch
+
+from . import ops
 from .executor import LocalExecutor
 from .models.batch import count_tokens
 from .request import IterationRecord, Request
@@ -44,14 +47,25 @@ class ScheduledBatch:
 
 class Engine:
     def __init__(self, model, scheduler, *, record_iterations: bool = False,
-                 sampler: Optional[Sampler] = None):
-        """`model`: a model (run here through a LocalExecutor) or an executor."""
+                 sampler: Optional[Sampler] = None, slab_compaction: bool = True):
+        """`model`: a model (run here through a LocalExecutor) or an executor. `slab_compaction`:
+        let the scheduler slide live slabs together (needs the model's `kv_pools` in this
+        process; off for executors whose pools live in worker processes)."""
         self.executor = model if hasattr(model, "execute") else LocalExecutor(model, sampler)
         self.model = getattr(self.executor, "model", None)  # the local model, if any
         # The scheduler's n_workers bounds the batches in flight; the server sets it to the
         # executor's pipeline depth (with a LocalExecutor more only delays postprocessing).
         self.scheduler = scheduler
         self.kv_cache = self.executor.allocate_kv_cache(scheduler.n_slots)
+        self.compaction_moved_bytes = 0
+        if slab_compaction:
+            if getattr(self.model, "kv_pools", None) is None:
+                log.warning("%s exposes no kv_pools in this process; slab compaction is off",
+                            type(self.model if self.model is not None else self.executor).__name__)
+            else:
+                # The scheduler calls it only while no batch is in flight (see _compact), so no
+                # executing batch ever reads or writes a slab that moves.
+                scheduler.slab_mover = self._move_slabs
         self.record_iterations = record_iterations
         self.records: list[IterationRecord] = []
         self.num_iterations = 0
@@ -171,7 +185,8 @@ class Engine:
             n_prefill, n_decode = count_tokens(inputs)
             record = len(self.records)
             self.records.append(IterationRecord(index, tuple(r.request_id for r in reqs), n_prefill,
-                                                n_decode, self.scheduler.n_rsrv))
+                                                n_decode, self.scheduler.n_rsrv,
+                                                chunk_sizes=tuple(len(new_ids) for new_ids, _, _ in inputs)))
         return ScheduledBatch(index, reqs, inputs, record, dropped)
 
     def _execute(self, batch: ScheduledBatch):
@@ -215,6 +230,8 @@ class Engine:
                 req.num_cached += len(batch.inputs[i][0])
                 if req.num_cached == len(req.prompt_token_ids):
                     self.num_prompt_tokens += req.num_cached
+                elif req.prompt_remaining:
+                    continue  # a prompt chunk that is not the last: its KV is cached, no token yet
                 err = result.errors[i]
                 if err is not None:
                     self._end(req, "error", err)
@@ -227,6 +244,21 @@ class Engine:
             changed.append(req)
         self.scheduler.complete(batch.requests + batch.dropped)
         return changed
+
+    def _move_slabs(self, moves: list) -> None:
+        """The scheduler compacted the slabs: copy each moved request's cached KV rows from its
+        old slab start to its new one, in the order given (the scheduler's slab_mover)."""
+        rows = [(old, new, req.num_cached) for req, old, new in moves if req.num_cached > 0]
+        if rows:
+            pools = self.model.kv_pools  # [P, n_slots, ...]: every layer's K and V pool
+            ops.slab_move(pools, torch.tensor(rows, dtype=torch.int64))
+            row_bytes = pools[0, 0].numel() * pools.element_size() * pools.shape[0]
+            self.compaction_moved_bytes += sum(n for _, _, n in rows) * row_bytes
+        log.debug("slab compaction moved %d slabs (%d with cached KV)", len(moves), len(rows))
+
+    @property
+    def num_compactions(self) -> int:
+        return self.scheduler.num_compactions
 
     def _end(self, req: Request, reason: str, error: Optional[str] = None) -> None:
         """Set a request's finish reason once; it leaves the pool through the scheduler."""

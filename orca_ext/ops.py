@@ -53,25 +53,28 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     return _C.rms_norm(x, weight, eps)
 
 
-def rmsnorm_qkv(x, norm_weight, qkv_weight, qkv_bias, eps: float) -> torch.Tensor:
-    """[T, H] -> [T, Nq*D + 2*Nkv*D]."""
+def rmsnorm_qkv(x, norm_weight, qkv_weight, qkv_bias, eps: float, batch_invariant: bool = False) -> torch.Tensor:
+    """[T, H] -> [T, Nq*D + 2*Nkv*D]. batch_invariant: one T-independent code path (CPU: our
+    kernel at every T, as by default; CUDA: no fused decode kernel, fixed-chunk cuBLAS)."""
     if _C is None:
         return reference.rmsnorm_qkv(x, norm_weight, qkv_weight, qkv_bias, eps)
-    return _C.rmsnorm_qkv(x, norm_weight, qkv_weight, qkv_bias, eps)
+    return _C.rmsnorm_qkv(x, norm_weight, qkv_weight, qkv_bias, eps, batch_invariant)
 
 
-def linear(x, weight, bias=None, residual=None) -> torch.Tensor:
-    """[T, K] -> [T, N] = x W^T + bias (+ residual, added before the one rounding)."""
+def linear(x, weight, bias=None, residual=None, batch_invariant: bool = False) -> torch.Tensor:
+    """[T, K] -> [T, N] = x W^T + bias (+ residual, added before the one rounding).
+    batch_invariant: each row's result depends only on that row (CPU: our kernels at every T;
+    CUDA: cuBLAS on fixed-shape row chunks)."""
     if _C is None:
         return reference.linear(x, weight, bias, residual)
-    return _C.linear(x, weight, bias, residual)
+    return _C.linear(x, weight, bias, residual, batch_invariant)
 
 
-def linear_silu_mul(x, gate_up_weight, gate_up_bias=None) -> torch.Tensor:
+def linear_silu_mul(x, gate_up_weight, gate_up_bias=None, batch_invariant: bool = False) -> torch.Tensor:
     """[T, K] -> [T, I] = silu(gate) * up of the fused gate_up projection [2I, K]."""
     if _C is None:
         return reference.linear_silu_mul(x, gate_up_weight, gate_up_bias)
-    return _C.linear_silu_mul(x, gate_up_weight, gate_up_bias)
+    return _C.linear_silu_mul(x, gate_up_weight, gate_up_bias, batch_invariant)
 
 
 def slab_write(k_cache, v_cache, k, v, slots) -> None:
@@ -82,18 +85,32 @@ def slab_write(k_cache, v_cache, k, v, slots) -> None:
 
 
 def ragged_attention_plan(q_start, q_len, kv_start, kv_len, n_tokens: int, n_slots: int, n_q_heads: int,
-                          n_kv_heads: int, head_dim: int, dtype: torch.dtype):
+                          n_kv_heads: int, head_dim: int, dtype: torch.dtype, batch_invariant: bool = False):
     """The attention work list of one set of [B] index tensors, for every layer that shares them
-    (None without the extension: the references need no plan)."""
+    (None without the extension: the references need no plan). batch_invariant: a work list
+    without decode splits (each row depends only on its own request's kv_len); it runs on the
+    shared kernel, so ATTENTION_DECODE_STAGES is not used with it."""
     if _C is None:
         return None
     return _C.ragged_attention_plan(q_start, q_len, kv_start, kv_len, n_tokens, n_slots, n_q_heads, n_kv_heads,
-                                    head_dim, dtype, ATTENTION_ITEMS_PER_SM, ATTENTION_DECODE_STAGES)
+                                    head_dim, dtype, ATTENTION_ITEMS_PER_SM,
+                                    0 if batch_invariant else ATTENTION_DECODE_STAGES, batch_invariant)
 
 
-def ragged_attention(q, k_cache, v_cache, q_start, q_len, kv_start, kv_len, scale: float, plan=None):
+def ragged_attention(q, k_cache, v_cache, q_start, q_len, kv_start, kv_len, scale: float, plan=None,
+                     batch_invariant: bool = False):
     """q [T, Hq, D] -> [T, Hq, D]; see docs/DESIGN.md section 4. `plan`: from ragged_attention_plan
-    over these index tensors, or None."""
+    over these index tensors with the same batch_invariant, or None. batch_invariant: each row's
+    arithmetic depends only on its own request's context."""
     if _C is None:
         return reference.ragged_attention(q, k_cache, v_cache, q_start, q_len, kv_start, kv_len, scale)
-    return _C.ragged_attention(q, k_cache, v_cache, q_start, q_len, kv_start, kv_len, scale, plan)
+    return _C.ragged_attention(q, k_cache, v_cache, q_start, q_len, kv_start, kv_len, scale, plan, batch_invariant)
+
+
+def slab_move(pools: torch.Tensor, moves: torch.Tensor) -> None:
+    """pools [P, S, ...] (every layer's K and V pool, contiguous); moves [M, 3] int64 on the CPU,
+    rows (src, dst, n): rows [src, src+n) of every pool go to [dst, dst+n), move after move,
+    each as if through a temporary (the two ranges may overlap)."""
+    if _C is None:
+        return reference.slab_move(pools, moves.tolist())
+    _C.slab_move(pools, moves)

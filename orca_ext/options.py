@@ -10,6 +10,7 @@ import argparse
 
 from .resources import DTYPES
 from .scheduler import SCHEDULERS
+from .server import DEFAULT_BATCH_INVARIANT, DEFAULT_MAX_NUM_BATCHED_TOKENS
 
 
 def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
@@ -37,6 +38,28 @@ def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
     g.add_argument("-pp", "--pipeline-parallel-size", type=int, default=1,
                    help="split the layers into this many pipeline stages, one batch in flight per "
                         "stage (default 1)")
+    g.add_argument("--max-num-batched-tokens", type=_budget, default=DEFAULT_MAX_NUM_BATCHED_TOKENS,
+                   help="tokens per iteration: decodes first, then prompt chunks (chunked prefill); "
+                        f"'none' runs whole prompts (default {DEFAULT_MAX_NUM_BATCHED_TOKENS})")
+    g.add_argument("--batch-invariant", action=argparse.BooleanOptionalAction, default=DEFAULT_BATCH_INVARIANT,
+                   help="a request's tokens do not depend on its batch-mates "
+                        f"(default {'on' if DEFAULT_BATCH_INVARIANT else 'off'})")
+    g.add_argument("--slab-compaction", action=argparse.BooleanOptionalAction, default=True,
+                   help="slide live KV slabs together when the queue head only lacks a contiguous run "
+                        "(default on)")
+
+
+def _budget(value: str):
+    """--max-num-batched-tokens: a positive integer or 'none'."""
+    if value.lower() == "none":
+        return None
+    try:
+        n = int(value)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a positive integer or 'none', got {value!r}") from None
+    if n < 1:
+        raise argparse.ArgumentTypeError(f"must be >= 1, got {n}")
+    return n
 
 
 def engine_kwargs(args: argparse.Namespace) -> dict:
@@ -46,4 +69,6 @@ def engine_kwargs(args: argparse.Namespace) -> dict:
                 max_model_len=args.max_model_len, scheduler=args.scheduler,
                 kv_cache_memory=args.kv_cache_memory, enforce_eager=args.enforce_eager,
                 tensor_parallel_size=args.tensor_parallel_size,
-                pipeline_parallel_size=args.pipeline_parallel_size)
+                pipeline_parallel_size=args.pipeline_parallel_size,
+                max_num_batched_tokens=args.max_num_batched_tokens,
+                batch_invariant=args.batch_invariant, slab_compaction=args.slab_compaction)

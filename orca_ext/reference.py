@@ -49,6 +49,15 @@ def slab_write(k_cache, v_cache, k, v, slots) -> None:
     v_cache[idx] = v
 
 
+def slab_move(pools: torch.Tensor, moves) -> None:
+    """pools [P, S, ...]: for each (src, dst, n) of `moves` in order, rows [src, src+n) of every
+    pool are copied to rows [dst, dst+n) as if through a temporary (the two ranges may overlap);
+    a later move sees the result of the earlier ones. In place."""
+    for src, dst, n in (tuple(int(v) for v in m) for m in moves):
+        if n > 0 and src != dst:
+            pools[:, dst:dst + n] = pools[:, src:src + n].clone()
+
+
 def ragged_attention(q, k_cache, v_cache, q_start, q_len, kv_start, kv_len, scale: float) -> torch.Tensor:
     """Causal attention per request over a ragged batch; q [T, Hq, D] -> [T, Hq, D].
 
@@ -114,6 +123,21 @@ class SlabAllocatorReference:
         if n is None:
             raise ValueError(f"free: slot {start} is not the start of an allocated slab")
         self.used[start:start + n] = bytes(n)
+
+    def compact(self) -> list[tuple[int, int, int]]:
+        """Slide every slab toward slot 0, keeping their order, so the free slots become one run
+        at the end. Returns (old_start, new_start, length) of each slab that moved, in address
+        order: copying their contents in that order never overwrites a slab yet to be copied."""
+        moves, slabs, end = [], {}, 0
+        for start in sorted(self.slabs):
+            n = self.slabs[start]
+            if start != end:
+                moves.append((start, end, n))
+            slabs[end] = n
+            end += n
+        self.slabs = slabs
+        self.used = bytearray(b"\x01" * end) + bytearray(self.n_slots - end)
+        return moves
 
     @property
     def n_used(self) -> int:

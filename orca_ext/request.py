@@ -57,6 +57,9 @@ class IterationRecord:
     slots_reserved: int
     launch_time: float = 0.0
     complete_time: Optional[float] = None
+    # New tokens of each request, in request_ids order: 1 for a decode, the prompt length for a
+    # whole prefill, less for a chunk of a prompt split over iterations by the token budget.
+    chunk_sizes: tuple[int, ...] = ()
 
 
 class Request:
@@ -73,6 +76,7 @@ class Request:
         self.slab_start = -1               # first KV slot of the slab; -1 = no slab
         self.output_token_ids: list[int] = []
         self.num_cached = 0                # tokens whose K/V are in the slab
+        self.num_scheduled = 0             # new tokens in its current batch (set by the scheduler)
         self.first_token_time: Optional[float] = None
         self.finish_time: Optional[float] = None
         self.finish_reason: Optional[str] = None
@@ -98,10 +102,26 @@ class Request:
     def finished(self) -> bool:
         return self.finish_reason is not None
 
+    @property
+    def prompt_remaining(self) -> int:
+        """Prompt tokens not yet in the KV cache (0 once the request is decoding)."""
+        return max(0, len(self.prompt_token_ids) - self.num_cached)
+
+    @property
+    def emits_token(self) -> bool:
+        """Whether its scheduled input reaches the end of its known tokens, so the iteration
+        samples its next token: False only for a prompt chunk that is not the prompt's last."""
+        remaining = self.prompt_remaining
+        return remaining == 0 or self.num_scheduled == 0 or self.num_scheduled >= remaining
+
     def next_inputs(self) -> tuple[list[int], int]:
-        """(new token ids, start position) for this request's next iteration."""
-        if self.num_cached == 0:
-            return self.prompt_token_ids, 0
+        """(new token ids, start position) for this request's next iteration: while the prompt
+        is not all cached, its next chunk (at most `num_scheduled` tokens; the whole rest when
+        that is 0), then its newest token."""
+        remaining = self.prompt_remaining
+        if remaining:
+            n = remaining if self.num_scheduled == 0 else min(remaining, self.num_scheduled)
+            return self.prompt_token_ids[self.num_cached:self.num_cached + n], self.num_cached
         return [self.output_token_ids[-1]], self.num_cached
 
     # -- lifecycle ---------------------------------------------------------------------------

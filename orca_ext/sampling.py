@@ -148,7 +148,8 @@ NON_FINITE_LOGITS = "non-finite logits (NaN or Inf) in the model output"
 
 
 class SampleResult:
-    """Per-row outcome of one sampling call: a token id, or an error message for that row only."""
+    """Per-row outcome of one sampling call: a token id, or an error message for that row only.
+    Both are None for a row that emits no token (a prompt chunk that is not the last)."""
 
     __slots__ = ("tokens", "errors")
 
@@ -208,7 +209,13 @@ class Sampler:
         errors: list[Optional[str]] = [None] * n
         sampled: list[int] = []
         for i, req in enumerate(requests):
-            if not packed[1][i]:
+            if not getattr(req, "emits_token", True):
+                # A prompt chunk that is not the last: no token, and no draw from its generator,
+                # so a seeded request samples the same stream however its prompt was split.
+                # (Parallel workers' rows do not carry it yet: there every row draws, and the
+                # driver drops a non-final chunk's token.)
+                tokens[i] = None
+            elif not packed[1][i]:
                 tokens[i] = None
                 errors[i] = NON_FINITE_LOGITS
             elif not req.params.greedy:

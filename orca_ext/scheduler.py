@@ -2,17 +2,27 @@
 request-level `static` baseline. Pure Python over request objects; no model, no threads.
 
 A request object needs: `state` (RequestState), `reservation` (int), `slab_start` (int, -1 when
-none), `finished` (bool). The engine marks requests finished; the scheduler owns state transitions,
-slabs, the reservation count and the count of batches in flight (`n_scheduled`).
+none), `finished` (bool), `prompt_remaining` (int) and `num_scheduled` (int, written here). The
+engine marks requests finished; the scheduler owns state transitions, slabs, the reservation
+count and the count of batches in flight (`n_scheduled`).
 
 Usage per iteration (n_workers = 1):  batch = s.schedule(); run it; s.complete(batch).
 With n_workers > 1 up to n_workers batches may be scheduled before one is completed; requests of
 a scheduled batch are RUNNING and are never selected again until their batch completes.
+
+Two extensions of Algorithm 1, both in the orca policy:
+  * a token budget (`max_num_batched_tokens`): each iteration takes the decodes first, one token
+    each, then prompt tokens in arrival order until the budget is spent, so a long prompt is
+    split into chunks over several iterations instead of stalling every decode of one;
+  * slab compaction: when the head of the queue fits in the free slots but no contiguous run is
+    free, the live slabs are slid toward slot 0 (`slab_mover` copies their KV rows) and the head
+    is admitted in the same iteration.
 """
 from __future__ import annotations
 
 import logging
-from typing import Optional
+import math
+from typing import Callable, Optional
 
 from .checks import check_choice, check_positive_int
 from .request import RequestState
@@ -32,18 +42,32 @@ def make_allocator(n_slots: int):
 
 
 class _SchedulerBase:
-    def __init__(self, max_batch_size: int, n_slots: int, n_workers: int = 1, allocator=None):
+    def __init__(self, max_batch_size: int, n_slots: int, n_workers: int = 1, allocator=None,
+                 max_num_batched_tokens: Optional[int] = None):
         for name, value in (("max_batch_size", max_batch_size), ("n_slots", n_slots), ("n_workers", n_workers)):
             check_positive_int(name, value)
+        if max_num_batched_tokens is not None:
+            check_positive_int("max_num_batched_tokens", max_num_batched_tokens)
+            if max_num_batched_tokens < max_batch_size:
+                # Decodes always fit: a budget below max_batch_size would leave some waiting.
+                raise ValueError(f"max_num_batched_tokens ({max_num_batched_tokens}) must be >= "
+                                 f"max_batch_size ({max_batch_size})")
         self.max_batch_size = max_batch_size
         self.n_slots = n_slots
         self.n_workers = n_workers
+        self.max_num_batched_tokens = max_num_batched_tokens  # None: whole prompts (plain Orca)
         self.allocator = allocator if allocator is not None else make_allocator(n_slots)
         if self.allocator.n_slots != n_slots:
             raise ValueError(f"allocator has {self.allocator.n_slots} slots, scheduler {n_slots}")
         self.pool: list = []       # unfinished requests, arrival order (admitted ones are a prefix)
         self.n_rsrv = 0            # slots reserved by admitted requests
         self.n_scheduled = 0       # batches launched and not yet completed (owned here alone)
+        # Compaction: slab_mover(moves) copies the KV rows of [(request, old_start, new_start)];
+        # compaction is off while it is None.
+        self.slab_mover: Optional[Callable[[list], None]] = None
+        self.compaction_pending = False    # the head waits for in-flight batches before compacting
+        self.num_compactions = 0
+        self.num_fragmentation_stalls = 0  # selections where the head fit in total but not in one run
 
     # -- pool -------------------------------------------------------------------------------
     def add(self, req) -> None:
@@ -72,6 +96,10 @@ class _SchedulerBase:
         or when n_workers batches are already in flight."""
         if self.n_scheduled >= self.n_workers:
             return []
+        if self.compaction_pending:
+            if self.n_scheduled > 0:
+                return []  # slabs move only once no batch that reads or writes them is executing
+            self.compaction_pending = False
         batch = self._select()
         if batch:
             for req in batch:
@@ -113,11 +141,40 @@ class _SchedulerBase:
         if self.n_rsrv + need > self.n_slots:
             return False
         start = self.allocator.allocate(need)
-        if start < 0:  # enough slots in total but no contiguous run: wait, as FCFS requires
+        if start < 0 and self._compact():  # enough slots in total but no contiguous run
+            start = self.allocator.allocate(need)
+        if start < 0:  # wait, as FCFS requires
+            self.num_fragmentation_stalls += 1
             return False
         req.slab_start = start
         self.n_rsrv += need
         return True
+
+    def _compact(self) -> bool:
+        """Slide every live slab toward slot 0 so that the free slots form one run; True when it
+        did. A slab that an executing batch may read or write never moves: with batches in
+        flight this only asks schedule() to let them return first."""
+        if self.slab_mover is None:
+            return False
+        if self.n_scheduled > 0:
+            self.compaction_pending = True
+            return False
+        owner = {r.slab_start: r for r in self.pool if r.slab_start >= 0}
+        moves = []
+        for old, new, _ in self.allocator.compact():
+            req = owner[old]
+            req.slab_start = new
+            moves.append((req, old, new))
+        self.slab_mover(moves)
+        self.num_compactions += 1
+        log.debug("compacted the KV slabs: %d moved", len(moves))
+        return True
+
+    @staticmethod
+    def _take(req, n_tokens: int) -> int:
+        """Put `n_tokens` of the request's next input into this iteration; returns n_tokens."""
+        req.num_scheduled = n_tokens
+        return n_tokens
 
     def _release(self, req) -> None:
         if req.state is RequestState.RELEASED:
@@ -138,13 +195,23 @@ class OrcaScheduler(_SchedulerBase):
 
     def _select(self) -> list:
         batch = []
+        budget = self.max_num_batched_tokens or math.inf  # tokens this iteration may still take
+        # Decodes first, one token each: a long prompt never holds up a running request's token.
         for req in self.pool:
-            if req.state is RequestState.RUNNING:
-                continue
             if len(batch) == self.max_batch_size:
+                break
+            if req.state is RequestState.INCREMENT and req.prompt_remaining == 0:
+                budget -= self._take(req, 1)
+                batch.append(req)
+        # Then prompts, whole or their next chunk, in arrival order until the budget is spent.
+        for req in self.pool:
+            if req.state is RequestState.RUNNING or req.prompt_remaining == 0:
+                continue  # executing, or a decode taken above
+            if len(batch) == self.max_batch_size or budget == 0:
                 break
             if req.state is RequestState.INITIATION and not self._admit(req):
                 break  # FCFS: a request that does not fit blocks everything behind it
+            budget -= self._take(req, min(req.prompt_remaining, budget))
             batch.append(req)
         return batch
 
@@ -157,6 +224,9 @@ class StaticScheduler(_SchedulerBase):
 
     def __init__(self, *args, **kwargs):
         super().__init__(*args, **kwargs)
+        if self.max_num_batched_tokens is not None:
+            raise ValueError("max_num_batched_tokens needs scheduler='orca'; the static baseline "
+                             "runs whole prompts")
         self.current: list = []
 
     def _select(self) -> list:
@@ -176,6 +246,7 @@ SCHEDULERS = {"orca": OrcaScheduler, "static": StaticScheduler}
 
 
 def make_scheduler(policy: str, max_batch_size: int, n_slots: int, n_workers: int = 1,
-                   allocator: Optional[object] = None) -> _SchedulerBase:
+                   allocator: Optional[object] = None,
+                   max_num_batched_tokens: Optional[int] = None) -> _SchedulerBase:
     check_choice("scheduler", policy, SCHEDULERS)
-    return SCHEDULERS[policy](max_batch_size, n_slots, n_workers, allocator)
+    return SCHEDULERS[policy](max_batch_size, n_slots, n_workers, allocator, max_num_batched_tokens)

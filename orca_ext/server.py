@@ -32,6 +32,8 @@ log = logging.getLogger(__name__)
 
 DEFAULT_MAX_UNDELIVERED = 4096   # finished outputs nobody has collected yet
 SHUTDOWN_WAIT_S = 30.0           # how long shutdown() lets parallel workers finish the running step
+DEFAULT_MAX_NUM_BATCHED_TOKENS = None  # whole prompts, as plain Algorithm 1 (no benchmark has picked a budget yet)
+DEFAULT_BATCH_INVARIANT = False        # on CUDA it gives up the fused decode GEMM and decode splits
 
 
 def _load(model: Any, device, dtype, tokenizer: Any) -> tuple[Any, Any, Optional[str]]:
@@ -77,6 +79,12 @@ class Server:
     processes (orca_ext.distributed, docs/DISTRIBUTED.md; `model` must then be a folder):
     `kv_cache_memory` is then each worker's budget, and pipeline_parallel_size batches are in
     flight (Algorithm 1's n_workers). The workers run every iteration eagerly.
+
+    Beyond Algorithm 1 (docs/DESIGN.md section 3): `max_num_batched_tokens` is the per-iteration
+    token budget of chunked prefill (None: whole prompts, plain Orca; orca policy only),
+    `batch_invariant` makes each request's tokens independent of its batch-mates, and
+    `slab_compaction` slides live slabs together when the queue head only lacks a contiguous run
+    (single process only: with parallel workers it is off, see docs/DESIGN.md).
     """
 
     def __init__(self, model: Any = None, *, device: Union[str, torch.device] = "auto",
@@ -86,7 +94,9 @@ class Server:
                  tokenizer: Any = None, kv_cache_memory: Union[int, str, None] = None,
                  max_undelivered_outputs: int = DEFAULT_MAX_UNDELIVERED,
                  enforce_eager: bool = False,
-                 tensor_parallel_size: int = 1, pipeline_parallel_size: int = 1):
+                 tensor_parallel_size: int = 1, pipeline_parallel_size: int = 1,
+                 max_num_batched_tokens: Optional[int] = DEFAULT_MAX_NUM_BATCHED_TOKENS,
+                 batch_invariant: bool = DEFAULT_BATCH_INVARIANT, slab_compaction: bool = True):
         check_positive_int("max_batch_size", max_batch_size)
         check_positive_int("tensor_parallel_size", tensor_parallel_size)
         check_positive_int("pipeline_parallel_size", pipeline_parallel_size)
@@ -98,6 +108,14 @@ class Server:
         check_choice("scheduler", scheduler, SCHEDULERS)
         if not isinstance(enforce_eager, bool):
             raise ValueError(f"enforce_eager must be a bool, got {enforce_eager!r}")
+        if max_num_batched_tokens is not None:
+            check_positive_int("max_num_batched_tokens", max_num_batched_tokens)
+            if scheduler == "orca" and max_num_batched_tokens < max_batch_size:
+                raise ValueError(f"max_num_batched_tokens ({max_num_batched_tokens}) must be >= max_batch_size "
+                                 f"({max_batch_size}): every running request decodes one token per iteration")
+        for name, flag in (("batch_invariant", batch_invariant), ("slab_compaction", slab_compaction)):
+            if not isinstance(flag, bool):
+                raise ValueError(f"{name} must be True or False, got {flag!r}")
 
         self.tensor_parallel_size = tensor_parallel_size
         self.pipeline_parallel_size = pipeline_parallel_size
@@ -107,7 +125,8 @@ class Server:
 
             started = start_parallel(model, device=device, dtype=dtype, tokenizer=tokenizer,
                                      tensor_parallel_size=tensor_parallel_size,
-                                     pipeline_parallel_size=pipeline_parallel_size, kv_cache_memory=kv_cache_memory)
+                                     pipeline_parallel_size=pipeline_parallel_size, kv_cache_memory=kv_cache_memory,
+                                     batch_invariant=batch_invariant)
             executor, tokenizer = started.executor, started.tokenizer
             self.model, self.model_path = None, started.model_path  # the weights live in the workers
             spec, self.device, self.dtype = started.spec, started.device, started.dtype
@@ -153,13 +172,27 @@ class Server:
                                  fallback_lock=self._tok.lock) if tokenizer is not None else None)
         self._validator = RequestValidator(encoder, self.vocab_size, self.max_model_len, self.n_slots)
 
-        sched = make_scheduler(scheduler, max_batch_size, self.n_slots, executor.n_workers if executor else 1)
+        # The static baseline runs whole prompts; the budget belongs to iteration-level scheduling.
+        self.max_num_batched_tokens = max_num_batched_tokens if scheduler == "orca" else None
+        self.batch_invariant = batch_invariant
+        if self.model is not None:
+            self.model.batch_invariant = batch_invariant  # before the CUDA graphs capture its forward
+        if slab_compaction and executor is not None:
+            # A slab move would have to run in every worker's pools, between pipeline stages'
+            # batches; not implemented, so parallel runs keep their slabs where they are.
+            log.info("slab compaction is off with tensor_parallel_size x pipeline_parallel_size = %d > 1 "
+                     "(KV slabs live in the workers' pools)", tensor_parallel_size * pipeline_parallel_size)
+            slab_compaction = False
+        self.slab_compaction = slab_compaction
+        sched = make_scheduler(scheduler, max_batch_size, self.n_slots, executor.n_workers if executor else 1,
+                               max_num_batched_tokens=self.max_num_batched_tokens)
         if executor is None:
             from .models.cuda_graphs import with_decode_graphs
 
             runner = with_decode_graphs(self.model, max_batch_size, enforce_eager=enforce_eager)
         try:
-            self._engine = Engine(executor or runner, sched, record_iterations=record_iterations)
+            self._engine = Engine(executor or runner, sched, record_iterations=record_iterations,
+                                  slab_compaction=slab_compaction)
         except BaseException:
             if executor is not None:
                 executor.shutdown()
@@ -316,6 +349,10 @@ class Server:
                 "healthy": eng.executor.error is None,  # False once a worker died or raised
                 "error": eng.executor.error,
                 "workers": eng.executor.describe_workers() if hasattr(eng.executor, "describe_workers") else [],
+                "max_num_batched_tokens": self.max_num_batched_tokens,
+                "batch_invariant": self.batch_invariant,
+                "compactions": eng.num_compactions,
+                "compaction_moved_bytes": eng.compaction_moved_bytes,
             }
 
     def iterations(self) -> list[IterationRecord]:

@@ -70,6 +70,11 @@ class FakeModel:
         self.cache = torch.full((n_slots,), -1, dtype=torch.int64)
         return self.cache
 
+    @property
+    def kv_pools(self) -> Optional[torch.Tensor]:
+        """The cache as one [1, n_slots, 1] pool, for slab compaction."""
+        return None if self.cache is None else self.cache.view(1, -1, 1)
+
     def forward(self, batch) -> torch.Tensor:
         self.entered.set()
         if self.gate is not None:

@@ -8,12 +8,13 @@ import sys
 import tomllib
 from pathlib import Path
 
+import pytest
 from setuptools import find_packages
 
 from orca_ext.cli import build_parser, main
 from orca_ext.options import add_engine_arguments, engine_kwargs
 from orca_ext.sampling import SamplingParams
-from orca_ext.server import Server
+from orca_ext.server import DEFAULT_BATCH_INVARIANT, DEFAULT_MAX_NUM_BATCHED_TOKENS, Server
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -28,10 +29,17 @@ def test_engine_arguments_round_trip():
     assert engine_kwargs(args) == dict(model="/m", device="cpu", dtype="bfloat16", max_batch_size=4,
                                        n_slots=512, max_model_len=256, scheduler="static",
                                        kv_cache_memory="1GiB", enforce_eager=True, tensor_parallel_size=2,
-                                       pipeline_parallel_size=3)
+                                       pipeline_parallel_size=3, max_num_batched_tokens=DEFAULT_MAX_NUM_BATCHED_TOKENS,
+                                       batch_invariant=DEFAULT_BATCH_INVARIANT, slab_compaction=True)
     defaults = engine_kwargs(parser.parse_args([]))
     assert defaults["model"] is None and defaults["max_batch_size"] == 32 and defaults["scheduler"] == "orca"
     assert defaults["enforce_eager"] is False
+    chosen = engine_kwargs(parser.parse_args(["--max-num-batched-tokens", "96", "--no-batch-invariant",
+                                              "--no-slab-compaction"]))
+    assert (chosen["max_num_batched_tokens"], chosen["batch_invariant"], chosen["slab_compaction"]) == (96, False, False)
+    assert engine_kwargs(parser.parse_args(["--max-num-batched-tokens", "none"]))["max_num_batched_tokens"] is None
+    with pytest.raises(SystemExit):
+        parser.parse_args(["--max-num-batched-tokens", "0"])
 
 
 def test_serve_takes_the_engine_options_and_its_own():

@@ -39,8 +39,10 @@ def test_dry_run_runs_every_step_within_budget_and_the_file_limit(tmp_path):
     proc, steps = run(tmp_path)
     assert proc.returncode == 0, proc.stdout + proc.stderr
     assert set(steps) == {"preflight", "build", "tests", "bench_build", "memcheck_bench_slab_write",
-                          "memcheck_bench_ragged_attention", "reference", "graphs", "engine"} | {
-        f"micro_bench_{b}" for b in ("ceiling", "rms_norm", "slab_write", "rmsnorm_qkv", "ragged_attention")}
+                          "memcheck_bench_slab_move", "memcheck_bench_ragged_attention", "reference", "graphs",
+                          "engine"} | {
+        f"micro_bench_{b}" for b in ("ceiling", "rms_norm", "slab_write", "slab_move", "rmsnorm_qkv",
+                                     "ragged_attention")}
     assert set(steps.values()) == {"ok"}
     # The device tool returns at most 8 files from $OUT.
     assert {p.name for p in (tmp_path / "out").iterdir()} == ALL_FILES
@@ -54,7 +56,7 @@ def test_dry_run_runs_every_step_within_budget_and_the_file_limit(tmp_path):
     assert len(summary["steps"]) == len(steps)
     assert summary["cuda_graphs"]["host_us_at_256_graph"] == 50.0  # the graphs step lands in the summary
     micro = (tmp_path / "out" / "microbench.jsonl").read_text().splitlines()
-    assert len(micro) == 5 and all(json.loads(line)["median_us"] == 1.0 for line in micro)
+    assert len(micro) == 6 and all(json.loads(line)["median_us"] == 1.0 for line in micro)
 
 
 def test_a_failing_step_does_not_stop_the_later_ones(tmp_path):
@@ -69,7 +71,8 @@ def test_steps_selects_a_subset(tmp_path):
     proc, steps = run(tmp_path, STEPS="tests,micro")
     assert proc.returncode == 0, proc.stdout + proc.stderr
     assert set(steps) == {"tests", "bench_build"} | {
-        f"micro_bench_{b}" for b in ("ceiling", "rms_norm", "slab_write", "rmsnorm_qkv", "ragged_attention")}
+        f"micro_bench_{b}" for b in ("ceiling", "rms_norm", "slab_write", "slab_move", "rmsnorm_qkv",
+                                     "ragged_attention")}
 
 
 def test_a_missing_module_is_built_before_the_selected_steps(tmp_path):

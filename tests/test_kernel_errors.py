@@ -116,3 +116,30 @@ def test_mixed_devices_rejected():
     # A meta tensor stands in for "another device" on a CPU-only machine.
     with pytest.raises(ValueError, match="meta"):
         _C.rms_norm(torch.randn(2, 4), torch.empty(4, device="meta"), 1e-6)
+
+
+@pytest.mark.parametrize("pools,moves,match", [
+    (torch.zeros(4, 10, 2), torch.tensor([[0, 5, 6]]), r"moves\[0\] = \(0, 5, 6\) reaches outside the 10 slots"),
+    (torch.zeros(4, 10, 2), torch.tensor([[0, 1, 2], [-1, 0, 1]]), r"moves\[1\] = \(-1, 0, 1\)"),
+    (torch.zeros(4, 10, 2), torch.tensor([[0, 1, -2]]), r"moves\[0\]"),
+    (torch.zeros(4, 10, 2), torch.tensor([[0, 1]]), r"moves must be \[M, 3\]"),
+    (torch.zeros(4, 10, 2), torch.tensor([[0, 1, 2]], dtype=torch.int32), "moves must be int64"),
+    (torch.zeros(4, 10, 2).transpose(0, 1), torch.tensor([[0, 1, 2]]), "pools must be contiguous"),
+    (torch.zeros(10), torch.tensor([[0, 1, 2]]), "at least 2-D"),
+])
+def test_slab_move_bad_input(pools, moves, match):
+    before = pools.clone()
+    with pytest.raises(ValueError, match=match):
+        _C.slab_move(pools, moves)
+    assert torch.equal(pools, before)  # a rejected call moves nothing
+
+
+def test_linear_and_linear_silu_mul_bad_input():
+    with pytest.raises(ValueError, match="weight has 7 columns but x has 8"):
+        _C.linear(torch.randn(3, 8), torch.randn(5, 7), None)
+    with pytest.raises(ValueError, match="bias has 4 elements but weight has 5 rows"):
+        _C.linear(torch.randn(3, 8), torch.randn(5, 8), torch.randn(4))
+    with pytest.raises(ValueError, match="weight has dtype"):
+        _C.linear(torch.randn(3, 8), torch.randn(5, 8).bfloat16(), None)
+    with pytest.raises(ValueError, match=r"gate_up_weight has 7 rows; it must stack I gate rows on I up rows"):
+        _C.linear_silu_mul(torch.randn(3, 8), torch.randn(7, 8), None, batch_invariant=True)

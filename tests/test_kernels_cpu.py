@@ -2,6 +2,7 @@
 with awkward sizes. Ragged batches are checked request by request against that request alone."""
 from __future__ import annotations
 
+import contextlib
 import math
 import random
 
@@ -148,3 +149,173 @@ def test_rmsnorm_qkv_wide_output(n_tokens):
     w = torch.randn(n_out, hidden, generator=gen) / math.sqrt(hidden)
     expected = reference.rmsnorm_qkv(x.double(), nw.double(), w.double(), None, 1e-6)
     assert_close(_C.rmsnorm_qkv(x, nw, w, None, 1e-6), expected, torch.float32, "rmsnorm_qkv (wide)")
+
+
+# -- slab_move (slab compaction) ------------------------------------------------------------------
+def random_moves(rng: random.Random, n_slots: int, n_moves: int) -> list[tuple[int, int, int]]:
+    """Moves with disjoint and overlapping ranges in both directions, plus empty and self moves."""
+    moves = []
+    for i in range(n_moves):
+        n = rng.randint(0, n_slots // 2)
+        src = rng.randint(0, n_slots - n)
+        dst = rng.randint(0, n_slots - n) if i % 2 else max(0, min(n_slots - n, src + rng.randint(-n, n)))
+        moves.append((src, dst, n))
+    return moves
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.int64])
+@pytest.mark.parametrize("shape", [(1, 40, 1), (6, 97, 3, 16), (60, 250, 3, 64)])
+def test_slab_move_matches_reference_bit_for_bit(dtype, shape):
+    rng = random.Random(sum(shape))
+    pools = (torch.randn(*shape, generator=torch.Generator().manual_seed(len(shape))) * 100).to(dtype)
+    moves = random_moves(rng, shape[1], 9)
+    expected = pools.clone()
+    reference.slab_move(expected, moves)
+    _C.slab_move(pools, torch.tensor(moves, dtype=torch.int64))
+    assert torch.equal(pools, expected)
+
+
+def test_slab_move_of_a_compaction_keeps_every_slab():
+    """The moves an allocator's compact() returns, applied to pools holding each slab's owner id."""
+    alloc = reference.SlabAllocatorReference(200)
+    rng = random.Random(4)
+    owner = {}
+    for i in range(30):
+        n = rng.randint(1, 12)
+        start = alloc.allocate(n)
+        if start >= 0:
+            owner[start] = (i, n)
+        if owner and rng.random() < 0.4:
+            victim = rng.choice(sorted(owner))
+            alloc.free(victim)
+            del owner[victim]
+    pools = torch.full((4, 200, 2), -1, dtype=torch.int64)
+    for start, (i, n) in owner.items():
+        pools[:, start:start + n] = i
+    moves = alloc.compact()
+    assert moves and alloc.largest_free == alloc.n_free
+    _C.slab_move(pools, torch.tensor(moves, dtype=torch.int64))
+    moved = {old: new for old, new, _ in moves}
+    for start, (i, n) in owner.items():
+        new = moved.get(start, start)
+        assert (pools[:, new:new + n] == i).all(), f"slab {i} lost its rows"
+
+
+# -- batch-invariant paths ------------------------------------------------------------------------
+# Each checks (1) the values against the float64 reference and (2) that a row's bits do not depend
+# on which other rows share the call, for random subsets of rows in random order. The projections
+# run on the weight-streaming kernels (csrc/cpu/skinny_gemm.*), T-independent by default; their
+# batch_invariant switch keeps them there even when the ATen crossover is lowered ("lowered").
+def random_subsets(rng: random.Random, n: int, count: int = 6) -> list[list[int]]:
+    sizes = [1, 2, 3, n] + [rng.randint(1, n) for _ in range(count)]
+    return [rng.sample(range(n), k) for k in sizes]
+
+
+@contextlib.contextmanager
+def stream_crossover(dtype: torch.dtype, max_tokens: int | None):
+    """With max_tokens, CPU projections of more tokens go to ATen until the block exits."""
+    name = str(dtype).replace("torch.", "")
+    old = _C.cpu_stream_max_tokens(name)
+    if max_tokens is not None:
+        _C.set_cpu_stream_max_tokens(name, max_tokens)
+    try:
+        yield
+    finally:
+        _C.set_cpu_stream_max_tokens(name, old)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("k,n", [(37, 97), (576, 160)])
+@pytest.mark.parametrize("bias", [False, True])
+@pytest.mark.parametrize("crossover", [None, 4], ids=["default", "lowered"])
+def test_linear_rows_do_not_depend_on_the_batch(dtype, k, n, bias, crossover):
+    rng = random.Random(k + n)
+    gen = torch.Generator().manual_seed(k * n)
+    x = torch.randn(131, k, generator=gen).to(dtype)
+    w = (torch.randn(n, k, generator=gen) / math.sqrt(k)).to(dtype)
+    b = torch.randn(n, generator=gen).to(dtype) if bias else None
+    invariant = crossover is not None  # the default needs no switch: every T is on our kernels
+    with stream_crossover(dtype, crossover):
+        full = _C.linear(x, w, b, batch_invariant=invariant)
+        expected = torch.nn.functional.linear(x.double(), w.double(), None if b is None else b.double())
+        assert_close(full, expected, dtype, "linear")
+        for rows in random_subsets(rng, x.shape[0]):
+            got = _C.linear(x[rows], w, b, batch_invariant=invariant)
+            assert torch.equal(got, full[rows]), f"rows {rows[:5]}... of {len(rows)}"
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("crossover", [None, 4], ids=["default", "lowered"])
+def test_rmsnorm_qkv_batch_invariant_rows(dtype, crossover):
+    rng = random.Random(8)
+    gen = torch.Generator().manual_seed(8)
+    hidden, n_out = 96, 160
+    x = torch.randn(150, hidden, generator=gen).to(dtype)
+    nw = (1 + 0.1 * torch.randn(hidden, generator=gen)).to(dtype)
+    w = (torch.randn(n_out, hidden, generator=gen) / math.sqrt(hidden)).to(dtype)
+    with stream_crossover(dtype, crossover):
+        full = _C.rmsnorm_qkv(x, nw, w, None, 1e-6, True)
+        assert_close(full, reference.rmsnorm_qkv(x.double(), nw.double(), w.double(), None, 1e-6), dtype,
+                     "rmsnorm_qkv")
+        for rows in random_subsets(rng, x.shape[0]):
+            assert torch.equal(_C.rmsnorm_qkv(x[rows], nw, w, None, 1e-6, True), full[rows])
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("n_inter", [80, 37])
+@pytest.mark.parametrize("crossover", [None, 4], ids=["default", "lowered"])
+def test_linear_silu_mul_rows_do_not_depend_on_the_batch(dtype, n_inter, crossover):
+    rng = random.Random(n_inter)
+    gen = torch.Generator().manual_seed(n_inter)
+    x = torch.randn(201, 72, generator=gen).to(dtype)
+    w = (torch.randn(2 * n_inter, 72, generator=gen) / math.sqrt(72)).to(dtype)
+    invariant = crossover is not None
+    with stream_crossover(dtype, crossover):
+        full = _C.linear_silu_mul(x, w, None, batch_invariant=invariant)
+        assert_close(full, reference.linear_silu_mul(x.double(), w.double()), dtype, "linear_silu_mul")
+        for rows in random_subsets(rng, x.shape[0]):
+            assert torch.equal(_C.linear_silu_mul(x[rows], w, None, batch_invariant=invariant), full[rows])
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("heads", [(9, 3), (4, 4)])
+def test_ragged_attention_batch_invariant_rows_ignore_chunks_and_batch_mates(dtype, heads):
+    """One request's prompt rows, computed as one prefill, as chunks over its cached prefix, as
+    one-row decodes, and beside other requests: the same bits every time."""
+    n_q, n_kv = heads
+    rng = random.Random(n_q)
+    gen = torch.Generator().manual_seed(n_q)
+    d, n_ctx, start = 64, 150, 7
+    others = make_ragged_case(n_q, random_kinds(n_q, 5), n_q, n_kv, d, dtype)
+    k_cache = torch.cat([others.k_cache, torch.randn(start + n_ctx, n_kv, d, generator=gen).to(dtype)])
+    v_cache = torch.cat([others.v_cache, torch.randn(start + n_ctx, n_kv, d, generator=gen).to(dtype)])
+    slab = others.k_cache.shape[0] + start
+    q = torch.randn(n_ctx, n_q, d, generator=gen).to(dtype)
+
+    def run(pieces: list[tuple[int, int]], with_others: bool) -> torch.Tensor:
+        """Rows [lo, hi) of the prompt as requests (q_len hi-lo over kv_len hi), in one call."""
+        qs, ql, ks, kl, rows = [], [], [], [], []
+        if with_others:
+            rows.append(others.q)
+            qs += others.q_start.tolist(); ql += others.q_len.tolist()
+            ks += others.kv_start.tolist(); kl += others.kv_len.tolist()
+        base = sum(r.shape[0] for r in rows)
+        for lo, hi in pieces:
+            qs.append(base); ql.append(hi - lo); ks.append(slab); kl.append(hi)
+            rows.append(q[lo:hi])
+            base += hi - lo
+        idx = [torch.tensor(v, dtype=torch.int32) for v in (qs, ql, ks, kl)]
+        plan = _C.ragged_attention_plan(*idx, base, k_cache.shape[0], n_q, n_kv, d, dtype, batch_invariant=True)
+        out = _C.ragged_attention(torch.cat(rows), k_cache, v_cache, *idx, 0.125, plan=plan, batch_invariant=True)
+        return out[base - sum(hi - lo for lo, hi in pieces):]
+
+    whole = run([(0, n_ctx)], False)
+    expected = reference.ragged_attention(q.double(), k_cache[slab:].double(), v_cache[slab:].double(),
+                                          *(torch.tensor([v]) for v in (0, n_ctx, 0, n_ctx)), 0.125)
+    assert_close(whole, expected, dtype, "ragged_attention (batch-invariant)")
+    cuts = sorted(rng.sample(range(1, n_ctx), 6))
+    chunks = list(zip([0] + cuts, cuts + [n_ctx]))
+    assert torch.equal(run(chunks, True), whole)             # chunks beside other requests
+    assert torch.equal(run([(0, 40)], True), whole[:40])     # a prompt cut short
+    for p in (0, 1, 63, 64, 100, n_ctx - 1):                 # one-row decodes
+        assert torch.equal(run([(p, p + 1)], rng.random() < 0.5), whole[p:p + 1]), f"row {p}"

@@ -11,7 +11,8 @@ import pytest
 
 ROOT = Path(__file__).resolve().parent.parent
 # One per kernel, the same names as bench/cpu/*.cpp (and bench/cuda/*.cu).
-NAMES = ["bench_rms_norm", "bench_rmsnorm_qkv", "bench_skinny_gemm", "bench_slab_write", "bench_ragged_attention"]
+NAMES = ["bench_rms_norm", "bench_rmsnorm_qkv", "bench_skinny_gemm", "bench_slab_write", "bench_slab_move",
+         "bench_ragged_attention"]
 
 
 def find_executable(name: str) -> Path | None:

@@ -1,4 +1,5 @@
-"""Algorithm 1 (docs/DESIGN.md section 3) rule by rule, the static baseline, and a random property test.
+"""Algorithm 1 (docs/DESIGN.md section 3) rule by rule, its token budget (chunked prefill) and slab
+compaction, the static baseline, and a random property test.
 
 The scheduler is driven directly with real Request objects and no model: `run_batch` plays the
 engine (advances each request by one iteration, finishes those that reached max_tokens) and then
@@ -31,23 +32,54 @@ def mk(prompt_len: int, max_tokens: int, name: str | None = None) -> Request:
     return Request(name, [1] * prompt_len, SamplingParams(max_tokens=max_tokens))
 
 
-def sched(policy="orca", max_bs=8, n_slots=1000, n_workers=1, alloc=SlabAllocatorReference):
-    return make_scheduler(policy, max_bs, n_slots, n_workers, alloc(n_slots))
+def sched(policy="orca", max_bs=8, n_slots=1000, n_workers=1, alloc=SlabAllocatorReference, budget=None):
+    return make_scheduler(policy, max_bs, n_slots, n_workers, alloc(n_slots), max_num_batched_tokens=budget)
+
+
+class FakeKV:
+    """A KV pool that remembers which request wrote each slot, so a test can see that slab
+    compaction carried every request's cached rows along with its slab."""
+
+    def __init__(self, n_slots: int):
+        self.owner = [None] * n_slots
+        self.moves: list[list[tuple[str, int, int]]] = []
+
+    def write(self, batch: list[Request]) -> None:
+        for r in batch:
+            new_ids, start = r.next_inputs()
+            for p in range(start, start + len(new_ids)):
+                self.owner[r.slab_start + p] = r.request_id
+
+    def move(self, moves) -> None:  # the scheduler's slab_mover; moves are applied in order
+        self.moves.append([(r.request_id, old, new) for r, old, new in moves])
+        for r, old, new in moves:
+            self.owner[new:new + r.num_cached] = self.owner[old:old + r.num_cached]
+
+    def check(self, reqs: list[Request]) -> None:
+        for r in reqs:
+            if r.slab_start >= 0:
+                cached = self.owner[r.slab_start:r.slab_start + r.num_cached]
+                assert cached == [r.request_id] * r.num_cached, f"{r.request_id} lost its KV rows"
 
 
 def advance(batch: list[Request]) -> None:
-    """What the engine does to a returned batch: one more token each, finish at max_tokens."""
+    """What the engine does to a returned batch: its inputs are cached, then one more token each
+    (none after a prompt chunk that is not the last), finish at max_tokens."""
     for r in batch:
         if r.finished:
             continue
         r.num_cached += len(r.next_inputs()[0])
+        if r.prompt_remaining:
+            continue
         r.output_token_ids.append(0)
         if len(r.output_token_ids) >= r.params.max_tokens:
             r.mark_finished("length")
 
 
-def run_batch(s, batch=None) -> list[Request]:
+def run_batch(s, batch=None, kv: FakeKV | None = None) -> list[Request]:
     batch = s.schedule() if batch is None else batch
+    if kv is not None:
+        kv.write(batch)
     advance(batch)
     s.complete(batch)
     return batch
@@ -188,6 +220,122 @@ def test_abort_frees_slab_now_unless_its_batch_is_running():
     assert d.state is RequestState.RELEASED and names(s.schedule()) == ["c"]
 
 
+def chunks(batch) -> list[tuple[str, int]]:
+    return [(r.request_id, r.num_scheduled) for r in batch]
+
+
+def test_token_budget_takes_decodes_first_then_prompt_chunks_in_arrival_order():
+    s = sched(max_bs=4, budget=10)
+    a, b, c = mk(3, 6, "a"), mk(25, 6, "b"), mk(4, 6, "c")
+    for r in (a, b, c):
+        s.add(r)
+    batch = s.schedule()
+    # a's whole prompt, then as much of b's as the budget leaves; c is not even admitted.
+    assert chunks(batch) == [("a", 3), ("b", 7)]
+    assert b.next_inputs() == ([1] * 7, 0) and not b.emits_token and a.emits_token
+    assert c.state is RequestState.INITIATION and c.slab_start == -1
+    run_batch(s, batch)
+    assert (b.num_cached, b.output_token_ids) == (7, [])  # a chunk that is not the last: no token
+    batch = s.schedule()
+    assert chunks(batch) == [("a", 1), ("b", 9)]  # the decode first, then b's next chunk
+    assert b.next_inputs() == ([1] * 9, 7)
+    run_batch(s, batch)
+    assert chunks(run_batch(s)) == [("a", 1), ("b", 9)]  # b's last chunk: it emits its first token
+    assert b.num_cached == 25 and len(b.output_token_ids) == 1
+    assert chunks(run_batch(s)) == [("a", 1), ("b", 1), ("c", 4)]
+
+
+def test_token_budget_cuts_only_the_last_prompt_and_never_skips_ahead():
+    s = sched(max_bs=8, n_slots=100, budget=16)
+    a, b, c = mk(10, 30, "a"), mk(40, 40, "b"), mk(2, 2, "c")  # 40 + 80 > 100: b waits for a
+    for r in (a, b, c):
+        s.add(r)
+    assert chunks(run_batch(s)) == [("a", 10)]  # b does not fit; c must not skip ahead of it
+    assert b.slab_start == -1 and c.slab_start == -1
+
+
+def test_budget_below_max_batch_size_and_budget_with_static_are_rejected():
+    with pytest.raises(ValueError, match=r"max_num_batched_tokens \(3\) must be >= max_batch_size \(4\)"):
+        sched(max_bs=4, budget=3)
+    with pytest.raises(ValueError, match="max_num_batched_tokens must be an integer >= 1"):
+        sched(budget=0)
+    with pytest.raises(ValueError, match="static"):
+        sched("static", budget=64)
+
+
+def test_abort_during_a_half_done_prefill_frees_its_slab():
+    s = sched(n_slots=100, budget=8)
+    a = mk(30, 5, "a")
+    s.add(a)
+    run_batch(s)
+    assert a.state is RequestState.INCREMENT and a.num_cached == 8 and s.n_rsrv == 35
+    a.mark_finished("abort")
+    s.remove(a)  # between two chunks: freed at once
+    assert s.n_rsrv == 0 and s.allocator.n_used == 0 and a.slab_start == -1
+    b = mk(30, 5, "b")
+    s.add(b)
+    batch = s.schedule()  # b's first chunk is executing when it is aborted
+    b.mark_finished("abort")
+    s.remove(b)
+    assert s.n_rsrv == 35
+    s.complete(batch)
+    assert s.n_rsrv == 0 and s.allocator.n_used == 0 and not s.pool
+
+
+def fragment(s, kv: FakeKV | None = None, launch_first: bool = False) -> tuple[Request, Request]:
+    """Leave 60 of 100 slots free in two runs of 30 around a live 40-slot slab; returns the live
+    request and a waiting head that needs 50 slots (added after the live one's next batch was
+    launched when `launch_first`)."""
+    a, b, c = mk(20, 10, "a"), mk(30, 10, "b"), mk(20, 10, "c")  # slabs [0,30) [30,70) [70,100)
+    for r in (a, b, c):
+        s.add(r)
+    run_batch(s, kv=kv)
+    a.mark_finished("abort"), c.mark_finished("abort")
+    s.remove(a), s.remove(c)
+    assert s.allocator.n_free == 60 and s.allocator.largest_free == 30
+    if launch_first:
+        assert names(s.schedule()) == ["b"]
+    d = mk(40, 10, "d")
+    s.add(d)
+    return b, d
+
+
+@pytest.mark.parametrize("alloc", ALLOCATORS)
+def test_compaction_admits_the_head_in_the_same_iteration(alloc):
+    s, kv = sched(n_slots=100, alloc=alloc), FakeKV(100)
+    s.slab_mover = kv.move
+    b, d = fragment(s, kv)
+    batch = s.schedule()
+    assert names(batch) == ["b", "d"]  # without compaction d waits (see the test above)
+    assert kv.moves == [[("b", 30, 0)]] and b.slab_start == 0 and d.slab_start == 40
+    assert s.num_compactions == 1 and s.allocator.largest_free == 10
+    kv.check([b])
+    run_batch(s, batch, kv)
+    kv.check([b, d])
+
+
+def test_without_a_slab_mover_the_head_waits_for_a_contiguous_run():
+    s = sched(n_slots=100)
+    b, d = fragment(s)
+    assert names(s.schedule()) == ["b"] and d.slab_start == -1
+    assert s.num_compactions == 0 and s.num_fragmentation_stalls == 1
+
+
+def test_compaction_waits_until_no_batch_in_flight_uses_the_slabs():
+    s, kv = sched(n_slots=100, n_workers=2), FakeKV(100)
+    s.slab_mover = kv.move
+    b, d = fragment(s, kv, launch_first=True)
+    b1 = [b]  # executing: d could only be admitted by moving b's slab, so it waits for b1
+    e = mk(3, 3, "e")
+    s.add(e)
+    assert s.schedule() == [] and s.compaction_pending and d.slab_start == -1
+    assert s.schedule() == [] and kv.moves == []  # nothing new launches while b1 is in flight
+    run_batch(s, b1, kv)
+    batch = s.schedule()
+    assert names(batch) == ["b", "d", "e"] and kv.moves == [[("b", 30, 0)]]
+    kv.check([b])
+
+
 def test_static_policy_admits_only_when_the_whole_batch_has_finished():
     s = sched("static", max_bs=2, n_slots=1000)
     a, b, c = mk(4, 2, "a"), mk(4, 5, "b"), mk(4, 3, "c")
@@ -260,13 +408,33 @@ def check_invariants(s, inflight: list[list[Request]], all_reqs: list[Request]) 
             assert r.slab_start == -1 and r not in s.pool
 
 
+def check_batch(s, batch: list[Request]) -> None:
+    """Decodes first, then prompt tokens in arrival order within the budget: only the last
+    prompt of a batch may be cut short."""
+    assert len(batch) <= s.max_batch_size
+    if s.max_num_batched_tokens is None:
+        return
+    assert sum(r.num_scheduled for r in batch) <= s.max_num_batched_tokens
+    kinds = [r.prompt_remaining > 0 for r in batch]
+    assert kinds == sorted(kinds), "a prompt chunk came before a decode"
+    prompts = [r for r in batch if r.prompt_remaining]
+    assert all(r.num_scheduled == r.prompt_remaining for r in prompts[:-1])
+    assert [s.pool.index(r) for r in prompts] == sorted(s.pool.index(r) for r in prompts)
+
+
 @settings(max_examples=60, deadline=None)
 @given(seed=st.integers(0, 2**32 - 1), policy=st.sampled_from(["orca", "static"]),
        n_workers=st.integers(1, 3), max_bs=st.integers(1, 6), n_slots=st.integers(8, 120),
-       alloc=st.sampled_from(ALLOCATORS))
-def test_random_workloads_never_overcommit_or_overlap(seed, policy, n_workers, max_bs, n_slots, alloc):
+       alloc=st.sampled_from(ALLOCATORS), budget=st.one_of(st.none(), st.integers(0, 40)),
+       compaction=st.booleans())
+def test_random_workloads_never_overcommit_or_overlap(seed, policy, n_workers, max_bs, n_slots, alloc,
+                                                     budget, compaction):
     rng = random.Random(seed)
-    s = sched(policy, max_bs, n_slots, n_workers, alloc)
+    budget = None if policy == "static" or budget is None else max_bs + budget
+    s = sched(policy, max_bs, n_slots, n_workers, alloc, budget)
+    kv = FakeKV(n_slots)
+    if compaction:
+        s.slab_mover = kv.move
     all_reqs: list[Request] = []
     inflight: list[list[Request]] = []
     for _ in range(150):
@@ -279,8 +447,9 @@ def test_random_workloads_never_overcommit_or_overlap(seed, policy, n_workers, m
                 all_reqs.append(r)
         elif op < 0.65:
             batch = s.schedule()
-            assert len(batch) <= max_bs
+            check_batch(s, batch)
             if batch:
+                kv.write(batch)
                 inflight.append(batch)
         elif op < 0.9 and inflight:
             run_batch(s, inflight.pop(rng.randrange(len(inflight))))
@@ -290,6 +459,7 @@ def test_random_workloads_never_overcommit_or_overlap(seed, policy, n_workers, m
                 victim.mark_finished("abort")
                 s.remove(victim)
         check_invariants(s, inflight, all_reqs)
+        kv.check([r for r in all_reqs if r.state is not RequestState.RUNNING])
     while inflight:  # drain: everything ends, nothing stays reserved
         run_batch(s, inflight.pop())
     for r in all_reqs:

@@ -1,5 +1,5 @@
-// Scalar double-precision references of the kernels, shared by the CPU microbenchmarks
-// (bench/cpu/*.cpp) and the CUDA microbenchmarks' host code (bench/cuda/*.cu). Header-only C++17,
+// Scalar double-precision references of the kernels (a plain byte copy for slab_move), shared by the
+// CPU microbenchmarks (bench/cpu/*.cpp) and the CUDA microbenchmarks' host code (bench/cuda/*.cu). Header-only C++17,
 // no torch, no OpenMP. They compute what orca_ext/reference.py computes for the tests, written
 // as plain loops so a benchmark can check its kernel with no framework at all.
 //
@@ -128,6 +128,22 @@ void slab_write(T* k_cache,      // [S, row_elems]
     if (s < 0 || s >= n_slots) continue;
     std::copy(k + t * row_elems, k + (t + 1) * row_elems, k_cache + s * row_elems);
     std::copy(v + t * row_elems, v + (t + 1) * row_elems, v_cache + s * row_elems);
+  }
+}
+
+// The pools after slab_move: for each (src, dst, n) in order, rows [src, src+n) of every pool go
+// to [dst, dst+n) through a temporary, so overlapping ranges are copied as memmove does.
+inline void slab_move(unsigned char* pools,  // [P, S, row_bytes]
+                      int64_t n_pools, int64_t n_slots, int64_t row_bytes,
+                      const int64_t* moves,  // [M, 3]
+                      int64_t n_moves) {
+  for (int64_t m = 0; m < n_moves; ++m) {
+    const int64_t src = moves[3 * m], dst = moves[3 * m + 1], n = moves[3 * m + 2];
+    for (int64_t p = 0; p < n_pools; ++p) {
+      unsigned char* pool = pools + p * n_slots * row_bytes;
+      const std::vector<unsigned char> tmp(pool + src * row_bytes, pool + (src + n) * row_bytes);
+      std::copy(tmp.begin(), tmp.end(), pool + dst * row_bytes);
+    }
   }
 }
 

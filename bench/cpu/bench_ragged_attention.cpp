@@ -65,7 +65,7 @@ std::vector<I> cast_index(const std::vector<int64_t>& v) {
 
 template <typename T, typename I>
 bool check_case(const char* label, const std::vector<Req>& reqs, int64_t Hq, int64_t Hkv, int64_t D, float q_range,
-                uint64_t seed) {
+                uint64_t seed, bool invariant = false) {
   bench::Rng rng(seed);
   const Layout L = make_layout(reqs, rng, 37);
   bench::Vec<T> q(L.n_tokens * Hq * D), k(L.n_slots * Hkv * D), v(L.n_slots * Hkv * D), out(L.n_tokens * Hq * D);
@@ -76,13 +76,14 @@ bool check_case(const char* label, const std::vector<Req>& reqs, int64_t Hq, int
   const auto qs = cast_index<I>(L.q_start), ql = cast_index<I>(L.q_len), ks = cast_index<I>(L.kv_start),
              kl = cast_index<I>(L.kv_len);
   orca::cpu::ragged_attention<T, I>(q.data(), k.data(), v.data(), qs.data(), ql.data(), ks.data(), kl.data(),
-                                    out.data(), static_cast<int64_t>(reqs.size()), Hq, Hkv, D, scale);
+                                    out.data(), static_cast<int64_t>(reqs.size()), Hq, Hkv, D, scale, invariant);
   const std::vector<double> ref = bench::ref::ragged_attention(
       q.data(), k.data(), v.data(), L.q_start.data(), L.q_len.data(), L.kv_start.data(), L.kv_len.data(),
       static_cast<int64_t>(reqs.size()), L.n_tokens, Hq, Hkv, D, scale, bench::ToDouble{});
   char name[200];
-  std::snprintf(name, sizeof name, "ragged_attention<%s,%s> %s B=%zu T=%lld Hq=%lld Hkv=%lld D=%lld",
-                sizeof(T) == 2 ? "bf16" : "f32", sizeof(I) == 4 ? "i32" : "i64", label, reqs.size(),
+  std::snprintf(name, sizeof name, "ragged_attention<%s,%s> %s%s B=%zu T=%lld Hq=%lld Hkv=%lld D=%lld",
+                sizeof(T) == 2 ? "bf16" : "f32", sizeof(I) == 4 ? "i32" : "i64", label,
+                invariant ? " (batch-invariant)" : "", reqs.size(),
                 static_cast<long long>(L.n_tokens), static_cast<long long>(Hq), static_cast<long long>(Hkv),
                 static_cast<long long>(D));
   const bool is_bf16 = sizeof(T) == 2;
@@ -116,6 +117,7 @@ bool validate_all() {
   const int64_t dims[] = {64, 80, 128};
   for (const Heads& h : heads)
     for (int64_t D : dims) ok &= check_case<T, I>("mixed", mixed_batch(rng), h.hq, h.hkv, D, 1.0f, ++seed);
+  for (const Heads& h : heads) ok &= check_case<T, I>("mixed", mixed_batch(rng), h.hq, h.hkv, 64, 1.0f, ++seed, true);
   ok &= check_case<T, I>("odd D", mixed_batch(rng), 6, 2, 72, 1.0f, ++seed);
   ok &= check_case<T, I>("odd D", mixed_batch(rng), 3, 1, 13, 1.0f, ++seed);
   ok &= check_case<T, I>("single decode", {{1, 1}}, 9, 3, 64, 1.0f, ++seed);
@@ -134,8 +136,9 @@ void perf(const char* dtype, const bench::Ceilings& c) {
   struct Case {
     const char* name;
     std::vector<Req> reqs;
+    bool invariant = false;
   };
-  std::vector<Case> cases(3);
+  std::vector<Case> cases(5);
   cases[0].name = "decode";
   for (int i = 0; i < 32; ++i) cases[0].reqs.push_back({1, rng.randint(16, 512)});
   cases[1].name = "prefill";
@@ -145,6 +148,9 @@ void perf(const char* dtype, const bench::Ceilings& c) {
   cases[2].reqs.resize(28);
   for (int i = 0; i < 2; ++i) cases[2].reqs.push_back({512, 512});
   for (int i = 0; i < 2; ++i) cases[2].reqs.push_back({256, 768});
+  // The batch-invariant mode: every row on the tile path (its cost is the decodes').
+  cases[3] = {"decode batch-invariant", cases[0].reqs, true};
+  cases[4] = {"mixed batch-invariant", cases[2].reqs, true};
   const size_t es = sizeof(T);
   for (const Case& cs : cases) {
     const Layout L = make_layout(cs.reqs, rng, 0);
@@ -170,7 +176,7 @@ void perf(const char* dtype, const bench::Ceilings& c) {
           orca::cpu::ragged_attention<T, int32_t>(q.data(), k[static_cast<size_t>(layer)].data(),
                                                   v[static_cast<size_t>(layer)].data(), qs.data(), ql.data(), ks.data(),
                                                   kl.data(), out.data(), static_cast<int64_t>(cs.reqs.size()), Hq, Hkv,
-                                                  D, scale);
+                                                  D, scale, cs.invariant);
           layer = (layer + 1) % layers;
         },
         flops > 1e9 ? 7 : 41, layers);

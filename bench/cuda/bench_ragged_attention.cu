@@ -33,7 +33,9 @@ struct Case {
   bool int64_index = false;
   int sample_rows = 64;  // rows per request checked against the CPU reference (all if fewer)
   int extra_rows = 0;    // trailing query rows owned by no request: must come out as zeros
-  kern::RaggedAttentionTuning tuning{};  // non-default: plan + attention launchers with these knobs
+  // Non-default knobs: plan + attention launchers with them (batch_invariant alone uses the one-call
+  // launcher: every row through prefill tiles, no decode splits).
+  kern::RaggedAttentionTuning tuning{};
   bool reuse_plan = false;  // plan built once; each launch is the attention alone (one layer)
 };
 
@@ -103,7 +105,7 @@ bool run_case(const Case& c, const Args& args, double copy_gbps, uint64_t seed) 
       return attend(stream);
     }
     return kern::ragged_attention(dt, it, dq.ptr, dk.ptr, dv.ptr, d_qs, d_ql, d_ks, d_kl, dout.ptr, ws.ptr, ws_bytes,
-                                  n_tokens, B, n_slots, hq, hkv, D, scale, stream);
+                                  n_tokens, B, n_slots, hq, hkv, D, scale, c.tuning.batch_invariant, stream);
   };
   if (c.reuse_plan) {
     // A reused plan must serve the next launch as it is: validate the second launch, over NaNs.
@@ -250,6 +252,15 @@ int main(int argc, char** argv) {
     c.tuning.decode_stages = 2;
     c.tuning.items_per_sm = 1;
     ok &= run_case<__half>(c, args, NAN, 32);
+    // Batch-invariant work lists, through the one-call launcher and through a reused plan.
+    c.name = "small_mixed_invariant";
+    c.tuning = kern::RaggedAttentionTuning{};
+    c.tuning.batch_invariant = true;
+    c.reuse_plan = false;
+    ok &= run_case<__half>(c, args, NAN, 10);
+    c.name = "small_mixed_invariant_plan";
+    c.reuse_plan = true;
+    ok &= run_case<__half>(c, args, NAN, 11);
   }
   {
     Case c{"small_gqa8_d64", {1, 1, 2, 3, 40, 1}, {33, 700, 90, 129, 40, 1}, 8, 1, 64};
@@ -284,6 +295,9 @@ int main(int argc, char** argv) {
     Case c{"decode_ctx1024", std::vector<int>(64, 1), std::vector<int>(64, 1024)};
     c.timed = true;
     ok &= run_case<__nv_bfloat16>(c, args, copy, 12);
+    c.name = "decode_ctx1024_invariant";  // the cost of giving up flash-decoding splits
+    c.tuning.batch_invariant = true;
+    ok &= run_case<__nv_bfloat16>(c, args, copy, 15);
   }
   {
     Case c{"prefill_4x2048", std::vector<int>(4, 2048), std::vector<int>(4, 2048)};

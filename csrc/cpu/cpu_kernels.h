@@ -67,6 +67,10 @@ void slab_write(T* k_cache,        // [S, Hkv, D]
 // positions of its kv_len[b]-token context at k_cache[kv_start[b] ..]. Row i attends to context
 // positions 0 .. kv_len[b]-q_len[b]+i. Head h reads KV head h / (Hq/Hkv). Softmax in float32
 // with a running max. The caller has validated every index.
+// batch_invariant: every query row takes the query-vectorized tile path, whose arithmetic per
+// row depends only on that row's own context, never on how many rows share its tile. Without
+// it, a few rows (decodes, short prompt chunks) take the faster row-major path instead, so a
+// prompt row's result can change with the chunk it was computed in.
 template <typename T, typename I>
 void ragged_attention(const T* q,         // [T, Hq, D]
                       const T* k_cache,   // [S, Hkv, D]
@@ -77,7 +81,16 @@ void ragged_attention(const T* q,         // [T, Hq, D]
                       const I* kv_len,    // [B]
                       T* out,             // [T, Hq, D]
                       int64_t n_requests, int64_t n_q_heads, int64_t n_kv_heads, int64_t head_dim,
-                      float scale);
+                      float scale, bool batch_invariant);
+
+// Slab compaction of the KV pools: for each move (src, dst, n), in the given order, rows
+// [src, src+n) of every pool are copied to rows [dst, dst+n) as if through a temporary (the two
+// ranges may overlap). Rows are opaque bytes, so every dtype shares this kernel. The caller has
+// checked every range against the pool size.
+void slab_move(void* pools,               // [P, S, row_bytes]
+               int64_t n_pools, int64_t n_slots, int64_t row_bytes,
+               const int64_t* moves,      // [M, 3] (src, dst, n)
+               int64_t n_moves);
 
 // ---- Weight-streaming linear layers (skinny_gemm.cpp) ------------------------------------------
 // out = x * W^T + bias for the decoder's projections. Output rows are split across threads, so

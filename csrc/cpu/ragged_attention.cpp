@@ -42,7 +42,7 @@ void ragged_attention(const T* q,         // [T, Hq, D]
                       const I* kv_len,    // [B]
                       T* out,             // [T, Hq, D]
                       int64_t n_requests, int64_t n_q_heads, int64_t n_kv_heads, int64_t head_dim,
-                      float scale) {
+                      float scale, bool batch_invariant) {
   if (n_requests <= 0 || n_q_heads <= 0 || n_kv_heads <= 0 || head_dim <= 0) return;
   const int64_t r = n_q_heads / n_kv_heads;
   const int64_t qt = std::max<int64_t>(1, kTileRows / r);  // query rows per item
@@ -80,7 +80,7 @@ void ragged_attention(const T* q,         // [T, Hq, D]
     it.first_last = static_cast<int64_t>(kv_len[w.b]) - ql + w.i0;
     it.kv_row0 = static_cast<int64_t>(kv_start[w.b]);
     it.n_keys = it.first_last + w.nq;
-    if (w.nq * r >= kMinTileRows) {
+    if (batch_invariant || w.nq * r >= kMinTileRows) {
       detail::attend_tile(it, q, k_cache, v_cache, out, n_q_heads, n_kv_heads, head_dim, qscale);
     } else {
       detail::attend_rows(it, q, k_cache, v_cache, out, n_q_heads, n_kv_heads, head_dim, qscale);
@@ -91,7 +91,7 @@ void ragged_attention(const T* q,         // [T, Hq, D]
 #define ORCA_INSTANTIATE_ATTENTION(T, I)                                                       \
   template void ragged_attention<T, I>(const T*, const T*, const T*, const I*, const I*,      \
                                        const I*, const I*, T*, int64_t, int64_t, int64_t,     \
-                                       int64_t, float);
+                                       int64_t, float, bool);
 ORCA_INSTANTIATE_ATTENTION(float, int32_t)
 ORCA_INSTANTIATE_ATTENTION(float, int64_t)
 ORCA_INSTANTIATE_ATTENTION(bf16, int32_t)

@@ -67,6 +67,9 @@ cudaError_t slab_write(DType dtype, IndexType index_type,
 // Requests whose indices are invalid (q_len < 0, kv_len < q_len, rows outside [0, T), slots
 // outside [0, S)) are skipped. Every row of `out` owned by no valid request is set to zero (so
 // `out` may be uninitialised); requests are assumed not to share query rows.
+// batch_invariant: no flash-decoding splits and no decode tiles, so each row's result depends only
+// on its own request's context (never on batch-mates or on the prompt chunk it is in). The
+// CUDA-core path is batch-invariant either way (one warp per row over fixed 32-key blocks).
 //
 // The tensor-core path runs in two steps, so that one work list serves every layer of a forward
 // pass (all layers share the per-request indices):
@@ -85,10 +88,14 @@ struct RaggedAttentionTuning {
   // shared memory and fewer registers per block, so more blocks and bytes in flight per SM).
   // Prefill work then runs as 16-row tiles: correct, but slower; meant for decode iterations.
   int decode_stages = 0;
+  // No decode-kind items (see batch_invariant above): every request runs as prefill tiles of the
+  // shared kernel, so decode_stages must be 0 with it.
+  bool batch_invariant = false;
 };
 constexpr int kRaggedAttentionMaxItemsPerSm = 256;
 
-// True when the launchers accept `tuning` (items_per_sm in range, decode_stages 0, 2 or 3).
+// True when the launchers accept `tuning` (items_per_sm in range, decode_stages 0, 2 or 3; 0 when
+// batch_invariant).
 bool ragged_attention_tuning_valid(const RaggedAttentionTuning& tuning);
 
 // True when (dtype, head_dim) runs on the tensor-core path (otherwise the CUDA-core fallback).
@@ -142,6 +149,19 @@ cudaError_t ragged_attention(DType dtype, IndexType index_type,
                              void* workspace, size_t workspace_bytes,
                              int64_t n_tokens, int64_t n_requests, int64_t n_slots,
                              int64_t n_q_heads, int64_t n_kv_heads, int64_t head_dim,
-                             float scale, cudaStream_t stream);
+                             float scale, bool batch_invariant, cudaStream_t stream);
+
+// ---- slab_move -----------------------------------------------------------------------------------
+// Slab compaction of the KV pools: for each move (src, dst, n) of `moves`, in the given order,
+// rows [src, src+n) of every pool are copied to rows [dst, dst+n) as if through a temporary (the
+// ranges may overlap). Rows are opaque bytes (any dtype). `moves` is HOST memory: the launcher
+// walks it to enqueue device copies, so nothing is read back from the device. An overlapping move
+// is staged through `scratch` (any content, may be nullptr) when it holds more rows per pool than
+// the move's shift, else copied in pieces of `shift` rows. cudaErrorInvalidValue for a range
+// outside [0, S).
+cudaError_t slab_move(void* pools,             // [P, S, row_bytes]
+                      int64_t n_pools, int64_t n_slots, int64_t row_bytes,
+                      const int64_t* moves,    // [M, 3] (src, dst, n), host memory
+                      int64_t n_moves, void* scratch, size_t scratch_bytes, cudaStream_t stream);
 
 }  // namespace orca::kernels

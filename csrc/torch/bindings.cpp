@@ -36,8 +36,10 @@ PYBIND11_MODULE(_C, m) {
   m.def("rms_norm", &orca::rms_norm, py::arg("x"), py::arg("weight"), py::arg("eps"),
         "rms_norm(x[T,H], weight[H], eps) -> [T,H]; the norm in float32.");
   m.def("rmsnorm_qkv", &orca::rmsnorm_qkv, py::arg("x"), py::arg("norm_weight"), py::arg("qkv_weight"),
-        py::arg("qkv_bias"), py::arg("eps"),
-        "rmsnorm_qkv(x[T,H], norm_weight[H], qkv_weight[N,H], qkv_bias[N] or None, eps) -> [T,N]");
+        py::arg("qkv_bias"), py::arg("eps"), py::arg("batch_invariant") = false,
+        "rmsnorm_qkv(x[T,H], norm_weight[H], qkv_weight[N,H], qkv_bias[N] or None, eps, batch_invariant=False) "
+        "-> [T,N]; batch_invariant keeps one T-independent code path (CPU: our kernel at every T; CUDA: "
+        "fixed-chunk cuBLAS)");
   m.def("slab_write", &orca::slab_write, py::arg("k_cache"), py::arg("v_cache"), py::arg("k"), py::arg("v"),
         py::arg("slots"), "slab_write(k_cache[S,Hkv,D], v_cache, k[T,Hkv,D], v, slots[T]): cache[slots[t]] = k[t]");
   using orca::RaggedAttentionPlan;
@@ -55,6 +57,7 @@ PYBIND11_MODULE(_C, m) {
       .def_property_readonly("device", [](const RaggedAttentionPlan& p) { return p.device; })
       .def_property_readonly("items_per_sm", [](const RaggedAttentionPlan& p) { return p.items_per_sm; })
       .def_property_readonly("decode_stages", [](const RaggedAttentionPlan& p) { return p.decode_stages; })
+      .def_property_readonly("batch_invariant", [](const RaggedAttentionPlan& p) { return p.batch_invariant; })
       .def_property_readonly(
           "nbytes", [](const RaggedAttentionPlan& p) { return p.workspace.defined() ? p.workspace.numel() : 0; },
           "Bytes of the device work list (0 where none is needed: CPU, the CUDA-core path, an empty batch).")
@@ -63,33 +66,44 @@ PYBIND11_MODULE(_C, m) {
         os << "RaggedAttentionPlan(n_tokens=" << p.n_tokens << ", n_requests=" << p.n_requests
            << ", n_slots=" << p.n_slots << ", heads=" << p.n_q_heads << "/" << p.n_kv_heads << "x" << p.head_dim
            << ", dtype=" << p.dtype << ", device=" << p.device << ", items_per_sm=" << p.items_per_sm
-           << ", decode_stages=" << p.decode_stages << ")";
+           << ", decode_stages=" << p.decode_stages
+           << ", batch_invariant=" << (p.batch_invariant ? "True" : "False") << ")";
         return os.str();
       });
   m.def("ragged_attention_plan", &orca::ragged_attention_plan, py::arg("q_start"), py::arg("q_len"),
         py::arg("kv_start"), py::arg("kv_len"), py::arg("n_tokens"), py::arg("n_slots"), py::arg("n_q_heads"),
         py::arg("n_kv_heads"), py::arg("head_dim"), py::arg("dtype"), py::arg("items_per_sm") = 16,
-        py::arg("decode_stages") = 0,
+        py::arg("decode_stages") = 0, py::arg("batch_invariant") = false,
         "ragged_attention_plan(q_start[B], q_len[B], kv_start[B], kv_len[B], n_tokens, n_slots, n_q_heads, "
-        "n_kv_heads, head_dim, dtype, items_per_sm=16, decode_stages=0) -> RaggedAttentionPlan; build once per "
-        "forward pass, pass to every layer's ragged_attention");
+        "n_kv_heads, head_dim, dtype, items_per_sm=16, decode_stages=0, batch_invariant=False) -> "
+        "RaggedAttentionPlan; build once per forward pass, pass to every layer's ragged_attention "
+        "(with the same batch_invariant)");
   m.def(
       "ragged_attention",
       [](const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache, const at::Tensor& q_start,
          const at::Tensor& q_len, const at::Tensor& kv_start, const at::Tensor& kv_len, double scale,
-         const std::shared_ptr<RaggedAttentionPlan>& plan) {
-        return orca::ragged_attention(q, k_cache, v_cache, q_start, q_len, kv_start, kv_len, scale, plan.get());
+         const std::shared_ptr<RaggedAttentionPlan>& plan, bool batch_invariant) {
+        return orca::ragged_attention(q, k_cache, v_cache, q_start, q_len, kv_start, kv_len, scale, plan.get(),
+                                      batch_invariant);
       },
       py::arg("q"), py::arg("k_cache"), py::arg("v_cache"), py::arg("q_start"), py::arg("q_len"), py::arg("kv_start"),
-      py::arg("kv_len"), py::arg("scale"), py::arg("plan") = py::none(),
+      py::arg("kv_len"), py::arg("scale"), py::arg("plan") = py::none(), py::arg("batch_invariant") = false,
       "ragged_attention(q[T,Hq,D], k_cache[S,Hkv,D], v_cache, q_start[B], q_len[B], kv_start[B], kv_len[B], "
-      "scale, plan=None) -> [T,Hq,D]; causal per request, GQA, softmax in float32");
+      "scale, plan=None, batch_invariant=False) -> [T,Hq,D]; causal per request, GQA, softmax in float32; "
+      "batch_invariant: a row's result depends only on its own request (no decode splits on CUDA, the tile "
+      "path on CPU)");
   m.def("linear", &orca::linear, py::arg("x"), py::arg("weight"), py::arg("bias") = py::none(),
-        py::arg("residual") = py::none(),
-        "linear(x[T,K], weight[N,K], bias[N] or None, residual[T,N] or None) -> [T,N] = x W^T + bias + residual");
+        py::arg("residual") = py::none(), py::arg("batch_invariant") = false,
+        "linear(x[T,K], weight[N,K], bias[N] or None, residual[T,N] or None, batch_invariant=False) -> [T,N] = "
+        "x W^T + bias + residual; batch_invariant: each row's result depends only on that row (CPU: our kernels "
+        "at every T; CUDA: cuBLAS on fixed-shape row chunks)");
   m.def("linear_silu_mul", &orca::linear_silu_mul, py::arg("x"), py::arg("gate_up_weight"),
-        py::arg("gate_up_bias") = py::none(),
-        "linear_silu_mul(x[T,K], gate_up_weight[2I,K], gate_up_bias[2I] or None) -> [T,I] = silu(gate) * up");
+        py::arg("gate_up_bias") = py::none(), py::arg("batch_invariant") = false,
+        "linear_silu_mul(x[T,K], gate_up_weight[2I,K], gate_up_bias[2I] or None, batch_invariant=False) -> [T,I] "
+        "= silu(gate) * up");
+  m.def("slab_move", &orca::slab_move, py::arg("pools"), py::arg("moves"),
+        "slab_move(pools[P,S,...], moves[M,3] int64 CPU): for each (src, dst, n) in order, rows [src, src+n) "
+        "of every pool go to [dst, dst+n) as if through a temporary (slab compaction)");
   // CPU projections: the crossover from our weight-streaming kernels to ATen, per dtype.
   m.def("cpu_stream_max_tokens", &orca::cpu_ops::stream_max_tokens, py::arg("dtype"),
         "Largest T that CPU rmsnorm_qkv / linear / linear_silu_mul run on our kernels (\"float32\" or \"bfloat16\").");
@@ -111,6 +125,13 @@ PYBIND11_MODULE(_C, m) {
       .def("allocate", &orca::SlabAllocator::allocate, py::arg("n"),
            "Start slot of a free contiguous run of n slots, or -1 if none exists.")
       .def("free", &orca::SlabAllocator::free, py::arg("start"), "Return the slab that starts at `start`.")
+      .def("compact", [](orca::SlabAllocator& a) {
+             py::list moves;
+             for (const auto& m : a.compact()) moves.append(py::make_tuple(m[0], m[1], m[2]));
+             return moves;
+           },
+           "Slide every slab toward slot 0; returns [(old_start, new_start, length)] of the moved "
+           "slabs in address order.")
       .def_property_readonly("n_slots", &orca::SlabAllocator::n_slots)
       .def_property_readonly("n_used", &orca::SlabAllocator::n_used)
       .def_property_readonly("n_free", &orca::SlabAllocator::n_free)

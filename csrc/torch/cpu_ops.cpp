@@ -108,9 +108,9 @@ at::Tensor rms_norm(const at::Tensor& x, const at::Tensor& weight, double eps) {
 }
 
 at::Tensor rmsnorm_qkv(const at::Tensor& x, const at::Tensor& norm_weight, const at::Tensor& qkv_weight,
-                       const std::optional<at::Tensor>& qkv_bias, double eps) {
+                       const std::optional<at::Tensor>& qkv_bias, double eps, bool batch_invariant) {
   const int64_t n_tokens = x.size(0), hidden = x.size(1), n_out = qkv_weight.size(0);
-  if (use_aten(x)) {  // above the crossover: our norm kernel, then one GEMM through ATen
+  if (use_aten(x) && !batch_invariant) {  // above the crossover: our norm kernel, then one GEMM through ATen
     return at::linear(rms_norm(x, norm_weight, eps), qkv_weight, qkv_bias);
   }
   at::Tensor out = at::empty({n_tokens, n_out}, x.options());
@@ -125,8 +125,8 @@ at::Tensor rmsnorm_qkv(const at::Tensor& x, const at::Tensor& norm_weight, const
 }
 
 at::Tensor linear(const at::Tensor& x, const at::Tensor& weight, const std::optional<at::Tensor>& bias,
-                  const std::optional<at::Tensor>& residual) {
-  if (use_aten(x)) {
+                  const std::optional<at::Tensor>& residual, bool batch_invariant) {
+  if (use_aten(x) && !batch_invariant) {
     at::Tensor out = at::linear(x, weight, bias);
     return residual.has_value() ? out.add_(*residual) : out;
   }
@@ -142,9 +142,9 @@ at::Tensor linear(const at::Tensor& x, const at::Tensor& weight, const std::opti
 }
 
 at::Tensor linear_silu_mul(const at::Tensor& x, const at::Tensor& gate_up_weight,
-                           const std::optional<at::Tensor>& gate_up_bias) {
+                           const std::optional<at::Tensor>& gate_up_bias, bool batch_invariant) {
   const int64_t n_tokens = x.size(0), n_inter = gate_up_weight.size(0) / 2;
-  if (use_aten(x)) {
+  if (use_aten(x) && !batch_invariant) {
     const at::Tensor gate_up = at::linear(x, gate_up_weight, gate_up_bias);
     return at::silu(gate_up.narrow(1, 0, n_inter)).mul_(gate_up.narrow(1, n_inter, n_inter));
   }
@@ -176,7 +176,7 @@ void slab_write(at::Tensor& k_cache, at::Tensor& v_cache, const at::Tensor& k, c
 
 at::Tensor ragged_attention(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
                             const at::Tensor& q_start, const at::Tensor& q_len, const at::Tensor& kv_start,
-                            const at::Tensor& kv_len, double scale) {
+                            const at::Tensor& kv_len, double scale, bool batch_invariant) {
   const int64_t n_tokens = q.size(0), n_slots = k_cache.size(0);
   const auto qs = index_values(q_start), ql = index_values(q_len), ks = index_values(kv_start),
              kl = index_values(kv_len);
@@ -197,10 +197,17 @@ at::Tensor ragged_attention(const at::Tensor& q, const at::Tensor& k_cache, cons
       cpu::ragged_attention<T, I>(ptr<T>(q), ptr<T>(k_cache), ptr<T>(v_cache), q_start.data_ptr<I>(),
                                   q_len.data_ptr<I>(), kv_start.data_ptr<I>(), kv_len.data_ptr<I>(), ptr<T>(out),
                                   static_cast<int64_t>(qs.size()), q.size(1), k_cache.size(1), q.size(2),
-                                  static_cast<float>(scale));
+                                  static_cast<float>(scale), batch_invariant);
     });
   });
   return out;
+}
+
+void slab_move(at::Tensor& pools, const at::Tensor& moves) {
+  const int64_t n_pools = pools.size(0), n_slots = pools.size(1);
+  if (n_pools == 0 || n_slots == 0) return;
+  const int64_t row_bytes = pools.numel() / (n_pools * n_slots) * static_cast<int64_t>(pools.element_size());
+  cpu::slab_move(pools.data_ptr(), n_pools, n_slots, row_bytes, moves.data_ptr<int64_t>(), moves.size(0));
 }
 
 }  // namespace orca::cpu_ops

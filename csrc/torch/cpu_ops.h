@@ -19,7 +19,7 @@ at::Tensor rmsnorm_qkv(const at::Tensor& x,                        // [T, H]
                        const at::Tensor& norm_weight,              // [H]
                        const at::Tensor& qkv_weight,               // [N, H]
                        const std::optional<at::Tensor>& qkv_bias,  // [N]
-                       double eps);                                // -> [T, N]
+                       double eps, bool batch_invariant);          // -> [T, N]
 
 // Checks every slot against [0, S) before writing (a ValueError names the bad slot).
 void slab_write(at::Tensor& k_cache,       // [S, Hkv, D]
@@ -36,16 +36,22 @@ at::Tensor ragged_attention(const at::Tensor& q,         // [T, Hq, D]
                             const at::Tensor& q_len,     // [B]
                             const at::Tensor& kv_start,  // [B]
                             const at::Tensor& kv_len,    // [B]
-                            double scale);               // -> [T, Hq, D]
+                            double scale, bool batch_invariant);  // -> [T, Hq, D]
+
+// Ranges were checked by ops.cpp.
+void slab_move(at::Tensor& pools,         // [P, S, ...]
+               const at::Tensor& moves);  // [M, 3] int64, CPU, contiguous
 
 at::Tensor linear(const at::Tensor& x,                        // [T, K]
                   const at::Tensor& weight,                   // [N, K]
                   const std::optional<at::Tensor>& bias,      // [N]
-                  const std::optional<at::Tensor>& residual);  // [T, N]; -> [T, N]
+                  const std::optional<at::Tensor>& residual,  // [T, N]; -> [T, N]
+                  bool batch_invariant);
 
 at::Tensor linear_silu_mul(const at::Tensor& x,                            // [T, K]
                            const at::Tensor& gate_up_weight,               // [2I, K]
-                           const std::optional<at::Tensor>& gate_up_bias);  // [2I]; -> [T, I]
+                           const std::optional<at::Tensor>& gate_up_bias,  // [2I]; -> [T, I]
+                           bool batch_invariant);
 
 // rmsnorm_qkv, linear and linear_silu_mul run our weight-streaming kernels (csrc/cpu/skinny_gemm.*,
 // whose reduction order does not depend on T) for up to this many tokens, and ATen's GEMM
@@ -54,6 +60,7 @@ at::Tensor linear_silu_mul(const at::Tensor& x,                            // [T
 // from 2 to 512 in both dtypes on the dev machine (AMD EPYC Zen 2, AVX2, no AVX512-BF16; 2026-11-30,
 // bench/RESULTS.md). On a CPU where oneDNN has native bf16 (AVX512-BF16, AMX) re-run that script:
 // set_stream_max_tokens("bfloat16", T) hands larger batches to ATen, at the price of invariance.
+// Their batch_invariant argument keeps every T on our kernels whatever this crossover is.
 int64_t stream_max_tokens(const std::string& dtype);
 void set_stream_max_tokens(const std::string& dtype, int64_t max_tokens);
 constexpr int64_t kStreamMaxTokensFloat = int64_t{1} << 30;

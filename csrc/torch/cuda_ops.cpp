@@ -4,6 +4,11 @@
 
 #include <ATen/ops/empty.h>
 #include <ATen/ops/linear.h>
+#include <ATen/ops/mul.h>
+#include <ATen/ops/silu.h>
+#include <ATen/ops/zeros.h>
+
+#include <algorithm>
 #include <c10/cuda/CUDAGuard.h>
 #include <c10/cuda/CUDAStream.h>
 #include <c10/util/Exception.h>
@@ -53,6 +58,7 @@ kern::RaggedAttentionTuning tuning_of(const RaggedAttentionPlan& plan) {
   kern::RaggedAttentionTuning t;
   t.items_per_sm = static_cast<int>(plan.items_per_sm);
   t.decode_stages = static_cast<int>(plan.decode_stages);
+  t.batch_invariant = plan.batch_invariant;
   return t;
 }
 
@@ -65,6 +71,14 @@ void check_attention_launch(cudaError_t err, kern::DType dt, int64_t head_dim) {
                     "ragged_attention: head_dim ", head_dim, " is not supported (at most 256)");
   check_launch(err, "ragged_attention");
 }
+// Rows per cuBLAS call of the batch-invariant linear. cuBLAS picks its kernel, and with it every
+// output's reduction order (tile shape, split-K), from the problem shape; giving every call the
+// same shape gives every row the same arithmetic. 64 rows keep a decode's padding cheap: the
+// weight is read once per call and 64 rows of FLOPs stay below that read for any dense layer.
+constexpr int64_t kInvariantRows = 64;
+
+// Largest scratch slab_move may stage overlapping moves through.
+constexpr int64_t kSlabMoveScratchBytes = int64_t{64} << 20;
 
 }  // namespace
 
@@ -80,14 +94,33 @@ at::Tensor rms_norm(const at::Tensor& x, const at::Tensor& weight, double eps) {
   return out;
 }
 
+at::Tensor linear_batch_invariant(const at::Tensor& x, const at::Tensor& weight,
+                                  const std::optional<at::Tensor>& bias) {
+  check_cuda(x, "x");
+  const c10::cuda::CUDAGuard guard(x.device());
+  const int64_t n_tokens = x.size(0), k = x.size(1), n_out = weight.size(0);
+  at::Tensor out = at::empty({n_tokens, n_out}, x.options());
+  if (n_tokens == 0 || n_out == 0) return out;
+  at::Tensor chunk = at::zeros({kInvariantRows, k}, x.options());  // padding rows stay zero
+  for (int64_t t0 = 0; t0 < n_tokens; t0 += kInvariantRows) {
+    const int64_t n = std::min(kInvariantRows, n_tokens - t0);
+    if (n < kInvariantRows) chunk.narrow(0, n, kInvariantRows - n).zero_();
+    chunk.narrow(0, 0, n).copy_(x.narrow(0, t0, n));
+    out.narrow(0, t0, n).copy_(at::linear(chunk, weight, bias).narrow(0, 0, n));
+  }
+  return out;
+}
+
 at::Tensor rmsnorm_qkv(const at::Tensor& x, const at::Tensor& norm_weight, const at::Tensor& qkv_weight,
-                       const std::optional<at::Tensor>& qkv_bias, double eps) {
+                       const std::optional<at::Tensor>& qkv_bias, double eps, bool batch_invariant) {
   check_cuda(x, "x");
   check_cuda(qkv_weight, "qkv_weight");
   const c10::cuda::CUDAGuard guard(x.device());
   const int64_t n_tokens = x.size(0), hidden = x.size(1), n_out = qkv_weight.size(0);
   if (n_tokens == 0 || n_out == 0) return at::empty({n_tokens, n_out}, x.options());
   if (hidden == 0) return at::linear(x, qkv_weight, qkv_bias);  // no norm of an empty row: zeros (+ bias)
+  // The fused kernel serves only decode-sized T, so the invariant path never uses it.
+  if (batch_invariant) return linear_batch_invariant(rms_norm(x, norm_weight, eps), qkv_weight, qkv_bias);
 
   const kern::DType dt = float_dtype(x, "x");
   // Decode-sized T: one fused kernel streams the weight once. Larger T (or shapes it cannot
@@ -119,7 +152,7 @@ void slab_write(at::Tensor& k_cache, at::Tensor& v_cache, const at::Tensor& k, c
 
 at::Tensor ragged_attention(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
                             const at::Tensor& q_start, const at::Tensor& q_len, const at::Tensor& kv_start,
-                            const at::Tensor& kv_len, double scale) {
+                            const at::Tensor& kv_len, double scale, bool batch_invariant) {
   check_cuda(q, "q");
   check_cuda(q_start, "q_start");
   // The launcher reads all four index arrays with the one type it is given.
@@ -143,7 +176,7 @@ at::Tensor ragged_attention(const at::Tensor& q, const at::Tensor& k_cache, cons
       dt, index_type(q_start, "q_start"), q.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(), q_start.data_ptr(),
       q_len.data_ptr(), kv_start.data_ptr(), kv_len.data_ptr(), out.data_ptr(), ws_bytes > 0 ? ws.data_ptr() : nullptr,
       ws_bytes, n_tokens, n_requests, n_slots, n_q_heads, n_kv_heads, head_dim, static_cast<float>(scale),
-      current_stream());
+      batch_invariant, current_stream());
   check_attention_launch(err, dt, head_dim);
   return out;
 }
@@ -170,7 +203,8 @@ at::Tensor ragged_attention_with_plan(const at::Tensor& q, const at::Tensor& k_c
                                       const RaggedAttentionPlan& plan, double scale) {
   // No device plan: the CUDA-core path (or an empty batch), which reads the indices directly.
   if (!plan.workspace.defined())
-    return ragged_attention(q, k_cache, v_cache, plan.index[0], plan.index[1], plan.index[2], plan.index[3], scale);
+    return ragged_attention(q, k_cache, v_cache, plan.index[0], plan.index[1], plan.index[2], plan.index[3], scale,
+                            plan.batch_invariant);
   check_cuda(q, "q");
   const c10::cuda::CUDAGuard guard(q.device());
   // Every row is written by the attention kernel (owned rows by their items, the others zeroed).
@@ -182,6 +216,25 @@ at::Tensor ragged_attention_with_plan(const at::Tensor& q, const at::Tensor& k_c
       plan.head_dim, static_cast<float>(scale), tuning_of(plan), current_stream());
   check_attention_launch(err, dt, plan.head_dim);
   return out;
+}
+
+void slab_move(at::Tensor& pools, const at::Tensor& moves) {
+  check_cuda(pools, "pools");
+  const c10::cuda::CUDAGuard guard(pools.device());
+  const int64_t n_pools = pools.size(0), n_slots = pools.size(1), n_moves = moves.size(0);
+  if (n_pools == 0 || n_slots == 0 || n_moves == 0) return;
+  const int64_t row_bytes = pools.numel() / (n_pools * n_slots) * static_cast<int64_t>(pools.element_size());
+  // Scratch for overlapping moves: enough for the longest move's rows in every pool, capped.
+  const int64_t* m = moves.data_ptr<int64_t>();
+  int64_t longest = 0;
+  for (int64_t i = 0; i < n_moves; ++i) longest = std::max(longest, m[3 * i + 2]);
+  const int64_t scratch_bytes = std::min(kSlabMoveScratchBytes, longest * n_pools * row_bytes);
+  at::Tensor scratch;
+  if (scratch_bytes > 0) scratch = at::empty({scratch_bytes}, pools.options().dtype(at::kByte));
+  check_launch(kern::slab_move(pools.data_ptr(), n_pools, n_slots, row_bytes, m, n_moves,
+                               scratch_bytes > 0 ? scratch.data_ptr() : nullptr, static_cast<size_t>(scratch_bytes),
+                               current_stream()),
+               "slab_move");
 }
 
 }  // namespace orca::cuda_ops

@@ -19,7 +19,13 @@ at::Tensor rmsnorm_qkv(const at::Tensor& x,                      // [T, H]
                        const at::Tensor& norm_weight,            // [H]
                        const at::Tensor& qkv_weight,             // [N, H]
                        const std::optional<at::Tensor>& qkv_bias, // [N]
-                       double eps);                              // -> [T, N]
+                       double eps, bool batch_invariant);        // -> [T, N]
+
+// x W^T + b by cuBLAS on fixed-shape row chunks, so every row's arithmetic is the same whatever
+// T is (the CUDA branch of orca::linear(..., batch_invariant=true); see kInvariantRows).
+at::Tensor linear_batch_invariant(const at::Tensor& x,                    // [T, K]
+                  const at::Tensor& weight,               // [N, K]
+                  const std::optional<at::Tensor>& bias);  // [N] -> [T, N]
 
 void slab_write(at::Tensor& k_cache,       // [S, Hkv, D]
                 at::Tensor& v_cache,       // [S, Hkv, D]
@@ -34,7 +40,10 @@ at::Tensor ragged_attention(const at::Tensor& q,         // [T, Hq, D]
                             const at::Tensor& q_len,     // [B]
                             const at::Tensor& kv_start,  // [B]
                             const at::Tensor& kv_len,    // [B]
-                            double scale);               // -> [T, Hq, D]
+                            double scale, bool batch_invariant);  // -> [T, Hq, D]
+
+void slab_move(at::Tensor& pools,         // [P, S, ...] on the GPU
+               const at::Tensor& moves);  // [M, 3] int64 on the CPU, ranges checked
 
 // Fills plan.workspace and enqueues the work-list kernel when (dtype, head_dim) runs on tensor
 // cores and the batch is not empty; otherwise leaves it undefined (no device plan needed).

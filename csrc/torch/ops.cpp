@@ -39,6 +39,17 @@ std::optional<at::Tensor> check_projection(const at::Tensor& x, const at::Tensor
   return bias->contiguous();
 }
 
+// The product of linear / linear_silu_mul off the CPU: cuBLAS through ATen, or with
+// batch_invariant (CUDA) cuBLAS on fixed-shape row chunks.
+at::Tensor invariant_or_aten_linear(const at::Tensor& x, const at::Tensor& weight, const std::optional<at::Tensor>& bias,
+                                    bool batch_invariant) {
+#ifdef ORCA_WITH_CUDA
+  if (batch_invariant && x.is_cuda()) return cuda_ops::linear_batch_invariant(x.contiguous(), weight.contiguous(), bias);
+#endif
+  (void)batch_invariant;
+  return at::linear(x, weight, bias);
+}
+
 }  // namespace
 
 bool built_with_cuda() {
@@ -66,7 +77,7 @@ at::Tensor rms_norm(const at::Tensor& x_in, const at::Tensor& weight_in, double 
 }
 
 at::Tensor rmsnorm_qkv(const at::Tensor& x_in, const at::Tensor& norm_weight_in, const at::Tensor& qkv_weight_in,
-                       const std::optional<at::Tensor>& qkv_bias_in, double eps) {
+                       const std::optional<at::Tensor>& qkv_bias_in, double eps, bool batch_invariant) {
   checks::rank(x_in, 2, "x", "[T, H]");
   checks::rank(norm_weight_in, 1, "norm_weight", "[H]");
   checks::rank(qkv_weight_in, 2, "qkv_weight", "[Nq*D + 2*Nkv*D, H]");
@@ -93,9 +104,9 @@ at::Tensor rmsnorm_qkv(const at::Tensor& x_in, const at::Tensor& norm_weight_in,
   const at::Tensor x = x_in.contiguous(), norm_weight = norm_weight_in.contiguous(),
                    qkv_weight = qkv_weight_in.contiguous();
 #ifdef ORCA_WITH_CUDA
-  if (x.is_cuda()) return cuda_ops::rmsnorm_qkv(x, norm_weight, qkv_weight, bias, eps);
+  if (x.is_cuda()) return cuda_ops::rmsnorm_qkv(x, norm_weight, qkv_weight, bias, eps, batch_invariant);
 #endif
-  return cpu_ops::rmsnorm_qkv(x, norm_weight, qkv_weight, bias, eps);
+  return cpu_ops::rmsnorm_qkv(x, norm_weight, qkv_weight, bias, eps, batch_invariant);
 }
 
 void slab_write(at::Tensor k_cache, at::Tensor v_cache, const at::Tensor& k_in, const at::Tensor& v_in,
@@ -147,7 +158,7 @@ void check_attention_index(const std::array<const at::Tensor*, 4>& idx, const at
 
 // `plan` was built for this call: the same device, dtype, shapes and index tensors.
 void check_plan_matches(const RaggedAttentionPlan& plan, const at::Tensor& q, const at::Tensor& k_cache,
-                        const std::array<const at::Tensor*, 4>& idx) {
+                        const std::array<const at::Tensor*, 4>& idx, bool batch_invariant) {
   auto mismatch = [&](const char* what, int64_t planned, int64_t given) {
     TORCH_CHECK_VALUE(planned == given, "plan was built for ", what, "=", planned, " but this call has ", given);
   };
@@ -160,6 +171,9 @@ void check_plan_matches(const RaggedAttentionPlan& plan, const at::Tensor& q, co
   mismatch("n_slots", plan.n_slots, k_cache.size(0));
   mismatch("n_kv_heads", plan.n_kv_heads, k_cache.size(1));
   mismatch("n_requests", plan.n_requests, idx[0]->size(0));
+  TORCH_CHECK_VALUE(plan.batch_invariant == batch_invariant, "plan was built with batch_invariant=",
+                    plan.batch_invariant ? "True" : "False", " but this call has batch_invariant=",
+                    batch_invariant ? "True" : "False");
   static const char* const names[4] = {"q_start", "q_len", "kv_start", "kv_len"};
   for (int i = 0; i < 4; ++i)
     TORCH_CHECK_VALUE(plan.source[i] == idx[i]->data_ptr(), "plan was built from another ", names[i],
@@ -172,7 +186,8 @@ std::shared_ptr<RaggedAttentionPlan> ragged_attention_plan(const at::Tensor& q_s
                                                            const at::Tensor& kv_start, const at::Tensor& kv_len,
                                                            int64_t n_tokens, int64_t n_slots, int64_t n_q_heads,
                                                            int64_t n_kv_heads, int64_t head_dim, at::ScalarType dtype,
-                                                           int64_t items_per_sm, int64_t decode_stages) {
+                                                           int64_t items_per_sm, int64_t decode_stages,
+                                                           bool batch_invariant) {
   checks::index_tensor(q_start, "q_start");
   check_attention_index({&q_start, &q_len, &kv_start, &kv_len}, q_start.device(), "q_start");
   TORCH_CHECK_VALUE(n_tokens >= 0, "n_tokens must be >= 0, got ", n_tokens);
@@ -188,6 +203,9 @@ std::shared_ptr<RaggedAttentionPlan> ragged_attention_plan(const at::Tensor& q_s
                     items_per_sm);
   TORCH_CHECK_VALUE(decode_stages == 0 || decode_stages == 2 || decode_stages == 3,
                     "decode_stages must be 0 (the shared kernel), 2 or 3, got ", decode_stages);
+  TORCH_CHECK_VALUE(!batch_invariant || decode_stages == 0, "decode_stages must be 0 with batch_invariant=True "
+                    "(batch-invariant attention runs every request as prefill tiles of the shared kernel), got ",
+                    decode_stages);
   auto plan = std::make_shared<RaggedAttentionPlan>();
   const auto index = checks::with_common_index_type({q_start, q_len, kv_start, kv_len});
   const at::Tensor* given[4] = {&q_start, &q_len, &kv_start, &kv_len};
@@ -205,6 +223,7 @@ std::shared_ptr<RaggedAttentionPlan> ragged_attention_plan(const at::Tensor& q_s
   plan->head_dim = head_dim;
   plan->items_per_sm = items_per_sm;
   plan->decode_stages = decode_stages;
+  plan->batch_invariant = batch_invariant;
   if (cuda) {
 #ifdef ORCA_WITH_CUDA
     cuda_ops::build_ragged_attention_plan(*plan);
@@ -218,7 +237,8 @@ std::shared_ptr<RaggedAttentionPlan> ragged_attention_plan(const at::Tensor& q_s
 
 at::Tensor ragged_attention(const at::Tensor& q_in, const at::Tensor& k_cache_in, const at::Tensor& v_cache_in,
                             const at::Tensor& q_start_in, const at::Tensor& q_len_in, const at::Tensor& kv_start_in,
-                            const at::Tensor& kv_len_in, double scale, const RaggedAttentionPlan* plan) {
+                            const at::Tensor& kv_len_in, double scale, const RaggedAttentionPlan* plan,
+                            bool batch_invariant) {
   checks::rank(q_in, 3, "q", "[T, Hq, D]");
   checks::rank(k_cache_in, 3, "k_cache", "[S, Hkv, D]");
   checks::rank(v_cache_in, 3, "v_cache", "[S, Hkv, D]");
@@ -237,22 +257,51 @@ at::Tensor ragged_attention(const at::Tensor& q_in, const at::Tensor& k_cache_in
   checks::same_device(q_in, v_cache_in, "q", "v_cache");
   const std::array<const at::Tensor*, 4> given = {&q_start_in, &q_len_in, &kv_start_in, &kv_len_in};
   check_attention_index(given, q_in.device(), "q");
-  if (plan != nullptr) check_plan_matches(*plan, q_in, k_cache_in, given);
+  if (plan != nullptr) check_plan_matches(*plan, q_in, k_cache_in, given, batch_invariant);
   const at::Tensor q = q_in.contiguous(), k_cache = k_cache_in.contiguous(), v_cache = v_cache_in.contiguous();
 #ifdef ORCA_WITH_CUDA
   if (q.is_cuda()) {
     if (plan != nullptr) return cuda_ops::ragged_attention_with_plan(q, k_cache, v_cache, *plan, scale);
     const auto index = checks::with_common_index_type({q_start_in, q_len_in, kv_start_in, kv_len_in});
-    return cuda_ops::ragged_attention(q, k_cache, v_cache, index[0], index[1], index[2], index[3], scale);
+    return cuda_ops::ragged_attention(q, k_cache, v_cache, index[0], index[1], index[2], index[3], scale,
+                                      batch_invariant);
   }
 #endif
   // The CPU kernel validates every index value itself; a plan has nothing to add there.
   const auto index = checks::with_common_index_type({q_start_in, q_len_in, kv_start_in, kv_len_in});
-  return cpu_ops::ragged_attention(q, k_cache, v_cache, index[0], index[1], index[2], index[3], scale);
+  return cpu_ops::ragged_attention(q, k_cache, v_cache, index[0], index[1], index[2], index[3], scale,
+                                   batch_invariant);
+}
+
+void slab_move(at::Tensor pools, const at::Tensor& moves) {
+  TORCH_CHECK_VALUE(pools.defined() && pools.dim() >= 2, "pools must be [P, S, ...] (at least 2-D), got shape ",
+                    pools.defined() ? checks::shape_str(pools) : std::string("undefined"));
+  TORCH_CHECK_VALUE(pools.is_contiguous(), "pools must be contiguous (rows are moved in place)");
+  TORCH_CHECK_VALUE(pools.is_cpu() || pools.is_cuda(), "pools is on unsupported device ", pools.device(),
+                    " (expected cpu or cuda)");
+  checks::rank(moves, 2, "moves", "[M, 3]");
+  TORCH_CHECK_VALUE(moves.size(1) == 3, "moves must be [M, 3] rows of (src, dst, n), got shape ",
+                    checks::shape_str(moves));
+  TORCH_CHECK_VALUE(moves.scalar_type() == at::kLong, "moves must be int64, got ", moves.scalar_type());
+  TORCH_CHECK_VALUE(moves.is_cpu(), "moves must be a CPU tensor (the host walks it), got device ", moves.device());
+  const at::Tensor m = moves.contiguous();
+  const int64_t n_slots = pools.size(1);
+  const int64_t* v = m.data_ptr<int64_t>();
+  for (int64_t i = 0; i < m.size(0); ++i) {
+    const int64_t src = v[3 * i], dst = v[3 * i + 1], n = v[3 * i + 2];
+    TORCH_CHECK_VALUE(n >= 0 && src >= 0 && dst >= 0 && src <= n_slots - n && dst <= n_slots - n, "moves[", i,
+                      "] = (", src, ", ", dst, ", ", n, ") reaches outside the ", n_slots,
+                      " slots of pools (need 0 <= src, dst and src + n, dst + n <= S, n >= 0)");
+  }
+#ifdef ORCA_WITH_CUDA
+  if (pools.is_cuda()) return cuda_ops::slab_move(pools, m);
+#endif
+  TORCH_CHECK(pools.is_cpu(), "pools is a CUDA tensor but orca_ext._C was built without CUDA support");
+  cpu_ops::slab_move(pools, m);
 }
 
 at::Tensor linear(const at::Tensor& x_in, const at::Tensor& weight_in, const std::optional<at::Tensor>& bias_in,
-                  const std::optional<at::Tensor>& residual_in) {
+                  const std::optional<at::Tensor>& residual_in, bool batch_invariant) {
   const std::optional<at::Tensor> bias = check_projection(x_in, weight_in, bias_in, "weight", "[N, K]", "bias", "[N]");
   std::optional<at::Tensor> residual;
   if (residual_in.has_value() && residual_in->defined()) {
@@ -265,24 +314,26 @@ at::Tensor linear(const at::Tensor& x_in, const at::Tensor& weight_in, const std
     residual = residual_in->contiguous();
   }
   if (!x_in.is_cpu()) {  // cuBLAS through ATen
-    at::Tensor out = at::linear(x_in, weight_in, bias);
+    at::Tensor out = invariant_or_aten_linear(x_in, weight_in, bias, batch_invariant);
     return residual.has_value() ? out.add_(*residual) : out;
   }
-  return cpu_ops::linear(x_in.contiguous(), weight_in.contiguous(), bias, residual);
+  return cpu_ops::linear(x_in.contiguous(), weight_in.contiguous(), bias, residual, batch_invariant);
 }
 
 at::Tensor linear_silu_mul(const at::Tensor& x_in, const at::Tensor& gate_up_weight_in,
-                           const std::optional<at::Tensor>& gate_up_bias_in) {
+                           const std::optional<at::Tensor>& gate_up_bias_in, bool batch_invariant) {
   const std::optional<at::Tensor> bias = check_projection(x_in, gate_up_weight_in, gate_up_bias_in, "gate_up_weight",
                                                           "[2*I, K]", "gate_up_bias", "[2*I]");
   const int64_t n_rows = gate_up_weight_in.size(0);
   TORCH_CHECK_VALUE(n_rows % 2 == 0, "gate_up_weight has ", n_rows,
                     " rows; it must stack I gate rows on I up rows ([2*I, K])");
   if (!x_in.is_cpu()) {
-    const at::Tensor gate_up = at::linear(x_in, gate_up_weight_in, bias);
+    // ATen's elementwise CUDA kernels run the same per-element code for every element, so only the
+    // product needs the invariant path.
+    const at::Tensor gate_up = invariant_or_aten_linear(x_in, gate_up_weight_in, bias, batch_invariant);
     return at::silu(gate_up.narrow(1, 0, n_rows / 2)).mul_(gate_up.narrow(1, n_rows / 2, n_rows / 2));
   }
-  return cpu_ops::linear_silu_mul(x_in.contiguous(), gate_up_weight_in.contiguous(), bias);
+  return cpu_ops::linear_silu_mul(x_in.contiguous(), gate_up_weight_in.contiguous(), bias, batch_invariant);
 }
 
 }  // namespace orca

@@ -17,11 +17,15 @@ at::Tensor rms_norm(const at::Tensor& x,       // [T, H]
                     const at::Tensor& weight,  // [H]
                     double eps);               // -> [T, H]
 
+// batch_invariant: one code path for every T, so a row's result never depends on the other rows.
+// CPU: our weight-streaming kernel even above a lowered crossover (cpu_ops.h; by default every T
+// runs on it, so the switch changes nothing there); CUDA: rms_norm, then the fixed-chunk cuBLAS
+// product of `linear(..., batch_invariant=true)` instead of the fused decode kernel / one GEMM.
 at::Tensor rmsnorm_qkv(const at::Tensor& x,                        // [T, H]
                        const at::Tensor& norm_weight,              // [H]
                        const at::Tensor& qkv_weight,               // [N, H], N = Nq*D + 2*Nkv*D
                        const std::optional<at::Tensor>& qkv_bias,  // [N] or None
-                       double eps);                                // -> [T, N]
+                       double eps, bool batch_invariant);          // -> [T, N]
 
 void slab_write(at::Tensor k_cache,       // [S, Hkv, D], written in place
                 at::Tensor v_cache,       // [S, Hkv, D], written in place
@@ -41,12 +45,15 @@ struct RaggedAttentionPlan {
   at::Device device = at::kCPU;
   int64_t n_tokens = 0, n_requests = 0, n_slots = 0, n_q_heads = 0, n_kv_heads = 0, head_dim = 0;
   int64_t items_per_sm = 16, decode_stages = 0;  // RaggedAttentionTuning (CUDA only)
+  bool batch_invariant = false;           // no decode splits: a row depends only on its request
 };
 
 // Checks the indices and shapes, then builds the plan (on CUDA: enqueues the work-list kernel on
 // the current stream; the plan snapshots the index values in stream order). items_per_sm and
 // decode_stages are the runtime knobs of the CUDA tensor-core path (RaggedAttentionTuning); they
-// are validated on every device and do nothing on CPU.
+// are validated on every device and do nothing on CPU. batch_invariant: the work list has no
+// decode splits (each row's result depends only on its own request's kv_len, never on the
+// batch); it needs decode_stages == 0. On CPU it selects the tile path (cpu_ops.h).
 std::shared_ptr<RaggedAttentionPlan> ragged_attention_plan(const at::Tensor& q_start,   // [B] int32 or int64
                                                            const at::Tensor& q_len,     // [B]
                                                            const at::Tensor& kv_start,  // [B]
@@ -55,10 +62,11 @@ std::shared_ptr<RaggedAttentionPlan> ragged_attention_plan(const at::Tensor& q_s
                                                            int64_t n_slots,             // S
                                                            int64_t n_q_heads, int64_t n_kv_heads,
                                                            int64_t head_dim, at::ScalarType dtype,
-                                                           int64_t items_per_sm, int64_t decode_stages);
+                                                           int64_t items_per_sm, int64_t decode_stages,
+                                                           bool batch_invariant);
 
 // `plan` (may be null): built by ragged_attention_plan from these very index tensors, for these
-// shapes; ValueError otherwise.
+// shapes and this batch_invariant; ValueError otherwise.
 at::Tensor ragged_attention(const at::Tensor& q,         // [T, Hq, D]
                             const at::Tensor& k_cache,   // [S, Hkv, D]
                             const at::Tensor& v_cache,   // [S, Hkv, D]
@@ -67,20 +75,30 @@ at::Tensor ragged_attention(const at::Tensor& q,         // [T, Hq, D]
                             const at::Tensor& kv_start,  // [B]
                             const at::Tensor& kv_len,    // [B]
                             double scale,
-                            const RaggedAttentionPlan* plan);  // -> [T, Hq, D]
+                            const RaggedAttentionPlan* plan,  // may be null
+                            bool batch_invariant);            // -> [T, Hq, D]
 
 // out = x * weight^T + bias (+ residual, added before the one rounding). CPU: our weight-streaming
 // kernels up to a per-dtype crossover in T, ATen above it (cpu_ops.h); other devices: ATen.
+// batch_invariant: a row's result depends only on that row. CPU: our kernels at every T (they are
+// T-independent); CUDA: cuBLAS on fixed-shape row chunks (cuda_ops::linear_batch_invariant).
 at::Tensor linear(const at::Tensor& x,                        // [T, K]
                   const at::Tensor& weight,                   // [N, K]
                   const std::optional<at::Tensor>& bias,      // [N] or None
-                  const std::optional<at::Tensor>& residual);  // [T, N] or None; -> [T, N]
+                  const std::optional<at::Tensor>& residual,  // [T, N] or None; -> [T, N]
+                  bool batch_invariant);
 
 // out = silu(gate) * up with [gate | up] = x * gate_up_weight^T + gate_up_bias, the SwiGLU MLP's
 // fused gate_up projection (I gate rows on top of I up rows). Dispatch as for linear.
 at::Tensor linear_silu_mul(const at::Tensor& x,                            // [T, K]
                            const at::Tensor& gate_up_weight,               // [2I, K]
-                           const std::optional<at::Tensor>& gate_up_bias);  // [2I] or None; -> [T, I]
+                           const std::optional<at::Tensor>& gate_up_bias,  // [2I] or None; -> [T, I]
+                           bool batch_invariant);
+
+// Slab compaction: for each row (src, dst, n) of `moves`, in order, rows [src, src+n) of every
+// pool are copied to [dst, dst+n) as if through a temporary. Any dtype; moves stay on the CPU.
+void slab_move(at::Tensor pools,          // [P, S, ...] contiguous, moved in place
+               const at::Tensor& moves);  // [M, 3] int64, CPU
 
 // True when this build dispatches CUDA tensors to the CUDA kernels.
 bool built_with_cuda();

@@ -115,7 +115,8 @@ class DistributedExecutor:
                  pipeline_parallel_size: int = 1, device: str = "cpu", dtype: str = "float32",
                  kv_cache_memory: Optional[int] = None, threads_per_worker: Optional[int] = None,
                  worker_timeout: float = DEFAULT_WORKER_TIMEOUT_S,
-                 startup_timeout: float = DEFAULT_STARTUP_TIMEOUT_S, sync_timing: bool = False):
+                 startup_timeout: float = DEFAULT_STARTUP_TIMEOUT_S, sync_timing: bool = False,
+                 batch_invariant: bool = False):
         tp, pp = tensor_parallel_size, pipeline_parallel_size
         check_shardable(spec, tp, pp)
         if device not in ("cpu", "cuda"):
@@ -155,7 +156,8 @@ class DistributedExecutor:
             "threads": threads_per_worker or (None if self.torchrun else self._default_threads()),
             "loopback": not self.torchrun,
             "workers_per_host": self.num_workers, "data_timeout_s": self.worker_timeout,
-            "sync_timing": sync_timing, "log_level": logging.getLevelName(logging.getLogger("orca_ext").getEffectiveLevel()),
+            "sync_timing": sync_timing, "batch_invariant": bool(batch_invariant),
+            "log_level": logging.getLevelName(logging.getLogger("orca_ext").getEffectiveLevel()),
         }
         try:
             self._start(cfg)

@@ -57,7 +57,7 @@ def explicit_kv_budget(kv_cache_memory: Union[int, str, None]) -> Optional[int]:
 
 
 def start_parallel(model: Any, *, device, dtype, tokenizer: Any, tensor_parallel_size: int,
-                   pipeline_parallel_size: int, kv_cache_memory=None) -> ParallelStart:
+                   pipeline_parallel_size: int, kv_cache_memory=None, batch_invariant: bool = False) -> ParallelStart:
     """Parse the model folder here (the driver), check it can be split, start the workers."""
     from ..models import ModelSpec, load_tokenizer
     from ..models.sharding import check_shardable
@@ -86,5 +86,6 @@ def start_parallel(model: Any, *, device, dtype, tokenizer: Any, tensor_parallel
              path, dev, dt)
     executor = DistributedExecutor(path, spec, tensor_parallel_size=tensor_parallel_size,
                                    pipeline_parallel_size=pipeline_parallel_size, device=dev.type,
-                                   dtype=str(dt).replace("torch.", ""), kv_cache_memory=budget)
+                                   dtype=str(dt).replace("torch.", ""), kv_cache_memory=budget,
+                                   batch_invariant=batch_invariant)
     return ParallelStart(executor, spec, tokenizer, path, dev, dt)

@@ -186,6 +186,7 @@ class Worker:
         self.up = SendQueue(f"worker{self.rank}-up")
         self.model = load_model(cfg["model_path"], self.device, cfg["dtype"], spec=spec, shard=shard,
                                 tp_comm=tp_comm)
+        self.model.batch_invariant = bool(cfg.get("batch_invariant", False))  # CausalLM's switch
         per_slot = self.model.kv_bytes_per_slot()
         budget = int(cfg["kv_cache_memory"]) if cfg.get("kv_cache_memory") else self._default_kv_budget()
         self.store.set(NAMESPACE + f"ready/{self.rank}", json.dumps({

@@ -41,6 +41,8 @@ _STAT_GAUGES = {
 _STAT_COUNTERS = {
     "iterations": ("iterations", "Model iterations run by the engine."),
     "finished": ("engine_requests_finished", "Requests the engine has finished (any reason)."),
+    "compactions": ("kv_slab_compactions", "Slab compactions: live KV slabs slid together to admit the queue head."),
+    "compaction_moved_bytes": ("kv_slab_compaction_moved_bytes", "KV bytes copied by slab compactions."),
 }
 
 

@@ -23,6 +23,14 @@ into another, so each layer does four matmuls on the flat tensor. On CPU all fou
 lm_head) stream their weights through our kernels, whose results for a token do not depend on
 the rest of the batch (unless `_C.set_cpu_stream_max_tokens` hands large T to ATen's GEMM).
 
+`batch_invariant = True` makes a request's logits independent of its batch-mates on every device:
+every matmul (rmsnorm_qkv, the o/gate_up/down projections, the lm_head) takes one code path whose
+arithmetic per token does not depend on T (CPU: our kernels even past a lowered crossover; CUDA:
+cuBLAS on fixed-shape row chunks instead of the fused decode kernel), and the attention plan has
+no decode splits (CPU: the tile path for every request), so nothing depends on the prompt chunk a
+token is in either. The remaining operations (embedding, rope, norms, residual adds) are per
+token already.
+
 Tensor/pipeline parallelism (models/sharding.py): a worker's CausalLM holds only its stage's
 layers and its rank's heads (Nq, Nkv and I above are then this rank's share), `embed` only on the
 first stage, `final_norm`/`lm_head` (its vocabulary rows) only on the last. o_proj and down are
@@ -94,7 +102,9 @@ class CausalLM:
         self.scale = 1.0 / math.sqrt(spec.head_dim)
         self.k_cache: list[torch.Tensor] = []   # per layer [n_slots, Hkv, D]
         self.v_cache: list[torch.Tensor] = []
+        self.kv_pools: torch.Tensor | None = None  # [2 * layers, n_slots, Hkv, D]: all pools, one tensor
         self.n_slots = 0
+        self.batch_invariant = False  # see the module docstring
 
     def __repr__(self) -> str:
         s = self.spec
@@ -112,12 +122,13 @@ class CausalLM:
         if n_slots < 1:
             raise ValueError(f"n_slots must be >= 1, got {n_slots}")
         s = self.spec
-        self.k_cache, self.v_cache = [], []  # free the old pools before allocating new ones
+        self.k_cache, self.v_cache, self.kv_pools = [], [], None  # free the old pools first
         # One allocation for all layers; each layer's pool is a contiguous view into it.
         pools = torch.zeros(2, len(self.layers), n_slots, self.num_kv_heads, s.head_dim,
                             dtype=self.dtype, device=self.device)
         self.k_cache = list(pools[0].unbind(0))
         self.v_cache = list(pools[1].unbind(0))
+        self.kv_pools = pools.view(2 * len(self.layers), n_slots, self.num_kv_heads, s.head_dim)
         self.n_slots = n_slots
         return self.k_cache, self.v_cache
 
@@ -146,12 +157,13 @@ class CausalLM:
         eps = s.rms_norm_eps
         nq, nkv, d = self.num_heads, self.num_kv_heads, s.head_dim
         q_end, k_end = nq * d, nq * d + nkv * d
+        inv = self.batch_invariant
         cos, sin = self.rope.gather(batch.positions)              # [T, 1, D/2] each, once per forward
         x = F.embedding(batch.token_ids, self.embed) if hidden is None else hidden  # [T, H]
         plan = ops.ragged_attention_plan(batch.q_start, batch.q_len, batch.kv_start, batch.kv_len,
-                                         t, self.n_slots, nq, nkv, d, self.dtype)
+                                         t, self.n_slots, nq, nkv, d, self.dtype, inv)
         for layer, k_pool, v_pool in zip(self.layers, self.k_cache, self.v_cache):
-            qkv = ops.rmsnorm_qkv(x, layer.input_norm, layer.qkv_weight, layer.qkv_bias, eps)
+            qkv = ops.rmsnorm_qkv(x, layer.input_norm, layer.qkv_weight, layer.qkv_bias, eps, inv)
             q = qkv[:, :q_end].view(t, nq, d)
             k = qkv[:, q_end:k_end].view(t, nkv, d)
             v = qkv[:, k_end:].reshape(t, nkv, d).contiguous()
@@ -162,16 +174,16 @@ class CausalLM:
             k = apply_rope(k, cos, sin)                           # [T, Nkv, D] contiguous
             ops.slab_write(k_pool, v_pool, k, v, batch.slots)
             attn = ops.ragged_attention(q, k_pool, v_pool, batch.q_start, batch.q_len,
-                                        batch.kv_start, batch.kv_len, self.scale, plan)  # [T, Nq, D]
+                                        batch.kv_start, batch.kv_len, self.scale, plan, inv)  # [T, Nq, D]
             x = self._row_parallel(attn.reshape(t, q_end), layer.o_weight, layer.o_bias, x)
             n = ops.rms_norm(x, layer.post_norm, eps)
-            act = ops.linear_silu_mul(n, layer.gate_up_weight, layer.gate_up_bias)  # [T, I]
+            act = ops.linear_silu_mul(n, layer.gate_up_weight, layer.gate_up_bias, inv)  # [T, I]
             x = self._row_parallel(act, layer.down_weight, layer.down_bias, x)
         if self.lm_head is None:  # not the last pipeline stage
             return x
         # Final norm + lm_head is the same fused "norm then project" op as rmsnorm_qkv.
-        logits = ops.rmsnorm_qkv(x[batch.logits_index], self.final_norm, self.lm_head, None, eps)  # [B, V/tp]
-        return self.tp.gather(logits.float())                                                    # [B, V]
+        logits = ops.rmsnorm_qkv(x[batch.logits_index], self.final_norm, self.lm_head, None, eps, inv)  # [B, V/tp]
+        return self.tp.gather(logits.float())                                                         # [B, V]
 
     def _row_parallel(self, a: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
                       residual: torch.Tensor) -> torch.Tensor:
@@ -179,6 +191,6 @@ class CausalLM:
         input columns: the partial products are added up by one all-reduce, and only tensor
         rank 0 adds the residual (the loader gives the bias to rank 0 alone too)."""
         own = residual if self.tp.rank == 0 else None
-        return self.tp.all_reduce(ops.linear(a, weight, bias, residual=own))
+        return self.tp.all_reduce(ops.linear(a, weight, bias, residual=own, batch_invariant=self.batch_invariant))
 
     __call__ = forward

@@ -213,6 +213,16 @@ class DecodeGraphRunner:
     def kv_bytes_per_slot(self) -> int:
         return self.model.kv_bytes_per_slot()
 
+    @property
+    def kv_pools(self):
+        """The model's pools (slab compaction moves rows in place, so the captured graphs, which
+        hold their addresses, stay valid; the scratch slot past n_slots never moves)."""
+        return self.model.kv_pools
+
+    @property
+    def batch_invariant(self) -> bool:
+        return self.model.batch_invariant
+
     def allocate_kv_cache(self, n_slots: int) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
         """Pools of n_slots + 1 slots (the last is the padding rows' scratch), then one capture
         per bucket. Returns the caller's [n_slots, Hkv, D] views of the pools."""

@@ -317,3 +317,115 @@ def test_norm_projection_and_cache_write_are_graph_capturable():
         assert_close(qkv, expected, dt, "rmsnorm_qkv (graph)")
         assert torch.equal(k_cache[slot_host.to(DEV)], qkv[:, n_q * d:(n_q + n_kv) * d].reshape(t, n_kv, d))
         assert torch.equal(v_cache[slot_host.to(DEV)], qkv[:, (n_q + n_kv) * d:].reshape(t, n_kv, d))
+# ---- slab_move (slab compaction) ---------------------------------------------------------------------
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32, torch.int64])
+@pytest.mark.parametrize("shape", [(1, 40, 1), (6, 97, 3, 16), (64, 600, 8, 128)])
+def test_slab_move_matches_reference_bit_for_bit(dtype, shape):
+    """Disjoint and overlapping moves in both directions: the big case stages overlapping moves
+    through scratch, the small ones copy them in shift-sized pieces."""
+    rng = random.Random(sum(shape))
+    pools = (torch.randn(*shape, generator=torch.Generator().manual_seed(len(shape))) * 100).to(dtype)
+    moves = []
+    for i in range(9):
+        n = rng.randint(0, shape[1] // 2)
+        src = rng.randint(0, shape[1] - n)
+        dst = rng.randint(0, shape[1] - n) if i % 2 else max(0, min(shape[1] - n, src + rng.randint(-n, n)))
+        moves.append((src, dst, n))
+    expected = pools.clone()
+    reference.slab_move(expected, moves)
+    dev = pools.to(DEV)
+    _C.slab_move(dev, torch.tensor(moves, dtype=torch.int64))
+    assert torch.equal(dev.cpu(), expected)
+
+
+# ---- batch-invariant paths ---------------------------------------------------------------------------
+def random_subsets(rng: random.Random, n: int, count: int = 6) -> list[list[int]]:
+    sizes = [1, 2, 3, 63, 64, 65, n] + [rng.randint(1, n) for _ in range(count)]
+    return [rng.sample(range(n), min(k, n)) for k in sizes]
+
+
+@pytest.mark.parametrize("dtype", ALL_DTYPES)
+@pytest.mark.parametrize("k,n", [(40, 96), (576, 1536)])
+def test_linear_batch_invariant_rows_do_not_depend_on_the_batch(dtype, k, n):
+    rng = random.Random(k + n)
+    gen = torch.Generator().manual_seed(k * n)
+    x = torch.randn(300, k, generator=gen).to(dtype).to(DEV)
+    w = (torch.randn(n, k, generator=gen) / math.sqrt(k)).to(dtype).to(DEV)
+    b = torch.randn(n, generator=gen).to(dtype).to(DEV)
+    full = _C.linear(x, w, b, batch_invariant=True)
+    assert_close(full, torch.nn.functional.linear(x.double(), w.double(), b.double()), dtype, "linear")
+    for rows in random_subsets(rng, x.shape[0]):
+        assert torch.equal(_C.linear(x[rows], w, b, batch_invariant=True), full[rows]), f"{len(rows)} rows"
+
+
+@pytest.mark.parametrize("dtype", ALL_DTYPES)
+def test_linear_silu_mul_batch_invariant_rows_do_not_depend_on_the_batch(dtype):
+    rng = random.Random(5)
+    gen = torch.Generator().manual_seed(5)
+    x = torch.randn(301, 96, generator=gen).to(dtype).to(DEV)
+    w = (torch.randn(2 * 80, 96, generator=gen) / math.sqrt(96)).to(dtype).to(DEV)
+    full = _C.linear_silu_mul(x, w, None, batch_invariant=True)
+    assert_close(full, reference.linear_silu_mul(x.double().cpu(), w.double().cpu()), dtype, "linear_silu_mul")
+    for rows in random_subsets(rng, x.shape[0]):
+        assert torch.equal(_C.linear_silu_mul(x[rows], w, None, batch_invariant=True), full[rows])
+
+
+@pytest.mark.parametrize("dtype", ALL_DTYPES)
+def test_rmsnorm_qkv_batch_invariant_rows(dtype):
+    rng = random.Random(3)
+    gen = torch.Generator().manual_seed(3)
+    hidden, n_out = 576, 960
+    x = torch.randn(200, hidden, generator=gen).to(dtype).to(DEV)  # both sides of the fused switch
+    nw = (1 + 0.1 * torch.randn(hidden, generator=gen)).to(dtype).to(DEV)
+    w = (torch.randn(n_out, hidden, generator=gen) / math.sqrt(hidden)).to(dtype).to(DEV)
+    full = _C.rmsnorm_qkv(x, nw, w, None, 1e-6, True)
+    expected = reference.rmsnorm_qkv(x.double().cpu(), nw.double().cpu(), w.double().cpu(), None, 1e-6)
+    assert_close(full, expected, dtype, "rmsnorm_qkv (batch-invariant)")
+    for rows in random_subsets(rng, x.shape[0]):
+        assert torch.equal(_C.rmsnorm_qkv(x[rows], nw, w, None, 1e-6, True), full[rows])
+
+
+@pytest.mark.parametrize("dtype", ALL_DTYPES)
+@pytest.mark.parametrize("heads,head_dim", [((16, 8), 128), ((9, 3), 64), ((6, 2), 48)])
+def test_ragged_attention_batch_invariant_rows_ignore_chunks_and_batch_mates(dtype, heads, head_dim):
+    """One request's prompt rows as one prefill, as chunks over its cached prefix, as one-row
+    decodes (a long context: the default path would split it), and beside other requests."""
+    n_q, n_kv = heads
+    rng = random.Random(n_q + head_dim)
+    gen = torch.Generator().manual_seed(n_q)
+    d, n_ctx, start = head_dim, 1500, 7
+    others = make_ragged_case(n_q, random_kinds(n_q, 9), n_q, n_kv, d, dtype, device=DEV, max_context=700)
+    k_cache = torch.cat([others.k_cache, torch.randn(start + n_ctx, n_kv, d, generator=gen).to(dtype).to(DEV)])
+    v_cache = torch.cat([others.v_cache, torch.randn(start + n_ctx, n_kv, d, generator=gen).to(dtype).to(DEV)])
+    slab = others.k_cache.shape[0] + start
+    q = torch.randn(n_ctx, n_q, d, generator=gen).to(dtype).to(DEV)
+
+    def run(pieces, with_others, planned=False):
+        qs, ql, ks, kl, rows = [], [], [], [], []
+        if with_others:
+            rows.append(others.q)
+            qs += others.q_start.tolist(); ql += others.q_len.tolist()
+            ks += others.kv_start.tolist(); kl += others.kv_len.tolist()
+        base = sum(r.shape[0] for r in rows)
+        for lo, hi in pieces:
+            qs.append(base); ql.append(hi - lo); ks.append(slab); kl.append(hi)
+            rows.append(q[lo:hi])
+            base += hi - lo
+        idx = [torch.tensor(v, dtype=torch.int32, device=DEV) for v in (qs, ql, ks, kl)]
+        plan = (_C.ragged_attention_plan(*idx, base, k_cache.shape[0], n_q, n_kv, d, dtype, batch_invariant=True)
+                if planned else None)
+        out = _C.ragged_attention(torch.cat(rows), k_cache, v_cache, *idx, 0.125, plan=plan, batch_invariant=True)
+        return out[base - sum(hi - lo for lo, hi in pieces):]
+
+    whole = run([(0, n_ctx)], False)
+    expected = reference.ragged_attention(q.double().cpu(), k_cache[slab:].double().cpu(),
+                                          v_cache[slab:].double().cpu(),
+                                          *(torch.tensor([v]) for v in (0, n_ctx, 0, n_ctx)), 0.125)
+    assert_close(whole, expected, dtype, "ragged_attention (batch-invariant)")
+    cuts = sorted(rng.sample(range(1, n_ctx), 8))
+    assert torch.equal(run(list(zip([0] + cuts, cuts + [n_ctx])), True), whole)
+    assert torch.equal(run([(0, 40)], True), whole[:40])
+    for p in (0, 1, 63, 64, 700, n_ctx - 1):
+        assert torch.equal(run([(p, p + 1)], rng.random() < 0.5), whole[p:p + 1]), f"row {p}"
+        # The same through a plan built once for the batch (as the model's forward does).
+        assert torch.equal(run([(p, p + 1)], True, planned=True), whole[p:p + 1]), f"row {p} (plan)"

@@ -18,6 +18,13 @@
 //           limit of the tile. 128 rows (4 warps x 32 rows) for the shared kernel; 16 rows when
 //           the decode kernel runs the iteration (see attention_mma.cuh), whose small shared
 //           memory holds no 128-row tile.
+// Batch-invariant mode (Params::batch_invariant, from RaggedAttentionTuning::batch_invariant)
+// makes every request a prefill-kind item. The decode split size follows from the whole batch's
+// decode work, and a decode tile merges its warps' partial results, so a row's arithmetic would
+// depend on its batch-mates and on the size of the prompt chunk it sits in. A prefill tile
+// computes each row over keys 0.. its own causal limit in fixed 64-key tiles, whatever other rows
+// share the tile (a fully masked key tile changes no row's max, sum or output), so its result
+// depends only on the request's own context.
 // Item order: prefill tiles first (heaviest causal tile of each request first), then decode
 // items; attention blocks take items in that order from an atomic counter (persistent blocks).
 // The split size follows from the total decode work and the target of `items_per_sm` decode
@@ -115,7 +122,13 @@ struct Params {
   int prefill_rows;     // packed rows per prefill item (Layout::prefill_rows)
   int64_t prow_cap;
   float scale_log2;     // softmax scale * log2(e): scores live in the log2 domain
+  int batch_invariant;  // 1: no decode-kind items (see the header comment)
 };
+
+// Whether a request of `rows` packed rows becomes a decode-kind item.
+__device__ __forceinline__ bool decode_kind(long long rows, const Params& p) {
+  return rows <= kDecodeRows && !p.batch_invariant;
+}
 
 // Exclusive prefix sum over the block (kBuilderThreads threads); returns the block total too.
 __device__ __forceinline__ long long block_exclusive_scan(long long v, long long& total) {
@@ -174,7 +187,7 @@ __global__ void __launch_bounds__(kBuilderThreads)
     p.req[b] = ok ? make_int4(static_cast<int>(qs), static_cast<int>(ql), static_cast<int>(ks),
                               static_cast<int>(kl))
                   : make_int4(0, 0, 0, 0);
-    if (ok && ql * G <= kDecodeRows) decode_keys += kl;
+    if (ok && decode_kind(ql * G, p)) decode_keys += kl;
     if (ok) owned_rows += ql;
   }
   const long long work = block_sum_ll(decode_keys) * Hkv;
@@ -207,7 +220,7 @@ __global__ void __launch_bounds__(kBuilderThreads)
       const int4 r = p.req[b];  // written by this same thread in pass 1
       if (r.y > 0) {
         rows = static_cast<long long>(r.y) * G;
-        if (rows <= kDecodeRows) {
+        if (decode_kind(rows, p)) {
           splits = static_cast<int>(ceil_div(r.w, chunk));
           rows_part = splits > 1 ? static_cast<long long>(Hkv) * splits * rows : 0;
         } else {
@@ -245,7 +258,7 @@ __global__ void __launch_bounds__(kBuilderThreads)
     if (r.y == 0) continue;
     const int4 s = p.sched[b];
     const long long rows = static_cast<long long>(r.y) * G;
-    if (rows > kDecodeRows) {
+    if (!decode_kind(rows, p)) {
       const long long n_tiles = ceil_div(rows, p.prefill_rows);
       const long long cnt = n_tiles * Hkv;
       for (long long j = lane; j < cnt; j += 32) {

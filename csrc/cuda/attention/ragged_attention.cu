@@ -64,7 +64,7 @@ Layout layout_of(int64_t n_tokens, int64_t n_requests, int64_t n_q_heads, int64_
 
 // The plan's pointers and the shapes, as both kernels see them (q, caches, out left null).
 Params plan_params(void* plan, const Layout& L, DType dtype, int64_t n_tokens, int64_t n_requests, int64_t n_slots,
-                   int64_t n_q_heads, int64_t n_kv_heads, int64_t head_dim) {
+                   int64_t n_q_heads, int64_t n_kv_heads, int64_t head_dim, const RaggedAttentionTuning& tuning) {
   char* ws = static_cast<char*>(plan);
   Params p{};
   p.ctrl = reinterpret_cast<int*>(ws + L.off_ctrl);
@@ -85,6 +85,7 @@ Params plan_params(void* plan, const Layout& L, DType dtype, int64_t n_tokens, i
   p.items_cap = static_cast<int>(L.items_cap);
   p.prefill_rows = L.prefill_rows;
   p.prow_cap = L.prow_cap;
+  p.batch_invariant = tuning.batch_invariant ? 1 : 0;
   return p;
 }
 
@@ -105,7 +106,8 @@ cudaError_t check_planned(DType dtype, const Layout& L, const void* plan, size_t
 
 bool ragged_attention_tuning_valid(const RaggedAttentionTuning& tuning) {
   return tuning.items_per_sm >= 1 && tuning.items_per_sm <= kRaggedAttentionMaxItemsPerSm &&
-         (tuning.decode_stages == 0 || attn::decode_stages_supported(tuning.decode_stages));
+         (tuning.decode_stages == 0 || attn::decode_stages_supported(tuning.decode_stages)) &&
+         !(tuning.batch_invariant && tuning.decode_stages != 0);
 }
 
 bool ragged_attention_uses_tensor_cores(DType dtype, int64_t head_dim) {
@@ -136,7 +138,7 @@ cudaError_t ragged_attention_plan(DType dtype, IndexType index_type, const void*
   const cudaError_t bad =
       check_planned(dtype, L, plan, plan_bytes, n_tokens, n_requests, n_q_heads, n_kv_heads, head_dim, tuning);
   if (bad != cudaSuccess) return bad;
-  const Params p = plan_params(plan, L, dtype, n_tokens, n_requests, n_slots, n_q_heads, n_kv_heads, head_dim);
+  const Params p = plan_params(plan, L, dtype, n_tokens, n_requests, n_slots, n_q_heads, n_kv_heads, head_dim, tuning);
   return index_type == IndexType::kInt32
              ? launch_builder<int32_t>(q_start, q_len, kv_start, kv_len, p, L.target_items, stream)
              : launch_builder<int64_t>(q_start, q_len, kv_start, kv_len, p, L.target_items, stream);
@@ -155,7 +157,7 @@ cudaError_t ragged_attention_with_plan(DType dtype, const void* q, const void* k
   if (!detail::aligned16(q) || !detail::aligned16(k_cache) || !detail::aligned16(v_cache) ||
       !detail::aligned16(out))
     return cudaErrorMisalignedAddress;
-  Params p = plan_params(plan, L, dtype, n_tokens, n_requests, 0, n_q_heads, n_kv_heads, head_dim);
+  Params p = plan_params(plan, L, dtype, n_tokens, n_requests, 0, n_q_heads, n_kv_heads, head_dim, tuning);
   p.q = q;
   p.k_cache = k_cache;
   p.v_cache = v_cache;
@@ -174,7 +176,8 @@ cudaError_t ragged_attention(DType dtype, IndexType index_type, const void* q, c
                              const void* v_cache, const void* q_start, const void* q_len, const void* kv_start,
                              const void* kv_len, void* out, void* workspace, size_t workspace_bytes,
                              int64_t n_tokens, int64_t n_requests, int64_t n_slots, int64_t n_q_heads,
-                             int64_t n_kv_heads, int64_t head_dim, float scale, cudaStream_t stream) {
+                             int64_t n_kv_heads, int64_t head_dim, float scale, bool batch_invariant,
+                             cudaStream_t stream) {
   if (!shapes_ok(n_tokens, n_requests, n_slots, n_q_heads, n_kv_heads, head_dim) || !std::isfinite(scale))
     return cudaErrorInvalidValue;
   const size_t out_bytes =
@@ -210,7 +213,8 @@ cudaError_t ragged_attention(DType dtype, IndexType index_type, const void* q, c
   if (!detail::aligned16(q) || !detail::aligned16(k_cache) || !detail::aligned16(v_cache) ||
       !detail::aligned16(out))
     return cudaErrorMisalignedAddress;
-  const RaggedAttentionTuning tuning{};
+  RaggedAttentionTuning tuning{};
+  tuning.batch_invariant = batch_invariant;
   const cudaError_t err = ragged_attention_plan(dtype, index_type, q_start, q_len, kv_start, kv_len, workspace,
                                                 workspace_bytes, n_tokens, n_requests, n_slots, n_q_heads,
                                                 n_kv_heads, head_dim, tuning, stream);

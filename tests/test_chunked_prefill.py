@@ -1,0 +1,117 @@
+"""Chunked prefill under a token budget, end to end through the engine.
+
+The engine is driven directly (scheduler + Engine + model, no server thread) so every run is
+deterministic. The fake model reads each request's whole context back from its slab, so its
+outputs only match `fake_reference` if every chunk went to the right positions and slots; the
+tiny random transformers models show that chunked outputs equal unchunked ones token for token.
+"""
+from __future__ import annotations
+
+import random
+
+import pytest
+import torch
+
+from fake_model import FakeModel, fake_reference
+from orca_ext.engine import Engine
+from orca_ext.models import load_model
+from orca_ext.request import Request, RequestState
+from orca_ext.sampling import SamplingParams
+from orca_ext.scheduler import make_scheduler
+
+
+def make_engine(model, *, budget, max_bs=4, n_slots=2000):
+    sched = make_scheduler("orca", max_bs, n_slots, max_num_batched_tokens=budget)
+    return Engine(model, sched, record_iterations=True)
+
+
+def run(engine, jobs, *, late_every: int = 2) -> list[Request]:
+    """jobs: [(prompt, SamplingParams)]. The first half arrive at once, the rest one every
+    `late_every` steps, so later prompts are chunked around running decodes."""
+    reqs = [Request(f"r{i}", prompt, params) for i, (prompt, params) in enumerate(jobs)]
+    early, late = reqs[:len(reqs) // 2 or 1], reqs[len(reqs) // 2 or 1:]
+    for r in early:
+        engine.add_request(r)
+    steps = 0
+    while engine.has_work() or late:
+        if late and steps % late_every == 0:
+            engine.add_request(late.pop(0))
+        engine.step()
+        steps += 1
+    return reqs
+
+
+def check_records(engine, budget: int) -> None:
+    for rec in engine.records:
+        assert sum(rec.chunk_sizes) <= budget, rec
+        assert len(rec.chunk_sizes) == len(rec.request_ids)
+        assert rec.num_prefill_tokens + rec.num_decode_tokens == sum(rec.chunk_sizes)
+    assert any(0 < c < budget and c > 1 for rec in engine.records for c in rec.chunk_sizes)
+
+
+@pytest.mark.parametrize("budget", [4, 7, 16])
+def test_chunks_reach_the_right_slots_with_the_fake_model(budget):
+    rng = random.Random(budget)
+    jobs = [([rng.randrange(101) for _ in range(rng.randint(1, 40))], rng.randint(1, 9)) for _ in range(9)]
+    engine = make_engine(FakeModel(), budget=budget, n_slots=400)
+    reqs = run(engine, [(p, SamplingParams(max_tokens=n, ignore_eos=True)) for p, n in jobs])
+    for (prompt, n), r in zip(jobs, reqs):
+        assert r.output_token_ids == fake_reference(prompt, n), r.request_id
+    check_records(engine, budget)
+    # A chunk never reaches the model as more than the budget, and never past its prompt.
+    for batch in engine.model.batches:
+        assert sum(q_len for _, _, q_len, _ in batch) <= budget
+    assert engine.scheduler.allocator.n_used == 0 and not engine.scheduler.pool
+
+
+@pytest.mark.parametrize("family,budget", [("llama", 5), ("qwen3", 23)])
+def test_chunked_outputs_equal_unchunked_token_for_token(tiny_model_dir, family, budget):
+    model = load_model(tiny_model_dir(family), device="cpu", dtype=torch.float32)
+    rng = random.Random(len(family))
+    prompts = [[rng.randrange(1000) for _ in range(rng.randint(1, 70))] for _ in range(7)]
+    params = [SamplingParams(max_tokens=rng.randint(2, 10), ignore_eos=True) for _ in prompts]
+    # Two sampled requests with their own seeds: a prompt chunk must not draw from a generator.
+    params[1] = SamplingParams(max_tokens=8, temperature=0.9, top_p=0.95, seed=11, ignore_eos=True)
+    params[4] = SamplingParams(max_tokens=8, temperature=1.3, top_k=20, seed=12, ignore_eos=True)
+    jobs = list(zip(prompts, params))
+    whole = run(make_engine(model, budget=None), jobs)
+    engine = make_engine(model, budget=budget)
+    chunked = run(engine, jobs)
+    for w, c in zip(whole, chunked):
+        assert c.output_token_ids == w.output_token_ids, (family, budget, c.request_id)
+    check_records(engine, budget)
+
+
+def test_a_prompt_longer_than_the_budget_runs_over_several_iterations_beside_decodes():
+    engine = make_engine(FakeModel(), budget=8, max_bs=4, n_slots=200)
+    a = Request("a", list(range(3)), SamplingParams(max_tokens=12, ignore_eos=True))
+    b = Request("b", list(range(30)), SamplingParams(max_tokens=2, ignore_eos=True))
+    engine.add_request(a)
+    engine.step()
+    engine.add_request(b)
+    while engine.has_work():
+        engine.step()
+    rows = [(rec.request_ids, rec.chunk_sizes) for rec in engine.records[:6]]
+    # a decodes every iteration while b's 30-token prompt goes in chunks of 7 (budget 8 - 1).
+    assert rows == [(("a",), (3,)), (("a", "b"), (1, 7)), (("a", "b"), (1, 7)), (("a", "b"), (1, 7)),
+                    (("a", "b"), (1, 7)), (("a", "b"), (1, 2))]
+    assert b.output_token_ids == fake_reference(list(range(30)), 2)
+    assert a.output_token_ids == fake_reference(list(range(3)), 12)
+
+
+def test_abort_during_a_half_done_prefill_frees_the_slab():
+    engine = make_engine(FakeModel(), budget=8, n_slots=100)
+    a = Request("a", list(range(40)), SamplingParams(max_tokens=5))
+    engine.add_request(a)
+    engine.step()
+    assert a.state is RequestState.INCREMENT and a.num_cached == 8 and not a.output_token_ids
+    assert engine.scheduler.allocator.n_used == 45
+    assert engine.abort_request(a)
+    assert engine.scheduler.allocator.n_used == 0 and engine.scheduler.n_rsrv == 0 and a.slab_start == -1
+    # The freed slots serve the next request, which must not see a's rows.
+    b = Request("b", list(range(5, 60)), SamplingParams(max_tokens=4, ignore_eos=True))
+    engine.add_request(b)
+    while engine.has_work():
+        engine.step()
+    assert b.output_token_ids == fake_reference(list(range(5, 60)), 4)
+    assert a.finish_reason == "abort" and engine.scheduler.allocator.n_used == 0
