@@ -38,8 +38,8 @@ sys.path.insert(0, str(ROOT))
 from orca_ext.models.batch import ForwardBatch  # noqa: E402
 from orca_ext.models.causal_lm import CausalLM  # noqa: E402
 from orca_ext.models.config import RopeConfig  # noqa: E402
-from orca_ext.models.cuda_graphs import DecodeGraphRunner, EagerReplayBackend  # noqa: E402
-from orca_ext.models.random_weights import random_causal_lm, random_spec  # noqa: E402
+from orca_ext.cuda_graphs import DecodeGraphRunner, EagerReplayBackend  # noqa: E402
+from orca_ext.random_weights import random_causal_lm, random_spec  # noqa: E402
 
 log = logging.getLogger("cuda_graphs")
 

@@ -73,7 +73,7 @@ class Server:
     (bytes or '2GiB'; default $ORCA_EXT_KV_CACHE_MEMORY, else min(2 GiB, 25% of available RAM) on
     CPU and 90% of the free GPU memory after loading the weights) sizes `n_slots` when it is None,
     `max_undelivered_outputs` bounds the finished outputs kept for callers, and `enforce_eager`
-    turns off the CUDA graphs that decode iterations replay on CUDA (orca_ext/models/cuda_graphs.py).
+    turns off the CUDA graphs that decode iterations replay on CUDA (orca_ext/cuda_graphs.py).
 
     `tensor_parallel_size` x `pipeline_parallel_size` > 1 runs the model on that many worker
     processes (orca_ext.distributed, docs/DISTRIBUTED.md; `model` must then be a folder):
@@ -187,7 +187,7 @@ class Server:
         sched = make_scheduler(scheduler, max_batch_size, self.n_slots, executor.n_workers if executor else 1,
                                max_num_batched_tokens=self.max_num_batched_tokens)
         if executor is None:
-            from .models.cuda_graphs import with_decode_graphs
+            from .cuda_graphs import with_decode_graphs
 
             runner = with_decode_graphs(self.model, max_batch_size, enforce_eager=enforce_eager)
         try:

@@ -17,7 +17,7 @@ import torch
 from orca_ext import _C
 from orca_ext.models.batch import ForwardBatch
 from orca_ext.models.causal_lm import CausalLM
-from orca_ext.models.cuda_graphs import DecodeGraphRunner
+from orca_ext.cuda_graphs import DecodeGraphRunner
 
 
 def eager_twin(model: CausalLM) -> CausalLM:

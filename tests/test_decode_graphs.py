@@ -1,4 +1,4 @@
-"""The decode-graph machinery (orca_ext/models/cuda_graphs.py) on the CPU, with EagerReplayBackend
+"""The decode-graph machinery (orca_ext/cuda_graphs.py) on the CPU, with EagerReplayBackend
 standing in for the CUDA graph capture: 'replay' re-runs the captured forward on the current
 contents of the input buffers and writes into the captured output, which is what a CUDA graph
 replay does. Everything around the graph is real: bucketing, the input copies, the padding rows
@@ -13,9 +13,9 @@ import pytest
 import torch
 
 from orca_ext.models.batch import ForwardBatch
-from orca_ext.models.cuda_graphs import (DECODE_BUCKETS, DecodeGraphRunner, DecodeInputs, EagerReplayBackend,
+from orca_ext.cuda_graphs import (DECODE_BUCKETS, DecodeGraphRunner, DecodeInputs, EagerReplayBackend,
                                          bucket_for, is_decode_only, with_decode_graphs)
-from orca_ext.models.random_weights import random_causal_lm, random_spec
+from orca_ext.random_weights import random_causal_lm, random_spec
 
 from graph_driver import drive, eager_twin, written_slots
 
@@ -159,7 +159,7 @@ def test_a_failed_capture_leaves_every_iteration_eager(caplog):
     model = small_model(num_layers=1)
     eager = eager_twin(model)
     runner = DecodeGraphRunner(model, 8, backend=backend)
-    with caplog.at_level(logging.ERROR, logger="orca_ext.models.cuda_graphs"):
+    with caplog.at_level(logging.ERROR, logger="orca_ext.cuda_graphs"):
         runner.allocate_kv_cache(100)
     assert runner.graphs == {} and "capturing the decode graph of batch size 2 failed" in caplog.text
     eager.allocate_kv_cache(100)

@@ -11,7 +11,7 @@ import torch
 
 from invariance_cases import crowd, probes, run
 from orca_ext.models import load_model
-from orca_ext.models.cuda_graphs import DecodeGraphRunner
+from orca_ext.cuda_graphs import DecodeGraphRunner
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 

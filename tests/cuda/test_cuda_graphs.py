@@ -16,8 +16,8 @@ import pytest
 import torch
 
 from orca_ext.models.batch import ForwardBatch
-from orca_ext.models.cuda_graphs import DECODE_BUCKETS, DecodeGraphRunner, bucket_for, with_decode_graphs
-from orca_ext.models.random_weights import random_causal_lm, random_spec
+from orca_ext.cuda_graphs import DECODE_BUCKETS, DecodeGraphRunner, bucket_for, with_decode_graphs
+from orca_ext.random_weights import random_causal_lm, random_spec
 
 from graph_driver import drive, eager_twin, written_slots
 

@@ -25,8 +25,8 @@ from typing import Callable, Optional, Protocol, Sequence
 
 import torch
 
-from .batch import ForwardBatch
-from .causal_lm import CausalLM
+from .models.batch import ForwardBatch
+from .models.causal_lm import CausalLM
 
 log = logging.getLogger(__name__)
 

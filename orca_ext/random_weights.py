@@ -10,8 +10,8 @@ import dataclasses
 
 import torch
 
-from .causal_lm import CausalLM, LayerWeights
-from .config import ModelSpec, RopeConfig
+from .models.causal_lm import CausalLM, LayerWeights
+from .models.config import ModelSpec, RopeConfig
 
 SMALL_LLAMA = dict(
     architecture="LlamaForCausalLM", vocab_size=512, hidden_size=128, intermediate_size=256, num_layers=3,
