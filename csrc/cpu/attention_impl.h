@@ -10,6 +10,16 @@
 //    are per-lane vectors, O^T += V^T P^T. Both products are then "broadcast one element, FMA
 //    a row of 32 queries" with no horizontal sums, which a dot product over a short D (64)
 //    cannot avoid. The transposes happen once per item (Q in, O out), not per key block.
+//
+// Batch invariance: attend_tile's arithmetic for a query row is that row's own (its lane never
+// mixes with another), so it does not depend on which rows share the tile. attend_rows<T, true>
+// repeats that arithmetic operation for operation in row-major form -- scores as FMA chains over
+// d in order (keys transposed so the vector axis is the key axis), the running sum as
+// sum * corr followed by the probabilities added in key order, the output scaled by corr every
+// block -- so a row gets the same bits on either path. attend_rows<T, false> keeps the faster
+// dot-product scores and vector sums, whose rounding differs: without batch_invariant, a prompt
+// row computed in a short chunk (row path) can differ in the last bits from the same row in a
+// long one (tile path).
 #pragma once
 #include <algorithm>
 #include <cstdint>
@@ -103,7 +113,28 @@ inline void softmax_row(float* __restrict s, int64_t nj, int64_t valid, float* _
   *mx = m_new;
 }
 
-template <typename T>
+// softmax_row in attend_tile's operation order (see the header comment): the running sum is
+// scaled by corr first (kept out of an FMA with the first addition, as in attend_tile where the
+// two happen in separate loops), then the probabilities are added one key at a time.
+inline void softmax_row_tile_order(float* __restrict s, int64_t nj, int64_t valid, float* __restrict mx,
+                                   float* __restrict l, float* __restrict o, int64_t d) {
+  if (valid <= 0) {  // a fully masked block changes neither max, sum nor output
+    for (int64_t j = 0; j < nj; ++j) s[j] = 0.0f;
+    return;
+  }
+  float m_new = *mx;
+  for (int64_t j = 0; j < valid; ++j) m_new = std::max(m_new, s[j]);
+  const float corr = exp2_nonpos(*mx - m_new);
+  float sum = no_contract(*l * corr);
+  *mx = m_new;
+  for (int64_t j = 0; j < valid; ++j) s[j] = exp2_nonpos(s[j] - m_new);
+  for (int64_t j = valid; j < nj; ++j) s[j] = 0.0f;
+  for (int64_t j = 0; j < valid; ++j) sum += s[j];
+  *l = sum;
+  for (int64_t k = 0; k < d; ++k) o[k] *= corr;
+}
+
+template <typename T, bool kTileOrder>
 void attend_rows(const AttnItem& it, const T* q, const T* k_cache, const T* v_cache, T* out, int64_t n_q_heads,
                  int64_t n_kv_heads, int64_t d, float qscale) {
   const int64_t r = it.r;
@@ -117,6 +148,7 @@ void attend_rows(const AttnItem& it, const T* q, const T* k_cache, const T* v_ca
   float* s = thread_scratch(3, static_cast<size_t>(m_rows * kKeyBlock));   // [M, KB]
   float* kbuf = thread_scratch(4, static_cast<size_t>(kKeyBlock * ldd));   // bf16 only
   float* vbuf = thread_scratch(5, static_cast<size_t>(kKeyBlock * ldd));   // bf16 only
+  float* kt = kTileOrder ? thread_scratch(6, static_cast<size_t>(d * kKeyBlock)) : nullptr;  // [D, KB] K^T
   float* mx = ml;
   float* lsum = ml + m_rows;
 
@@ -131,7 +163,7 @@ void attend_rows(const AttnItem& it, const T* q, const T* k_cache, const T* v_ca
   }
   for (int64_t k = 0; k < m_rows * ldd; ++k) o[k] = 0.0f;
   for (int64_t m = 0; m < m_rows; ++m) {
-    mx[m] = kNegInf;
+    mx[m] = kTileOrder ? kTileInitMax : kNegInf;
     lsum[m] = 0.0f;
   }
 
@@ -146,11 +178,24 @@ void attend_rows(const AttnItem& it, const T* q, const T* k_cache, const T* v_ca
     }
     int64_t ldk = 0;
     const float* kb = kv_block(k_head, it.kv_row0 + j0, nj, ld_kv, d, kbuf, &ldk);
-    gemm_nt(qs, ldd, kb, ldk, s, kKeyBlock, m_rows, nj, d);
+    if constexpr (kTileOrder) {
+      // S[m][j] = sum_d Q[m][d] K[j][d] as an FMA chain over d, vectorized over keys.
+      for (int64_t j = 0; j < nj; ++j)
+        for (int64_t k = 0; k < d; ++k) kt[k * kKeyBlock + j] = kb[j * ldk + k];
+      for (int64_t m = 0; m < m_rows; ++m)
+        for (int64_t j = 0; j < nj; ++j) s[m * kKeyBlock + j] = 0.0f;
+      gemm_nn_acc(qs, ldd, 1, kt, kKeyBlock, s, kKeyBlock, m_rows, d, nj);
+    } else {
+      gemm_nt(qs, ldd, kb, ldk, s, kKeyBlock, m_rows, nj, d);
+    }
     for (int64_t m = 0; m < m_rows; ++m) {
       const int64_t last = it.first_last + m / r;  // last visible key of this row
       const int64_t valid = std::min(nj, last - j0 + 1);
-      softmax_row(s + m * kKeyBlock, nj, valid, mx + m, lsum + m, o + m * ldd, d);
+      if constexpr (kTileOrder) {
+        softmax_row_tile_order(s + m * kKeyBlock, nj, valid, mx + m, lsum + m, o + m * ldd, d);
+      } else {
+        softmax_row(s + m * kKeyBlock, nj, valid, mx + m, lsum + m, o + m * ldd, d);
+      }
     }
     int64_t ldv = 0;
     const float* vb = kv_block(v_head, it.kv_row0 + j0, nj, ld_kv, d, vbuf, &ldv);

@@ -67,10 +67,10 @@ void slab_write(T* k_cache,        // [S, Hkv, D]
 // positions of its kv_len[b]-token context at k_cache[kv_start[b] ..]. Row i attends to context
 // positions 0 .. kv_len[b]-q_len[b]+i. Head h reads KV head h / (Hq/Hkv). Softmax in float32
 // with a running max. The caller has validated every index.
-// batch_invariant: every query row takes the query-vectorized tile path, whose arithmetic per
-// row depends only on that row's own context, never on how many rows share its tile. Without
-// it, a few rows (decodes, short prompt chunks) take the faster row-major path instead, so a
-// prompt row's result can change with the chunk it was computed in.
+// batch_invariant: a few query rows (decodes, short prompt chunks) take a row-major path that
+// repeats the prefill tiles' arithmetic operation for operation, so every row's result depends
+// only on its own context, never on its batch-mates or on the prompt chunk it is in. Without it,
+// that path rounds differently (dot products and vector sums) and is somewhat faster.
 template <typename T, typename I>
 void ragged_attention(const T* q,         // [T, Hq, D]
                       const T* k_cache,   // [S, Hkv, D]

@@ -12,11 +12,15 @@
 //    attention, where it is only used for decodes).
 //  * "NN" accumulation O += P * V keeps a 3 x 32 block of O in registers (12 vectors) while
 //    walking the rows of V, broadcasting one P element per row of O: 4 loads + 3 broadcasts
-//    per 12 FMAs, no horizontal sums at all.
+//    per 12 FMAs, no horizontal sums at all. Every element is an explicit FMA chain over the
+//    rows of V in order (vec.h: fmadd), whichever block shape computes it: the two attention
+//    paths rely on that to round identically in the batch-invariant mode.
 // Callers keep float32 operands in 64-byte-aligned rows where they can (vec.h: padded_ld,
 // thread_scratch): loads that straddle cache lines made these kernels ~1.6x slower.
 #pragma once
 #include <cstdint>
+
+#include "vec.h"
 
 namespace orca {
 namespace cpu {
@@ -145,7 +149,7 @@ inline void nn_block(const float* __restrict P, int64_t p_rs, int64_t p_cs, cons
     const float* v = V + j * ldv;
     for (int i = 0; i < MR; ++i) {
       const float p = P[i * p_rs + j * p_cs];
-      for (int l = 0; l < NC; ++l) acc[i][l] += p * v[l];
+      for (int l = 0; l < NC; ++l) acc[i][l] = fmadd(p, v[l], acc[i][l]);
     }
   }
   for (int i = 0; i < MR; ++i)
@@ -161,7 +165,7 @@ inline void nn_tail(const float* __restrict P, int64_t p_rs, int64_t p_cs, const
       const float p = P[i * p_rs + j * p_cs];
       const float* v = V + j * ldv;
       float* o = O + i * ldo;
-      for (int64_t n = n0; n < N; ++n) o[n] += p * v[n];
+      for (int64_t n = n0; n < N; ++n) o[n] = fmadd(p, v[n], o[n]);
     }
 }
 

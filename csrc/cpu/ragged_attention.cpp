@@ -80,10 +80,12 @@ void ragged_attention(const T* q,         // [T, Hq, D]
     it.first_last = static_cast<int64_t>(kv_len[w.b]) - ql + w.i0;
     it.kv_row0 = static_cast<int64_t>(kv_start[w.b]);
     it.n_keys = it.first_last + w.nq;
-    if (batch_invariant || w.nq * r >= kMinTileRows) {
+    if (w.nq * r >= kMinTileRows) {
       detail::attend_tile(it, q, k_cache, v_cache, out, n_q_heads, n_kv_heads, head_dim, qscale);
+    } else if (batch_invariant) {  // the tile path's arithmetic, row-major (attention_impl.h)
+      detail::attend_rows<T, true>(it, q, k_cache, v_cache, out, n_q_heads, n_kv_heads, head_dim, qscale);
     } else {
-      detail::attend_rows(it, q, k_cache, v_cache, out, n_q_heads, n_kv_heads, head_dim, qscale);
+      detail::attend_rows<T, false>(it, q, k_cache, v_cache, out, n_q_heads, n_kv_heads, head_dim, qscale);
     }
   }
 }

@@ -28,6 +28,18 @@ inline void store_row(const float* __restrict src, T* __restrict dst, int64_t n)
   for (int64_t i = 0; i < n; ++i) dst[i] = from_float<T>(src[i]);
 }
 
+// a * b + c with one rounding wherever the CPU has FMA. Spelled out because GCC's implicit
+// contraction of a*b + c depends on how a loop was vectorized (an SLP-vectorized, fully unrolled
+// loop may keep separate multiplies and adds), and code paths that must round identically -- the
+// two CPU attention paths of the batch-invariant mode -- cannot leave that to the optimiser.
+inline float fmadd(float a, float b, float c) {
+#if defined(__FMA__) || defined(__ARM_FEATURE_FMA)
+  return std::fma(a, b, c);
+#else
+  return a * b + c;
+#endif
+}
+
 // 2^x for x <= 0 (softmax exponents after subtracting the running max). Arguments below -126
 // are clamped, giving ~1e-38 instead of a denormal or 0: far below float32 resolution of
 // any softmax sum that contains the max element (which contributes 1). Max relative error
@@ -39,13 +51,13 @@ inline float exp2_nonpos(float x) {
   const float f = x - n;  // in [-0.5, 0.5]
   // Taylor series of 2^f = e^(f ln2) to degree 7: truncation error < 1e-8 on |f| <= 0.5.
   float p = 1.5252733804059840e-5f;
-  p = p * f + 1.5403530393381609e-4f;
-  p = p * f + 1.3333558146428443e-3f;
-  p = p * f + 9.6181291076284772e-3f;
-  p = p * f + 5.5504108664821580e-2f;
-  p = p * f + 2.4022650695910071e-1f;
-  p = p * f + 6.9314718055994531e-1f;
-  p = p * f + 1.0f;
+  p = fmadd(p, f, 1.5403530393381609e-4f);
+  p = fmadd(p, f, 1.3333558146428443e-3f);
+  p = fmadd(p, f, 9.6181291076284772e-3f);
+  p = fmadd(p, f, 5.5504108664821580e-2f);
+  p = fmadd(p, f, 2.4022650695910071e-1f);
+  p = fmadd(p, f, 6.9314718055994531e-1f);
+  p = fmadd(p, f, 1.0f);
   const uint32_t bits = static_cast<uint32_t>(static_cast<int32_t>(n) + 127) << 23;
   float scale;
   std::memcpy(&scale, &bits, sizeof scale);
@@ -56,6 +68,14 @@ inline float exp2_nonpos(float x) {
 // 64-byte aligned. Vector loads that straddle cache lines measured ~1.6x slower in the
 // micro-kernels, so all scratch operands use padded rows and aligned buffers.
 inline int64_t padded_ld(int64_t n) { return (n + 15) & ~int64_t{15}; }
+
+// x, opaque to the optimiser: a product passed through here is rounded on its own and never
+// fused into an FMA with a later addition (GCC contracts a*b + c across statements under its
+// default -ffp-contract=fast). Used where two code paths must round identically.
+inline float no_contract(float x) {
+  asm volatile("" : "+m"(x));
+  return x;
+}
 
 // x if keep, else +0.0f, with integer bit masking. The obvious `keep ? x : 0.0f` (or
 // `x * (keep ? 1.f : 0.f)`) makes GCC move floating-point work into the branches, where under
