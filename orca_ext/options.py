@@ -42,8 +42,7 @@ def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
                    help="tokens per iteration: decodes first, then prompt chunks (chunked prefill); "
                         f"'none' runs whole prompts (default {DEFAULT_MAX_NUM_BATCHED_TOKENS})")
     g.add_argument("--batch-invariant", action=argparse.BooleanOptionalAction, default=DEFAULT_BATCH_INVARIANT,
-                   help="a request's tokens do not depend on its batch-mates "
-                        f"(default {'on' if DEFAULT_BATCH_INVARIANT else 'off'})")
+                   help="a request's tokens do not depend on its batch-mates (default: on for CPU, off for CUDA)")
     g.add_argument("--slab-compaction", action=argparse.BooleanOptionalAction, default=True,
                    help="slide live KV slabs together when the queue head only lacks a contiguous run "
                         "(default on)")

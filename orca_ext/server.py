@@ -32,8 +32,12 @@ log = logging.getLogger(__name__)
 
 DEFAULT_MAX_UNDELIVERED = 4096   # finished outputs nobody has collected yet
 SHUTDOWN_WAIT_S = 30.0           # how long shutdown() lets parallel workers finish the running step
-DEFAULT_MAX_NUM_BATCHED_TOKENS = None  # whole prompts, as plain Algorithm 1 (no benchmark has picked a budget yet)
-DEFAULT_BATCH_INVARIANT = False        # on CUDA it gives up the fused decode GEMM and decode splits
+# Chunked prefill's token budget: the smallest chunk whose cost per token on CPU is within ~10% of
+# a whole long prompt's (bench/chunked_prefill.py --cost, bench/RESULTS.md).
+DEFAULT_MAX_NUM_BATCHED_TOKENS = 256
+# batch_invariant=None picks per device: on for CPU, where it costs no throughput
+# (bench/batch_invariance.py); off for CUDA until bench/device_check.sh has measured its cost.
+DEFAULT_BATCH_INVARIANT = None
 
 
 def _load(model: Any, device, dtype, tokenizer: Any) -> tuple[Any, Any, Optional[str]]:
@@ -82,7 +86,8 @@ class Server:
 
     Beyond Algorithm 1 (docs/DESIGN.md section 3): `max_num_batched_tokens` is the per-iteration
     token budget of chunked prefill (None: whole prompts, plain Orca; orca policy only),
-    `batch_invariant` makes each request's tokens independent of its batch-mates, and
+    `batch_invariant` makes each request's tokens independent of its batch-mates (None: on for
+    CPU, off for CUDA), and
     `slab_compaction` slides live slabs together when the queue head only lacks a contiguous run
     (single process only: with parallel workers it is off, see docs/DESIGN.md).
     """
@@ -96,7 +101,7 @@ class Server:
                  enforce_eager: bool = False,
                  tensor_parallel_size: int = 1, pipeline_parallel_size: int = 1,
                  max_num_batched_tokens: Optional[int] = DEFAULT_MAX_NUM_BATCHED_TOKENS,
-                 batch_invariant: bool = DEFAULT_BATCH_INVARIANT, slab_compaction: bool = True):
+                 batch_invariant: Optional[bool] = DEFAULT_BATCH_INVARIANT, slab_compaction: bool = True):
         check_positive_int("max_batch_size", max_batch_size)
         check_positive_int("tensor_parallel_size", tensor_parallel_size)
         check_positive_int("pipeline_parallel_size", pipeline_parallel_size)
@@ -113,9 +118,13 @@ class Server:
             if scheduler == "orca" and max_num_batched_tokens < max_batch_size:
                 raise ValueError(f"max_num_batched_tokens ({max_num_batched_tokens}) must be >= max_batch_size "
                                  f"({max_batch_size}): every running request decodes one token per iteration")
-        for name, flag in (("batch_invariant", batch_invariant), ("slab_compaction", slab_compaction)):
-            if not isinstance(flag, bool):
-                raise ValueError(f"{name} must be True or False, got {flag!r}")
+        if batch_invariant is not None and not isinstance(batch_invariant, bool):
+            raise ValueError(f"batch_invariant must be True, False or None (per device), got {batch_invariant!r}")
+        if not isinstance(slab_compaction, bool):
+            raise ValueError(f"slab_compaction must be True or False, got {slab_compaction!r}")
+        if batch_invariant is None:  # per device, see DEFAULT_BATCH_INVARIANT
+            on = model.device if model is not None and not isinstance(model, (str, os.PathLike)) else device
+            batch_invariant = resolve_device(on).type == "cpu"
 
         self.tensor_parallel_size = tensor_parallel_size
         self.pipeline_parallel_size = pipeline_parallel_size
