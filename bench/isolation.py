@@ -42,6 +42,7 @@ import logging
 import os
 import platform
 import random
+import re
 import sys
 import time
 from collections import Counter
@@ -204,7 +205,7 @@ async def run(server: ServeProcess, names: list[str], *, victims: int, window: f
             if res.status == 200 and not res.error:
                 spans.append(Span(start, res.finished, res.tokens))
             else:
-                victim_errors[f"{res.status} {res.error[:60]}"] += 1
+                victim_errors[f"{res.status} {re.sub(r'cmpl-[0-9a-f]+', 'cmpl-<id>', res.error)[:80]}"] += 1
                 await asyncio.sleep(0.1)
 
     phases: list[Phase] = []

@@ -247,7 +247,8 @@ def plot(samples: list[dict], path: str, title: str) -> None:
              linestyle="--", marker=".", label="KV slots reserved")
     ax2.set_ylabel("KV slots reserved (at the sample)")
     ax.set_title(title, fontsize=9)
-    fig.legend(loc="lower right", fontsize=8)
+    lines = ax.get_lines() + ax2.get_lines()
+    ax.legend(lines, [line.get_label() for line in lines], loc="center right", fontsize=8)
     fig.tight_layout()
     fig.savefig(path, dpi=120)
 
