@@ -40,6 +40,18 @@ DEFAULT_MAX_NUM_BATCHED_TOKENS = 256
 DEFAULT_BATCH_INVARIANT = None
 
 
+def _device_type(model: Any, device) -> str:
+    """'cpu' or 'cuda': where the weights will live. Validity is checked later, where they load."""
+    if model is not None and not isinstance(model, (str, os.PathLike)):
+        return torch.device(model.device).type
+    if isinstance(device, str) and device == "auto":
+        return "cuda" if torch.cuda.is_available() else "cpu"
+    try:
+        return torch.device(device).type
+    except (RuntimeError, TypeError):
+        return "cpu"  # resolve_device rejects it with the field's name
+
+
 def _load(model: Any, device, dtype, tokenizer: Any) -> tuple[Any, Any, Optional[str]]:
     """(model object, tokenizer or None, model folder or None) from Server's arguments."""
     if model is not None and not isinstance(model, (str, os.PathLike)):
@@ -123,8 +135,7 @@ class Server:
         if not isinstance(slab_compaction, bool):
             raise ValueError(f"slab_compaction must be True or False, got {slab_compaction!r}")
         if batch_invariant is None:  # per device, see DEFAULT_BATCH_INVARIANT
-            on = model.device if model is not None and not isinstance(model, (str, os.PathLike)) else device
-            batch_invariant = resolve_device(on).type == "cpu"
+            batch_invariant = _device_type(model, device) == "cpu"
 
         self.tensor_parallel_size = tensor_parallel_size
         self.pipeline_parallel_size = pipeline_parallel_size
