@@ -212,8 +212,7 @@ class Sampler:
             if not getattr(req, "emits_token", True):
                 # A prompt chunk that is not the last: no token, and no draw from its generator,
                 # so a seeded request samples the same stream however its prompt was split.
-                # (Parallel workers' rows do not carry it yet: there every row draws, and the
-                # driver drops a non-final chunk's token.)
+                # (Parallel workers' rows carry the same flag, SamplingRow.emits_token.)
                 tokens[i] = None
             elif not packed[1][i]:
                 tokens[i] = None

@@ -248,6 +248,10 @@ def test_control_message_round_trip():
     assert (msg.index, msg.inputs, msg.free, msg.want_logits) == (12, inputs, [5, 6], True)
     assert [r.seed for r in msg.rows] == [None, 2**64 - 5, (-3) % 2**64]  # what manual_seed gets
     assert [(r.temperature, r.top_k, r.top_p) for r in msg.rows] == [(0.0, 0, 1.0), (0.7, 5, 0.9), (1.5, 0, 0.5)]
+    # A non-final prompt chunk's row says so, with or without a seed.
+    flagged = [SamplingRow(3, None, 0.0, 0, 1.0, False), SamplingRow(9, 7, 0.7, 5, 0.9, False), rows[2]]
+    msg = unpack_forward(*pack_forward(13, inputs, flagged, [], False))
+    assert [(r.seed, r.emits_token) for r in msg.rows] == [(None, False), (7, False), ((-3) % 2**64, True)]
     # The sampling worker follows SamplingParams' greedy rule (tiny temperatures are greedy).
     for t in (0.0, 1e-7, 1e-5, 0.5):
         assert SamplingRow(0, None, t, 0, 1.0).greedy == SamplingParams(temperature=t).greedy
@@ -406,6 +410,23 @@ def test_seeded_sampling_matches_single_process(llama_pp2, tiny_model_dir):
         want = [o.token_ids for o in local.generate([p for p, _ in jobs], [params(i) for i in range(len(jobs))])]
     assert got == want
     assert_idle(server)
+
+
+def test_seeded_sampling_under_chunked_prefill_matches_single_process(tiny_model_dir):
+    """A prompt chunk that is not the last draws nothing on the sampling worker either, so a
+    seeded request samples the same stream as in one process with whole prompts."""
+    model_dir = tiny_model_dir("llama")
+    jobs = make_jobs(4, n=5)
+    params = [SamplingParams(max_tokens=n, temperature=0.9, top_k=40, top_p=0.95, seed=200 + i, ignore_eos=True)
+              for i, (_, n) in enumerate(jobs)]
+    with start_server(model_dir, 1, 2, max_num_batched_tokens=8, record_iterations=True) as server:
+        got = [o.token_ids for o in server.generate([p for p, _ in jobs], params)]
+        # Every chunk fit the budget, and some prompt was longer: it was split.
+        assert max(c for rec in server.iterations() for c in rec.chunk_sizes) <= 8 < max(len(p) for p, _ in jobs)
+    with Server(str(model_dir), device="cpu", dtype="float32", max_batch_size=4, n_slots=800,
+                max_num_batched_tokens=None) as local:
+        want = [o.token_ids for o in local.generate([p for p, _ in jobs], params)]
+    assert got == want
 
 
 def test_bfloat16_logits_close_to_single_process(tiny_model_dir, local_models):

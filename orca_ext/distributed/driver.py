@@ -349,7 +349,7 @@ class DistributedExecutor:
                 seq = self._seq_ids[req] = self._next_seq
                 self._next_seq += 1
         p = req.params
-        return SamplingRow(seq, p.seed, p.temperature, p.top_k, p.top_p)
+        return SamplingRow(seq, p.seed, p.temperature, p.top_k, p.top_p, req.emits_token)
 
     def _check_inputs(self, inputs) -> Optional[str]:
         """What the workers' forward would reject, caught here so it fails only this batch."""

@@ -63,6 +63,7 @@ class SamplingRow:
     temperature: float
     top_k: int
     top_p: float
+    emits_token: bool = True  # False for a prompt chunk that is not the prompt's last: no draw
 
     @property
     def greedy(self) -> bool:
@@ -108,7 +109,9 @@ def pack_forward(index: int, inputs: Sequence[tuple], rows: Sequence[SamplingRow
     for r in rows:
         u = 0 if r.seed is None else r.seed % _U64
         seeds.append(u - _U64 if u >= 1 << 63 else u)
-    ints += [r.seq_id for r in rows] + seeds + [int(r.seed is not None) for r in rows] + [r.top_k for r in rows]
+    # One flags int per row: bit 0 the row has a seed, bit 1 it emits no token.
+    flags = [int(r.seed is not None) | (0 if r.emits_token else 2) for r in rows]
+    ints += [r.seq_id for r in rows] + seeds + flags + [r.top_k for r in rows]
     floats = torch.tensor([r.temperature for r in rows] + [r.top_p for r in rows], dtype=torch.float64)
     payload = torch.cat([torch.tensor(tokens + ints, dtype=torch.int64), floats.view(torch.int64),
                          torch.tensor(list(free), dtype=torch.int64)])
@@ -127,13 +130,13 @@ def unpack_forward(h: torch.Tensor, payload: torch.Tensor) -> ForwardMessage:
     floats = payload[t + 7 * b:t + 9 * b].view(torch.float64).tolist()
     free = payload[t + 9 * b:t + 9 * b + n_free].tolist()
     q_len, start, slab = ints[:b], ints[b:2 * b], ints[2 * b:3 * b]
-    seq, seed, has_seed, top_k = ints[3 * b:4 * b], ints[4 * b:5 * b], ints[5 * b:6 * b], ints[6 * b:7 * b]
+    seq, seed, flags, top_k = ints[3 * b:4 * b], ints[4 * b:5 * b], ints[5 * b:6 * b], ints[6 * b:7 * b]
     inputs, rows, pos = [], [], 0
     for i in range(b):
         inputs.append((tokens[pos:pos + q_len[i]], start[i], slab[i]))
         pos += q_len[i]
-        rows.append(SamplingRow(seq[i], seed[i] % _U64 if has_seed[i] else None, floats[i], top_k[i],
-                                floats[b + i]))
+        rows.append(SamplingRow(seq[i], seed[i] % _U64 if flags[i] & 1 else None, floats[i], top_k[i],
+                                floats[b + i], not flags[i] & 2))
     return ForwardMessage(int(h[1]), inputs, rows, free, bool(h[5]))
 
 

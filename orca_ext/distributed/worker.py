@@ -122,13 +122,15 @@ def _main(launch: WorkerLaunch) -> int:
 
 
 class _Row:
-    """A batch row as the Sampler sees a request: its params and its generator."""
+    """A batch row as the Sampler sees a request: its params, its generator, and whether this
+    iteration samples its next token (not for a prompt chunk other than the last)."""
 
-    __slots__ = ("params", "generator")
+    __slots__ = ("params", "generator", "emits_token")
 
     def __init__(self, params, generator):
         self.params = params
         self.generator = generator
+        self.emits_token = params.emits_token
 
 
 class Worker:
@@ -260,8 +262,9 @@ class Worker:
         for row in rows:
             if row.generator is not None:
                 self.generators[row.params.seq_id] = row.generator
-        tokens = torch.tensor([-1 if e is not None else t for t, e in zip(result.tokens, result.errors)],
-                              dtype=torch.int64)
+        # A row without a token (a non-final prompt chunk) sends 0; the driver drops that token.
+        tokens = torch.tensor([-1 if e is not None else (0 if t is None else t)
+                               for t, e in zip(result.tokens, result.errors)], dtype=torch.int64)
         errors = pack_row_errors(result.errors)
         self._send_up(header(KIND_RESULT, msg.index, len(rows), int(msg.want_logits), errors.numel()), tokens)
         if errors.numel():
