@@ -40,7 +40,8 @@ def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
                         "stage (default 1)")
     g.add_argument("--max-num-batched-tokens", type=_budget, default=DEFAULT_MAX_NUM_BATCHED_TOKENS,
                    help="tokens per iteration: decodes first, then prompt chunks (chunked prefill); "
-                        f"'none' runs whole prompts (default {DEFAULT_MAX_NUM_BATCHED_TOKENS})")
+                        "'none' runs whole prompts (default auto: 128 on CPU, 2048 on CUDA, at least "
+                        "--max-batch-size)")
     g.add_argument("--batch-invariant", action=argparse.BooleanOptionalAction, default=DEFAULT_BATCH_INVARIANT,
                    help="a request's tokens do not depend on its batch-mates (default: on for CPU, off for CUDA)")
     g.add_argument("--slab-compaction", action=argparse.BooleanOptionalAction, default=True,
@@ -49,13 +50,13 @@ def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def _budget(value: str):
-    """--max-num-batched-tokens: a positive integer or 'none'."""
-    if value.lower() == "none":
-        return None
+    """--max-num-batched-tokens: a positive integer, 'none' or 'auto'."""
+    if value.lower() in ("none", "auto"):
+        return None if value.lower() == "none" else "auto"
     try:
         n = int(value)
     except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a positive integer or 'none', got {value!r}") from None
+        raise argparse.ArgumentTypeError(f"expected a positive integer, 'none' or 'auto', got {value!r}") from None
     if n < 1:
         raise argparse.ArgumentTypeError(f"must be >= 1, got {n}")
     return n

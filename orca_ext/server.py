@@ -32,9 +32,14 @@ log = logging.getLogger(__name__)
 
 DEFAULT_MAX_UNDELIVERED = 4096   # finished outputs nobody has collected yet
 SHUTDOWN_WAIT_S = 30.0           # how long shutdown() lets parallel workers finish the running step
-# Chunked prefill's token budget: the smallest chunk whose cost per token on CPU is within ~10% of
-# a whole long prompt's (bench/chunked_prefill.py --cost, bench/RESULTS.md).
-DEFAULT_MAX_NUM_BATCHED_TOKENS = 256
+# Chunked prefill's token budget. "auto" picks per device, raised to max_batch_size when that is
+# larger (every running request decodes each iteration). CPU: the smallest chunk whose cost per
+# token is within ~10% of a whole long prompt's (bench/chunked_prefill.py --cost, bench/RESULTS.md);
+# a CPU forward costs in proportion to its tokens, so a smaller budget means shorter stalls for the
+# running decodes. CUDA: a forward of a few thousand tokens costs little more than a decode step, so
+# the budget is vLLM's online-serving default (not measured here yet).
+DEFAULT_MAX_NUM_BATCHED_TOKENS = "auto"
+CHUNK_BUDGET_BY_DEVICE = {"cpu": 128, "cuda": 2048}
 # batch_invariant=None picks per device: on for CPU, where it costs no throughput
 # (bench/batch_invariance.py); off for CUDA until bench/device_check.sh has measured its cost.
 DEFAULT_BATCH_INVARIANT = None
@@ -43,13 +48,13 @@ DEFAULT_BATCH_INVARIANT = None
 def _device_type(model: Any, device) -> str:
     """'cpu' or 'cuda': where the weights will live. Validity is checked later, where they load."""
     if model is not None and not isinstance(model, (str, os.PathLike)):
-        return torch.device(model.device).type
+        return "cuda" if torch.device(model.device).type == "cuda" else "cpu"
     if isinstance(device, str) and device == "auto":
         return "cuda" if torch.cuda.is_available() else "cpu"
     try:
-        return torch.device(device).type
+        return "cuda" if torch.device(device).type == "cuda" else "cpu"
     except (RuntimeError, TypeError):
-        return "cpu"  # resolve_device rejects it with the field's name
+        return "cpu"  # resolve_device rejects a bad value with the field's name
 
 
 def _load(model: Any, device, dtype, tokenizer: Any) -> tuple[Any, Any, Optional[str]]:
@@ -97,7 +102,8 @@ class Server:
     flight (Algorithm 1's n_workers). The workers run every iteration eagerly.
 
     Beyond Algorithm 1 (docs/DESIGN.md section 3): `max_num_batched_tokens` is the per-iteration
-    token budget of chunked prefill (None: whole prompts, plain Orca; orca policy only),
+    token budget of chunked prefill ("auto": CHUNK_BUDGET_BY_DEVICE, at least max_batch_size; None:
+    whole prompts, plain Orca; orca policy only),
     `batch_invariant` makes each request's tokens independent of its batch-mates (None: on for
     CPU, off for CUDA), and
     `slab_compaction` slides live slabs together when the queue head only lacks a contiguous run
@@ -112,7 +118,7 @@ class Server:
                  max_undelivered_outputs: int = DEFAULT_MAX_UNDELIVERED,
                  enforce_eager: bool = False,
                  tensor_parallel_size: int = 1, pipeline_parallel_size: int = 1,
-                 max_num_batched_tokens: Optional[int] = DEFAULT_MAX_NUM_BATCHED_TOKENS,
+                 max_num_batched_tokens: Union[int, str, None] = DEFAULT_MAX_NUM_BATCHED_TOKENS,
                  batch_invariant: Optional[bool] = DEFAULT_BATCH_INVARIANT, slab_compaction: bool = True):
         check_positive_int("max_batch_size", max_batch_size)
         check_positive_int("tensor_parallel_size", tensor_parallel_size)
@@ -125,7 +131,9 @@ class Server:
         check_choice("scheduler", scheduler, SCHEDULERS)
         if not isinstance(enforce_eager, bool):
             raise ValueError(f"enforce_eager must be a bool, got {enforce_eager!r}")
-        if max_num_batched_tokens is not None:
+        if isinstance(max_num_batched_tokens, str) and max_num_batched_tokens == "auto":
+            max_num_batched_tokens = max(CHUNK_BUDGET_BY_DEVICE[_device_type(model, device)], max_batch_size)
+        elif max_num_batched_tokens is not None:
             check_positive_int("max_num_batched_tokens", max_num_batched_tokens)
             if scheduler == "orca" and max_num_batched_tokens < max_batch_size:
                 raise ValueError(f"max_num_batched_tokens ({max_num_batched_tokens}) must be >= max_batch_size "

@@ -115,3 +115,24 @@ def test_abort_during_a_half_done_prefill_frees_the_slab():
         engine.step()
     assert b.output_token_ids == fake_reference(list(range(5, 60)), 4)
     assert a.finish_reason == "abort" and engine.scheduler.allocator.n_used == 0
+
+
+def test_server_defaults_pick_the_budget_and_invariance_per_device(tiny_model_dir):
+    """The defaults resolve per device: on CPU a 128-token budget (never below max_batch_size,
+    since every running request decodes each iteration) and batch-invariant kernels."""
+    from orca_ext.options import _budget
+    from orca_ext.server import CHUNK_BUDGET_BY_DEVICE, Server
+
+    path = str(tiny_model_dir("llama"))
+    assert CHUNK_BUDGET_BY_DEVICE["cpu"] == 128
+    with Server(path, device="cpu", n_slots=512) as server:
+        assert server.max_num_batched_tokens == 128
+        assert server.model.batch_invariant is True
+    with Server(path, device="cpu", n_slots=512, max_batch_size=200, batch_invariant=False) as server:
+        assert server.max_num_batched_tokens == 200
+        assert server.model.batch_invariant is False
+    with Server(path, device="cpu", n_slots=512, max_num_batched_tokens=None) as server:
+        assert server.max_num_batched_tokens is None
+    with pytest.raises(ValueError, match=r"max_num_batched_tokens \(16\) must be >= max_batch_size \(32\)"):
+        Server(path, device="cpu", n_slots=512, max_num_batched_tokens=16)
+    assert [_budget(v) for v in ("auto", "AUTO", "none", "64")] == ["auto", "auto", None, 64]
