@@ -15,7 +15,9 @@ Two measurements:
 Outputs under --out-prefix: .json, .md and .png (TPOT p99 vs throughput per budget, and the
 iteration cost curve).
 
-    python bench/chunked_prefill.py --cost --serve [--rates 0.15 0.3] [--budgets none 128 256]
+    python bench/chunked_prefill.py --cost --serve [--rates 0.15 0.3 0.6 1.0] [--budgets none 128 256]
+
+A run with --serve keeps the rates of an earlier run that it does not measure again.
 """
 from __future__ import annotations
 
@@ -209,7 +211,7 @@ def main(argv=None) -> int:
     p.add_argument("--cost", action="store_true", help="measure iteration cost vs chunk size")
     p.add_argument("--serve", action="store_true", help="run the serving comparison")
     p.add_argument("--chunks", type=int, nargs="+", default=[16, 32, 64, 128, 256, 512, 1024])
-    p.add_argument("--rates", type=float, nargs="+", default=[0.15, 0.3])
+    p.add_argument("--rates", type=float, nargs="+", default=[0.15, 0.3, 0.6, 1.0])
     p.add_argument("--budgets", nargs="+", default=["none", "128", "256"],
                    help="token budgets to compare ('none' = whole prompts)")
     p.add_argument("--requests", type=int, default=24, help="requests per rate")
@@ -230,10 +232,11 @@ def main(argv=None) -> int:
             data.update({k: old[k] for k in ("cost", "serve", "serve_meta") if k in old})
         if args.cost:
             data["cost"] = iteration_cost(args.chunks, batch_invariant=True)
-        if args.serve:
-            data["serve"] = serve_sweep(args)
+        if args.serve:  # new rates join the earlier ones; a rate measured again replaces its rows
+            old_rows = [r for r in data.get("serve", []) if r["rate"] not in args.rates]
+            data["serve"] = sorted(old_rows + serve_sweep(args), key=lambda r: r["rate"])
             data["serve_meta"] = {"requests": args.requests, "long_fraction": args.long_fraction,
-                                  "rates": args.rates}
+                                  "rates": sorted({r["rate"] for r in data["serve"]})}
         prefix.with_suffix(".json").write_text(json.dumps(data, indent=2))
     write_markdown(data, prefix.with_suffix(".md"))
     plot(data, prefix.with_suffix(".png"))

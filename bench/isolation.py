@@ -5,7 +5,8 @@ benchmark against one `python -m orca_ext serve` on 127.0.0.1. Phases of `--wind
 alternate: a baseline with the victims alone, then one attack, then a baseline again, and so on.
 An attack's ratio is the victims' token rate during it over the mean of the two baselines around
 it, so slow drift of a shared machine cancels out. The target: no attack may cut the rate by more
-than 25% (ratio >= 0.75).
+than 25% (ratio >= 0.75). A stream of accepted requests is load, not one request, so the
+attack that sends one (disconnect_churn) is held to its polite twin instead (TWINS below).
 
 Next to the wall-clock rate it reports the victims' tokens per CPU second of the server process
 (utime + stime from /proc). An attack that makes the server burn CPU (encoding, stop checks)
@@ -18,13 +19,17 @@ sees them as two clients, as it would two machines. Attacks (each is one client 
 requests are sent back to back):
   benign_client      a reference, not an attack: a fifth client with ordinary parameters
                      (temperature 1), i.e. what any extra client costs the victims
+  one_token_client   a reference, not an attack: a fifth client whose requests ask for one token
+                     each, back to back: the prompt-heavy load that disconnect_churn also sends,
+                     without hanging up
   top_k_overflow     accepted: top_k = 2**63, temperature 1
   tiny_temperature   accepted: temperature 1e-39
   stop_strings_max   accepted: the most stop strings allowed, each as long as allowed, never matching
   stop_strings_huge  rejected by the limits: 1,000 stop strings of 1,000 characters
   huge_prompt        rejected: a 0.9 MB text prompt (longer than the context can hold)
   oversize_body      rejected: a 2 MiB body (over --max-body-bytes)
-  disconnect_churn   accepted, then the client hangs up after the first chunk
+  disconnect_churn   accepted, then the client hangs up after the first chunk (held to
+                     one_token_client: hanging up may add nothing to that load)
   slow_headers       300 connections that send headers one byte every few seconds
 
 Usage:
@@ -61,6 +66,13 @@ VICTIM_PROMPT = "Write a short story about a lighthouse keeper who finds a messa
 VICTIM_TOKENS = 16
 ATTACKER_ADDRESS = "127.0.0.2"  # a second loopback address: a different client to the server
 TARGET_RATIO = 0.75
+REFERENCES = ("benign_client", "one_token_client")  # extra clients, not attacks: what load itself costs
+# A stream of accepted requests is load, which the target does not bound (it bounds one request and
+# a stream of rejected ones; the server has no per-client rate limit for accepted requests). Such an
+# attack passes when it costs the victims no more than its reference twin, the same requests sent
+# politely, within TWIN_TOLERANCE: its way of misbehaving (hanging up) must add nothing to the load.
+TWINS = {"disconnect_churn": "one_token_client"}
+TWIN_TOLERANCE = 0.05
 
 
 @dataclass
@@ -175,6 +187,7 @@ def attacks(model: str, port: int) -> dict[str, Callable[[httpx.AsyncClient, str
     oversize_body = json.dumps({**_body(model), "prompt": "x" * (2 << 20)}).encode()
     return {
         "benign_client": lambda c, u, s: _accepted_loop(c, u, _body(model, temperature=1.0), s),
+        "one_token_client": lambda c, u, s: _accepted_loop(c, u, _body(model, max_tokens=1), s),
         "top_k_overflow": lambda c, u, s: _accepted_loop(c, u, _body(model, temperature=1.0, top_k=2**63), s),
         "tiny_temperature": lambda c, u, s: _accepted_loop(c, u, _body(model, temperature=1e-39), s),
         "stop_strings_max": lambda c, u, s: _accepted_loop(c, u, _body(model, stop=max_stops), s),
@@ -279,14 +292,24 @@ def main(argv: list[str] | None = None) -> int:
                    or platform.machine(), "victims": args.victims, "window_s": args.window, "server_cwd": args.cwd})
     print(f"\n{'attack':<18} {'baseline tok/s':>14} {'attack tok/s':>12} {'ratio':>6}   "
           f"{'tok/CPU-s base':>14} {'attack':>7} {'ratio':>6}  attacker statuses")
-    attacks_only = [r for r in result["rows"] if r["attack"] != "benign_client"]  # the reference is no attack
+    attacks_only = [r for r in result["rows"] if r["attack"] not in REFERENCES]
     for r in result["rows"]:
         print(f"{r['attack']:<18} {r['baseline_tok_s']:>14.1f} {r['attack_tok_s']:>12.1f} {r['ratio']:>6.2f}   "
               f"{r['baseline_tok_per_cpu_s']:>14.1f} {r['attack_tok_per_cpu_s']:>7.1f} {r['cpu_ratio']:>6.2f}  "
               f"{r['attacker']}")
     print(f"victim errors: {result['victim_errors'] or 'none'}")
-    below = [r["attack"] for r in attacks_only if not r["ratio"] >= TARGET_RATIO]
-    below_cpu = [r["attack"] for r in attacks_only if not r["cpu_ratio"] >= TARGET_RATIO]
+    measured = {r["attack"]: r for r in result["rows"]}
+
+    def bound(attack: str, key: str) -> float:
+        twin = measured.get(TWINS.get(attack, ""))
+        return TARGET_RATIO if twin is None else min(TARGET_RATIO, twin[key] - TWIN_TOLERANCE)
+
+    for attack, twin in TWINS.items():
+        if attack in measured and twin in measured:
+            print(f"{attack} costs {1 - measured[attack]['ratio']:.0%} against {1 - measured[twin]['ratio']:.0%} for "
+                  f"{twin} (the same load without misbehaving): checked against that, not the {TARGET_RATIO:.0%} bound")
+    below = [r["attack"] for r in attacks_only if not r["ratio"] >= bound(r["attack"], "ratio")]
+    below_cpu = [r["attack"] for r in attacks_only if not r["cpu_ratio"] >= bound(r["attack"], "cpu_ratio")]
     ok = not below and not result["victim_errors"]
     print(f"{'PASS' if ok else 'FAIL'}: wall-clock rate >= {TARGET_RATIO:.0%} of baseline for every attack"
           f"{'' if not below else ' except ' + ', '.join(below)}; per server CPU second: "

@@ -13,7 +13,8 @@ counters and its undelivered outputs. At the end it waits for the server to go i
 one PASS/FAIL line:
   PASS needs 0 KV slots reserved/used/allocated, 0 undelivered outputs, 0 requests that ended
   with finish_reason "error", every output within its max_tokens and the vocabulary, and RSS
-  growth from the first sample to the end below --max-rss-growth-mib (default 64).
+  growth from the first sample after warm-up (the one after --sample-every requests; allocator
+  pools and caches fill in the first ones) to the end below --max-rss-growth-mib (default 64).
 The RSS curve is drawn to --plot (PNG).
 
 The model defaults to a tiny random Llama (tests/tiny_models.py, the default model's tokenizer),
