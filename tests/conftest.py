@@ -1,4 +1,5 @@
-"""Shared pytest fixtures: the converted default model and a factory of tiny random models."""
+"""Shared pytest fixtures: the converted default model, a factory of tiny random models, and a
+factory of Servers around the fake model."""
 from __future__ import annotations
 
 import random
@@ -62,3 +63,24 @@ def tiny_model_dir(tmp_path_factory, tokenizer_dir):
         return built[key]
 
     return make
+
+
+@pytest.fixture
+def make_server():
+    """Factory: `make_server(model=None, tokenizer=None, **Server kwargs) -> Server` around the fake
+    model and tokenizer (fake_model.py) unless given; every server is shut down after the test."""
+    from fake_model import FakeModel, FakeTokenizer
+    from orca_ext.server import Server
+
+    servers = []
+
+    def make(model=None, tokenizer=None, **kw):
+        kw.setdefault("n_slots", 2000)
+        kw.setdefault("max_batch_size", 8)
+        s = Server(model or FakeModel(), tokenizer=tokenizer or FakeTokenizer(), **kw)
+        servers.append(s)
+        return s
+
+    yield make
+    for s in servers:
+        s.shutdown()

@@ -30,22 +30,6 @@ BYSTANDER_PROMPTS = [[3, 1, 4, 1, 5], [9, 2, 6], [5, 3, 5, 8, 9, 7], [2, 7]]
 BYSTANDER_TOKENS = 12
 
 
-@pytest.fixture
-def make_server():
-    servers = []
-
-    def make(model=None, tokenizer=None, **kw):
-        kw.setdefault("n_slots", 2000)
-        kw.setdefault("max_batch_size", 8)
-        s = Server(model or FakeModel(), tokenizer=tokenizer or FakeTokenizer(), **kw)
-        servers.append(s)
-        return s
-
-    yield make
-    for s in servers:
-        s.shutdown()
-
-
 def assert_idle(server: Server) -> None:
     st = server.stats()
     assert st["waiting"] == 0 and st["running"] == 0

@@ -26,22 +26,6 @@ from orca_ext.server import Server
 V = FakeSpec().vocab_size
 
 
-@pytest.fixture
-def make_server():
-    servers = []
-
-    def make(model=None, tokenizer=None, **kw):
-        kw.setdefault("n_slots", 2000)
-        kw.setdefault("max_batch_size", 8)
-        s = Server(model or FakeModel(), tokenizer=tokenizer or FakeTokenizer(), **kw)
-        servers.append(s)
-        return s
-
-    yield make
-    for s in servers:
-        s.shutdown()
-
-
 def rand_prompt(rng: random.Random, lo=1, hi=30) -> list[int]:
     return [rng.randrange(V) for _ in range(rng.randint(lo, hi))]
 
