@@ -21,6 +21,9 @@ from typing import Any
 import httpx
 
 REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO))  # a checkout without an install
+
+from orca_ext.benchmarks.serving import sse_chunks  # noqa: E402
 
 
 def free_port() -> int:
@@ -112,13 +115,7 @@ async def stream_completion(client: httpx.AsyncClient, url: str, body: dict[str,
             if r.status_code != 200:
                 res.error = (await r.aread()).decode(errors="replace")[:200]
                 return res
-            async for line in r.aiter_lines():
-                if not line.startswith("data: "):
-                    continue
-                data = line[len("data: "):]
-                if data == "[DONE]":
-                    break
-                chunk = json.loads(data)
+            async for chunk in sse_chunks(r):
                 if "error" in chunk:
                     res.error = chunk["error"].get("message", "error event")
                     continue

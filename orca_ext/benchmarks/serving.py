@@ -78,6 +78,17 @@ async def arrivals(requests: list[BenchRequest], rate: float, burstiness: float,
         await asyncio.sleep(rng.gamma(shape=burstiness, scale=1.0 / (rate * burstiness)))
 
 
+async def sse_chunks(response: httpx.Response) -> AsyncIterator[dict]:
+    """The JSON chunks of an OpenAI server-sent-event stream, up to `data: [DONE]`."""
+    async for line in response.aiter_lines():
+        if not line.startswith("data: "):
+            continue
+        data = line[len("data: "):]
+        if data == "[DONE]":
+            return
+        yield json.loads(data)
+
+
 async def send_one(client: httpx.AsyncClient, url: str, model: str | None, req: BenchRequest,
                    headers: dict[str, str]) -> RequestResult:
     body: dict[str, Any] = {
@@ -94,13 +105,7 @@ async def send_one(client: httpx.AsyncClient, url: str, model: str | None, req: 
             if r.status_code != 200:
                 res.error = f"HTTP {r.status_code}: {(await r.aread()).decode(errors='replace')[:200]}"
                 return res
-            async for line in r.aiter_lines():
-                if not line.startswith("data: "):
-                    continue
-                data = line[len("data: "):]
-                if data == "[DONE]":
-                    break
-                chunk = json.loads(data)
+            async for chunk in sse_chunks(r):
                 if "error" in chunk:
                     res.error = chunk["error"].get("message", "stream error")
                     return res
