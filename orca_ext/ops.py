@@ -84,6 +84,15 @@ def slab_write(k_cache, v_cache, k, v, slots) -> None:
     _C.slab_write(k_cache, v_cache, k, v, slots)
 
 
+def rope_slab_write(qkv, cos, sin, k_cache, v_cache, slots, n_q_heads: int, n_kv_heads: int) -> torch.Tensor:
+    """qkv [T, (Hq + 2*Hkv) * D] -> rotated q [T, Hq, D]; rotated k and v go to the caches at
+    slots[t]. cos/sin [T, D/2] float32 (each token's position). The CPU kernel is bit-identical
+    to rope then slab_write; there is no CUDA kernel, so other devices run that pair of steps."""
+    if _C is None or not qkv.is_cpu:
+        return reference.rope_slab_write(qkv, cos, sin, k_cache, v_cache, slots, n_q_heads, n_kv_heads)
+    return _C.rope_slab_write(qkv, cos, sin, k_cache, v_cache, slots, n_q_heads, n_kv_heads)
+
+
 def ragged_attention_plan(q_start, q_len, kv_start, kv_len, n_tokens: int, n_slots: int, n_q_heads: int,
                           n_kv_heads: int, head_dim: int, dtype: torch.dtype, batch_invariant: bool = False):
     """The attention work list of one set of [B] index tensors, for every layer that shares them

@@ -49,6 +49,27 @@ def slab_write(k_cache, v_cache, k, v, slots) -> None:
     v_cache[idx] = v
 
 
+def rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """x [T, heads, D], cos/sin [T, D/2] float32 -> [T, heads, D] in x's dtype: the half-split
+    rotation [x1 | x2] -> [x1*cos - x2*sin | x2*cos + x1*sin] in float32 (float64 stays float64)."""
+    half = x.shape[-1] // 2
+    acc = torch.float64 if x.dtype == torch.float64 else torch.float32
+    xf, c, s = x.to(acc), cos.to(acc).unsqueeze(1), sin.to(acc).unsqueeze(1)
+    x1, x2 = xf[..., :half], xf[..., half:]
+    return torch.cat((x1 * c - x2 * s, x2 * c + x1 * s), dim=-1).to(x.dtype)
+
+
+def rope_slab_write(qkv, cos, sin, k_cache, v_cache, slots, n_q_heads: int, n_kv_heads: int) -> torch.Tensor:
+    """qkv [T, (Hq + 2*Hkv) * D], cos/sin [T, D/2] float32 -> rotated q [T, Hq, D]; rotated k
+    and v are written to the caches at slots[t] (in place): rope, then slab_write."""
+    t, d = qkv.shape[0], k_cache.shape[-1]
+    q_end, k_end = n_q_heads * d, (n_q_heads + n_kv_heads) * d
+    q = rope(qkv[:, :q_end].reshape(t, n_q_heads, d), cos, sin)
+    k = rope(qkv[:, q_end:k_end].reshape(t, n_kv_heads, d), cos, sin)
+    slab_write(k_cache, v_cache, k, qkv[:, k_end:].reshape(t, n_kv_heads, d), slots)
+    return q
+
+
 def slab_move(pools: torch.Tensor, moves) -> None:
     """pools [P, S, ...]: for each (src, dst, n) of `moves` in order, rows [src, src+n) of every
     pool are copied to rows [dst, dst+n) as if through a temporary (the two ranges may overlap);

@@ -62,6 +62,21 @@ void slab_write(T* k_cache,        // [S, Hkv, D]
                 const I* slots,    // [T]
                 int64_t n_tokens, int64_t row_elems /* Hkv*D */);
 
+// The step between the QKV projection and attention, fused: q and k heads of each token rotated
+// by the half-split rotary embedding (x = [x1 | x2] -> [x1*cos - x2*sin | x2*cos + x1*sin], in
+// float32 with every product rounded on its own, then rounded once to T: bit-identical to the
+// elementwise ops of the unfused path), q_out[t] = rotated q, k_cache[slots[t]] = rotated k,
+// v_cache[slots[t]] = v. head_dim is even. The caller has checked 0 <= slots[t] < n_slots.
+template <typename T, typename I>
+void rope_slab_write(const T* qkv,      // [T, (Hq + 2*Hkv) * D]: q heads, then k heads, then v heads
+                     const float* cos,  // [T, D/2]: each token's own position
+                     const float* sin,  // [T, D/2]
+                     T* k_cache,        // [S, Hkv, D]
+                     T* v_cache,        // [S, Hkv, D]
+                     const I* slots,    // [T]
+                     T* q_out,          // [T, Hq, D]
+                     int64_t n_tokens, int64_t n_q_heads, int64_t n_kv_heads, int64_t head_dim);
+
 // Ragged causal attention over a mixed batch (decodes, prefills, prefills over a cached prefix).
 // Request b owns query rows q[q_start[b] .. q_start[b]+q_len[b]); they are the last q_len[b]
 // positions of its kv_len[b]-token context at k_cache[kv_start[b] ..]. Row i attends to context

@@ -42,6 +42,11 @@ PYBIND11_MODULE(_C, m) {
         "fixed-chunk cuBLAS)");
   m.def("slab_write", &orca::slab_write, py::arg("k_cache"), py::arg("v_cache"), py::arg("k"), py::arg("v"),
         py::arg("slots"), "slab_write(k_cache[S,Hkv,D], v_cache, k[T,Hkv,D], v, slots[T]): cache[slots[t]] = k[t]");
+  m.def("rope_slab_write", &orca::rope_slab_write, py::arg("qkv"), py::arg("cos"), py::arg("sin"),
+        py::arg("k_cache"), py::arg("v_cache"), py::arg("slots"), py::arg("n_q_heads"), py::arg("n_kv_heads"),
+        "rope_slab_write(qkv[T,(Hq+2Hkv)*D], cos[T,D/2] f32, sin[T,D/2] f32, k_cache[S,Hkv,D], v_cache, slots[T], "
+        "n_q_heads, n_kv_heads) -> q[T,Hq,D]; rotates q and k (half-split rope, float32), writes rotated k and v "
+        "to the caches at slots[t]; CPU only");
   using orca::RaggedAttentionPlan;
   py::class_<RaggedAttentionPlan, std::shared_ptr<RaggedAttentionPlan>>(
       m, "RaggedAttentionPlan",

@@ -174,6 +174,26 @@ void slab_write(at::Tensor& k_cache, at::Tensor& v_cache, const at::Tensor& k, c
   });
 }
 
+at::Tensor rope_slab_write(const at::Tensor& qkv, const at::Tensor& cos, const at::Tensor& sin, at::Tensor& k_cache,
+                           at::Tensor& v_cache, const at::Tensor& slots, int64_t n_q_heads) {
+  const int64_t n_tokens = qkv.size(0), n_slots = k_cache.size(0), n_kv_heads = k_cache.size(1),
+                head_dim = k_cache.size(2);
+  for (int64_t s : index_values(slots))
+    TORCH_CHECK_VALUE(s >= 0 && s < n_slots, "slots contains ", s, ", outside the cache of ", n_slots, " slots");
+  at::Tensor q = at::empty({n_tokens, n_q_heads, head_dim}, qkv.options());
+  if (n_tokens == 0) return q;
+  dispatch_float(qkv.scalar_type(), [&](auto tag) {
+    using T = decltype(tag);
+    dispatch_index(slots.scalar_type(), [&](auto itag) {
+      using I = decltype(itag);
+      cpu::rope_slab_write<T, I>(ptr<T>(qkv), cos.data_ptr<float>(), sin.data_ptr<float>(), ptr<T>(k_cache),
+                                 ptr<T>(v_cache), slots.data_ptr<I>(), ptr<T>(q), n_tokens, n_q_heads, n_kv_heads,
+                                 head_dim);
+    });
+  });
+  return q;
+}
+
 at::Tensor ragged_attention(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
                             const at::Tensor& q_start, const at::Tensor& q_len, const at::Tensor& kv_start,
                             const at::Tensor& kv_len, double scale, bool batch_invariant) {

@@ -28,6 +28,15 @@ void slab_write(at::Tensor& k_cache,       // [S, Hkv, D]
                 const at::Tensor& v,       // [T, Hkv, D]
                 const at::Tensor& slots);  // [T] int32 or int64
 
+// Checks every slot against [0, S) before writing (a ValueError names the bad slot).
+at::Tensor rope_slab_write(const at::Tensor& qkv,      // [T, (Hq + 2*Hkv) * D]
+                           const at::Tensor& cos,      // [T, D/2] float32
+                           const at::Tensor& sin,      // [T, D/2] float32
+                           at::Tensor& k_cache,        // [S, Hkv, D]
+                           at::Tensor& v_cache,        // [S, Hkv, D]
+                           const at::Tensor& slots,    // [T] int32 or int64
+                           int64_t n_q_heads);         // -> q [T, Hq, D]
+
 // Checks every request's rows and slots against q and the cache before computing.
 at::Tensor ragged_attention(const at::Tensor& q,         // [T, Hq, D]
                             const at::Tensor& k_cache,   // [S, Hkv, D]

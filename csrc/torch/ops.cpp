@@ -141,6 +141,52 @@ void slab_write(at::Tensor k_cache, at::Tensor v_cache, const at::Tensor& k_in, 
   cpu_ops::slab_write(k_cache, v_cache, k, v, slots);
 }
 
+at::Tensor rope_slab_write(const at::Tensor& qkv_in, const at::Tensor& cos_in, const at::Tensor& sin_in,
+                           at::Tensor k_cache, at::Tensor v_cache, const at::Tensor& slots_in, int64_t n_q_heads,
+                           int64_t n_kv_heads) {
+  checks::rank(qkv_in, 2, "qkv", "[T, (Hq + 2*Hkv) * D]");
+  checks::rank(cos_in, 2, "cos", "[T, D/2]");
+  checks::rank(sin_in, 2, "sin", "[T, D/2]");
+  checks::rank(k_cache, 3, "k_cache", "[S, Hkv, D]");
+  checks::rank(v_cache, 3, "v_cache", "[S, Hkv, D]");
+  checks::index_tensor(slots_in, "slots");
+  TORCH_CHECK_VALUE(n_q_heads >= 1, "n_q_heads must be >= 1, got ", n_q_heads);
+  TORCH_CHECK_VALUE(n_kv_heads >= 1, "n_kv_heads must be >= 1, got ", n_kv_heads);
+  TORCH_CHECK_VALUE(v_cache.sizes() == k_cache.sizes(), "v_cache shape ", checks::shape_str(v_cache),
+                    " differs from k_cache shape ", checks::shape_str(k_cache));
+  TORCH_CHECK_VALUE(k_cache.size(1) == n_kv_heads, "k_cache has ", k_cache.size(1), " KV heads but n_kv_heads is ",
+                    n_kv_heads);
+  const int64_t n_tokens = qkv_in.size(0), head_dim = k_cache.size(2);
+  TORCH_CHECK_VALUE(head_dim >= 2 && head_dim % 2 == 0, "head_dim (k_cache.size(2)) must be even and >= 2 for the "
+                    "half-split rotation, got ", head_dim);
+  TORCH_CHECK_VALUE(qkv_in.size(1) == (n_q_heads + 2 * n_kv_heads) * head_dim, "qkv has ", qkv_in.size(1),
+                    " columns but (n_q_heads + 2*n_kv_heads) * head_dim = (", n_q_heads, " + 2*", n_kv_heads, ") * ",
+                    head_dim, " = ", (n_q_heads + 2 * n_kv_heads) * head_dim);
+  const std::pair<const at::Tensor*, const char*> tables[] = {{&cos_in, "cos"}, {&sin_in, "sin"}};
+  for (const auto& [t, name] : tables) {
+    TORCH_CHECK_VALUE(t->size(0) == n_tokens && t->size(1) == head_dim / 2, name, " has shape ", checks::shape_str(*t),
+                      " but must be [T, D/2] = [", n_tokens, ", ", head_dim / 2, "]");
+    TORCH_CHECK_VALUE(t->scalar_type() == at::kFloat, name, " has dtype ", t->scalar_type(),
+                      " but the rope tables must be float32");
+    checks::same_device(qkv_in, *t, "qkv", name);
+  }
+  TORCH_CHECK_VALUE(slots_in.size(0) == n_tokens, "slots has ", slots_in.size(0), " entries but qkv has ", n_tokens,
+                    " rows");
+  TORCH_CHECK_VALUE(k_cache.is_contiguous() && v_cache.is_contiguous(),
+                    "k_cache and v_cache must be contiguous (they are written in place)");
+  checks::float_dtype(qkv_in, "qkv");
+  checks::same_dtype(qkv_in, k_cache, "qkv", "k_cache");
+  checks::same_dtype(qkv_in, v_cache, "qkv", "v_cache");
+  checks::same_device(qkv_in, k_cache, "qkv", "k_cache");
+  checks::same_device(qkv_in, v_cache, "qkv", "v_cache");
+  checks::same_device(qkv_in, slots_in, "qkv", "slots");
+  TORCH_CHECK_VALUE(qkv_in.is_cpu(), "rope_slab_write has no CUDA kernel: qkv is on ", qkv_in.device(),
+                    "; use rope then slab_write there");
+  const at::Tensor qkv = qkv_in.contiguous(), cos = cos_in.contiguous(), sin = sin_in.contiguous(),
+                   slots = slots_in.contiguous();
+  return cpu_ops::rope_slab_write(qkv, cos, sin, k_cache, v_cache, slots, n_q_heads);
+}
+
 namespace {
 
 // The four index tensors of ragged_attention: 1-D int32/int64, one entry per request, on `device`.

@@ -33,6 +33,19 @@ void slab_write(at::Tensor k_cache,       // [S, Hkv, D], written in place
                 const at::Tensor& v,      // [T, Hkv, D]
                 const at::Tensor& slots);  // [T] int32 or int64
 
+// The step between rmsnorm_qkv and attention, fused (CPU only; no CUDA kernel): rotates the q and k
+// heads of qkv by each token's cos/sin (half-split rotary embedding in float32, rounded once),
+// writes rotated k and v into the caches at slots[t] (as slab_write), returns rotated q. Results
+// are bit-identical to the unfused rope + slab_write path. Hkv and D come from the caches; D even.
+at::Tensor rope_slab_write(const at::Tensor& qkv,      // [T, (Hq + 2*Hkv) * D]
+                           const at::Tensor& cos,      // [T, D/2] float32
+                           const at::Tensor& sin,      // [T, D/2] float32
+                           at::Tensor k_cache,         // [S, Hkv, D], written in place
+                           at::Tensor v_cache,         // [S, Hkv, D], written in place
+                           const at::Tensor& slots,    // [T] int32 or int64
+                           int64_t n_q_heads,          // Hq
+                           int64_t n_kv_heads);        // Hkv; -> q [T, Hq, D]
+
 // The attention work list of one set of per-request indices, built once per forward pass and
 // read by the ragged_attention of every layer (all layers share the indices). On CUDA's
 // tensor-core path it holds the device plan of csrc/cuda/launchers.h; on CPU and on the CUDA-core

@@ -7,9 +7,12 @@ it from the ForwardBatch index tensors in a single `ragged_attention` call per l
     x = embed(tokens), or the previous pipeline stage's x     # [T, H]
     plan = ragged_attention_plan(per-request ranges)          # attention work list, shared by all layers
     per layer:  qkv = rmsnorm_qkv(x)                          # fused input norm + QKV, [T, Nq*D + 2*Nkv*D]
-                (Qwen3) q, k = rms_norm per head
-                q, k = rope(q, k at each token's own position)
-                slab_write(K/V pools, k, v, slots)            # into each request's slab
+                if CPU and no q/k norm:                       # one kernel, bit-identical to the steps below
+                    q = rope_slab_write(qkv, cos, sin, K/V pools, slots)
+                else:
+                    (Qwen3) q, k = rms_norm per head
+                    q, k = rope(q, k at each token's own position)
+                    slab_write(K/V pools, k, v, slots)        # into each request's slab
                 a = ragged_attention(q, pools, per-request ranges, plan)
                 x = all_reduce(o_proj(a) + x)                 # residual added before the rounding
                 n = rms_norm(x)
@@ -51,6 +54,10 @@ from .batch import ForwardBatch
 from .config import ModelSpec
 from .rope import RopeTables, apply_rope
 from .sharding import ShardSpec
+
+# On CPU, layers without a q/k norm run rope and the KV write as one kernel (rope_slab_write),
+# bit-identical to the two steps; False keeps the two steps (bench/rope_fusion.py compares them).
+FUSED_ROPE_ON_CPU = True
 
 
 class SingleRank:
@@ -158,21 +165,25 @@ class CausalLM:
         nq, nkv, d = self.num_heads, self.num_kv_heads, s.head_dim
         q_end, k_end = nq * d, nq * d + nkv * d
         inv = self.batch_invariant
-        cos, sin = self.rope.gather(batch.positions)              # [T, 1, D/2] each, once per forward
+        cos, sin = self.rope.gather(batch.positions)              # [T, D/2] each, once per forward
+        fused_rope = FUSED_ROPE_ON_CPU and self.device.type == "cpu"
         x = F.embedding(batch.token_ids, self.embed) if hidden is None else hidden  # [T, H]
         plan = ops.ragged_attention_plan(batch.q_start, batch.q_len, batch.kv_start, batch.kv_len,
                                          t, self.n_slots, nq, nkv, d, self.dtype, inv)
         for layer, k_pool, v_pool in zip(self.layers, self.k_cache, self.v_cache):
             qkv = ops.rmsnorm_qkv(x, layer.input_norm, layer.qkv_weight, layer.qkv_bias, eps, inv)
-            q = qkv[:, :q_end].view(t, nq, d)
-            k = qkv[:, q_end:k_end].view(t, nkv, d)
-            v = qkv[:, k_end:].reshape(t, nkv, d).contiguous()
-            if layer.q_norm is not None:
-                q = ops.rms_norm(q.reshape(t * nq, d), layer.q_norm, eps).view(t, nq, d)
-                k = ops.rms_norm(k.reshape(t * nkv, d), layer.k_norm, eps).view(t, nkv, d)
-            q = apply_rope(q, cos, sin)                           # [T, Nq, D] contiguous
-            k = apply_rope(k, cos, sin)                           # [T, Nkv, D] contiguous
-            ops.slab_write(k_pool, v_pool, k, v, batch.slots)
+            if fused_rope and layer.q_norm is None:
+                q = ops.rope_slab_write(qkv, cos, sin, k_pool, v_pool, batch.slots, nq, nkv)  # [T, Nq, D]
+            else:
+                q = qkv[:, :q_end].view(t, nq, d)
+                k = qkv[:, q_end:k_end].view(t, nkv, d)
+                v = qkv[:, k_end:].reshape(t, nkv, d).contiguous()
+                if layer.q_norm is not None:
+                    q = ops.rms_norm(q.reshape(t * nq, d), layer.q_norm, eps).view(t, nq, d)
+                    k = ops.rms_norm(k.reshape(t * nkv, d), layer.k_norm, eps).view(t, nkv, d)
+                q = apply_rope(q, cos, sin)                       # [T, Nq, D] contiguous
+                k = apply_rope(k, cos, sin)                       # [T, Nkv, D] contiguous
+                ops.slab_write(k_pool, v_pool, k, v, batch.slots)
             attn = ops.ragged_attention(q, k_pool, v_pool, batch.q_start, batch.q_len,
                                         batch.kv_start, batch.kv_len, self.scale, plan, inv)  # [T, Nq, D]
             x = self._row_parallel(attn.reshape(t, q_end), layer.o_weight, layer.o_bias, x)
