@@ -170,6 +170,32 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
+def time_transfers(x: torch.Tensor, rank: int, repeats: int, sync=lambda: None) -> tuple[float, float]:
+    """(one-way send, all-reduce) seconds for tensor `x` between ranks 0 and 1 of the default
+    group: each the mean of `repeats`, timed from a barrier; `sync` waits for the device
+    (torch.cuda.synchronize under NCCL) so queued work is inside the timing."""
+    import torch.distributed as dist
+
+    def timed(step) -> float:
+        dist.barrier()
+        sync()
+        t0 = time.perf_counter()
+        for _ in range(repeats):
+            step()
+        sync()
+        return (time.perf_counter() - t0) / repeats
+
+    def ping_pong() -> None:
+        if rank == 0:
+            dist.send(x, 1)
+            dist.recv(x, 1)
+        else:
+            dist.recv(x, 0)
+            dist.send(x, 0)
+
+    return timed(ping_pong) / 2, timed(lambda: dist.all_reduce(x))
+
+
 def _transfer_worker(rank, port, sizes, hidden, repeats, queue) -> None:
     import torch.distributed as dist
 
@@ -181,21 +207,7 @@ def _transfer_worker(rank, port, sizes, hidden, repeats, queue) -> None:
         x = torch.randn(t, hidden)
         for _ in range(10):
             dist.all_reduce(x)
-        dist.barrier()
-        t0 = time.perf_counter()
-        for _ in range(repeats):
-            if rank == 0:
-                dist.send(x, 1)
-                dist.recv(x, 1)
-            else:
-                dist.recv(x, 0)
-                dist.send(x, 0)
-        p2p = (time.perf_counter() - t0) / repeats / 2
-        dist.barrier()
-        t0 = time.perf_counter()
-        for _ in range(repeats):
-            dist.all_reduce(x)
-        ar = (time.perf_counter() - t0) / repeats
+        p2p, ar = time_transfers(x, rank, repeats)
         rows.append({"tokens": t, "bytes": x.numel() * 4, "p2p_us": 1e6 * p2p, "all_reduce_us": 1e6 * ar,
                      "p2p_GBps": x.numel() * 4 / p2p / 1e9})
     if rank == 0:

@@ -36,7 +36,7 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "bench"))
 
-from parallel import breakdown, run_engine, workload  # noqa: E402
+from parallel import breakdown, run_engine, time_transfers, workload  # noqa: E402
 
 log = logging.getLogger("bench.parallel_gpu")
 
@@ -92,24 +92,7 @@ def _nccl_worker(rank: int, port: int, queue) -> None:
         x = torch.randn(t, SHAPE["hidden_size"], device="cuda", dtype=torch.bfloat16)
         for _ in range(10):
             dist.all_reduce(x)
-        torch.cuda.synchronize()
-        n = 100
-        t0 = time.perf_counter()
-        for _ in range(n):
-            dist.all_reduce(x)
-        torch.cuda.synchronize()
-        ar = (time.perf_counter() - t0) / n
-        dist.barrier()
-        t0 = time.perf_counter()
-        for _ in range(n):
-            if rank == 0:
-                dist.send(x, 1)
-                dist.recv(x, 1)
-            else:
-                dist.recv(x, 0)
-                dist.send(x, 0)
-        torch.cuda.synchronize()
-        p2p = (time.perf_counter() - t0) / n / 2
+        p2p, ar = time_transfers(x, rank, 100, sync=torch.cuda.synchronize)
         rows.append({"tokens": t, "bytes": x.numel() * 2, "all_reduce_us": 1e6 * ar, "p2p_us": 1e6 * p2p,
                      "p2p_GBps": x.numel() * 2 / p2p / 1e9})
     if rank == 0:
