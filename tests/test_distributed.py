@@ -307,6 +307,21 @@ def test_pipeline_parity_with_two_batches_in_flight(llama_pp2, local_models):
         assert len(in_flight) <= 1, (rec, in_flight)
 
 
+def resolved_after(release: threading.Event, real) -> BatchFuture:
+    """A future that gets `real`'s outcome only once `release` is set: holds a batch's result back."""
+    proxy = BatchFuture()
+
+    def relay():
+        release.wait(60)
+        try:
+            proxy.resolve(real.result(timeout=60))
+        except Exception as exc:
+            proxy.resolve(exc)
+
+    threading.Thread(target=relay, daemon=True).start()
+    return proxy
+
+
 def test_abort_while_its_batch_is_in_flight(llama_pp2):
     server, _ = llama_pp2
     executor = server._engine.executor
@@ -316,18 +331,8 @@ def test_abort_while_its_batch_is_in_flight(llama_pp2):
     def gated(batch, **kw):  # hold back the result of the batch that carries "abort-me"
         real = launch(batch, **kw)
         if any(r.request_id == "abort-me" for r in batch.requests) and not held.is_set():
-            proxy = BatchFuture()
-
-            def relay():
-                release.wait(60)
-                try:
-                    proxy.resolve(real.result(timeout=60))
-                except Exception as exc:
-                    proxy.resolve(exc)
-
-            threading.Thread(target=relay, daemon=True).start()
             held.set()
-            return proxy
+            return resolved_after(release, real)
         return real
 
     executor.execute = gated
@@ -365,17 +370,7 @@ def test_a_free_stage_takes_a_new_request_at_once(llama_pp2):
         launches.append([r.request_id for r in batch.requests])
         real = launch(batch, **kw)
         if len(launches) == 1:  # hold back the first batch's tokens
-            proxy = BatchFuture()
-
-            def relay():
-                release.wait(60)
-                try:
-                    proxy.resolve(real.result(timeout=60))
-                except Exception as exc:
-                    proxy.resolve(exc)
-
-            threading.Thread(target=relay, daemon=True).start()
-            return proxy
+            return resolved_after(release, real)
         return real
 
     executor.execute = gated
