@@ -45,16 +45,16 @@ CHUNK_BUDGET_BY_DEVICE = {"cpu": 128, "cuda": 2048}
 DEFAULT_BATCH_INVARIANT = None
 
 
-def _device_type(model: Any, device) -> str:
-    """'cpu' or 'cuda': where the weights will live. Validity is checked later, where they load."""
+def _weights_device_type(model: Any, device, parallel: bool) -> str:
+    """'cpu' or 'cuda': where the weights will live. `device` is checked as the load or the
+    parallel launch checks it, so a bad value gets the same error here."""
     if model is not None and not isinstance(model, (str, os.PathLike)):
-        return "cuda" if torch.device(model.device).type == "cuda" else "cpu"
-    if isinstance(device, str) and device == "auto":
-        return "cuda" if torch.cuda.is_available() else "cpu"
-    try:
-        return "cuda" if torch.device(device).type == "cuda" else "cpu"
-    except (RuntimeError, TypeError):
-        return "cpu"  # resolve_device rejects a bad value with the field's name
+        return torch.device(model.device).type
+    if parallel:
+        from .distributed.launch import parallel_device
+
+        return parallel_device(device).type
+    return resolve_device(device).type
 
 
 def _load(model: Any, device, dtype, tokenizer: Any) -> tuple[Any, Any, Optional[str]]:
@@ -131,8 +131,9 @@ class Server:
         check_choice("scheduler", scheduler, SCHEDULERS)
         if not isinstance(enforce_eager, bool):
             raise ValueError(f"enforce_eager must be a bool, got {enforce_eager!r}")
+        device_type = _weights_device_type(model, device, tensor_parallel_size * pipeline_parallel_size > 1)
         if isinstance(max_num_batched_tokens, str) and max_num_batched_tokens == "auto":
-            max_num_batched_tokens = max(CHUNK_BUDGET_BY_DEVICE[_device_type(model, device)], max_batch_size)
+            max_num_batched_tokens = max(CHUNK_BUDGET_BY_DEVICE[device_type], max_batch_size)
         elif max_num_batched_tokens is not None:
             check_positive_int("max_num_batched_tokens", max_num_batched_tokens)
             if scheduler == "orca" and max_num_batched_tokens < max_batch_size:
@@ -143,7 +144,7 @@ class Server:
         if not isinstance(slab_compaction, bool):
             raise ValueError(f"slab_compaction must be True or False, got {slab_compaction!r}")
         if batch_invariant is None:  # per device, see DEFAULT_BATCH_INVARIANT
-            batch_invariant = _device_type(model, device) == "cpu"
+            batch_invariant = device_type == "cpu"
 
         self.tensor_parallel_size = tensor_parallel_size
         self.pipeline_parallel_size = pipeline_parallel_size
