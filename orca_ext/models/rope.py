@@ -13,6 +13,7 @@ import math
 
 import torch
 
+from ..reference import rope as apply_rope  # the rotation, for the unfused path: x [T, heads, D], cos/sin [T, D/2]
 from .config import RopeConfig
 
 
@@ -51,13 +52,3 @@ class RopeTables:
     def gather(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """positions [T] int64 -> cos, sin [T, D/2] (contiguous, as the fused CPU kernel takes them)."""
         return self.cos[positions], self.sin[positions]
-
-
-def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """x [T, heads, D] (any float dtype), cos/sin [T, D/2] float32 -> new [T, heads, D] tensor."""
-    half = x.shape[-1] // 2
-    cos, sin = cos.unsqueeze(1), sin.unsqueeze(1)  # [T, 1, D/2]: broadcast over heads
-    xf = x.float()
-    x1, x2 = xf[..., :half], xf[..., half:]
-    out = torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1)
-    return out.to(x.dtype)
