@@ -133,19 +133,16 @@ struct EmulatedDpOps {
 
 }  // namespace
 
-void panel_avx2(const float* x, int64_t ldx, int64_t M, const float* const* w, int64_t K, float* c,
-                int64_t prefetch_ahead) {
-  panel<BaselineOps, float>(x, ldx, M, w, K, c, prefetch_ahead);
+void panel_avx2(const float* x, int64_t ldx, int64_t M, const float* const* w, int64_t K, float* c) {
+  panel<BaselineOps, float>(x, ldx, M, w, K, c);
 }
 
-void panel_avx2(const float* x, int64_t ldx, int64_t M, const bf16* const* w, int64_t K, float* c,
-                int64_t prefetch_ahead) {
-  panel<BaselineOps, bf16>(x, ldx, M, w, K, c, prefetch_ahead);
+void panel_avx2(const float* x, int64_t ldx, int64_t M, const bf16* const* w, int64_t K, float* c) {
+  panel<BaselineOps, bf16>(x, ldx, M, w, K, c);
 }
 
-void panel_avx512bf16_emulated(const bf16* x, int64_t ldx, int64_t M, const bf16* const* w, int64_t K, float* c,
-                               int64_t prefetch_ahead) {
-  panel<EmulatedDpOps, bf16>(x, ldx, M, w, K, c, prefetch_ahead);
+void panel_avx512bf16_emulated(const bf16* x, int64_t ldx, int64_t M, const bf16* const* w, int64_t K, float* c) {
+  panel<EmulatedDpOps, bf16>(x, ldx, M, w, K, c);
 }
 
 }  // namespace detail

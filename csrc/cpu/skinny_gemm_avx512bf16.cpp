@@ -47,9 +47,8 @@ struct Avx512Bf16Ops {
 
 }  // namespace
 
-void panel_avx512bf16(const bf16* x, int64_t ldx, int64_t M, const bf16* const* w, int64_t K, float* c,
-                int64_t prefetch_ahead) {
-  panel<Avx512Bf16Ops, bf16>(x, ldx, M, w, K, c, prefetch_ahead);
+void panel_avx512bf16(const bf16* x, int64_t ldx, int64_t M, const bf16* const* w, int64_t K, float* c) {
+  panel<Avx512Bf16Ops, bf16>(x, ldx, M, w, K, c);
 }
 
 }  // namespace detail
@@ -76,7 +75,7 @@ bool cpu_has_avx512bf16() {
 namespace orca {
 namespace cpu {
 namespace detail {
-void panel_avx512bf16(const bf16*, int64_t, int64_t, const bf16* const*, int64_t, float*, int64_t) {
+void panel_avx512bf16(const bf16*, int64_t, int64_t, const bf16* const*, int64_t, float*) {
   throw std::logic_error("the avx512_bf16 path exists only on x86-64");
 }
 bool cpu_has_avx512bf16() { return false; }

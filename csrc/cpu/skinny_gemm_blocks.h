@@ -37,13 +37,9 @@ inline float hsum8_tree(const float* l) {
 
 // c[m * ldc + j] = dot(x row m, w[j]) for m < MB, j < NB. The tail (K % kStep) reads activations
 // from their zero padding and weights through load_w_tail, which never reads past row end.
-// With prefetch_ahead > 0, each weight row's cache lines at prefetch_ahead elements past the ones
-// being read are requested too (the same rows of a later panel): a panel's rows are only a few
-// KiB long, too short for the hardware prefetcher to ramp up on its own.
 template <class Ops, int MB, int NB, typename WT>
 inline void dot_block(const typename Ops::XT* __restrict x, int64_t ldx, const WT* const* w, int64_t K,
-                      float* __restrict c, int64_t ldc, int64_t prefetch_ahead) {
-  constexpr int64_t kLineElems = 64 / sizeof(WT);
+                      float* __restrict c, int64_t ldc) {
   typename Ops::Acc acc[MB][NB];
 #pragma GCC unroll 8
   for (int m = 0; m < MB; ++m)
@@ -51,10 +47,6 @@ inline void dot_block(const typename Ops::XT* __restrict x, int64_t ldx, const W
     for (int j = 0; j < NB; ++j) acc[m][j] = Ops::zero();
   const int64_t k_main = K - K % Ops::kStep;
   for (int64_t k = 0; k < k_main; k += Ops::kStep) {
-    if (prefetch_ahead > 0 && k % kLineElems < Ops::kStep) {
-#pragma GCC unroll 8
-      for (int j = 0; j < NB; ++j) __builtin_prefetch(w[j] + k + prefetch_ahead, 0, 3);
-    }
     typename Ops::X xv[MB];
 #pragma GCC unroll 8
     for (int m = 0; m < MB; ++m) xv[m] = Ops::load_x(x + m * ldx + k);
@@ -87,25 +79,22 @@ inline void dot_block(const typename Ops::XT* __restrict x, int64_t ldx, const W
 // accumulators hide the FMA latency while the loads wait on memory); more tokens take the rows 4
 // at a time so that kRows activation registers, 4 x kRows accumulators and one weight register
 // fit the register file, with each weight vector loaded once per kRows tokens.
-// The first block over each weight row prefetches; later blocks find the rows in L1/L2.
 template <class Ops, typename WT>
-inline void panel(const typename Ops::XT* x, int64_t ldx, int64_t M, const WT* const* w, int64_t K, float* c,
-                  int64_t prefetch_ahead) {
+inline void panel(const typename Ops::XT* x, int64_t ldx, int64_t M, const WT* const* w, int64_t K, float* c) {
   constexpr int R = kPanelRows;
   static_assert(R == 8, "the blocks below cover 8 weight rows");
   if (M == 1) {
-    dot_block<Ops, 1, 8, WT>(x, ldx, w, K, c, R, prefetch_ahead);
+    dot_block<Ops, 1, 8, WT>(x, ldx, w, K, c, R);
     return;
   }
   for (int h = 0; h < R; h += 4) {
     int64_t m = 0;
     for (; m + Ops::kRows <= M; m += Ops::kRows)
-      dot_block<Ops, Ops::kRows, 4, WT>(x + m * ldx, ldx, w + h, K, c + m * R + h, R, m == 0 ? prefetch_ahead : 0);
-    const int64_t pf = m == 0 ? prefetch_ahead : 0;
+      dot_block<Ops, Ops::kRows, 4, WT>(x + m * ldx, ldx, w + h, K, c + m * R + h, R);
     switch (M - m) {
-      case 1: dot_block<Ops, 1, 4, WT>(x + m * ldx, ldx, w + h, K, c + m * R + h, R, pf); break;
-      case 2: dot_block<Ops, 2, 4, WT>(x + m * ldx, ldx, w + h, K, c + m * R + h, R, pf); break;
-      case 3: dot_block<Ops, 3, 4, WT>(x + m * ldx, ldx, w + h, K, c + m * R + h, R, pf); break;
+      case 1: dot_block<Ops, 1, 4, WT>(x + m * ldx, ldx, w + h, K, c + m * R + h, R); break;
+      case 2: dot_block<Ops, 2, 4, WT>(x + m * ldx, ldx, w + h, K, c + m * R + h, R); break;
+      case 3: dot_block<Ops, 3, 4, WT>(x + m * ldx, ldx, w + h, K, c + m * R + h, R); break;
       default: break;
     }
   }

@@ -3,9 +3,10 @@
 //  1. prepare_activations: the T activation rows, in the element type the chosen instruction path
 //     reads (float32, or bf16 for vdpbf16ps), in 64-byte-aligned rows zero-padded past K. A fused
 //     producer (the RMS norm of rmsnorm_qkv) writes its rows straight into this buffer.
-//  2. stream_weights: output rows are cut into panels of kPanelRows weight rows; each thread owns a
-//     contiguous range of panels and, per token tile, runs a panel kernel (all tile rows against
-//     the panel's rows, full K each) and then the epilogue (bias, residual or SiLU * up, rounding).
+//  2. stream_weights: each thread owns a contiguous range of outputs, cut into kPanelRows streams;
+//     panel i holds the weight rows of output i of every stream (skinny_gemm.cpp says why). Per
+//     token tile, a panel kernel runs all tile rows against the panel's rows (full K each), then
+//     the epilogue (bias, residual or SiLU * up, rounding) writes the panel's outputs.
 // The panel kernels live in one translation unit per instruction set (skinny_gemm_avx2.cpp,
 // skinny_gemm_avx512bf16.cpp) and are reached through plain function pointers, so AVX-512 code
 // is only ever executed on CPUs that report it.
@@ -28,19 +29,13 @@ constexpr int kPanelRows = 8;
 
 // c[m * kPanelRows + j] = dot(x[m, 0:K], w[j][0:K]) for m < M, j < kPanelRows. x rows are ldx
 // elements apart, 64-byte aligned and zero from K up to the next multiple of the path's k step.
-// The kernel also prefetches w[j] + prefetch_ahead (the same rows of a later panel); 0: none.
 template <typename XT, typename WT>
-using PanelFn = void (*)(const XT* x, int64_t ldx, int64_t M, const WT* const* w, int64_t K, float* c,
-                         int64_t prefetch_ahead);
+using PanelFn = void (*)(const XT* x, int64_t ldx, int64_t M, const WT* const* w, int64_t K, float* c);
 
-void panel_avx2(const float* x, int64_t ldx, int64_t M, const float* const* w, int64_t K, float* c,
-                int64_t prefetch_ahead);
-void panel_avx2(const float* x, int64_t ldx, int64_t M, const bf16* const* w, int64_t K, float* c,
-                int64_t prefetch_ahead);
-void panel_avx512bf16(const bf16* x, int64_t ldx, int64_t M, const bf16* const* w, int64_t K, float* c,
-                      int64_t prefetch_ahead);
-void panel_avx512bf16_emulated(const bf16* x, int64_t ldx, int64_t M, const bf16* const* w, int64_t K, float* c,
-                               int64_t prefetch_ahead);
+void panel_avx2(const float* x, int64_t ldx, int64_t M, const float* const* w, int64_t K, float* c);
+void panel_avx2(const float* x, int64_t ldx, int64_t M, const bf16* const* w, int64_t K, float* c);
+void panel_avx512bf16(const bf16* x, int64_t ldx, int64_t M, const bf16* const* w, int64_t K, float* c);
+void panel_avx512bf16_emulated(const bf16* x, int64_t ldx, int64_t M, const bf16* const* w, int64_t K, float* c);
 bool cpu_has_avx512bf16();
 
 // Activation rows as the panel kernels read them.
