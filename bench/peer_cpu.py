@@ -59,10 +59,14 @@ GGUF_TYPES = {"float32": "f32", "bfloat16": "bf16"}
 
 # -- machine --------------------------------------------------------------------------------------
 def read_bandwidth_gbs(mib: int = 512, reps: int = 5) -> float:
-    """Streaming-read ceiling of this process: the best of `reps` reads of a `mib` MiB buffer."""
+    """Streaming-read ceiling of this process: the best of `reps` reads of a `mib` MiB buffer, in
+    huge pages where the platform allows (as the engine's CPU weights are)."""
     from orca_ext import _C
+    from orca_ext.models import huge_pages
 
-    words = torch.arange(mib << 17, dtype=torch.int64)
+    n = mib << 17
+    words = huge_pages.empty((n,), torch.int64) if huge_pages.supported() else torch.empty(n, dtype=torch.int64)
+    words.copy_(torch.arange(n, dtype=torch.int64))
     best = float("inf")
     for _ in range(reps):
         t0 = time.perf_counter()

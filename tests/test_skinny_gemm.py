@@ -121,6 +121,41 @@ def test_linear_silu_mul(dtype_path, streaming_everywhere, n_tokens, k, n_inter,
     assert (err <= out_rtol * expected.abs() + bound + 1e-30).all(), f"worst error {float(err.max()):.3g}"
 
 
+@pytest.fixture
+def restore_threads():
+    before = torch.get_num_threads()
+    yield
+    torch.set_num_threads(before)
+
+
+@pytest.mark.parametrize("n_tokens", [1, 6, 41])
+@pytest.mark.parametrize("k,n", [(45, 3), (130, 61), (576, 203)])
+def test_thread_count_never_changes_bits(dtype_path, streaming_everywhere, restore_threads, n_tokens, k, n):
+    """Each thread cuts its range of outputs into 8 streams, and a panel gathers output i of every
+    stream; short and empty streams pad the panel. However many threads split the outputs (more
+    threads than panels included), every output is the same float32 reduction: the bits match the
+    1-thread result, which is within the float64 reference's bound."""
+    dtype = dtype_path
+    gen = torch.Generator().manual_seed(hash((n_tokens, k, n)) % 2**31)
+    x = rand(gen, n_tokens, k).to(dtype)
+    w = rand(gen, 2 * n, k, scale=1 / math.sqrt(k)).to(dtype)
+    b = rand(gen, 2 * n).to(dtype)
+    r = rand(gen, n_tokens, 2 * n).to(dtype)
+
+    def run():
+        return _C.linear(x, w, b, r), _C.linear_silu_mul(x, w, b)
+
+    torch.set_num_threads(1)
+    one = run()
+    x64, w64, b64 = x.double(), w.double(), b.double()
+    mass = x64.abs() @ w64.abs().T + b64.abs() + r.double().abs()
+    assert_within_bound(one[0], reference.linear(x64, w64, b64, r.double()), mass, dtype, k, "linear, 1 thread")
+    for threads in (2, 3, 5, 8):
+        torch.set_num_threads(threads)
+        for got, base, name in zip(run(), one, ("linear", "linear_silu_mul")):
+            assert torch.equal(got, base), f"{name}: {threads} threads differ from 1 thread"
+
+
 @pytest.mark.parametrize("n_tokens", [1, 3, 17, 50])
 def test_rmsnorm_qkv_streaming(dtype_path, streaming_everywhere, n_tokens):
     """The fused norm feeds the same kernels; in bfloat16 the normalised row is rounded to bf16 first."""

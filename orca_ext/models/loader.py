@@ -4,7 +4,8 @@ A folder holds `config.json`, one or more `*.safetensors` (optionally listed by
 `model.safetensors.index.json`) and tokenizer files. Tensors are read lazily with
 `safetensors.safe_open`, fused per layer on the CPU (q/k/v into one matrix for `rmsnorm_qkv`,
 gate/up into another), converted to the requested dtype and moved to the device one layer at a
-time, so the host never holds more than one layer's extra copy.
+time, so the host never holds more than one layer's extra copy. On the CPU each layer's tensors
+then move into one region of transparent huge pages (huge_pages.py), as do the embedding and lm_head.
 
 With a `ShardSpec` (tensor/pipeline parallelism, see sharding.py) only the worker's layers are
 read, and of each sharded matrix only its rows or columns (safetensors slices, so a worker never
@@ -12,6 +13,7 @@ reads a whole tensor it only needs a part of).
 """
 from __future__ import annotations
 
+import dataclasses
 import json
 import logging
 import time
@@ -21,11 +23,16 @@ from typing import Any, Sequence
 import torch
 
 from ..resources import resolve_dtype
+from . import huge_pages
 from .causal_lm import CausalLM, LayerWeights
 from .config import ModelSpec
 from .sharding import ShardSpec
 
 log = logging.getLogger(__name__)
+
+# CPU weights of a huge page or more are copied into transparent-huge-page memory (huge_pages.py:
+# a forward streams them faster); False keeps torch's allocation (bench/huge_pages.py compares).
+HUGE_PAGES_ON_CPU = True
 
 _TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "vocab.json")  # any one makes a tokenizer
 # Everything a transformers tokenizer folder may hold (for copying one next to new weights).
@@ -128,6 +135,19 @@ def load_model(path: str | Path, device: torch.device | str = "cpu",
     def put(t: torch.Tensor) -> torch.Tensor:
         return t.to(device=device, dtype=dtype).contiguous()
 
+    def huge(t: torch.Tensor) -> torch.Tensor:
+        """t in huge-page memory (CPU; huge_pages.py)."""
+        return huge_pages.place(t) if HUGE_PAGES_ON_CPU else t
+
+    def pack(layer: LayerWeights) -> LayerWeights:
+        """The layer's tensors side by side in one huge-page region (CPU; huge_pages.py), so the
+        small matrices share huge pages with the large ones."""
+        if not HUGE_PAGES_ON_CPU:
+            return layer
+        names = [f.name for f in dataclasses.fields(layer)]
+        placed = huge_pages.place_all([getattr(layer, n) for n in names])
+        return dataclasses.replace(layer, **dict(zip(names, placed)))
+
     def fetch(name: str, shape: Sequence[int], rows: slice | None = None,
               cols: slice | None = None) -> torch.Tensor:
         return put(st.get(name, shape, rows, cols))
@@ -136,13 +156,13 @@ def load_model(path: str | Path, device: torch.device | str = "cpu",
         """Row slices of several tensors stacked into one: [(name, full shape, rows), ...]."""
         return put(torch.cat([st.get(n, s, rows) for n, s, rows in parts], dim=0))
 
-    embed = fetch("model.embed_tokens.weight", (vocab, hid)) if first else None
+    embed = huge(fetch("model.embed_tokens.weight", (vocab, hid))) if first else None
     layers = []
     for i in layer_ids:
         p = f"model.layers.{i}."
         a, m = p + "self_attn.", p + "mlp."
         qkv = [(a + "q_proj.", qs, q_rows), (a + "k_proj.", kvs, kv_rows), (a + "v_proj.", kvs, kv_rows)]
-        layers.append(LayerWeights(
+        layers.append(pack(LayerWeights(
             input_norm=fetch(p + "input_layernorm.weight", (hid,)),
             # column-parallel: this rank's q heads, then its KV heads' k and v rows
             qkv_weight=fuse([(n + "weight", (r, hid), rows) for n, r, rows in qkv]),
@@ -159,7 +179,7 @@ def load_model(path: str | Path, device: torch.device | str = "cpu",
                           if spec.mlp_bias else None),
             down_weight=fetch(m + "down_proj.weight", (hid, inter), cols=i_rows),
             down_bias=fetch(m + "down_proj.bias", (hid,)) if spec.mlp_bias and row_bias else None,
-        ))
+        )))
     final_norm = lm_head = None
     if last:
         final_norm = fetch("model.norm.weight", (hid,))
@@ -167,11 +187,11 @@ def load_model(path: str | Path, device: torch.device | str = "cpu",
         # a vocab shard of it is a row view, unless the embedding lives on another stage.
         if spec.tie_word_embeddings:
             if embed is None:
-                lm_head = fetch("model.embed_tokens.weight", (vocab, hid), vocab_rows)
+                lm_head = huge(fetch("model.embed_tokens.weight", (vocab, hid), vocab_rows))
             else:
                 lm_head = embed if vocab_rows is None else embed[vocab_rows]
         else:
-            lm_head = fetch("lm_head.weight", (vocab, hid), vocab_rows)
+            lm_head = huge(fetch("lm_head.weight", (vocab, hid), vocab_rows))
     model = CausalLM(spec, embed, layers, final_norm, lm_head, device, dtype, shard=shard, tp_comm=tp_comm)
     where = "" if shard is None else (f" (stage {shard.stage} layers {shard.layer_start}-{shard.layer_end - 1}, "
                                       f"tensor rank {shard.tp_rank}/{shard.tp_size})")
