@@ -1,7 +1,8 @@
 """A/B of CPU weights in transparent huge pages against torch's own allocation, in one run.
 
-For each dtype the default model is loaded twice, with `orca_ext.models.loader.HUGE_PAGES_ON_CPU`
-False and True (the same weights, bit for bit: the logits are checked to be equal first). One T=1
+For each dtype the default model is loaded twice, with `orca_ext.models.huge_pages.ENABLED` False
+and True (the same weights, bit for bit: the logits are checked to be equal first); each copy
+allocates its KV cache the same way as its weights. One T=1
 decode forward (a request with a `--context`-token prompt already in the cache) is then timed on
 the two models taking turns step by step (the first of each pair alternates), `--steps` timed
 steps each after a warm-up. Printed per dtype: best and median per mode, the weights' effective
@@ -27,7 +28,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # a checkout without an install
 
-from orca_ext.models import ForwardBatch, load_model, loader  # noqa: E402
+from orca_ext.models import ForwardBatch, huge_pages, load_model  # noqa: E402
 from peer_cpu import read_bandwidth_gbs  # noqa: E402
 from rope_fusion import ab, summary  # noqa: E402
 
@@ -43,12 +44,15 @@ def anon_huge_mib() -> float:
     return 0.0
 
 
-def load(path, dtype: str, huge: bool):
-    loader.HUGE_PAGES_ON_CPU = huge
+def load(path, dtype: str, huge: bool, context: int):
+    """The model, its KV cache allocated, with huge pages on or off for both."""
+    huge_pages.ENABLED = huge
     try:
-        return load_model(path, dtype=dtype)
+        model = load_model(path, dtype=dtype)
+        model.allocate_kv_cache(context + 8)
+        return model
     finally:
-        loader.HUGE_PAGES_ON_CPU = True
+        huge_pages.ENABLED = True
 
 
 def weight_bytes(model) -> int:
@@ -66,7 +70,6 @@ def weight_bytes(model) -> int:
 def decode_step(model, context: int):
     gen = torch.Generator().manual_seed(0)
     prompt = torch.randint(0, model.spec.vocab_size, (context,), generator=gen).tolist()
-    model.allocate_kv_cache(context + 8)
     model.forward(ForwardBatch.build([(prompt, 0, 0)], "cpu"))
     decode = ForwardBatch.build([([prompt[-1]], context, 0)], "cpu")  # rewrites slot `context` each step
     return lambda: model.forward(decode)
@@ -88,9 +91,9 @@ def main(argv=None) -> int:
           f"{torch.get_num_threads()}, model {path.name}, T=1 decode at context {args.context}, "
           f"{args.steps} interleaved steps per mode")
     for dtype in args.dtypes:
-        small = load(path, dtype, huge=False)
+        small = load(path, dtype, huge=False, context=args.context)
         huge_before = anon_huge_mib()
-        huge = load(path, dtype, huge=True)
+        huge = load(path, dtype, huge=True, context=args.context)
         backed = anon_huge_mib() - huge_before
         with torch.inference_mode():
             step_small, step_huge = decode_step(small, args.context), decode_step(huge, args.context)

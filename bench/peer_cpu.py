@@ -65,7 +65,7 @@ def read_bandwidth_gbs(mib: int = 512, reps: int = 5) -> float:
     from orca_ext.models import huge_pages
 
     n = mib << 17
-    words = huge_pages.empty((n,), torch.int64) if huge_pages.supported() else torch.empty(n, dtype=torch.int64)
+    words = huge_pages.empty((n,), torch.int64) if huge_pages.active() else torch.empty(n, dtype=torch.int64)
     words.copy_(torch.arange(n, dtype=torch.int64))
     best = float("inf")
     for _ in range(reps):

@@ -11,9 +11,9 @@ from pathlib import Path
 import pytest
 import torch
 
-from orca_ext.models import ForwardBatch, huge_pages, load_model, loader
+from orca_ext.models import ForwardBatch, huge_pages, load_model
 
-pytestmark = pytest.mark.skipif(not huge_pages.supported(), reason="huge pages are advised on Linux only")
+pytestmark = pytest.mark.skipif(not huge_pages.active(), reason="huge pages are advised on Linux only")
 
 MIB = 1 << 20
 
@@ -87,9 +87,9 @@ def test_loader_packs_each_layer_and_the_logits_do_not_change(tiny_model_dir, mo
     # Wide enough that a layer's matrices outgrow one huge page in both dtypes.
     path = tiny_model_dir(family, hidden_size=384, intermediate_size=1536, num_attention_heads=8,
                           num_key_value_heads=2)
-    monkeypatch.setattr(loader, "HUGE_PAGES_ON_CPU", False)
+    monkeypatch.setattr(huge_pages, "ENABLED", False)
     plain = load_model(path, dtype=dtype)
-    monkeypatch.setattr(loader, "HUGE_PAGES_ON_CPU", True)
+    monkeypatch.setattr(huge_pages, "ENABLED", True)
     packed = load_model(path, dtype=dtype)
     for layer, ref in zip(packed.layers, plain.layers):
         tensors = [t for t in vars(layer).values() if t is not None]
@@ -105,3 +105,15 @@ def test_loader_packs_each_layer_and_the_logits_do_not_change(tiny_model_dir, mo
         model.allocate_kv_cache(128)
         logits.append(model.forward(batch))
     assert torch.equal(logits[0], logits[1])
+
+
+def test_kv_pools_are_zeroed_huge_page_views(tiny_model_dir, monkeypatch):
+    model = load_model(tiny_model_dir("llama"), dtype=torch.float32)
+    k_cache, v_cache = model.allocate_kv_cache(3000)
+    assert model.kv_pools.data_ptr() % huge_pages.HUGE_PAGE_BYTES == 0
+    assert not model.kv_pools.any()
+    assert all(k.data_ptr() == model.kv_pools[i].data_ptr() for i, k in enumerate(k_cache))
+    assert all(v.data_ptr() == model.kv_pools[len(k_cache) + i].data_ptr() for i, v in enumerate(v_cache))
+    monkeypatch.setattr(huge_pages, "ENABLED", False)
+    model.allocate_kv_cache(3000)  # torch's own allocation
+    assert not model.kv_pools.any() and model.kv_pools.shape[1] == 3000

@@ -50,6 +50,7 @@ import torch
 import torch.nn.functional as F
 
 from .. import ops
+from . import huge_pages
 from .batch import ForwardBatch
 from .config import ModelSpec
 from .rope import RopeTables, apply_rope
@@ -130,9 +131,14 @@ class CausalLM:
             raise ValueError(f"n_slots must be >= 1, got {n_slots}")
         s = self.spec
         self.k_cache, self.v_cache, self.kv_pools = [], [], None  # free the old pools first
-        # One allocation for all layers; each layer's pool is a contiguous view into it.
-        pools = torch.zeros(2, len(self.layers), n_slots, self.num_kv_heads, s.head_dim,
-                            dtype=self.dtype, device=self.device)
+        # One allocation for all layers; each layer's pool is a contiguous view into it. On the
+        # CPU it lives in huge pages, like the weights (huge_pages.py): a decode reads its context
+        # rows from every layer's pool, which spans thousands of 4 KiB pages per step.
+        shape = (2, len(self.layers), n_slots, self.num_kv_heads, s.head_dim)
+        if self.device.type == "cpu" and huge_pages.active():
+            pools = huge_pages.empty(shape, self.dtype).zero_()
+        else:
+            pools = torch.zeros(shape, dtype=self.dtype, device=self.device)
         self.k_cache = list(pools[0].unbind(0))
         self.v_cache = list(pools[1].unbind(0))
         self.kv_pools = pools.view(2 * len(self.layers), n_slots, self.num_kv_heads, s.head_dim)

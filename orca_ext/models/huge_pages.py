@@ -1,9 +1,10 @@
-"""CPU tensors in transparent huge pages (Linux).
+"""CPU weights and KV pools in transparent huge pages (Linux).
 
 A CPU decode step streams every weight byte from memory. With 4 KiB pages each page of weights
 costs a TLB miss and a page walk, and the page tables of half a gigabyte of weights are too large
-to stay cached between two steps. Backing the weights with 2 MiB pages cuts the walks 512-fold:
-a decode forward of the default model ran 6% faster in float32 and in bfloat16 on a 2-core Zen 2
+to stay cached between two steps; the same holds for the context rows a decode reads from every
+layer's KV pool. Backing both with 2 MiB pages cuts the walks 512-fold: a decode forward of the
+default model ran about 7% faster in float32 and in bfloat16 on a 2-core Zen 2
 (bench/huge_pages.py; numbers in bench/RESULTS.md).
 
 The kernel only hands out huge pages for memory that asks before it is first touched (THP mode
@@ -21,16 +22,21 @@ import torch
 HUGE_PAGE_BYTES = 2 << 20
 _ADVICE = getattr(mmap, "MADV_HUGEPAGE", None)  # Linux only
 
+# False keeps torch's own allocation for the weights and the KV cache (bench/huge_pages.py
+# compares the two).
+ENABLED = True
 
-def supported() -> bool:
-    """Whether this platform can advise huge pages at all (the system may still decline)."""
-    return _ADVICE is not None
+
+def active() -> bool:
+    """Whether CPU weights and KV pools go into huge-page memory: ENABLED, on a platform that can
+    advise huge pages (the system may still decline, e.g. with THP "never")."""
+    return ENABLED and _ADVICE is not None
 
 
 def empty(shape: torch.Size | tuple, dtype: torch.dtype) -> torch.Tensor:
     """An uninitialised contiguous CPU tensor whose memory was advised to use huge pages and
     starts on a 2 MiB boundary. The mapping lives as long as the tensor (and its views)."""
-    if not supported():
+    if _ADVICE is None:
         raise RuntimeError("huge pages can only be advised on Linux")
     shape = torch.Size(shape)
     nbytes = shape.numel() * torch.empty((), dtype=dtype).element_size()
@@ -46,10 +52,10 @@ def place_all(tensors: Sequence[torch.Tensor | None]) -> list[torch.Tensor | Non
     """Copies of contiguous CPU tensors packed into one huge-page region, each starting on a
     64-byte boundary (None entries stay None). Packing lets the small matrices of a layer share
     huge pages with the large ones. Returns the tensors themselves when together they are smaller
-    than one huge page, any is not on the CPU, or the platform cannot advise huge pages."""
+    than one huge page, any is not on the CPU, or huge pages are not active()."""
     present = [t for t in tensors if t is not None]
     total = sum(_padded(t) for t in present)
-    if not supported() or total < HUGE_PAGE_BYTES or any(t.device.type != "cpu" for t in present):
+    if not active() or total < HUGE_PAGE_BYTES or any(t.device.type != "cpu" for t in present):
         return list(tensors)
     arena = empty((total,), torch.uint8)
     out: list[torch.Tensor | None] = []

@@ -30,10 +30,6 @@ from .sharding import ShardSpec
 
 log = logging.getLogger(__name__)
 
-# CPU weights of a huge page or more are copied into transparent-huge-page memory (huge_pages.py:
-# a forward streams them faster); False keeps torch's allocation (bench/huge_pages.py compares).
-HUGE_PAGES_ON_CPU = True
-
 _TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "vocab.json")  # any one makes a tokenizer
 # Everything a transformers tokenizer folder may hold (for copying one next to new weights).
 TOKENIZER_FOLDER_FILES = ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja",
@@ -135,15 +131,9 @@ def load_model(path: str | Path, device: torch.device | str = "cpu",
     def put(t: torch.Tensor) -> torch.Tensor:
         return t.to(device=device, dtype=dtype).contiguous()
 
-    def huge(t: torch.Tensor) -> torch.Tensor:
-        """t in huge-page memory (CPU; huge_pages.py)."""
-        return huge_pages.place(t) if HUGE_PAGES_ON_CPU else t
-
     def pack(layer: LayerWeights) -> LayerWeights:
         """The layer's tensors side by side in one huge-page region (CPU; huge_pages.py), so the
         small matrices share huge pages with the large ones."""
-        if not HUGE_PAGES_ON_CPU:
-            return layer
         names = [f.name for f in dataclasses.fields(layer)]
         placed = huge_pages.place_all([getattr(layer, n) for n in names])
         return dataclasses.replace(layer, **dict(zip(names, placed)))
@@ -156,7 +146,7 @@ def load_model(path: str | Path, device: torch.device | str = "cpu",
         """Row slices of several tensors stacked into one: [(name, full shape, rows), ...]."""
         return put(torch.cat([st.get(n, s, rows) for n, s, rows in parts], dim=0))
 
-    embed = huge(fetch("model.embed_tokens.weight", (vocab, hid))) if first else None
+    embed = huge_pages.place(fetch("model.embed_tokens.weight", (vocab, hid))) if first else None
     layers = []
     for i in layer_ids:
         p = f"model.layers.{i}."
@@ -187,11 +177,11 @@ def load_model(path: str | Path, device: torch.device | str = "cpu",
         # a vocab shard of it is a row view, unless the embedding lives on another stage.
         if spec.tie_word_embeddings:
             if embed is None:
-                lm_head = huge(fetch("model.embed_tokens.weight", (vocab, hid), vocab_rows))
+                lm_head = huge_pages.place(fetch("model.embed_tokens.weight", (vocab, hid), vocab_rows))
             else:
                 lm_head = embed if vocab_rows is None else embed[vocab_rows]
         else:
-            lm_head = huge(fetch("lm_head.weight", (vocab, hid), vocab_rows))
+            lm_head = huge_pages.place(fetch("lm_head.weight", (vocab, hid), vocab_rows))
     model = CausalLM(spec, embed, layers, final_norm, lm_head, device, dtype, shard=shard, tp_comm=tp_comm)
     where = "" if shard is None else (f" (stage {shard.stage} layers {shard.layer_start}-{shard.layer_end - 1}, "
                                       f"tensor rank {shard.tp_rank}/{shard.tp_size})")
