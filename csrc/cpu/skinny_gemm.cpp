@@ -85,36 +85,59 @@ namespace {
 // silu(g) = g * sigmoid(g), with e^-|g| from the vectorizable exp2 of vec.h (relative error ~1e-7).
 inline float silu(float g) {
   const float e = exp2_nonpos(-std::fabs(g) * 1.4426950408889634f);
-  const float s = g >= 0.0f ? 1.0f / (1.0f + e) : e / (1.0f + e);
+  const float s = (g >= 0.0f ? 1.0f : e) / (1.0f + e);  // one division: the loop vectorizes
   return g * s;
 }
 
 // Writes one panel's outputs for tb tokens. c is [tb][kPanelRows]; panel column j holds output
-// idx[j] (j < ng) of rows of ldo elements.
+// idx[j] (j < ng) of rows of ldo elements: out = c + bias (+ residual), rounded.
 template <typename T>
 void write_panel(const float* __restrict c, int64_t tb, const int64_t* idx, int64_t ng, const T* bias,
-                 const T* residual, T* out, int64_t ldo, Epilogue epilogue, int64_t bias_up_offset) {
+                 const T* residual, T* out, int64_t ldo) {
   for (int64_t t = 0; t < tb; ++t) {
     const float* ct = c + t * kPanelRows;
+    const T* r = residual != nullptr ? residual + t * ldo : nullptr;
     T* o = out + t * ldo;
-    if (epilogue == Epilogue::kSiluMul) {
-      for (int64_t j = 0; j < ng; ++j) {
-        float g = ct[j], u = ct[kPanelRows / 2 + j];
-        if (bias != nullptr) {
-          g += to_float(bias[idx[j]]);
-          u += to_float(bias[bias_up_offset + idx[j]]);
-        }
-        o[idx[j]] = from_float<T>(silu(g) * u);
-      }
-    } else {
-      const T* r = residual != nullptr ? residual + t * ldo : nullptr;
-      for (int64_t j = 0; j < ng; ++j) {
-        float v = ct[j];
-        if (bias != nullptr) v += to_float(bias[idx[j]]);
-        if (r != nullptr) v += to_float(r[idx[j]]);
-        o[idx[j]] = from_float<T>(v);
-      }
+    for (int64_t j = 0; j < ng; ++j) {
+      float v = ct[j];
+      if (bias != nullptr) v += to_float(bias[idx[j]]);
+      if (r != nullptr) v += to_float(r[idx[j]]);
+      o[idx[j]] = from_float<T>(v);
     }
+  }
+}
+
+// The gate_up form of write_panel: columns [0, 4) are gate sums and [4, 8) the matching up sums
+// of outputs idx[j]; with their biases added they go to gate[t][idx[j] - o_begin] and
+// up[t][idx[j] - o_begin] (rows of ld floats), for silu_mul_range to finish.
+template <typename T>
+void stage_gate_up(const float* __restrict c, int64_t tb, const int64_t* idx, int64_t ng, const T* bias,
+                   int64_t n_out, int64_t o_begin, float* __restrict gate, float* __restrict up, int64_t ld) {
+  for (int64_t t = 0; t < tb; ++t) {
+    const float* ct = c + t * kPanelRows;
+    for (int64_t j = 0; j < ng; ++j) {
+      float g = ct[j], u = ct[kPanelRows / 2 + j];
+      if (bias != nullptr) {
+        g += to_float(bias[idx[j]]);
+        u += to_float(bias[n_out + idx[j]]);
+      }
+      gate[t * ld + idx[j] - o_begin] = g;
+      up[t * ld + idx[j] - o_begin] = u;
+    }
+  }
+}
+
+// out[t][0, n) = silu(gate[t]) * up[t], rounded: one vectorized pass over a contiguous range (a
+// per-panel epilogue evaluated silu one output at a time).
+template <typename T>
+void silu_mul_range(const float* __restrict gate, const float* __restrict up, int64_t ld, int64_t tb, int64_t n,
+                    T* __restrict out, int64_t ldo) {
+  for (int64_t t = 0; t < tb; ++t) {
+    const float* g = gate + t * ld;
+    const float* u = up + t * ld;
+    T* o = out + t * ldo;
+#pragma omp simd
+    for (int64_t i = 0; i < n; ++i) o[i] = from_float<T>(silu(g[i]) * u[i]);
   }
 }
 
@@ -148,7 +171,12 @@ void run_panels(const XT* x, int64_t ldx, PanelFn<XT, WT> panel_fn, const WT* w,
     const int64_t pg = tid % panel_groups, tg = tid / panel_groups;
     const int64_t o_begin = n_out * pg / panel_groups, o_end = n_out * (pg + 1) / panel_groups;
     const int64_t stream_len = (o_end - o_begin + per_panel - 1) / per_panel;  // outputs per stream
+    const int64_t range = o_end - o_begin;
     float* c = thread_scratch<float>(7, static_cast<size_t>(tile * kPanelRows));
+    // SiLU: the gate and up sums of this thread's outputs for one tile ([tile][range] each).
+    // Slot 5 is free here: prepare_activations used it only before this region.
+    float* gate = silu ? thread_scratch<float>(5, static_cast<size_t>(2 * tile * range)) : nullptr;
+    float* up = silu ? gate + tile * range : nullptr;
     if (tg < tile_groups) {
       for (int64_t tt = tg; tt < n_tiles; tt += tile_groups) {
         const int64_t t0 = tt * tile, tb = std::min(tile, n_tokens - t0);
@@ -164,9 +192,13 @@ void run_panels(const XT* x, int64_t ldx, PanelFn<XT, WT> panel_fn, const WT* w,
           if (silu)
             for (int64_t s = 0; s < per_panel; ++s) rows[per_panel + s] = rows[s] + n_out * k;
           panel_fn(x + t0 * ldx, ldx, tb, rows, k, c);
-          write_panel(c, tb, idx, ng, bias, residual != nullptr ? residual + t0 * n_out : nullptr,
-                      out + t0 * n_out, n_out, epilogue, n_out);
+          if (silu)
+            stage_gate_up(c, tb, idx, ng, bias, n_out, o_begin, gate, up, range);
+          else
+            write_panel(c, tb, idx, ng, bias, residual != nullptr ? residual + t0 * n_out : nullptr,
+                        out + t0 * n_out, n_out);
         }
+        if (silu) silu_mul_range(gate, up, range, tb, range, out + t0 * n_out + o_begin, n_out);
       }
     }
   }
