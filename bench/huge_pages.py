@@ -16,10 +16,7 @@ Run it on a quiet machine, serialised with other benchmarks:
 """
 from __future__ import annotations
 
-import argparse
-import datetime
 import gc
-import platform
 import statistics
 import sys
 from pathlib import Path
@@ -28,9 +25,9 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # a checkout without an install
 
-from orca_ext.models import ForwardBatch, huge_pages, load_model  # noqa: E402
+from decode_ab import ab, decode_batch, parse_args, summary  # noqa: E402
+from orca_ext.models import huge_pages, load_model  # noqa: E402
 from peer_cpu import read_bandwidth_gbs  # noqa: E402
-from rope_fusion import ab, summary  # noqa: E402
 
 
 def anon_huge_mib() -> float:
@@ -68,28 +65,12 @@ def weight_bytes(model) -> int:
 
 
 def decode_step(model, context: int):
-    gen = torch.Generator().manual_seed(0)
-    prompt = torch.randint(0, model.spec.vocab_size, (context,), generator=gen).tolist()
-    model.forward(ForwardBatch.build([(prompt, 0, 0)], "cpu"))
-    decode = ForwardBatch.build([([prompt[-1]], context, 0)], "cpu")  # rewrites slot `context` each step
+    decode = decode_batch(model, context)
     return lambda: model.forward(decode)
 
 
 def main(argv=None) -> int:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--dtypes", nargs="+", default=["float32", "bfloat16"], choices=["float32", "bfloat16"])
-    p.add_argument("--steps", type=int, default=60, help="timed steps per mode (>= 30)")
-    p.add_argument("--context", type=int, default=191, help="tokens already in the cache at the decode step")
-    args = p.parse_args(argv)
-    if args.steps < 30:
-        p.error("--steps must be >= 30")
-
-    from orca_ext.default_model import default_model_path
-
-    path = default_model_path()
-    print(f"{datetime.date.today()}  {platform.processor() or platform.machine()}, torch threads "
-          f"{torch.get_num_threads()}, model {path.name}, T=1 decode at context {args.context}, "
-          f"{args.steps} interleaved steps per mode")
+    args, path = parse_args(__doc__.split("\n\n")[0], default_context=191, argv=argv)
     for dtype in args.dtypes:
         small = load(path, dtype, huge=False, context=args.context)
         huge_before = anon_huge_mib()

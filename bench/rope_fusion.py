@@ -13,52 +13,23 @@ benchmarks:
 """
 from __future__ import annotations
 
-import argparse
-import datetime
-import platform
 import statistics
 import sys
-import time
 from pathlib import Path
 
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # a checkout without an install
 
+from decode_ab import ab, decode_batch, parse_args, summary  # noqa: E402
 from orca_ext import ops  # noqa: E402
-from orca_ext.models import ForwardBatch, causal_lm, load_model  # noqa: E402
+from orca_ext.models import causal_lm, load_model  # noqa: E402
 from orca_ext.models.rope import apply_rope  # noqa: E402
 
 
-def timed(fn) -> float:
-    t0 = time.perf_counter()
-    fn()
-    return (time.perf_counter() - t0) * 1e3
-
-
-def ab(run_a, run_b, steps: int, warmup: int = 5) -> tuple[list[float], list[float]]:
-    """Interleaved timings (ms) of two callables; the first of each pair alternates."""
-    for _ in range(warmup):
-        run_a(), run_b()
-    a, b = [], []
-    for i in range(steps):
-        if i % 2 == 0:
-            a.append(timed(run_a)), b.append(timed(run_b))
-        else:
-            b.append(timed(run_b)), a.append(timed(run_a))
-    return a, b
-
-
-def summary(name: str, ms: list[float]) -> str:
-    return f"{name:>10}: best {min(ms):7.3f} ms  median {statistics.median(ms):7.3f} ms"
-
-
 def decode_ab(model, context: int, steps: int) -> tuple[list[float], list[float]]:
-    gen = torch.Generator().manual_seed(0)
-    prompt = torch.randint(0, model.spec.vocab_size, (context,), generator=gen).tolist()
     model.allocate_kv_cache(context + 8)
-    model.forward(ForwardBatch.build([(prompt, 0, 0)], "cpu"))
-    decode = ForwardBatch.build([([prompt[-1]], context, 0)], "cpu")  # rewrites slot `context` each step
+    decode = decode_batch(model, context)
 
     def step(fused: bool):
         causal_lm.FUSED_ROPE_ON_CPU = fused
@@ -95,20 +66,7 @@ def op_ab(model, steps: int) -> tuple[list[float], list[float]]:
 
 
 def main(argv=None) -> int:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--dtypes", nargs="+", default=["float32", "bfloat16"], choices=["float32", "bfloat16"])
-    p.add_argument("--steps", type=int, default=60, help="timed steps per mode (>= 30)")
-    p.add_argument("--context", type=int, default=128, help="tokens already in the cache at the decode step")
-    args = p.parse_args(argv)
-    if args.steps < 30:
-        p.error("--steps must be >= 30")
-
-    from orca_ext.default_model import default_model_path
-
-    path = default_model_path()
-    print(f"{datetime.date.today()}  {platform.processor() or platform.machine()}, torch threads "
-          f"{torch.get_num_threads()}, model {path.name}, T=1 decode at context {args.context}, "
-          f"{args.steps} interleaved steps per mode")
+    args, path = parse_args(__doc__.split("\n\n")[0], default_context=128, argv=argv)
     for dtype in args.dtypes:
         model = load_model(path, dtype=dtype)
         with torch.inference_mode():
