@@ -279,13 +279,14 @@ def test_linear_silu_mul_rows_do_not_depend_on_the_batch(dtype, n_inter, crossov
 
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("heads", [(9, 3), (4, 4)])
-def test_ragged_attention_batch_invariant_rows_ignore_chunks_and_batch_mates(dtype, heads):
+@pytest.mark.parametrize("d", [64, 20])  # 20: K blocks whose width is not a multiple of the 8-wide transpose
+def test_ragged_attention_batch_invariant_rows_ignore_chunks_and_batch_mates(dtype, heads, d):
     """One request's prompt rows, computed as one prefill, as chunks over its cached prefix, as
     one-row decodes, and beside other requests: the same bits every time."""
     n_q, n_kv = heads
     rng = random.Random(n_q)
     gen = torch.Generator().manual_seed(n_q)
-    d, n_ctx, start = 64, 150, 7
+    n_ctx, start = 150, 7
     others = make_ragged_case(n_q, random_kinds(n_q, 5), n_q, n_kv, d, dtype)
     k_cache = torch.cat([others.k_cache, torch.randn(start + n_ctx, n_kv, d, generator=gen).to(dtype)])
     v_cache = torch.cat([others.v_cache, torch.randn(start + n_ctx, n_kv, d, generator=gen).to(dtype)])

@@ -27,6 +27,7 @@
 
 #include "cpu_kernels.h"
 #include "gemm_impl.h"
+#include "transpose.h"
 #include "vec.h"
 
 namespace orca {
@@ -180,8 +181,7 @@ void attend_rows(const AttnItem& it, const T* q, const T* k_cache, const T* v_ca
     const float* kb = kv_block(k_head, it.kv_row0 + j0, nj, ld_kv, d, kbuf, &ldk);
     if constexpr (kTileOrder) {
       // S[m][j] = sum_d Q[m][d] K[j][d] as an FMA chain over d, vectorized over keys.
-      for (int64_t j = 0; j < nj; ++j)
-        for (int64_t k = 0; k < d; ++k) kt[k * kKeyBlock + j] = kb[j * ldk + k];
+      transpose(kb, ldk, nj, d, kt, kKeyBlock);
       for (int64_t m = 0; m < m_rows; ++m)
         for (int64_t j = 0; j < nj; ++j) s[m * kKeyBlock + j] = 0.0f;
       gemm_nn_acc(qs, ldd, 1, kt, kKeyBlock, s, kKeyBlock, m_rows, d, nj);
