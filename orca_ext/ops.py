@@ -84,6 +84,17 @@ def slab_write(k_cache, v_cache, k, v, slots) -> None:
     _C.slab_write(k_cache, v_cache, k, v, slots)
 
 
+def row_argmax(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """[R, V] float32 -> (index [R] int64, value [R]): each row's maximum and the first column
+    holding it (a row with a NaN: NaN). One CPU kernel call; after a forward has streamed the
+    weights through the caches, ATen's max(dim) and the ops around it start cold and cost several
+    times more. Other devices use torch.max."""
+    if _C is None or not x.is_cpu:
+        value, index = x.max(dim=-1)
+        return index, value
+    return _C.row_argmax(x)
+
+
 def rope_slab_write(qkv, cos, sin, k_cache, v_cache, slots, n_q_heads: int, n_kv_heads: int) -> torch.Tensor:
     """qkv [T, (Hq + 2*Hkv) * D] -> rotated q [T, Hq, D]; rotated k and v go to the caches at
     slots[t]. cos/sin [T, D/2] float32 (each token's position). The CPU kernel is bit-identical

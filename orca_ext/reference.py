@@ -70,6 +70,16 @@ def rope_slab_write(qkv, cos, sin, k_cache, v_cache, slots, n_q_heads: int, n_kv
     return q
 
 
+def row_argmax(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """[R, V] -> (index [R] int64, value [R]): each row's maximum and the first column holding it;
+    a row with a NaN gives NaN and the column of its first NaN."""
+    nan = torch.isnan(x)
+    has_nan = nan.any(dim=-1)
+    value = torch.where(has_nan, torch.full_like(x[:, 0], float("nan")), x.amax(dim=-1))
+    hit = torch.where(has_nan.unsqueeze(-1), nan, x == value.unsqueeze(-1))
+    return hit.to(torch.int32).argmax(dim=-1), value  # argmax returns the first of equal maxima
+
+
 def slab_move(pools: torch.Tensor, moves) -> None:
     """pools [P, S, ...]: for each (src, dst, n) of `moves` in order, rows [src, src+n) of every
     pool are copied to rows [dst, dst+n) as if through a temporary (the two ranges may overlap);

@@ -18,6 +18,7 @@ from typing import Optional, Sequence
 
 import torch
 
+from . import ops
 from .detokenizer import StopAutomaton, StopMatcher
 from .errors import InvalidRequestError
 
@@ -200,12 +201,17 @@ class Sampler:
         if logits.dim() != 2 or logits.shape[0] != n:
             raise ValueError(f"logits must be [B={n}, vocab], got {tuple(logits.shape)}")
         logits = logits.float()
-        # One pass over [B, V] gives the greedy tokens and the health check: max propagates NaN
-        # and +inf, so a row whose max is not finite is unusable (an all -inf row is caught too).
-        # One device->host transfer returns both.
-        best, greedy_tok = logits.max(dim=-1)
-        packed = torch.stack([greedy_tok, torch.isfinite(best).long()]).tolist()
-        tokens: list[Optional[int]] = list(packed[0])
+        # One pass over [B, V] gives the greedy tokens and the health check: the max propagates
+        # NaN and +inf, so a row whose max is not finite is unusable (an all -inf row is caught
+        # too). On the CPU one kernel call does it (ops.row_argmax says why).
+        greedy_tok, best = ops.row_argmax(logits)
+        if logits.is_cpu:
+            tokens: list[Optional[int]] = greedy_tok.tolist()
+            maxima = best.tolist()
+        else:  # one device->host transfer for both (token ids are exact in float64)
+            ids, maxima = torch.stack([greedy_tok.double(), best.double()]).tolist()
+            tokens = [int(t) for t in ids]
+        finite = [math.isfinite(m) for m in maxima]
         errors: list[Optional[str]] = [None] * n
         sampled: list[int] = []
         for i, req in enumerate(requests):
@@ -214,7 +220,7 @@ class Sampler:
                 # so a seeded request samples the same stream however its prompt was split.
                 # (Parallel workers' rows carry the same flag, SamplingRow.emits_token.)
                 tokens[i] = None
-            elif not packed[1][i]:
+            elif not finite[i]:
                 tokens[i] = None
                 errors[i] = NON_FINITE_LOGITS
             elif not req.params.greedy:

@@ -320,3 +320,53 @@ def test_ragged_attention_batch_invariant_rows_ignore_chunks_and_batch_mates(dty
     assert torch.equal(run([(0, 40)], True), whole[:40])     # a prompt cut short
     for p in (0, 1, 63, 64, 100, n_ctx - 1):                 # one-row decodes
         assert torch.equal(run([(p, p + 1)], rng.random() < 0.5), whole[p:p + 1]), f"row {p}"
+
+
+def _logit_rows(n_rows: int, n_cols: int, seed: int) -> torch.Tensor:
+    """Random logits with the hard cases planted: ties of the maximum, NaN, +inf, all -inf."""
+    gen = torch.Generator().manual_seed(seed)
+    x = torch.randn(n_rows, n_cols, generator=gen) * 8
+    rng = random.Random(seed)
+    for r in range(n_rows):
+        kind = rng.choice(["plain", "tie", "tie", "nan", "inf", "all_neg_inf", "neg_inf_and_finite"])
+        cols = sorted(rng.sample(range(n_cols), min(3, n_cols)))
+        if kind == "tie":        # the same maximum at several columns: the first one counts
+            x[r, cols] = x[r].max() + 1.0
+        elif kind == "nan":      # NaN wins over anything, and its first column counts
+            x[r, cols[-1]] = float("nan")
+            x[r, cols[0]] = float("inf")
+        elif kind == "inf":
+            x[r, cols[0]] = float("inf")
+        elif kind == "all_neg_inf":
+            x[r] = float("-inf")
+        elif kind == "neg_inf_and_finite":
+            x[r] = float("-inf")
+            x[r, cols[-1]] = -1e30
+    return x
+
+
+@pytest.mark.parametrize("n_rows,n_cols", [(1, 1), (1, 7), (3, 49157), (17, 100), (33, 8191)])  # 33 x 8191: threaded
+def test_row_argmax(n_rows, n_cols):
+    x = _logit_rows(n_rows, n_cols, seed=n_rows * 7919 + n_cols)
+    index, value = _C.row_argmax(x)
+    ref_index, ref_value = reference.row_argmax(x.double())
+    assert index.dtype == torch.int64 and value.dtype == torch.float32 and index.shape == value.shape == (n_rows,)
+    assert torch.equal(index, ref_index)
+    torch.testing.assert_close(value.double(), ref_value, equal_nan=True, atol=0, rtol=0)
+    # ATen's max agrees on every row without NaN (the sampler used it before).
+    plain = ~torch.isnan(x).any(dim=-1)
+    aten_value, aten_index = x.max(dim=-1)
+    assert torch.equal(index[plain], aten_index[plain]) and torch.equal(value[plain], aten_value[plain])
+    # A non-contiguous view gives the same answer.
+    t_index, t_value = _C.row_argmax(x.t().contiguous().t())
+    assert torch.equal(t_index, index) and torch.equal(torch.isnan(t_value), torch.isnan(value))
+
+
+@pytest.mark.parametrize("x,match", [
+    (torch.zeros(5), r"x must be 2-D \[R, V\]"),
+    (torch.zeros(2, 5, dtype=torch.float64), "x must be float32"),
+    (torch.zeros(2, 0), "x has 0 columns"),
+])
+def test_row_argmax_bad_input(x, match):
+    with pytest.raises(ValueError, match=match):
+        _C.row_argmax(x)

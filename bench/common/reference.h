@@ -14,6 +14,20 @@
 
 namespace bench::ref {
 
+// The first column holding row r's maximum (a NaN outranks everything: the first NaN's column).
+inline std::vector<int64_t> row_argmax(const float* x,  // [R, V]
+                                       int64_t n_rows, int64_t n_cols) {  // -> [R]
+  std::vector<int64_t> index(static_cast<size_t>(n_rows), 0);
+  for (int64_t r = 0; r < n_rows; ++r) {
+    const float* row = x + r * n_cols;
+    int64_t best = 0;
+    for (int64_t c = 1; c < n_cols && !std::isnan(row[best]); ++c)
+      if (std::isnan(row[c]) || row[c] > row[best]) best = c;
+    index[static_cast<size_t>(r)] = best;
+  }
+  return index;
+}
+
 // 1 / sqrt(mean(x^2) + eps) of one row.
 template <typename T, typename Cvt>
 double rms_inv(const T* x,  // [H]

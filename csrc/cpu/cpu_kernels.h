@@ -52,6 +52,13 @@ void rmsnorm_qkv(const T* x,            // [T, H]
                  T* out,                // [T, N]
                  int64_t n_tokens, int64_t hidden, int64_t n_out, float eps);
 
+// value[r] = max(x[r, :]) and index[r] = the first column holding it: the greedy token of a row
+// of logits. A row with a NaN gets NaN and the column of its first NaN. n_cols >= 1.
+void row_argmax(const float* x,  // [R, V]
+                int64_t n_rows, int64_t n_cols,
+                int64_t* index,  // [R]
+                float* value);   // [R]
+
 // k_cache[slots[t]] = k[t], v_cache[slots[t]] = v[t]. Index type I is int32_t or int64_t.
 // The caller has checked 0 <= slots[t] < n_slots.
 template <typename T, typename I>

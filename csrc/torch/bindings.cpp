@@ -42,6 +42,9 @@ PYBIND11_MODULE(_C, m) {
         "fixed-chunk cuBLAS)");
   m.def("slab_write", &orca::slab_write, py::arg("k_cache"), py::arg("v_cache"), py::arg("k"), py::arg("v"),
         py::arg("slots"), "slab_write(k_cache[S,Hkv,D], v_cache, k[T,Hkv,D], v, slots[T]): cache[slots[t]] = k[t]");
+  m.def("row_argmax", &orca::row_argmax, py::arg("x"),
+        "row_argmax(x[R,V] float32) -> (index[R] int64, value[R] float32): each row's maximum and the first "
+        "column holding it (NaN and its first column for a row with a NaN); CPU only");
   m.def("rope_slab_write", &orca::rope_slab_write, py::arg("qkv"), py::arg("cos"), py::arg("sin"),
         py::arg("k_cache"), py::arg("v_cache"), py::arg("slots"), py::arg("n_q_heads"), py::arg("n_kv_heads"),
         "rope_slab_write(qkv[T,(Hq+2Hkv)*D], cos[T,D/2] f32, sin[T,D/2] f32, k_cache[S,Hkv,D], v_cache, slots[T], "

@@ -174,6 +174,14 @@ void slab_write(at::Tensor& k_cache, at::Tensor& v_cache, const at::Tensor& k, c
   });
 }
 
+std::tuple<at::Tensor, at::Tensor> row_argmax(const at::Tensor& x) {
+  const int64_t n_rows = x.size(0), n_cols = x.size(1);
+  at::Tensor index = at::empty({n_rows}, x.options().dtype(at::kLong));
+  at::Tensor value = at::empty({n_rows}, x.options());
+  cpu::row_argmax(x.data_ptr<float>(), n_rows, n_cols, index.data_ptr<int64_t>(), value.data_ptr<float>());
+  return {index, value};
+}
+
 at::Tensor rope_slab_write(const at::Tensor& qkv, const at::Tensor& cos, const at::Tensor& sin, at::Tensor& k_cache,
                            at::Tensor& v_cache, const at::Tensor& slots, int64_t n_q_heads) {
   const int64_t n_tokens = qkv.size(0), n_slots = k_cache.size(0), n_kv_heads = k_cache.size(1),

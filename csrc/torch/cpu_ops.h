@@ -7,6 +7,7 @@
 #include <cstdint>
 #include <optional>
 #include <string>
+#include <tuple>
 #include <vector>
 
 namespace orca::cpu_ops {
@@ -27,6 +28,8 @@ void slab_write(at::Tensor& k_cache,       // [S, Hkv, D]
                 const at::Tensor& k,       // [T, Hkv, D]
                 const at::Tensor& v,       // [T, Hkv, D]
                 const at::Tensor& slots);  // [T] int32 or int64
+
+std::tuple<at::Tensor, at::Tensor> row_argmax(const at::Tensor& x);  // [R, V] float32 contiguous, V >= 1
 
 // Checks every slot against [0, S) before writing (a ValueError names the bad slot).
 at::Tensor rope_slab_write(const at::Tensor& qkv,      // [T, (Hq + 2*Hkv) * D]

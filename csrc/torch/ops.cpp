@@ -141,6 +141,15 @@ void slab_write(at::Tensor k_cache, at::Tensor v_cache, const at::Tensor& k_in, 
   cpu_ops::slab_write(k_cache, v_cache, k, v, slots);
 }
 
+std::tuple<at::Tensor, at::Tensor> row_argmax(const at::Tensor& x_in) {
+  checks::rank(x_in, 2, "x", "[R, V]");
+  TORCH_CHECK_VALUE(x_in.scalar_type() == at::kFloat, "x must be float32, got ", x_in.scalar_type());
+  TORCH_CHECK_VALUE(x_in.size(1) >= 1, "x has ", x_in.size(1), " columns; a row needs at least one");
+  TORCH_CHECK_VALUE(x_in.is_cpu(), "row_argmax has no CUDA kernel: x is on ", x_in.device(),
+                    "; use torch.max(x, dim=-1) there");
+  return cpu_ops::row_argmax(x_in.contiguous());
+}
+
 at::Tensor rope_slab_write(const at::Tensor& qkv_in, const at::Tensor& cos_in, const at::Tensor& sin_in,
                            at::Tensor k_cache, at::Tensor v_cache, const at::Tensor& slots_in, int64_t n_q_heads,
                            int64_t n_kv_heads) {
