@@ -37,10 +37,11 @@ struct AlignedAlloc {
     constexpr size_t kHugePage = size_t{2} << 20;
     const size_t bytes = n * sizeof(T);
     const size_t align = bytes >= kHugePage ? kHugePage : 64;
-    void* p = std::aligned_alloc(align, (bytes + align - 1) & ~(align - 1));
+    const size_t rounded = (bytes + align - 1) & ~(align - 1);  // aligned_alloc wants a multiple
+    void* p = std::aligned_alloc(align, rounded);
     if (p == nullptr) throw std::bad_alloc();
 #ifdef MADV_HUGEPAGE
-    if (align == kHugePage) madvise(p, (bytes + align - 1) & ~(align - 1), MADV_HUGEPAGE);
+    if (align == kHugePage) madvise(p, rounded, MADV_HUGEPAGE);
 #endif
     return static_cast<T*>(p);
   }

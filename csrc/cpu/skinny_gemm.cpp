@@ -170,8 +170,8 @@ void run_panels(const XT* x, int64_t ldx, PanelFn<XT, WT> panel_fn, const WT* w,
     const int64_t tile_groups = std::max<int64_t>(1, nth / panel_groups);
     const int64_t pg = tid % panel_groups, tg = tid / panel_groups;
     const int64_t o_begin = n_out * pg / panel_groups, o_end = n_out * (pg + 1) / panel_groups;
-    const int64_t stream_len = (o_end - o_begin + per_panel - 1) / per_panel;  // outputs per stream
     const int64_t range = o_end - o_begin;
+    const int64_t stream_len = (range + per_panel - 1) / per_panel;  // outputs per stream
     float* c = thread_scratch<float>(7, static_cast<size_t>(tile * kPanelRows));
     // SiLU: the gate and up sums of this thread's outputs for one tile ([tile][range] each).
     // Slot 5 is free here: prepare_activations used it only before this region.

@@ -34,14 +34,14 @@ void slab_write(at::Tensor k_cache,       // [S, Hkv, D], written in place
                 const at::Tensor& v,      // [T, Hkv, D]
                 const at::Tensor& slots);  // [T] int32 or int64
 
-// The step between rmsnorm_qkv and attention, fused (CPU only; no CUDA kernel): rotates the q and k
-// heads of qkv by each token's cos/sin (half-split rotary embedding in float32, rounded once),
-// writes rotated k and v into the caches at slots[t] (as slab_write), returns rotated q. Results
-// are bit-identical to the unfused rope + slab_write path. Hkv and D come from the caches; D even.
 // Each row's maximum and the first column holding it (a row with a NaN: NaN and its first NaN);
 // float32 rows on the CPU (the greedy token of each request's logits).
 std::tuple<at::Tensor, at::Tensor> row_argmax(const at::Tensor& x);  // [R, V] -> (index [R] int64, value [R] float32)
 
+// The step between rmsnorm_qkv and attention, fused (CPU only; no CUDA kernel): rotates the q and k
+// heads of qkv by each token's cos/sin (half-split rotary embedding in float32, rounded once),
+// writes rotated k and v into the caches at slots[t] (as slab_write), returns rotated q. Results
+// are bit-identical to the unfused rope + slab_write path. Hkv and D come from the caches; D even.
 at::Tensor rope_slab_write(const at::Tensor& qkv,      // [T, (Hq + 2*Hkv) * D]
                            const at::Tensor& cos,      // [T, D/2] float32
                            const at::Tensor& sin,      // [T, D/2] float32
