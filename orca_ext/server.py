@@ -197,9 +197,11 @@ class Server:
         self.max_batch_size = max_batch_size
         self.scheduler_policy = scheduler
         self.record_iterations = record_iterations
-        encoder = (PromptEncoder(tokenizer, max_tokens=min(self.max_model_len, self.n_slots),
-                                 fallback_lock=self._tok.lock) if tokenizer is not None else None)
-        self._validator = RequestValidator(encoder, self.vocab_size, self.max_model_len, self.n_slots)
+        # The one prompt encoder: Server.submit and the HTTP layer's chat prompts share its pool.
+        self.prompt_encoder: Optional[PromptEncoder] = (
+            PromptEncoder(tokenizer, max_tokens=min(self.max_model_len, self.n_slots), fallback_lock=self._tok.lock)
+            if tokenizer is not None else None)
+        self._validator = RequestValidator(self.prompt_encoder, self.vocab_size, self.max_model_len, self.n_slots)
 
         # The static baseline runs whole prompts; the budget belongs to iteration-level scheduling.
         self.max_num_batched_tokens = max_num_batched_tokens if scheduler == "orca" else None
