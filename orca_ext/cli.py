@@ -16,7 +16,8 @@ import time
 from typing import Optional, Sequence
 
 from .http import serve
-from .options import add_engine_arguments, engine_kwargs
+from .config import EngineConfig
+from .options import add_engine_arguments
 
 log = logging.getLogger(__name__)
 
@@ -61,7 +62,7 @@ def _generate(args: argparse.Namespace) -> int:
         print(f"error: {exc}", file=sys.stderr)
         return 2
     try:
-        server = Server(**engine_kwargs(args))
+        server = Server(args.model, config=EngineConfig.from_args(args))
     except (ValueError, FileNotFoundError) as exc:  # a bad option or model folder: one line, no traceback
         print(f"error: {exc}", file=sys.stderr)
         return 2

@@ -1,18 +1,27 @@
 """One engine iteration: schedule -> launch on the executor -> postprocess when tokens return.
 
-The engine is single-threaded by design: the server's loop thread is its only caller. Server
-calls that touch requests (submit, abort) take the same lock that `step` holds while scheduling
-and postprocessing; the lock is released while the model runs, so submissions never wait for a
-forward pass.
+The engine is single-threaded by design: the server's loop thread is its only caller of `step`.
+Calls that touch requests (add, abort) take the engine's lock, which `step` holds while
+scheduling and postprocessing and releases while the model runs, so submissions never wait for a
+forward pass. The server passes its own lock, so its request table and the engine change
+together.
+
+Two steps, chosen once by the executor's pipeline depth (vLLM's `step` and
+`step_with_batch_queue`):
+    step()                    n_workers = 1: select, run, postprocess; one batch at a time
+    step_with_batch_queue()   n_workers > 1: launch whenever a stage is free and a batch can be
+                              selected; otherwise postprocess the oldest batch in flight
+One condition, `wakeup` (on the engine's lock), is signalled whenever something the next
+selection depends on changes: a request arrives or is aborted, a launched batch returns, or the
+server shuts down. Whoever waits for work waits on it.
 
 The executor (executor.py) runs batches: in this process (`LocalExecutor`: the forward pass is
 done when `execute` returns), or on tensor x pipeline parallel workers (`DistributedExecutor`:
-`execute` only sends the batch, and up to n_workers = pipeline stages batches are in flight, as
-in Algorithm 1). Either way the engine code path is the same.
+`execute` only sends the batch). The engine checks every row's inputs before launching it
+(`_input_error`); nothing below it checks them again.
 """
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 import logging
 import threading
@@ -21,13 +30,9 @@ from collections import deque
 from dataclasses import dataclass
 from typing import Callable, Optional
 
-import torch
-
-from . import ops
-from .executor import LocalExecutor
+from .executor import BatchFuture, Executor
 from .models.batch import count_tokens
 from .request import IterationRecord, Request
-from .sampling import Sampler
 
 log = logging.getLogger(__name__)
 
@@ -46,54 +51,55 @@ class ScheduledBatch:
 
 
 class Engine:
-    def __init__(self, model, scheduler, *, record_iterations: bool = False,
-                 sampler: Optional[Sampler] = None, slab_compaction: bool = True):
-        """`model`: a model (run here through a LocalExecutor) or an executor. `slab_compaction`:
-        let the scheduler slide live slabs together (needs the model's `kv_pools` in this
-        process; off for executors whose pools live in worker processes)."""
-        self.executor = model if hasattr(model, "execute") else LocalExecutor(model, sampler)
-        self.model = getattr(self.executor, "model", None)  # the local model, if any
-        # The scheduler's n_workers bounds the batches in flight; the server sets it to the
-        # executor's pipeline depth (with a LocalExecutor more only delays postprocessing).
+    def __init__(self, executor: Executor, scheduler, *, record_iterations: bool = False,
+                 slab_compaction: bool = True, lock=None,
+                 publish: Optional[Callable[[list], None]] = None):
+        """`executor`: what runs the batches (executor.Executor). `slab_compaction`: let the
+        scheduler slide live slabs together (executor.move_slabs, between batches). `lock`: the
+        lock that guards the requests (an RLock; default: a new one). `publish(changed)` is called
+        under it with the requests whose output changed in a step."""
+        if not isinstance(executor, Executor):
+            raise TypeError(f"executor must implement orca_ext.executor.Executor, got {type(executor).__name__}")
+        self.executor = executor
+        # The scheduler's n_workers bounds the batches in flight: the executor's pipeline depth.
         self.scheduler = scheduler
-        self.kv_cache = self.executor.allocate_kv_cache(scheduler.n_slots)
+        self.executor.allocate_kv_cache(scheduler.n_slots)
         self.compaction_moved_bytes = 0
         if slab_compaction:
-            if getattr(self.model, "kv_pools", None) is None:
-                log.warning("%s exposes no kv_pools in this process; slab compaction is off",
-                            type(self.model if self.model is not None else self.executor).__name__)
-            else:
-                # The scheduler calls it only while no batch is in flight (see _compact), so no
-                # executing batch ever reads or writes a slab that moves.
-                scheduler.slab_mover = self._move_slabs
+            # The scheduler calls it only while no batch is in flight (see its _compact), so no
+            # executing batch ever reads or writes a slab that moves.
+            scheduler.slab_mover = self._move_slabs
         self.record_iterations = record_iterations
         self.records: list[IterationRecord] = []
         self.num_iterations = 0
         self.num_finished = 0
         self.num_generated_tokens = 0
         self.num_prompt_tokens = 0
-        # Results of launched batches not yet postprocessed, oldest first. How many batches are
-        # in flight is the scheduler's count (n_scheduled); this only holds their results.
-        self._inflight: deque = deque()   # (ScheduledBatch, result)
-        self.last_step_idle = False       # the last step neither launched nor completed a batch
-        # Set when the pool changes (submit, abort) or a launched batch returns: a free pipeline
-        # stage may then take a new batch. Cleared under the lock before each selection.
-        self._wake = threading.Event()
+        self.lock = lock if lock is not None else threading.RLock()
+        self.wakeup = threading.Condition(self.lock)
+        self._changes = 0                 # bumped with every wakeup signal (see wait_for_change)
+        self.publish = publish
+        # Launched batches not yet postprocessed, oldest first. How many batches are in flight
+        # is the scheduler's count (n_scheduled); this only holds their futures.
+        self._inflight: deque = deque()   # (ScheduledBatch, BatchFuture)
+        self.step = self.step_with_batch_queue if scheduler.n_workers > 1 else self.step_one
 
     # -- requests ----------------------------------------------------------------------------
     def add_request(self, req: Request) -> None:
-        self.scheduler.add(req)
-        self._wake.set()
+        with self.lock:
+            self.scheduler.add(req)
+            self.signal()
 
     def abort_request(self, req: Request, reason: str = "abort", error: Optional[str] = None) -> bool:
         """End a request that has not finished. Its slab is returned now, or when its running
         batch returns (never while the model may still write it)."""
-        if req.finished:
-            return False
-        self._end(req, reason, error)
-        self.scheduler.remove(req)
-        self._wake.set()  # its slab may let a waiting request in
-        return True
+        with self.lock:
+            if req.finished:
+                return False
+            self._end(req, reason, error)
+            self.scheduler.remove(req)
+            self.signal()  # its slab may let a waiting request in
+            return True
 
     def abort_all(self, reason: str, error: Optional[str] = None) -> list:
         """End every unfinished request and return all slabs (shutdown, or recovery after an
@@ -118,45 +124,87 @@ class Engine:
         """KV slots that hold a computed token (<= slots_reserved)."""
         return sum(r.num_cached for r in self.scheduler.pool)
 
-    # -- one iteration -------------------------------------------------------------------------
-    def step(self, lock=None, publish: Optional[Callable[[list], None]] = None) -> list:
-        """Run one iteration of Algorithm 1's loop; returns the requests whose output changed.
+    # -- waking up ---------------------------------------------------------------------------
+    def signal(self) -> None:
+        """Something the next selection depends on changed: wake whoever waits on `wakeup`."""
+        with self.lock:
+            self._changes += 1
+            self.wakeup.notify_all()
 
-        `lock` (if given) is held while the scheduler and requests are touched, not during the
-        forward pass; `publish(changed)` is called with the lock still held.
-        """
-        lock = lock if lock is not None else contextlib.nullcontext()
-        with lock:
-            self._wake.clear()
+    def wait_for_change(self, since: int, timeout: Optional[float] = None) -> bool:
+        """Wait (lock held) until a signal after the one numbered `since`; False on timeout."""
+        return self.wakeup.wait_for(lambda: self._changes != since, timeout)
+
+    # -- one iteration -------------------------------------------------------------------------
+    def step_one(self) -> list:
+        """One iteration of Algorithm 1's loop with one batch at a time: select, run, postprocess.
+        Returns the requests whose output changed."""
+        with self.lock:
+            seen = self._changes
             batch = self._schedule()
-            if batch is not None and not batch.requests:  # every row failed its input check
-                changed = self._postprocess(batch, None)
-                if publish is not None:
-                    publish(changed)
-                return changed
+            if batch is None:
+                # Work exists but none can be scheduled (cannot happen with n_workers = 1, where
+                # an empty KV cache fits any validated request): sleep until the pool changes.
+                if self.has_work():
+                    self.wait_for_change(seen)
+                return []
+            if not batch.requests:  # every row failed its input check
+                return self._finish(batch, None)
+        future = self._launch(batch)
+        result = self.executor.wait(future)
+        with self.lock:
+            return self._finish(batch, result, future)
+
+    def step_with_batch_queue(self) -> list:
+        """One iteration of Algorithm 1's loop with up to n_workers batches in flight: launch a
+        batch when a stage is free and one can be selected (and return at once, to select the
+        next); else wait for the oldest batch's tokens, or for a change to the pool that may
+        fill a free stage, whichever comes first; postprocess the oldest batch once it is back.
+        Returns the requests whose output changed."""
+        with self.lock:
+            seen = self._changes
+            batch = self._schedule()
+            if batch is not None and not batch.requests:
+                return self._finish(batch, None)
         if batch is not None:
-            self._inflight.append((batch, self._execute(batch)))
-        changed: list = []
-        self.last_step_idle = batch is None and not self._inflight
-        # Wait for one launched batch when n_workers batches are in flight, or when nothing new
-        # could be launched (so in-flight work always drains).
-        if self._inflight and (len(self._inflight) >= self.scheduler.n_workers or batch is None):
-            done, future = self._inflight[0]
-            if batch is None and len(self._inflight) < self.scheduler.n_workers and not future.done():
-                # A pipeline stage is free: whichever comes first, the oldest batch's tokens or a
-                # request that can fill the stage (Orca launches as soon as a worker is free).
-                future.add_done_callback(lambda _: self._wake.set())
-                if self._wake.wait(getattr(self.executor, "worker_timeout", None)) and not future.done():
-                    return changed  # the caller steps again and launches the newcomer
-            self._inflight.popleft()
-            result = self.executor.wait(future)
-            with lock:
-                self._record_completion(done, future)
-                changed = self._postprocess(done, result)
-                if self.executor.error is not None:  # the workers are gone: nothing can run any more
-                    changed += self.abort_all("error", f"the engine stopped: {self.executor.error}")
-                if publish is not None:
-                    publish(changed)
+            self._inflight.append((batch, self._launch(batch)))
+            if len(self._inflight) < self.scheduler.n_workers:
+                return []  # another stage is free: select again
+        done, future = self._inflight[0] if self._inflight else (None, None)
+        if batch is None and (future is None or not future.done()):
+            with self.lock:
+                if future is None and not self.has_work():
+                    return []
+                # Nothing could be launched: whichever comes first, the oldest batch's tokens
+                # (its future signals) or a request that can fill the free stage.
+                woke = self.wait_for_change(seen, self.executor.wait_timeout)
+            if future is None or (woke and not future.done()):
+                return []  # the caller steps again and launches the newcomer
+            # Timed out: executor.wait below bounds the rest of the wait and names the fault.
+        self._inflight.popleft()
+        result = self.executor.wait(future)
+        with self.lock:
+            return self._finish(done, result, future)
+
+    def _launch(self, batch: ScheduledBatch) -> BatchFuture:
+        """Hand the batch to the executor; its future signals `wakeup` when it resolves."""
+        launched = time.perf_counter()
+        future = self.executor.execute(batch)
+        future.add_done_callback(lambda _: self.signal())
+        if batch.record >= 0:
+            rec = self.records[batch.record]
+            self.records[batch.record] = dataclasses.replace(rec, launch_time=launched)
+        return future
+
+    def _finish(self, batch: ScheduledBatch, result, future: Optional[BatchFuture] = None) -> list:
+        """Postprocess a returned batch (lock held) and publish what changed."""
+        if future is not None:
+            self._record_completion(batch, future)
+        changed = self._postprocess(batch, result)
+        if self.executor.error is not None:  # the workers are gone: nothing can run any more
+            changed += self.abort_all("error", f"the engine stopped: {self.executor.error}")
+        if self.publish is not None:
+            self.publish(changed)
         return changed
 
     def shutdown(self) -> None:
@@ -189,16 +237,7 @@ class Engine:
                                                 chunk_sizes=tuple(len(new_ids) for new_ids, _, _ in inputs)))
         return ScheduledBatch(index, reqs, inputs, record, dropped)
 
-    def _execute(self, batch: ScheduledBatch):
-        """Launch the batch; returns its BatchFuture (already resolved for a LocalExecutor)."""
-        launched = time.perf_counter()
-        future = self.executor.execute(batch)
-        if batch.record >= 0:
-            rec = self.records[batch.record]
-            self.records[batch.record] = dataclasses.replace(rec, launch_time=launched)
-        return future
-
-    def _record_completion(self, batch: ScheduledBatch, future) -> None:
+    def _record_completion(self, batch: ScheduledBatch, future: BatchFuture) -> None:
         if batch.record >= 0:
             done = future.completed_at if future.completed_at is not None else time.perf_counter()
             rec = self.records[batch.record]
@@ -250,10 +289,8 @@ class Engine:
         old slab start to its new one, in the order given (the scheduler's slab_mover)."""
         rows = [(old, new, req.num_cached) for req, old, new in moves if req.num_cached > 0]
         if rows:
-            pools = self.model.kv_pools  # [P, n_slots, ...]: every layer's K and V pool
-            ops.slab_move(pools, torch.tensor(rows, dtype=torch.int64))
-            row_bytes = pools[0, 0].numel() * pools.element_size() * pools.shape[0]
-            self.compaction_moved_bytes += sum(n for _, _, n in rows) * row_bytes
+            self.executor.move_slabs(rows)
+            self.compaction_moved_bytes += sum(n for _, _, n in rows) * self.executor.kv_bytes_per_slot()
         log.debug("slab compaction moved %d slabs (%d with cached KV)", len(moves), len(rows))
 
     @property

@@ -1,7 +1,8 @@
 """Device, dtype and KV-memory decisions, made once before a Server starts.
 
 `plan_kv_cache` is pure arithmetic (no environment, no device queries) so every sizing rule is
-tested directly; `kv_budget` is the one impure step that reads the environment and the device.
+tested directly; `requested_kv_bytes` and `kv_budget` are the impure steps that read the environment
+and the device.
 """
 from __future__ import annotations
 
@@ -20,23 +21,30 @@ GPU_KV_MEMORY_FRACTION = 0.9     # GPU default: 90% of the memory free after loa
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
-def resolve_device(device: Union[str, torch.device]) -> torch.device:
-    """'auto' (CUDA when available), 'cpu', 'cuda' or 'cuda:N' -> a torch.device that exists."""
+def resolve_device(device: Union[str, torch.device], *, parallel: bool = False) -> torch.device:
+    """'auto' (CUDA when available), 'cpu', 'cuda' or 'cuda:N' -> a torch.device that exists.
+    parallel=True (tensor x pipeline parallel workers): the device type every worker uses, since
+    worker w takes cuda:w on its node; a single GPU ('cuda:N') cannot hold several workers."""
     if isinstance(device, str) and device == "auto":
         return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    allowed = "'auto', 'cpu' or 'cuda'" if parallel else "'auto', 'cpu', 'cuda' or 'cuda:N'"
     try:
         dev = torch.device(device)
     except (RuntimeError, TypeError) as exc:
-        raise ValueError(f"device must be 'auto', 'cpu', 'cuda' or 'cuda:N', got {device!r}") from exc
+        raise ValueError(f"device must be {allowed}, got {device!r}") from exc
+    if dev.type not in ("cpu", "cuda"):
+        raise ValueError(f"device must be {allowed}, got {device!r}")
+    if parallel and dev.index is not None:
+        raise ValueError(f"with tensor or pipeline parallelism device must be {allowed} "
+                         f"(worker w uses cuda:w on its node), got {device!r}")
     if dev.type == "cuda":
         if not torch.cuda.is_available():
             raise ValueError(f"device={device!r} but CUDA is not available; use device='cpu'")
-        index = 0 if dev.index is None else dev.index
-        if index >= torch.cuda.device_count():
-            raise ValueError(f"device={device!r} but only {torch.cuda.device_count()} CUDA device(s) exist")
-        dev = torch.device("cuda", index)
-    elif dev.type != "cpu":
-        raise ValueError(f"device must be 'auto', 'cpu', 'cuda' or 'cuda:N', got {device!r}")
+        if not parallel:
+            index = 0 if dev.index is None else dev.index
+            if index >= torch.cuda.device_count():
+                raise ValueError(f"device={device!r} but only {torch.cuda.device_count()} CUDA device(s) exist")
+            dev = torch.device("cuda", index)
     return dev
 
 
@@ -90,16 +98,25 @@ def default_kv_memory(device: torch.device) -> int:
     return min(CPU_KV_MEMORY_CAP, available_ram() // 4)
 
 
-def kv_budget(kv_cache_memory: Union[int, str, None], device: torch.device) -> int:
-    """Bytes for the KV cache: `kv_cache_memory`, else $ORCA_EXT_KV_CACHE_MEMORY, else the
-    device default. A bad value raises ValueError naming where it came from."""
+def requested_kv_bytes(kv_cache_memory: Union[int, str, None]) -> Optional[int]:
+    """Bytes of KV cache the user asked for: `kv_cache_memory`, else $ORCA_EXT_KV_CACHE_MEMORY,
+    else None (the device default applies). A bad value raises ValueError naming its source."""
     source = "kv_cache_memory"
     if kv_cache_memory is None and os.environ.get(KV_MEMORY_ENV):
         kv_cache_memory, source = os.environ[KV_MEMORY_ENV], f"${KV_MEMORY_ENV}"
+    if kv_cache_memory is None:
+        return None
     try:
-        return parse_bytes(kv_cache_memory) if kv_cache_memory is not None else default_kv_memory(device)
+        return parse_bytes(kv_cache_memory)
     except ValueError as exc:
         raise ValueError(f"{source}: {exc}") from None
+
+
+def kv_budget(kv_cache_memory: Union[int, str, None], device: torch.device) -> int:
+    """Bytes for the KV cache: what the user asked for (requested_kv_bytes), else the device
+    default."""
+    requested = requested_kv_bytes(kv_cache_memory)
+    return requested if requested is not None else default_kv_memory(device)
 
 
 @dataclass(frozen=True)

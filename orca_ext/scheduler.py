@@ -24,7 +24,7 @@ import logging
 import math
 from typing import Callable, Optional
 
-from .checks import check_choice, check_positive_int
+from .checks import check_positive_int
 from .request import RequestState
 
 log = logging.getLogger(__name__)
@@ -42,20 +42,18 @@ def make_allocator(n_slots: int):
 
 
 class _SchedulerBase:
-    def __init__(self, max_batch_size: int, n_slots: int, n_workers: int = 1, allocator=None,
-                 max_num_batched_tokens: Optional[int] = None):
-        for name, value in (("max_batch_size", max_batch_size), ("n_slots", n_slots), ("n_workers", n_workers)):
-            check_positive_int(name, value)
-        if max_num_batched_tokens is not None:
-            check_positive_int("max_num_batched_tokens", max_num_batched_tokens)
-            if max_num_batched_tokens < max_batch_size:
-                # Decodes always fit: a budget below max_batch_size would leave some waiting.
-                raise ValueError(f"max_num_batched_tokens ({max_num_batched_tokens}) must be >= "
-                                 f"max_batch_size ({max_batch_size})")
-        self.max_batch_size = max_batch_size
+    """`config` (an EngineConfig, checked at its construction) gives the policy's limits:
+    max_batch_size and, for the orca policy, max_num_batched_tokens (an int, or None for whole
+    prompts; 'auto' must be resolved first). `n_slots` is the KV cache's capacity and
+    `n_workers` the batches that may be in flight."""
+
+    def __init__(self, config, n_slots: int, n_workers: int = 1, allocator=None):
+        check_positive_int("n_slots", n_slots)
+        check_positive_int("n_workers", n_workers)
+        self.max_batch_size = config.max_batch_size
         self.n_slots = n_slots
         self.n_workers = n_workers
-        self.max_num_batched_tokens = max_num_batched_tokens  # None: whole prompts (plain Orca)
+        self.max_num_batched_tokens = self._token_budget(config)  # None: whole prompts (plain Orca)
         self.allocator = allocator if allocator is not None else make_allocator(n_slots)
         if self.allocator.n_slots != n_slots:
             raise ValueError(f"allocator has {self.allocator.n_slots} slots, scheduler {n_slots}")
@@ -68,6 +66,10 @@ class _SchedulerBase:
         self.compaction_pending = False    # the head waits for in-flight batches before compacting
         self.num_compactions = 0
         self.num_fragmentation_stalls = 0  # selections where the head fit in total but not in one run
+
+    @staticmethod
+    def _token_budget(config) -> Optional[int]:
+        return None
 
     # -- pool -------------------------------------------------------------------------------
     def add(self, req) -> None:
@@ -193,6 +195,13 @@ class _SchedulerBase:
 class OrcaScheduler(_SchedulerBase):
     """Iteration-level scheduling: every iteration re-selects from the whole pool."""
 
+    @staticmethod
+    def _token_budget(config) -> Optional[int]:
+        if config.max_num_batched_tokens == "auto":
+            raise ValueError("max_num_batched_tokens='auto' must be resolved for a device first "
+                             "(EngineConfig.resolve())")
+        return config.max_num_batched_tokens
+
     def _select(self) -> list:
         batch = []
         budget = self.max_num_batched_tokens or math.inf  # tokens this iteration may still take
@@ -220,13 +229,8 @@ class StaticScheduler(_SchedulerBase):
     """Request-level batching baseline: a batch runs until all its members finish; only then are
     new requests admitted. Members that finish early leave (and free their slab) at once."""
 
-    policy = "static"
-
     def __init__(self, *args, **kwargs):
-        super().__init__(*args, **kwargs)
-        if self.max_num_batched_tokens is not None:
-            raise ValueError("max_num_batched_tokens needs scheduler='orca'; the static baseline "
-                             "runs whole prompts")
+        super().__init__(*args, **kwargs)  # whole prompts: the token budget is the orca policy's
         self.current: list = []
 
     def _select(self) -> list:
@@ -245,8 +249,6 @@ class StaticScheduler(_SchedulerBase):
 SCHEDULERS = {"orca": OrcaScheduler, "static": StaticScheduler}
 
 
-def make_scheduler(policy: str, max_batch_size: int, n_slots: int, n_workers: int = 1,
-                   allocator: Optional[object] = None,
-                   max_num_batched_tokens: Optional[int] = None) -> _SchedulerBase:
-    check_choice("scheduler", policy, SCHEDULERS)
-    return SCHEDULERS[policy](max_batch_size, n_slots, n_workers, allocator, max_num_batched_tokens)
+def make_scheduler(config, n_slots: int, n_workers: int = 1, allocator: Optional[object] = None) -> _SchedulerBase:
+    """The scheduler of `config.scheduler` ('orca' or 'static') over n_slots KV slots."""
+    return SCHEDULERS[config.scheduler](config, n_slots, n_workers, allocator)

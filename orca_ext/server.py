@@ -1,84 +1,42 @@
 """Server: the public entry point (docs/DESIGN.md section 5).
 
 One background thread runs the engine loop; any number of user threads and asyncio tasks submit,
-stream, wait and abort concurrently. All request state is guarded by one lock; the loop releases
-it while the model runs. Device, dtype and KV sizing are decided by `resources`; prompts and
-limits are checked by `validation`; waiting for outputs and the request-id lifecycle belong to
-`delivery.OutputBroker`.
+stream, wait and abort concurrently. All request state is guarded by one lock (the engine's);
+the loop releases it while the model runs. The wiring, top to bottom:
+
+    EngineConfig (config.py)      every option, validated, then resolved for this machine
+    modes.update(...)             the process's kernel modes, before anything captures a forward
+    make_executor (startup.py)    the model here, or tp x pp worker processes
+    plan_kv_cache (resources.py)  n_slots and max_model_len from the budget and the model
+    make_scheduler, Engine        Algorithm 1 over that KV cache
+    RequestValidator, OutputBroker  checks at submit; waiting for outputs and the id lifecycle
 """
 from __future__ import annotations
 
 import logging
-import os
 import threading
 import time
 from typing import Any, AsyncIterator, Iterator, Optional, Sequence, Union
 
 import torch
 
-from .checks import check_choice, check_positive_int
+from . import modes
+from .config import EngineConfig
 from .delivery import OutputBroker
 from .detokenizer import IncrementalDetokenizer
 from .encoding import PromptEncoder
 from .engine import Engine
 from .errors import EngineDeadError, InvalidRequestError, ServerClosedError
 from .request import IterationRecord, Request, RequestOutput
-from .resources import kv_budget, plan_kv_cache, resolve_device, resolve_dtype
+from .resources import default_kv_memory, plan_kv_cache
 from .sampling import SamplingParams
-from .scheduler import SCHEDULERS, make_scheduler
+from .scheduler import make_scheduler
+from .startup import is_model_object, make_executor
 from .validation import LockedTokenizer, Prompt, RequestValidator
 
 log = logging.getLogger(__name__)
 
-DEFAULT_MAX_UNDELIVERED = 4096   # finished outputs nobody has collected yet
 SHUTDOWN_WAIT_S = 30.0           # how long shutdown() lets parallel workers finish the running step
-# Chunked prefill's token budget. "auto" picks per device, raised to max_batch_size when that is
-# larger (every running request decodes each iteration). CPU: the smallest chunk whose cost per
-# token is within ~10% of a whole long prompt's (bench/chunked_prefill.py --cost, bench/RESULTS.md);
-# a CPU forward costs in proportion to its tokens, so a smaller budget means shorter stalls for the
-# running decodes. CUDA: a forward of a few thousand tokens costs little more than a decode step, so
-# the budget is vLLM's online-serving default (not measured here yet).
-DEFAULT_MAX_NUM_BATCHED_TOKENS = "auto"
-CHUNK_BUDGET_BY_DEVICE = {"cpu": 128, "cuda": 2048}
-# batch_invariant=None picks per device: on for CPU, where it costs no throughput
-# (bench/batch_invariance.py); off for CUDA until bench/device_check.sh has measured its cost.
-DEFAULT_BATCH_INVARIANT = None
-
-
-def _weights_device_type(model: Any, device, parallel: bool) -> str:
-    """'cpu' or 'cuda': where the weights will live. `device` is checked as the load or the
-    parallel launch checks it, so a bad value gets the same error here."""
-    if model is not None and not isinstance(model, (str, os.PathLike)):
-        return torch.device(model.device).type
-    if parallel:
-        from .distributed.launch import parallel_device
-
-        return parallel_device(device).type
-    return resolve_device(device).type
-
-
-def _load(model: Any, device, dtype, tokenizer: Any) -> tuple[Any, Any, Optional[str]]:
-    """(model object, tokenizer or None, model folder or None) from Server's arguments."""
-    if model is not None and not isinstance(model, (str, os.PathLike)):
-        # An already loaded model object: it decides device and dtype.
-        return model, tokenizer if tokenizer is not None else getattr(model, "tokenizer", None), None
-    from .models import load_model, load_tokenizer
-
-    if model is None:
-        from .default_model import default_model_path
-
-        model = default_model_path()
-    path = str(model)
-    dev = resolve_device(device)
-    dt = resolve_dtype(dtype, dev)
-    log.info("loading %s on %s as %s", path, dev, dt)
-    loaded = load_model(path, device=dev, dtype=dt)
-    if tokenizer is None:
-        try:
-            tokenizer = load_tokenizer(path)
-        except FileNotFoundError as exc:  # still usable with token-id prompts
-            log.warning("%s; only token-id prompts will be accepted and no text is produced", exc)
-    return loaded, tokenizer, path
 
 
 def _is_token_list(prompt) -> bool:
@@ -89,81 +47,45 @@ def _is_token_list(prompt) -> bool:
 class Server:
     """An Orca serving engine with a background loop thread. See docs/DESIGN.md section 5.
 
-    Extensions beyond the contract: `model` may also be an already loaded model object (with the
-    models seam interface), `tokenizer` overrides the folder's tokenizer, `kv_cache_memory`
-    (bytes or '2GiB'; default $ORCA_EXT_KV_CACHE_MEMORY, else min(2 GiB, 25% of available RAM) on
-    CPU and 90% of the free GPU memory after loading the weights) sizes `n_slots` when it is None,
-    `max_undelivered_outputs` bounds the finished outputs kept for callers, and `enforce_eager`
-    turns off the CUDA graphs that decode iterations replay on CUDA (orca_ext/cuda_graphs.py).
-
-    `tensor_parallel_size` x `pipeline_parallel_size` > 1 runs the model on that many worker
-    processes (orca_ext.distributed, docs/DISTRIBUTED.md; `model` must then be a folder):
-    `kv_cache_memory` is then each worker's budget, and pipeline_parallel_size batches are in
-    flight (Algorithm 1's n_workers). The workers run every iteration eagerly.
-
-    Beyond Algorithm 1 (docs/DESIGN.md section 3): `max_num_batched_tokens` is the per-iteration
-    token budget of chunked prefill ("auto": CHUNK_BUDGET_BY_DEVICE, at least max_batch_size; None:
-    whole prompts, plain Orca; orca policy only),
-    `batch_invariant` makes each request's tokens independent of its batch-mates (None: on for
-    CPU, off for CUDA), and
-    `slab_compaction` slides live slabs together when the queue head only lacks a contiguous run
-    (single process only: with parallel workers it is off, see docs/DESIGN.md).
+    `model`: a Hugging Face folder (default: the embedded SmolLM2-135M-Instruct), or an already
+    loaded model object (the models seam; single process only). `config` is an EngineConfig;
+    `options` are EngineConfig fields, for `Server(path, max_batch_size=8)` (not both).
+    `tokenizer` overrides the folder's tokenizer.
     """
 
-    def __init__(self, model: Any = None, *, device: Union[str, torch.device] = "auto",
-                 dtype: Union[str, torch.dtype] = "auto", max_batch_size: int = 32,
-                 n_slots: Optional[int] = None, max_model_len: Optional[int] = None,
-                 scheduler: str = "orca", record_iterations: bool = False,
-                 tokenizer: Any = None, kv_cache_memory: Union[int, str, None] = None,
-                 max_undelivered_outputs: int = DEFAULT_MAX_UNDELIVERED,
-                 enforce_eager: bool = False,
-                 tensor_parallel_size: int = 1, pipeline_parallel_size: int = 1,
-                 max_num_batched_tokens: Union[int, str, None] = DEFAULT_MAX_NUM_BATCHED_TOKENS,
-                 batch_invariant: Optional[bool] = DEFAULT_BATCH_INVARIANT, slab_compaction: bool = True):
-        check_positive_int("max_batch_size", max_batch_size)
-        check_positive_int("tensor_parallel_size", tensor_parallel_size)
-        check_positive_int("pipeline_parallel_size", pipeline_parallel_size)
-        check_positive_int("max_undelivered_outputs", max_undelivered_outputs)
-        if n_slots is not None:
-            check_positive_int("n_slots", n_slots)
-        if max_model_len is not None:
-            check_positive_int("max_model_len", max_model_len)
-        check_choice("scheduler", scheduler, SCHEDULERS)
-        if not isinstance(enforce_eager, bool):
-            raise ValueError(f"enforce_eager must be a bool, got {enforce_eager!r}")
-        device_type = _weights_device_type(model, device, tensor_parallel_size * pipeline_parallel_size > 1)
-        if isinstance(max_num_batched_tokens, str) and max_num_batched_tokens == "auto":
-            max_num_batched_tokens = max(CHUNK_BUDGET_BY_DEVICE[device_type], max_batch_size)
-        elif max_num_batched_tokens is not None:
-            check_positive_int("max_num_batched_tokens", max_num_batched_tokens)
-            if scheduler == "orca" and max_num_batched_tokens < max_batch_size:
-                raise ValueError(f"max_num_batched_tokens ({max_num_batched_tokens}) must be >= max_batch_size "
-                                 f"({max_batch_size}): every running request decodes one token per iteration")
-        if batch_invariant is not None and not isinstance(batch_invariant, bool):
-            raise ValueError(f"batch_invariant must be True, False or None (per device), got {batch_invariant!r}")
-        if not isinstance(slab_compaction, bool):
-            raise ValueError(f"slab_compaction must be True or False, got {slab_compaction!r}")
-        if batch_invariant is None:  # per device, see DEFAULT_BATCH_INVARIANT
-            batch_invariant = device_type == "cpu"
+    def __init__(self, model: Any = None, *, config: Optional[EngineConfig] = None, tokenizer: Any = None,
+                 **options: Any):
+        if config is not None and options:
+            raise TypeError(f"pass either config or options, not both (got config and {sorted(options)})")
+        if config is None:
+            try:
+                config = EngineConfig(**options)
+            except TypeError as exc:  # an option EngineConfig does not have
+                raise TypeError(f"Server: {exc}".replace("EngineConfig.__init__()", "")) from None
+        elif not isinstance(config, EngineConfig):
+            raise TypeError(f"config must be an EngineConfig, got {type(config).__name__}")
+        config = self.config = config.resolve(model if is_model_object(model) else None)
+        # Set before the executor starts: CUDA graphs capture the forward under these modes, and
+        # parallel workers take them with them.
+        modes.update(batch_invariant=config.batch_invariant)
 
-        self.tensor_parallel_size = tensor_parallel_size
-        self.pipeline_parallel_size = pipeline_parallel_size
-        executor = None
-        if tensor_parallel_size * pipeline_parallel_size > 1:
-            from .distributed.launch import start_parallel
-
-            started = start_parallel(model, device=device, dtype=dtype, tokenizer=tokenizer,
-                                     tensor_parallel_size=tensor_parallel_size,
-                                     pipeline_parallel_size=pipeline_parallel_size, kv_cache_memory=kv_cache_memory,
-                                     batch_invariant=batch_invariant)
-            executor, tokenizer = started.executor, started.tokenizer
-            self.model, self.model_path = None, started.model_path  # the weights live in the workers
-            spec, self.device, self.dtype = started.spec, started.device, started.dtype
-        else:
-            self.model, tokenizer, self.model_path = _load(model, device, dtype, tokenizer)
-            spec = self.model.spec
-            self.device: torch.device = torch.device(self.model.device)
-            self.dtype: torch.dtype = self.model.dtype
+        started = make_executor(model, config, tokenizer)
+        executor, spec, tokenizer = started.executor, started.spec, started.tokenizer
+        try:
+            self._plan_kv(executor, spec)
+            lock = threading.RLock()
+            self._outputs = OutputBroker(lock, config.max_undelivered_outputs)
+            self._engine = Engine(executor, make_scheduler(config, self.n_slots, executor.n_workers),
+                                  record_iterations=config.record_iterations,
+                                  slab_compaction=config.slab_compaction, lock=lock,
+                                  publish=self._outputs.publish)
+        except BaseException:
+            executor.shutdown()
+            raise
+        self._lock = lock
+        self.model_path = started.model_path
+        self.device: torch.device = config.device
+        self.dtype: torch.dtype = config.dtype
         self.tokenizer = tokenizer
         self._tok = LockedTokenizer(tokenizer) if tokenizer is not None else None
         self.vocab_size: int = int(spec.vocab_size)
@@ -172,21 +94,31 @@ class Server:
         if isinstance(tok_eos, int):
             eos.add(tok_eos)
         self.eos_token_ids = frozenset(eos)
+        # The one prompt encoder: Server.submit and the HTTP layer's chat prompts share its pool.
+        self.prompt_encoder: Optional[PromptEncoder] = (
+            PromptEncoder(tokenizer, max_tokens=min(self.max_model_len, self.n_slots), fallback_lock=self._tok.lock)
+            if tokenizer is not None else None)
+        self._validator = RequestValidator(self.prompt_encoder, self.vocab_size, self.max_model_len, self.n_slots)
+        self._closed = False
+        self._busy_seconds = 0.0
+        self._thread = threading.Thread(target=self._loop, name="orca-engine-loop", daemon=True)
+        self._thread.start()
 
-        bytes_per_slot = self._bytes_per_slot = int((executor or self.model).kv_bytes_per_slot())
-        if executor is not None:  # every worker sized its own pools: n_slots is what all of them hold
+    def _plan_kv(self, executor, spec) -> None:
+        """n_slots and max_model_len: the config's, else from the KV budget (each worker's own,
+        with parallel workers; else kv_cache_memory or the device default) and the model."""
+        config = self.config
+        bytes_per_slot = self._bytes_per_slot = executor.kv_bytes_per_slot()
+        if executor.max_slots is not None:  # every worker sized its own pools
             budget = executor.max_slots * bytes_per_slot
+        elif config.n_slots is not None:
+            budget = None
         else:
-            budget = None if n_slots is not None else kv_budget(kv_cache_memory, self.device)
-        try:
-            plan = plan_kv_cache(model_context=int(spec.max_position_embeddings), bytes_per_slot=bytes_per_slot,
-                                 max_batch_size=max_batch_size, n_slots=n_slots, max_model_len=max_model_len,
-                                 budget_bytes=budget)
-        except BaseException:
-            if executor is not None:
-                executor.shutdown()
-            raise
-        if n_slots is None:
+            budget = config.kv_cache_memory or default_kv_memory(config.device)
+        plan = plan_kv_cache(model_context=int(spec.max_position_embeddings), bytes_per_slot=bytes_per_slot,
+                             max_batch_size=config.max_batch_size, n_slots=config.n_slots,
+                             max_model_len=config.max_model_len, budget_bytes=budget)
+        if config.n_slots is None:
             log.info("KV cache: %d slots x %d bytes = %.1f MiB", plan.n_slots, bytes_per_slot,
                      plan.n_slots * bytes_per_slot / 2**20)
         if plan.max_model_len > plan.n_slots:
@@ -194,48 +126,16 @@ class Server:
                         plan.max_model_len, plan.n_slots, plan.n_slots)
         self.n_slots = plan.n_slots
         self.max_model_len = plan.max_model_len
-        self.max_batch_size = max_batch_size
-        self.scheduler_policy = scheduler
-        self.record_iterations = record_iterations
-        # The one prompt encoder: Server.submit and the HTTP layer's chat prompts share its pool.
-        self.prompt_encoder: Optional[PromptEncoder] = (
-            PromptEncoder(tokenizer, max_tokens=min(self.max_model_len, self.n_slots), fallback_lock=self._tok.lock)
-            if tokenizer is not None else None)
-        self._validator = RequestValidator(self.prompt_encoder, self.vocab_size, self.max_model_len, self.n_slots)
 
-        # The static baseline runs whole prompts; the budget belongs to iteration-level scheduling.
-        self.max_num_batched_tokens = max_num_batched_tokens if scheduler == "orca" else None
-        self.batch_invariant = batch_invariant
-        if self.model is not None:
-            self.model.batch_invariant = batch_invariant  # before the CUDA graphs capture its forward
-        if slab_compaction and executor is not None:
-            # A slab move would have to run in every worker's pools, between pipeline stages'
-            # batches; not implemented, so parallel runs keep their slabs where they are.
-            log.info("slab compaction is off with tensor_parallel_size x pipeline_parallel_size = %d > 1 "
-                     "(KV slabs live in the workers' pools)", tensor_parallel_size * pipeline_parallel_size)
-            slab_compaction = False
-        self.slab_compaction = slab_compaction
-        sched = make_scheduler(scheduler, max_batch_size, self.n_slots, executor.n_workers if executor else 1,
-                               max_num_batched_tokens=self.max_num_batched_tokens)
-        if executor is None:
-            from .cuda_graphs import with_decode_graphs
-
-            runner = with_decode_graphs(self.model, max_batch_size, enforce_eager=enforce_eager)
-        try:
-            self._engine = Engine(executor or runner, sched, record_iterations=record_iterations,
-                                  slab_compaction=slab_compaction)
-        except BaseException:
-            if executor is not None:
-                executor.shutdown()
-            raise
-
-        self._lock = threading.Lock()
-        self._work = threading.Condition(self._lock)   # the loop sleeps here when idle
-        self._outputs = OutputBroker(self._lock, max_undelivered_outputs)
-        self._closed = False
-        self._busy_seconds = 0.0
-        self._thread = threading.Thread(target=self._loop, name="orca-engine-loop", daemon=True)
-        self._thread.start()
+    # Read-only views of the resolved configuration.
+    max_batch_size = property(lambda self: self.config.max_batch_size)
+    max_num_batched_tokens = property(lambda self: self.config.max_num_batched_tokens)
+    batch_invariant = property(lambda self: self.config.batch_invariant)
+    slab_compaction = property(lambda self: self.config.slab_compaction)
+    scheduler_policy = property(lambda self: self.config.scheduler)
+    record_iterations = property(lambda self: self.config.record_iterations)
+    tensor_parallel_size = property(lambda self: self.config.tensor_parallel_size)
+    pipeline_parallel_size = property(lambda self: self.config.pipeline_parallel_size)
 
     # -- context manager ------------------------------------------------------------------------
     def __enter__(self) -> "Server":
@@ -254,9 +154,11 @@ class Server:
         if params is None:
             params = SamplingParams()
         elif not isinstance(params, SamplingParams):
-            raise InvalidRequestError(f"params must be a SamplingParams, got {type(params).__name__}")
+            raise InvalidRequestError(f"params must be a SamplingParams, got {type(params).__name__}",
+                                      param="params")
         if request_id is not None and (not isinstance(request_id, str) or not request_id):
-            raise InvalidRequestError(f"request_id must be a non-empty string, got {request_id!r}")
+            raise InvalidRequestError(f"request_id must be a non-empty string, got {request_id!r}",
+                                      param="request_id")
         prompt_ids = self._validator.prompt_ids(prompt)
         self._validator.check(prompt_ids, params)
         detok = (IncrementalDetokenizer(self._tok, prompt_ids) if self._tok is not None else None)
@@ -269,7 +171,6 @@ class Server:
             req = Request(request_id, prompt_ids, params, detok, self.eos_token_ids)
             self._outputs.add(req)  # raises if the id is in use
             self._engine.add_request(req)
-            self._work.notify()
         return request_id
 
     def _check_engine(self) -> None:
@@ -323,7 +224,8 @@ class Server:
         else:
             per_prompt = list(params)
             if len(per_prompt) != len(prompts):
-                raise InvalidRequestError(f"params has {len(per_prompt)} entries for {len(prompts)} prompts")
+                raise InvalidRequestError(f"params has {len(per_prompt)} entries for {len(prompts)} prompts",
+                                          param="params")
         ids: list[str] = []
         try:
             for prompt, p in zip(prompts, per_prompt):
@@ -342,9 +244,8 @@ class Server:
             req = self._outputs.find(request_id)
             if req is None or req.finished:
                 return False
-            self._engine.abort_request(req)
+            self._engine.abort_request(req)  # wakes the loop: a freed slab may let a request in
             self._outputs.publish([req])
-            self._work.notify()  # a freed slab may let a waiting request in
             return True
 
     # -- introspection ----------------------------------------------------------------------------
@@ -379,7 +280,7 @@ class Server:
                 "pipeline_parallel_size": self.pipeline_parallel_size,
                 "healthy": eng.executor.error is None,  # False once a worker died or raised
                 "error": eng.executor.error,
-                "workers": eng.executor.describe_workers() if hasattr(eng.executor, "describe_workers") else [],
+                "workers": eng.executor.describe_workers(),
                 "max_num_batched_tokens": self.max_num_batched_tokens,
                 "batch_invariant": self.batch_invariant,
                 "compactions": eng.num_compactions,
@@ -396,11 +297,11 @@ class Server:
         """Stop the loop; every unfinished request ends with finish_reason='abort'. Idempotent."""
         with self._lock:
             self._closed = True
-            self._work.notify_all()
+            self._engine.signal()
         if self._thread.is_alive() and threading.current_thread() is not self._thread:
             # The loop ends after its current step. Parallel workers that stopped answering would
             # hold that step up to their timeout: after a while they are stopped, which fails it.
-            self._thread.join(None if self.model is not None else SHUTDOWN_WAIT_S)
+            self._thread.join(SHUTDOWN_WAIT_S if self._engine.executor.wait_timeout is not None else None)
             if self._thread.is_alive():
                 self._engine.shutdown()
                 self._thread.join()
@@ -415,26 +316,19 @@ class Server:
 
     # -- engine loop --------------------------------------------------------------------------------
     def _loop(self) -> None:
+        engine = self._engine
         while True:
             with self._lock:
-                while not self._closed and not self._engine.has_work():
-                    self._work.wait()
+                while not self._closed and not engine.has_work():
+                    engine.wakeup.wait()
                 if self._closed:
                     break
             try:
                 started = time.perf_counter()
-                self._engine.step(self._lock, self._outputs.publish)
+                engine.step()  # publishes what changed, under the lock
                 self._busy_seconds += time.perf_counter() - started  # only the loop thread writes it
-                if self._engine.last_step_idle:
-                    # Work exists but none can be scheduled (cannot happen with n_workers=1, where
-                    # an empty KV cache always fits the validated head request). Sleep until a
-                    # submit/abort/shutdown changes the pool instead of spinning.
-                    log.warning("no request could be scheduled; waiting for the pool to change")
-                    with self._lock:
-                        if not self._closed:
-                            self._work.wait()
             except Exception as exc:  # a bug must not leave callers waiting forever
                 log.exception("engine loop error; failing all unfinished requests")
                 with self._lock:
-                    self._outputs.publish(self._engine.abort_all("error", f"engine error: {type(exc).__name__}: {exc}"))
+                    self._outputs.publish(engine.abort_all("error", f"engine error: {type(exc).__name__}: {exc}"))
         log.debug("engine loop stopped")

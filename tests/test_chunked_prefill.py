@@ -13,7 +13,9 @@ import pytest
 import torch
 
 from fake_model import FakeModel, fake_reference
+from orca_ext.config import EngineConfig
 from orca_ext.engine import Engine
+from orca_ext.executor import LocalExecutor
 from orca_ext.models import load_model
 from orca_ext.request import Request, RequestState
 from orca_ext.sampling import SamplingParams
@@ -21,8 +23,8 @@ from orca_ext.scheduler import make_scheduler
 
 
 def make_engine(model, *, budget, max_bs=4, n_slots=2000):
-    sched = make_scheduler("orca", max_bs, n_slots, max_num_batched_tokens=budget)
-    return Engine(model, sched, record_iterations=True)
+    sched = make_scheduler(EngineConfig(max_batch_size=max_bs, max_num_batched_tokens=budget), n_slots)
+    return Engine(LocalExecutor(model), sched, record_iterations=True)
 
 
 def run(engine, jobs, *, late_every: int = 2) -> list[Request]:
@@ -59,7 +61,7 @@ def test_chunks_reach_the_right_slots_with_the_fake_model(budget):
         assert r.output_token_ids == fake_reference(prompt, n), r.request_id
     check_records(engine, budget)
     # A chunk never reaches the model as more than the budget, and never past its prompt.
-    for batch in engine.model.batches:
+    for batch in engine.executor.model.batches:
         assert sum(q_len for _, _, q_len, _ in batch) <= budget
     assert engine.scheduler.allocator.n_used == 0 and not engine.scheduler.pool
 
@@ -118,19 +120,22 @@ def test_abort_during_a_half_done_prefill_frees_the_slab():
 
 
 def test_server_defaults_pick_the_budget_and_invariance_per_device(tiny_model_dir):
-    """The defaults resolve per device: on CPU a 128-token budget (never below max_batch_size,
-    since every running request decodes each iteration) and batch-invariant kernels."""
+    """The defaults resolve per device: on CPU the CPU chunk budget (never below max_batch_size,
+    since every running request decodes each iteration) and batch-invariant kernels, which the
+    Server sets as the process's kernel mode."""
+    from orca_ext import modes
+    from orca_ext.config import CHUNK_BUDGET_BY_DEVICE
     from orca_ext.options import _budget
-    from orca_ext.server import CHUNK_BUDGET_BY_DEVICE, Server
+    from orca_ext.server import Server
 
     path = str(tiny_model_dir("llama"))
-    assert CHUNK_BUDGET_BY_DEVICE["cpu"] == 128
-    with Server(path, device="cpu", n_slots=512) as server:
-        assert server.max_num_batched_tokens == 128
-        assert server.model.batch_invariant is True
-    with Server(path, device="cpu", n_slots=512, max_batch_size=200, batch_invariant=False) as server:
-        assert server.max_num_batched_tokens == 200
-        assert server.model.batch_invariant is False
+    with Server(path, device="cpu", n_slots=512, max_batch_size=4) as server:
+        assert server.max_num_batched_tokens == CHUNK_BUDGET_BY_DEVICE["cpu"] > 4
+        assert server.batch_invariant is True and modes.current().batch_invariant is True
+    big = CHUNK_BUDGET_BY_DEVICE["cpu"] + 72
+    with Server(path, device="cpu", n_slots=512, max_batch_size=big, batch_invariant=False) as server:
+        assert server.max_num_batched_tokens == big
+        assert server.batch_invariant is False and modes.current().batch_invariant is False
     with Server(path, device="cpu", n_slots=512, max_num_batched_tokens=None) as server:
         assert server.max_num_batched_tokens is None
     with pytest.raises(ValueError, match=r"max_num_batched_tokens \(16\) must be >= max_batch_size \(32\)"):

@@ -15,7 +15,9 @@ import pytest
 import torch
 
 from fake_model import FakeModel, fake_reference
+from orca_ext.config import EngineConfig
 from orca_ext.engine import Engine
+from orca_ext.executor import LocalExecutor
 from orca_ext.request import Request
 from orca_ext.sampling import SamplingParams
 from orca_ext.scheduler import make_scheduler
@@ -26,8 +28,8 @@ TRACE = [("a", A, 3), ("b", B, 10), ("c", C, 3), ("d", D, 10)]  # reservations 3
 
 
 def run_trace(model, *, compaction: bool, n_workers: int = 1, budget=None):
-    sched = make_scheduler("orca", 8, 100, n_workers, max_num_batched_tokens=budget)
-    engine = Engine(model, sched, record_iterations=True, slab_compaction=compaction)
+    sched = make_scheduler(EngineConfig(max_batch_size=8, max_num_batched_tokens=budget), 100, n_workers)
+    engine = Engine(LocalExecutor(model), sched, record_iterations=True, slab_compaction=compaction)
     reqs = {name: Request(name, prompt, SamplingParams(max_tokens=n, ignore_eos=True)) for name, prompt, n in TRACE}
     for name in "abc":
         engine.add_request(reqs[name])
@@ -53,7 +55,7 @@ def test_without_compaction_the_head_waits_with_it_it_is_admitted_at_once(n_work
     # b's cached rows (its prompt and the tokens before the move) went along with its slab.
     for name, prompt, n in TRACE:
         assert reqs[name].output_token_ids == fake_reference(prompt, n), name
-    assert engine.compaction_moved_bytes > 0 and engine.compaction_moved_bytes % engine.model.kv_bytes_per_slot() == 0
+    assert engine.compaction_moved_bytes > 0 and engine.compaction_moved_bytes % engine.executor.kv_bytes_per_slot() == 0
 
 
 def test_compaction_with_chunked_prefill():

@@ -16,6 +16,7 @@ from hypothesis import strategies as st
 from orca_ext.request import Request, RequestState
 from orca_ext.sampling import SamplingParams
 from orca_ext.reference import SlabAllocatorReference
+from orca_ext.config import EngineConfig
 from orca_ext.scheduler import OrcaScheduler, StaticScheduler, make_scheduler
 
 try:
@@ -33,7 +34,8 @@ def mk(prompt_len: int, max_tokens: int, name: str | None = None) -> Request:
 
 
 def sched(policy="orca", max_bs=8, n_slots=1000, n_workers=1, alloc=SlabAllocatorReference, budget=None):
-    return make_scheduler(policy, max_bs, n_slots, n_workers, alloc(n_slots), max_num_batched_tokens=budget)
+    config = EngineConfig(scheduler=policy, max_batch_size=max_bs, max_num_batched_tokens=budget)
+    return make_scheduler(config, n_slots, n_workers, alloc(n_slots))
 
 
 class FakeKV:
@@ -259,8 +261,10 @@ def test_budget_below_max_batch_size_and_budget_with_static_are_rejected():
         sched(max_bs=4, budget=3)
     with pytest.raises(ValueError, match="max_num_batched_tokens must be an integer >= 1"):
         sched(budget=0)
-    with pytest.raises(ValueError, match="static"):
-        sched("static", budget=64)
+    # The static baseline runs whole prompts: a budget belongs to iteration-level scheduling.
+    assert sched("static", budget=64).max_num_batched_tokens is None
+    with pytest.raises(ValueError, match="resolve"):
+        make_scheduler(EngineConfig(), 100)  # 'auto' is per device
 
 
 def test_abort_during_a_half_done_prefill_frees_its_slab():
@@ -379,11 +383,13 @@ def test_orca_policy_fills_freed_seats_where_static_does_not():
 
 def test_bad_configuration_and_oversized_requests_are_rejected():
     with pytest.raises(ValueError, match="scheduler"):
-        make_scheduler("fifo", 4, 100)
+        EngineConfig(scheduler="fifo")
     with pytest.raises(ValueError, match="max_batch_size"):
-        OrcaScheduler(0, 100)
+        EngineConfig(max_batch_size=0)
+    with pytest.raises(ValueError, match="n_slots"):
+        OrcaScheduler(EngineConfig(max_num_batched_tokens=None), 0)
     with pytest.raises(ValueError, match="n_workers"):
-        StaticScheduler(4, 100, 0)
+        StaticScheduler(EngineConfig(scheduler="static"), 100, 0)
     s = sched(n_slots=10)
     with pytest.raises(ValueError, match="n_slots"):
         s.add(mk(8, 3))

@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import argparse
 import cProfile
+import dataclasses
 import gc
 import json
 import logging
@@ -35,7 +36,8 @@ from typing import Optional, Sequence
 
 import torch
 
-from ..options import add_engine_arguments, engine_kwargs
+from ..config import EngineConfig
+from ..options import add_engine_arguments
 from ..resources import resolve_device, resolve_dtype
 
 log = logging.getLogger(__name__)
@@ -69,14 +71,13 @@ def make_workload(n: int, prompt_len: Sequence[int], output_len: Sequence[int], 
 
 
 # -- systems --------------------------------------------------------------------------------------
-def run_orca_engine(kwargs: dict, jobs, policy: str, batch_size: int, progress: bool) -> dict:
+def run_orca_engine(model: str, config: EngineConfig, jobs, policy: str, batch_size: int, progress: bool) -> dict:
     from tqdm import tqdm
 
     from ..sampling import SamplingParams
     from ..server import Server
 
-    kw = dict(kwargs, scheduler=policy, max_batch_size=batch_size)
-    with Server(**kw) as server:
+    with Server(model, config=dataclasses.replace(config, scheduler=policy, max_batch_size=batch_size)) as server:
         # Warm-up (not timed): first-call overheads of the kernels and allocator.
         server.generate([jobs[0][0][:8]], SamplingParams(max_tokens=4, ignore_eos=True))
         base = server.stats()
@@ -155,7 +156,7 @@ _CATEGORIES = [  # (label, substrings of a built-in function's name), first matc
 ]
 
 
-def profile_orca(kwargs: dict, jobs, batch_size: int, top: int = 25) -> dict:
+def profile_orca(model: str, config: EngineConfig, jobs, batch_size: int, top: int = 25) -> dict:
     """cProfile of the orca engine driven in this thread (the Server's loop thread would be
     invisible to cProfile); returns and prints the time split by operation."""
     from ..detokenizer import IncrementalDetokenizer
@@ -164,13 +165,17 @@ def profile_orca(kwargs: dict, jobs, batch_size: int, top: int = 25) -> dict:
     from ..sampling import SamplingParams
     from ..scheduler import make_scheduler
     from ..server import Server
+    from ..startup import make_executor
 
-    server = Server(**dict(kwargs, scheduler="orca", max_batch_size=batch_size))
-    server.shutdown()  # only its loaded model, tokenizer and KV sizing are reused
-    model, tok = server.model, server.tokenizer
+    config = dataclasses.replace(config, scheduler="orca", max_batch_size=batch_size)
+    with Server(model, config=config) as server:  # only for its KV sizing
+        n_slots = server.n_slots
+    config = config.resolve()
+    started = make_executor(model, config)
+    tok = started.tokenizer
 
     def run(profiler: Optional[cProfile.Profile]) -> float:
-        engine = Engine(model, make_scheduler("orca", batch_size, server.n_slots))
+        engine = Engine(started.executor, make_scheduler(config, n_slots))
         for i, (p, o) in enumerate(jobs):
             engine.add_request(Request(f"p{i}", p, SamplingParams(max_tokens=o, ignore_eos=True),
                                        IncrementalDetokenizer(tok, p) if tok else None))
@@ -280,7 +285,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         from ..default_model import default_model_path
 
         args.model = str(default_model_path())
-    kwargs = engine_kwargs(args)
+    config = EngineConfig.from_args(args)
     spec = ModelSpec.from_pretrained(args.model)
     tok = load_tokenizer(args.model)
     jobs = make_workload(args.requests, args.prompt_len, args.output_len, args.seed, spec.vocab_size,
@@ -304,7 +309,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
                 r = run_hf(args.model, jobs, args.static_batch_size, device, hf_dtype, progress)
             else:
                 size = args.max_batch_size if system == "orca" else args.static_batch_size
-                r = run_orca_engine(kwargs, jobs, system, size, progress)
+                r = run_orca_engine(args.model, config, jobs, system, size, progress)
             runs[system].append(r["output_tokens_per_s"])
             if system not in results or r["output_tokens_per_s"] > results[system]["output_tokens_per_s"]:
                 results[system] = r
@@ -337,7 +342,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
                               torch=torch.__version__, python=platform.python_version()),
                   results=results, ratios=ratios)
     if args.profile:
-        report["profile"] = profile_orca(kwargs, jobs, args.max_batch_size)
+        report["profile"] = profile_orca(args.model, config, jobs, args.max_batch_size)
     if args.out:
         Path(args.out).parent.mkdir(parents=True, exist_ok=True)
         Path(args.out).write_text(json.dumps(report, indent=2))

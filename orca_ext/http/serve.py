@@ -15,7 +15,8 @@ import os
 import sys
 from typing import Any
 
-from ..options import add_engine_arguments, engine_kwargs
+from ..config import EngineConfig
+from ..options import add_engine_arguments
 from . import settings
 
 logger = logging.getLogger(__name__)
@@ -75,9 +76,9 @@ def build_app(args: argparse.Namespace) -> tuple[Any, Any]:
     from ..server import Server
     from .app import create_app
 
-    kwargs = engine_kwargs(args)
-    logger.info("starting the engine with %s", kwargs)
-    server = Server(**kwargs)
+    config = EngineConfig.from_args(args)
+    logger.info("starting the engine for %s with %s", args.model or "the default model", config)
+    server = Server(args.model, config=config)
     model_name = args.served_model_name or os.path.basename(os.path.normpath(server.model_path))
     try:
         app = create_app(server, model_name=model_name, max_queue=args.max_queue, api_key=args.api_key,

@@ -1,0 +1,123 @@
+"""EngineConfig: every engine option in one validated dataclass (docs/DESIGN.md section 5).
+
+Built from Python arguments (`Server(model, **options)` or `EngineConfig(...)`) or from the
+command line (`EngineConfig.from_args`), checked once at construction, and resolved once for the
+machine by `resolve()`: 'auto' device and dtype, the chunked-prefill budget and the
+batch-invariance default per device, and the KV budget from the argument or the environment.
+The resolved config is what the Server, the scheduler, the executors and the parallel workers'
+start-up message receive; below it no layer checks an option again.
+"""
+from __future__ import annotations
+
+import argparse
+import dataclasses
+from typing import Any, Optional, Union
+
+import torch
+
+from .checks import check_choice, check_positive_int
+from .resources import parse_bytes, requested_kv_bytes, resolve_device, resolve_dtype
+from .scheduler import SCHEDULERS
+
+DEFAULT_MAX_UNDELIVERED = 4096   # finished outputs nobody has collected yet
+DEFAULT_WORKER_TIMEOUT_S = 600.0
+# Chunked prefill's token budget ("auto"), raised to max_batch_size when that is larger (every
+# running request decodes each iteration). CPU: the smallest chunk whose cost per token is within
+# ~10% of a whole long prompt's (bench/chunked_prefill.py --cost, bench/RESULTS.md); a CPU forward
+# costs in proportion to its tokens, so a smaller budget means shorter stalls for the running
+# decodes. CUDA: a forward of a few thousand tokens costs little more than a decode step, so the
+# budget is vLLM's online-serving default (not measured here yet).
+CHUNK_BUDGET_BY_DEVICE = {"cpu": 128, "cuda": 2048}
+
+
+def default_batch_invariant(device: torch.device) -> bool:
+    """On for CPU, where it costs about 3% of throughput (bench/batch_invariance.py); off for
+    CUDA until its cost there is measured."""
+    return device.type == "cpu"
+
+
+@dataclasses.dataclass(frozen=True)
+class EngineConfig:
+    """The engine's options. Fields typed `X | 'auto' | None` are final after `resolve()`."""
+
+    device: Union[str, torch.device] = "auto"           # 'auto' | 'cpu' | 'cuda' | 'cuda:N'
+    dtype: Union[str, torch.dtype] = "auto"             # 'auto' | 'float32' | 'bfloat16' | 'float16'
+    max_batch_size: int = 32                            # requests per iteration
+    n_slots: Optional[int] = None                       # KV capacity in tokens (None: from the budget)
+    max_model_len: Optional[int] = None                 # longest prompt + output (None: the model's)
+    scheduler: str = "orca"                             # 'orca' (Algorithm 1) | 'static' (baseline)
+    record_iterations: bool = False                     # keep an IterationRecord per iteration
+    kv_cache_memory: Union[int, str, None] = None       # bytes or '2GiB'; resolved to bytes or None
+    max_undelivered_outputs: int = DEFAULT_MAX_UNDELIVERED
+    enforce_eager: bool = False                         # no CUDA graphs for decode iterations
+    tensor_parallel_size: int = 1
+    pipeline_parallel_size: int = 1
+    max_num_batched_tokens: Union[int, str, None] = "auto"  # chunked prefill budget; None: whole prompts
+    batch_invariant: Optional[bool] = None              # None: per device (default_batch_invariant)
+    slab_compaction: bool = True                        # slide live slabs together when fragmented
+    worker_timeout: float = DEFAULT_WORKER_TIMEOUT_S    # parallel workers: longest wait for one batch
+
+    def __post_init__(self) -> None:
+        for name in ("max_batch_size", "max_undelivered_outputs", "tensor_parallel_size",
+                     "pipeline_parallel_size"):
+            check_positive_int(name, getattr(self, name))
+        for name in ("n_slots", "max_model_len"):
+            if getattr(self, name) is not None:
+                check_positive_int(name, getattr(self, name))
+        check_choice("scheduler", self.scheduler, SCHEDULERS)
+        for name in ("record_iterations", "enforce_eager", "slab_compaction"):
+            if not isinstance(getattr(self, name), bool):
+                raise ValueError(f"{name} must be True or False, got {getattr(self, name)!r}")
+        if self.batch_invariant is not None and not isinstance(self.batch_invariant, bool):
+            raise ValueError(f"batch_invariant must be True, False or None (per device), got {self.batch_invariant!r}")
+        budget = self.max_num_batched_tokens
+        if budget is not None and budget != "auto":
+            check_positive_int("max_num_batched_tokens", budget)
+            if self.scheduler == "orca" and budget < self.max_batch_size:
+                raise ValueError(f"max_num_batched_tokens ({budget}) must be >= max_batch_size "
+                                 f"({self.max_batch_size}): every running request decodes one token per iteration")
+        if isinstance(self.worker_timeout, bool) or not isinstance(self.worker_timeout, (int, float)) \
+                or not 0 < self.worker_timeout < float("inf"):
+            raise ValueError(f"worker_timeout must be a number of seconds > 0, got {self.worker_timeout!r}")
+        if self.kv_cache_memory is not None:
+            try:
+                parse_bytes(self.kv_cache_memory)
+            except ValueError as exc:
+                raise ValueError(f"kv_cache_memory: {exc}") from None
+
+    # -- derived -------------------------------------------------------------------------------
+    @property
+    def parallel_size(self) -> int:
+        """Worker processes: tensor_parallel_size x pipeline_parallel_size (1: this process)."""
+        return self.tensor_parallel_size * self.pipeline_parallel_size
+
+    @property
+    def is_resolved(self) -> bool:
+        return (isinstance(self.device, torch.device) and isinstance(self.dtype, torch.dtype)
+                and self.max_num_batched_tokens != "auto" and self.batch_invariant is not None
+                and (self.kv_cache_memory is None or isinstance(self.kv_cache_memory, int)))
+
+    def resolve(self, model: Any = None) -> "EngineConfig":
+        """This config with every 'auto' and per-device default decided for this machine.
+        `model`: an already loaded model object, whose device and dtype then win."""
+        if model is not None:
+            device, dtype = torch.device(model.device), model.dtype
+        else:
+            device = resolve_device(self.device, parallel=self.parallel_size > 1)
+            dtype = resolve_dtype(self.dtype, device)
+        budget = self.max_num_batched_tokens
+        if self.scheduler != "orca":
+            budget = None  # the static baseline runs whole prompts
+        elif budget == "auto":
+            budget = max(CHUNK_BUDGET_BY_DEVICE[device.type], self.max_batch_size)
+        invariant = default_batch_invariant(device) if self.batch_invariant is None else self.batch_invariant
+        return dataclasses.replace(self, device=device, dtype=dtype, max_num_batched_tokens=budget,
+                                   batch_invariant=invariant, kv_cache_memory=requested_kv_bytes(self.kv_cache_memory))
+
+    # -- the command line ----------------------------------------------------------------------
+    @classmethod
+    def from_args(cls, args: argparse.Namespace) -> "EngineConfig":
+        """From options declared by orca_ext.options.add_engine_arguments."""
+        names = {f.name for f in dataclasses.fields(cls)}
+        return cls(**{k: v for k, v in vars(args).items() if k in names})
+
