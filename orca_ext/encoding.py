@@ -44,12 +44,12 @@ def longest_token_chars(tokenizer: Any) -> Optional[int]:
 
 def check_text(text: str, field: str) -> None:
     """Strings that cannot be encoded as UTF-8 (lone surrogates, e.g. from a JSON "\\ud800"
-    escape) are the client's error, not a tokenizer crash."""
+    escape) are the client's error, not a tokenizer crash; `field` names the request field."""
     try:
         text.encode("utf-8")
     except UnicodeEncodeError as exc:
         raise InvalidRequestError(f"{field} is not valid Unicode text: a lone surrogate "
-                                  f"{text[exc.start]!r} at character {exc.start}") from None
+                                  f"{text[exc.start]!r} at character {exc.start}", param=field) from None
 
 
 class PromptEncoder:
@@ -74,13 +74,14 @@ class PromptEncoder:
         self._per_token = per_token
 
     def encode(self, text: str, *, field: str = "prompt", **kwargs: Any) -> list[int]:
-        """Token ids of `text`; InvalidRequestError for text that is not valid Unicode or that is
-        too long to fit. kwargs go to tokenizer.encode (e.g. add_special_tokens=False)."""
+        """Token ids of `text`; InvalidRequestError (param=`field`) for text that is not valid
+        Unicode or that is too long to fit. kwargs go to tokenizer.encode (e.g.
+        add_special_tokens=False)."""
         check_text(text, field)
         if self.max_chars is not None and len(text) > self.max_chars:
             raise InvalidRequestError(
                 f"{field} has {len(text)} characters; at most {self.max_chars} can fit max_model_len "
-                f"(no token of this vocabulary is longer than {self._per_token} characters)")
+                f"(no token of this vocabulary is longer than {self._per_token} characters)", param=field)
         with self._borrow() as tok:
             return list(tok.encode(text, **kwargs))
 

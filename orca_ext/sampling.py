@@ -45,7 +45,8 @@ def _is_real(x) -> bool:
 
 @dataclass(frozen=True)
 class SamplingParams:
-    """Per-request generation settings. Invalid values raise InvalidRequestError at construction."""
+    """Per-request generation settings. Invalid values raise InvalidRequestError at construction,
+    with `param` naming the field (an entry of stop or stop_token_ids is reported as that list)."""
 
     max_tokens: int = 16
     temperature: float = 0.0
@@ -58,33 +59,39 @@ class SamplingParams:
 
     def __post_init__(self) -> None:
         if not _is_int(self.max_tokens) or self.max_tokens < 1:
-            raise InvalidRequestError(f"max_tokens must be an integer >= 1, got {self.max_tokens!r}")
+            raise InvalidRequestError(f"max_tokens must be an integer >= 1, got {self.max_tokens!r}",
+                                      param="max_tokens")
         if not _is_real(self.temperature) or not math.isfinite(self.temperature) or self.temperature < 0:
             raise InvalidRequestError(
-                f"temperature must be a finite number >= 0, got {self.temperature!r}")
+                f"temperature must be a finite number >= 0, got {self.temperature!r}", param="temperature")
         if not _is_int(self.top_k) or self.top_k < 0:
-            raise InvalidRequestError(f"top_k must be an integer >= 0 (0 disables it), got {self.top_k!r}")
+            raise InvalidRequestError(f"top_k must be an integer >= 0 (0 disables it), got {self.top_k!r}",
+                                      param="top_k")
         if not _is_real(self.top_p) or not (0.0 < self.top_p <= 1.0):
-            raise InvalidRequestError(f"top_p must be in (0, 1], got {self.top_p!r}")
+            raise InvalidRequestError(f"top_p must be in (0, 1], got {self.top_p!r}", param="top_p")
         if self.seed is not None and not _is_int(self.seed):
-            raise InvalidRequestError(f"seed must be an integer or None, got {self.seed!r}")
+            raise InvalidRequestError(f"seed must be an integer or None, got {self.seed!r}", param="seed")
         stop = _check_stop(self.stop)
         stop_ids = self.stop_token_ids if self.stop_token_ids is not None else ()
         if isinstance(stop_ids, (str, bytes)):
-            raise InvalidRequestError(f"stop_token_ids must be a list of integers, got {_short(stop_ids)}")
+            raise InvalidRequestError(f"stop_token_ids must be a list of integers, got {_short(stop_ids)}",
+                                      param="stop_token_ids")
         try:
             stop_ids = tuple(stop_ids)
         except TypeError:
             raise InvalidRequestError(
-                f"stop_token_ids must be a list of integers, got {_short(self.stop_token_ids)}") from None
+                f"stop_token_ids must be a list of integers, got {_short(self.stop_token_ids)}",
+                param="stop_token_ids") from None
         if len(stop_ids) > MAX_STOP_TOKEN_IDS:
             raise InvalidRequestError(
-                f"stop_token_ids has {len(stop_ids)} entries; at most {MAX_STOP_TOKEN_IDS} are allowed")
+                f"stop_token_ids has {len(stop_ids)} entries; at most {MAX_STOP_TOKEN_IDS} are allowed",
+                param="stop_token_ids")
         for i, t in enumerate(stop_ids):
             if not _is_int(t) or t < 0:
-                raise InvalidRequestError(f"stop_token_ids[{i}] must be an integer >= 0, got {t!r}")
+                raise InvalidRequestError(f"stop_token_ids[{i}] must be an integer >= 0, got {t!r}",
+                                          param="stop_token_ids")
         if not isinstance(self.ignore_eos, bool):
-            raise InvalidRequestError(f"ignore_eos must be a bool, got {self.ignore_eos!r}")
+            raise InvalidRequestError(f"ignore_eos must be a bool, got {self.ignore_eos!r}", param="ignore_eos")
         # Normalise to plain immutable values so params can be shared between requests.
         object.__setattr__(self, "max_tokens", int(self.max_tokens))
         object.__setattr__(self, "temperature", float(self.temperature))
@@ -119,21 +126,25 @@ def _check_stop(stop) -> tuple:
     if isinstance(stop, str):
         stop = (stop,)
     elif isinstance(stop, (bytes, bytearray, memoryview)):
-        raise InvalidRequestError(f"stop must be a string or a list of strings, got {type(stop).__name__}")
+        raise InvalidRequestError(f"stop must be a string or a list of strings, got {type(stop).__name__}",
+                                  param="stop")
     try:
         stop = tuple(stop)
     except TypeError:
-        raise InvalidRequestError(f"stop must be a string or a list of strings, got {_short(stop)}") from None
+        raise InvalidRequestError(f"stop must be a string or a list of strings, got {_short(stop)}",
+                                  param="stop") from None
     if len(stop) > MAX_STOP_STRINGS:
-        raise InvalidRequestError(f"stop has {len(stop)} strings; at most {MAX_STOP_STRINGS} are allowed")
+        raise InvalidRequestError(f"stop has {len(stop)} strings; at most {MAX_STOP_STRINGS} are allowed",
+                                  param="stop")
     for i, s in enumerate(stop):
         if not isinstance(s, str) or not s:
-            raise InvalidRequestError(f"stop[{i}] must be a non-empty string, got {_short(s)}")
+            raise InvalidRequestError(f"stop[{i}] must be a non-empty string, got {_short(s)}", param="stop")
         if len(s) > MAX_STOP_STRING_CHARS:
             raise InvalidRequestError(f"stop[{i}] has {len(s)} characters; at most "
-                                      f"{MAX_STOP_STRING_CHARS} are allowed")
+                                      f"{MAX_STOP_STRING_CHARS} are allowed", param="stop")
         if not _is_utf8(s):
-            raise InvalidRequestError(f"stop[{i}] is not valid Unicode text (it holds a lone surrogate)")
+            raise InvalidRequestError(f"stop[{i}] is not valid Unicode text (it holds a lone surrogate)",
+                                      param="stop")
     return stop
 
 

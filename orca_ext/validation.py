@@ -1,7 +1,7 @@
-"""From user input to a request the engine can run, or an InvalidRequestError that names the
-field and the limit. Nothing here touches the engine, so a rejected request costs no engine work,
-and text prompts are encoded by `encoding.PromptEncoder` on the caller's thread, never with the
-tokenizer the engine thread detokenizes with.
+"""From user input to a request the engine can run, or an InvalidRequestError whose message names
+the field and the limit and whose `param` names the field. Nothing here touches the engine, so a
+rejected request costs no engine work, and text prompts are encoded by `encoding.PromptEncoder`
+on the caller's thread, never with the tokenizer the engine thread detokenizes with.
 """
 from __future__ import annotations
 
@@ -44,52 +44,59 @@ class RequestValidator:
         """Token ids of a text or token-id prompt; InvalidRequestError names what is wrong."""
         if isinstance(prompt, str):
             if not prompt:
-                raise InvalidRequestError("prompt must not be empty")
+                raise InvalidRequestError("prompt must not be empty", param="prompt")
             if self.encoder is None:
-                raise InvalidRequestError("prompt: a text prompt needs a tokenizer; pass token ids")
+                raise InvalidRequestError("prompt: a text prompt needs a tokenizer; pass token ids",
+                                          param="prompt")
             # Checks its length and Unicode first, then encodes with a private tokenizer copy.
             ids = self.encoder.encode(prompt)
             if not ids:
-                raise InvalidRequestError("prompt must not be empty (it encodes to no tokens)")
+                raise InvalidRequestError("prompt must not be empty (it encodes to no tokens)", param="prompt")
             return ids
         if isinstance(prompt, (bytes, bytearray, memoryview)):
             # Iterating bytes gives ints, which would silently pass as token ids.
             raise InvalidRequestError(f"prompt must be a string or a list of token ids, got "
-                                      f"{type(prompt).__name__}; decode it to a str first")
+                                      f"{type(prompt).__name__}; decode it to a str first", param="prompt")
         try:
             ids = list(prompt)
         except TypeError:
             raise InvalidRequestError(
-                f"prompt must be a string or a list of token ids, got {type(prompt).__name__}") from None
+                f"prompt must be a string or a list of token ids, got {type(prompt).__name__}",
+                param="prompt") from None
         if not ids:
-            raise InvalidRequestError("prompt must not be empty")
+            raise InvalidRequestError("prompt must not be empty", param="prompt")
         if len(ids) > self.max_model_len:  # before looking at each id
-            raise InvalidRequestError(f"prompt has {len(ids)} tokens; max_model_len = {self.max_model_len}")
+            raise InvalidRequestError(f"prompt has {len(ids)} tokens; max_model_len = {self.max_model_len}",
+                                      param="prompt")
         for i, t in enumerate(ids):
             if hasattr(t, "item") and not isinstance(t, int):  # numpy / torch scalars
                 t = t.item()
                 ids[i] = t
             if not isinstance(t, int) or isinstance(t, bool):
-                raise InvalidRequestError(f"prompt[{i}] must be an integer token id, got {t!r}")
+                raise InvalidRequestError(f"prompt[{i}] must be an integer token id, got {t!r}", param="prompt")
             if not 0 <= t < self.vocab_size:
                 raise InvalidRequestError(
-                    f"prompt[{i}] = {t} is outside the vocabulary [0, {self.vocab_size})")
+                    f"prompt[{i}] = {t} is outside the vocabulary [0, {self.vocab_size})", param="prompt")
         return ids
 
     def check(self, prompt_ids: list[int], params: SamplingParams) -> None:
-        """The request fits the context limit, the KV cache and the vocabulary."""
+        """The request fits the context limit, the KV cache and the vocabulary. A request over a
+        length limit is reported against max_tokens: that is the part of the length a client can
+        lower without changing its prompt."""
         n = len(prompt_ids) + params.max_tokens
         if n > self.max_model_len:
             raise InvalidRequestError(
                 f"len(prompt) + max_tokens = {len(prompt_ids)} + {params.max_tokens} = {n} exceeds "
-                f"max_model_len = {self.max_model_len}")
+                f"max_model_len = {self.max_model_len}", param="max_tokens")
         if n > self.n_slots:
             raise InvalidRequestError(
                 f"len(prompt) + max_tokens = {len(prompt_ids)} + {params.max_tokens} = {n} exceeds "
-                f"n_slots = {self.n_slots} (the KV cache capacity)")
+                f"n_slots = {self.n_slots} (the KV cache capacity)", param="max_tokens")
         for i, t in enumerate(params.stop_token_ids):
             if t >= self.vocab_size:
                 raise InvalidRequestError(
-                    f"stop_token_ids[{i}] = {t} is outside the vocabulary [0, {self.vocab_size})")
+                    f"stop_token_ids[{i}] = {t} is outside the vocabulary [0, {self.vocab_size})",
+                    param="stop_token_ids")
         if params.stop and self.encoder is None:
-            raise InvalidRequestError("stop: stop strings need a tokenizer, and this model has none")
+            raise InvalidRequestError("stop: stop strings need a tokenizer, and this model has none",
+                                      param="stop")

@@ -1,10 +1,11 @@
 """One client must never hurt the others: hostile parameters, inputs and connections.
 
-Every test is a regression test for one way a single request used to fail, stall or corrupt other
-requests. Each asserts the error shape the attacker gets AND that bystanders running alongside it
-finish with exactly the fake model's greedy reference, with every KV slot back afterwards.
+Each test takes one way a single request could fail, stall or corrupt other requests, and checks
+that it cannot: the attacker gets a clear error (status, field, limit) or a valid answer, and
+bystanders running alongside it finish with exactly the fake model's greedy reference, with every
+KV slot back afterwards.
 
-No assertion is about time: where the defect was a cost (stop strings, tokenization), the test
+No assertion is about time: where the threat is a cost (stop strings, tokenization), the test
 counts work (profiler events on the engine thread) or blocks the attacker on an event and checks
 that bystanders finish meanwhile.
 """
@@ -60,12 +61,12 @@ def alongside_bystanders(server: Server, model: FakeModel, attack) -> list:
     return outs
 
 
-# -- one request used to fail its whole batch -----------------------------------------------------
+# -- one request cannot fail its batch -------------------------------------------------------------
 @pytest.mark.parametrize("top_k", [2**63, 2**64 + 5, 10**40])
 def test_top_k_beyond_int64_is_served_and_fails_nobody(make_server, top_k):
-    """Before: top_k = 2**63 passed validation and overflowed the sampler's int64 tensor; the
-    exception failed every request of the iteration. Now top_k is clamped to the vocabulary
-    (top_k >= vocab keeps every token), so the request is served like top_k = 0."""
+    """top_k = 2**63 and beyond is accepted and clamped to the vocabulary, so it cannot overflow
+    the sampler's int64 tensor: the request is served exactly like top_k = 0 (top_k >= vocab
+    keeps every token) and its batch-mates are unaffected."""
     model = FakeModel()
     server = make_server(model)
     params = SamplingParams(max_tokens=8, temperature=1.0, top_k=top_k, seed=3, ignore_eos=True)
@@ -77,9 +78,9 @@ def test_top_k_beyond_int64_is_served_and_fails_nobody(make_server, top_k):
 
 
 def test_a_sampler_failure_fails_only_its_row(make_server):
-    """A value that slipped past validation (forced in here) makes the batched sampler raise.
-    Before, that exception failed every request of the iteration; now the rows are re-run one
-    by one and only the guilty request ends with an error."""
+    """When the batched sampler raises on one row's values (a seed no generator takes, forced in
+    past validation here), only that request ends with an error: the rows are re-run one by one
+    and every batch-mate gets its tokens."""
     model = FakeModel()
     server = make_server(model)
     broken = SamplingParams(max_tokens=5, temperature=1.0, seed=1)
@@ -109,9 +110,9 @@ class WideLogitsModel(FakeModel):
 
 
 def test_an_unusable_forward_input_fails_only_its_request(make_server):
-    """Before: the out-of-vocabulary token sampled for one request made the next forward raise
-    for the whole batch, failing every bystander. Now the engine checks each row's inputs and
-    leaves the bad row out of the forward."""
+    """A request whose next input no forward can take (an id sampled from logits wider than the
+    vocabulary) fails alone with "outside the vocabulary": the engine checks each row's inputs
+    and leaves that row out of the forward its batch-mates run in."""
     trigger = 100
     assert all(trigger not in p + fake_reference(p, BYSTANDER_TOKENS) for p in BYSTANDER_PROMPTS)
     model = WideLogitsModel(trigger)
@@ -122,12 +123,11 @@ def test_an_unusable_forward_input_fails_only_its_request(make_server):
     assert out.token_ids == [V]  # the sampled id that no forward can take
 
 
-# -- tiny temperatures and top_p used to return garbage with success ------------------------------
+# -- tiny temperatures and top_p give valid tokens -------------------------------------------------
 @pytest.mark.parametrize("temperature", [1e-6, 1e-39, 5e-324])
 def test_tiny_temperature_is_greedy(make_server, temperature):
-    """Before: temperatures below ~1e-38 divided the logits into inf/NaN; argmax then returned
-    token 0 every step with finish_reason 'length'. Below GREEDY_TEMPERATURE (1e-5) a request is
-    now greedy, so it must equal the greedy reference."""
+    """A temperature below GREEDY_TEMPERATURE (1e-5), down to the smallest float, is greedy: the
+    logits are never divided into inf/NaN, and the tokens equal the greedy reference."""
     model = FakeModel()
     server = make_server(model)
     params = SamplingParams(max_tokens=10, temperature=temperature, seed=5, ignore_eos=True)
@@ -137,9 +137,9 @@ def test_tiny_temperature_is_greedy(make_server, temperature):
 
 
 def test_extreme_top_p_and_temperature_give_valid_tokens(make_server):
-    """top_p = 1e-50 rounds to 0 in float32 and used to mask every token (an all -inf row, then
-    NaN probabilities); the nucleus always keeps the most likely token now, so such a request is
-    greedy. A temperature of 1e300 (inf in float32) is clamped and samples almost uniformly."""
+    """top_p = 1e-50 (0 in float32) keeps the most likely token, so the request is greedy rather
+    than an all -inf row of NaN probabilities. A temperature of 1e300 (inf in float32) is clamped
+    to float32's range and samples almost uniformly over valid ids."""
     model = FakeModel()
     server = make_server(model)
     nucleus = SamplingParams(max_tokens=10, temperature=1.0, top_p=1e-50, seed=2, ignore_eos=True)
@@ -151,7 +151,7 @@ def test_extreme_top_p_and_temperature_give_valid_tokens(make_server):
     assert len(set(b.token_ids)) > 10  # spread out, not one garbage id repeated
 
 
-# -- stop strings used to multiply the engine's per-token work ------------------------------------
+# -- stop strings are bounded, and cheap per token -------------------------------------------------
 @pytest.mark.parametrize("stop, message", [
     (["x"] * (MAX_STOP_STRINGS + 1), rf"stop has {MAX_STOP_STRINGS + 1} strings; at most {MAX_STOP_STRINGS}"),
     (["ok", "y" * (MAX_STOP_STRING_CHARS + 1)],
@@ -160,11 +160,15 @@ def test_extreme_top_p_and_temperature_give_valid_tokens(make_server):
     (b"STOP", "stop must be a string or a list of strings"),
 ])
 def test_stop_string_limits(stop, message):
-    """Before: 1,000 stop strings of 1,000 characters were accepted."""
-    with pytest.raises(InvalidRequestError, match=message):
+    """At most MAX_STOP_STRINGS stop strings of MAX_STOP_STRING_CHARS characters each, and at
+    most MAX_STOP_TOKEN_IDS stop token ids, are accepted; beyond that the error names the field
+    (param and message) and the limit. The limits themselves are accepted."""
+    with pytest.raises(InvalidRequestError, match=message) as info:
         SamplingParams(stop=stop)
-    with pytest.raises(InvalidRequestError, match=rf"at most {MAX_STOP_TOKEN_IDS}"):
+    assert info.value.param == "stop"
+    with pytest.raises(InvalidRequestError, match=rf"at most {MAX_STOP_TOKEN_IDS}") as info:
         SamplingParams(stop_token_ids=list(range(MAX_STOP_TOKEN_IDS + 1)))
+    assert info.value.param == "stop_token_ids"
     SamplingParams(stop=["z" * MAX_STOP_STRING_CHARS] * MAX_STOP_STRINGS)  # the limits themselves pass
 
 
@@ -178,21 +182,21 @@ class OneTokenModel(FakeModel):
         return out
 
 
-def engine_thread_calls(server: Server, prompt, params) -> tuple[int, object]:
-    """Profiler events (Python and C calls) the engine thread spends on one request run alone."""
-    counter = server._test_profile_counter
+def engine_thread_calls(server: Server, counter: list[int], prompt, params) -> tuple[int, object]:
+    """Profiler events (Python and C calls, counted into `counter` by the engine thread's
+    profiler) that the engine thread spends on one request run alone."""
     before = counter[0]
     out = server.generate(prompt, params)[0]
     return counter[0] - before, out
 
 
 def test_stop_check_cost_does_not_multiply_with_the_stop_strings(make_server):
-    """Before: each token checked every prefix of every stop string against the text's end (about
-    count x length^2 character comparisons: 16 x 255 endswith calls per token here, 10^6 with
-    1,000 x 1,000). Now the check reads only the new characters. The work is counted as profiler
-    events on the engine thread: a request with the largest allowed, never-matching stop strings
-    may cost only a few events per generated character more than the same request without them
-    (plus at most the longest stop string, for a streaming matcher's failure transitions)."""
+    """The per-token stop check reads only the new characters, whatever the stop strings: it does
+    not compare every prefix of every stop string against the text's end (16 x 255 endswith
+    calls per token here). The work is counted as profiler events on the engine thread: a request
+    with the largest allowed, never-matching stop strings costs only a few events per generated
+    character more than the same request without them (plus at most the longest stop string,
+    for a streaming matcher's failure transitions)."""
     counter = [0]
 
     def profile(frame, event, arg):
@@ -204,13 +208,13 @@ def test_stop_check_cost_does_not_multiply_with_the_stop_strings(make_server):
         server = make_server(OneTokenModel())
     finally:
         threading.setprofile(None)
-    server._test_profile_counter = counter
     n = 120
     # Every prefix of every stop is checked and fails ('B'/'C'/... never follow the text's 'A's).
     stops = [chr(0x42 + i) + "A" * (MAX_STOP_STRING_CHARS - 1) for i in range(MAX_STOP_STRINGS)]
-    plain_calls, plain = engine_thread_calls(server, [1, 2], SamplingParams(max_tokens=n, ignore_eos=True))
-    stop_calls, stopped = engine_thread_calls(server, [1, 2], SamplingParams(max_tokens=n, ignore_eos=True,
-                                                                            stop=stops))
+    plain_calls, plain = engine_thread_calls(server, counter, [1, 2],
+                                             SamplingParams(max_tokens=n, ignore_eos=True))
+    stop_calls, stopped = engine_thread_calls(server, counter, [1, 2],
+                                              SamplingParams(max_tokens=n, ignore_eos=True, stop=stops))
     assert plain.text == stopped.text == "A" * n
     extra = stop_calls - plain_calls
     assert extra <= 8 * (n + MAX_STOP_STRING_CHARS), (extra, plain_calls)
@@ -221,7 +225,7 @@ def test_stop_check_cost_does_not_multiply_with_the_stop_strings(make_server):
     assert sys.getprofile() is None  # this thread was never profiled
 
 
-# -- prompt encoding used to run under the engine's tokenizer lock --------------------------------
+# -- prompt encoding never holds the engine's tokenizer lock ---------------------------------------
 class GatedTokenizer(FakeTokenizer):
     """encode() of a text containing 'Z' blocks until `gate` is set (a stand-in for encoding a
     megabyte of text). Copies share the gate and the counters, as copies of one tokenizer would
@@ -243,10 +247,10 @@ class GatedTokenizer(FakeTokenizer):
 
 
 def test_encoding_a_prompt_never_blocks_generation(make_server):
-    """Before: text prompts were encoded under the lock the engine thread takes to detokenize
-    every token, so a client encoding a huge text stalled every stream (400 -> 6 tokens/s). Here
-    the attacker's encode blocks outright; bystanders must still run to completion meanwhile.
-    (With the shared lock they cannot: result() then times out, a hang guard, not a speed check.)"""
+    """A text prompt is encoded without the lock the engine thread takes to detokenize every
+    token, so a client encoding a huge text cannot stall the streams. Here the attacker's encode
+    blocks outright; bystanders still run to completion meanwhile. (Were the lock shared, they
+    could not: result() would time out, a hang guard, not a speed check.)"""
     tok = GatedTokenizer()
     server = make_server(tokenizer=tok)
     rids = []
@@ -268,13 +272,15 @@ def test_encoding_a_prompt_never_blocks_generation(make_server):
 
 
 def test_text_too_long_for_the_context_is_rejected_before_encoding(make_server):
-    """Before: a text prompt was encoded in full and only then found too long (a 0.9 MB prompt
-    cost its whole encoding each time). FakeTokenizer's longest token is 1 character, so with
-    max_model_len 64 any text over 64 characters is rejected without calling encode."""
+    """A text that cannot fit the context is rejected before it is encoded, so a huge prompt
+    costs no encoding. FakeTokenizer's longest token is 1 character, so with max_model_len 64 any
+    text over 64 characters is rejected (param "prompt") without calling encode; 60 characters
+    are encoded once."""
     tok = GatedTokenizer()
     server = make_server(tokenizer=tok, max_model_len=64)
-    with pytest.raises(InvalidRequestError, match="prompt has 65 characters; at most 64 can fit max_model_len"):
+    with pytest.raises(InvalidRequestError, match="prompt has 65 characters; at most 64 can fit") as info:
         server.submit("A" * 65)
+    assert info.value.param == "prompt"
     assert tok.shared["calls"][0] == 0
     out = server.generate("A" * 60, SamplingParams(max_tokens=4))[0]  # the bound itself fits
     assert out.prompt_token_ids == [0] * 60 and tok.shared["calls"][0] == 1
@@ -291,24 +297,30 @@ def hf_tokenizer(tokenizer_dir):
 def test_real_tokenizer_bound_rejects_a_megabyte_prompt(make_server, hf_tokenizer):
     model = FakeModel(FakeSpec(vocab_size=len(hf_tokenizer)))
     server = make_server(model, tokenizer=hf_tokenizer)
-    with pytest.raises(InvalidRequestError, match=r"prompt has 900000 characters; at most \d+ can fit"):
+    with pytest.raises(InvalidRequestError, match=r"prompt has 900000 characters; at most \d+ can fit") as info:
         server.submit("lorem ipsum " * 75_000)
+    assert info.value.param == "prompt"
     assert server.stats()["iterations"] == 0
 
 
 # -- Python API inputs ----------------------------------------------------------------------------
 def test_lone_surrogate_and_bytes_prompts_are_invalid_requests(make_server, hf_tokenizer):
-    """Before: a lone surrogate reached the HF tokenizer, which raised a raw TypeError; and bytes
-    were iterated as token ids (b"hi" became [104, 105]) without a word."""
+    """A lone surrogate in a text prompt, a bytes-like prompt (which would otherwise iterate as
+    token ids: b"hi" as [104, 105]) and a token-id prompt over max_model_len are each an
+    InvalidRequestError about the prompt, and the server keeps serving."""
     model = FakeModel(FakeSpec(vocab_size=len(hf_tokenizer)))
     server = make_server(model, tokenizer=hf_tokenizer)
-    with pytest.raises(InvalidRequestError, match=r"prompt is not valid Unicode text: a lone surrogate '\\ud800' at character 3"):
+    surrogate = r"prompt is not valid Unicode text: a lone surrogate '\\ud800' at character 3"
+    with pytest.raises(InvalidRequestError, match=surrogate) as info:
         server.submit("hi \ud800 there")
+    assert info.value.param == "prompt"
     for prompt in (b"hi", bytearray(b"hi"), memoryview(b"hi")):
-        with pytest.raises(InvalidRequestError, match=f"got {type(prompt).__name__}; decode it to a str"):
+        with pytest.raises(InvalidRequestError, match=f"got {type(prompt).__name__}; decode it to a str") as info:
             server.submit(prompt)
-    with pytest.raises(InvalidRequestError, match=r"prompt has 3000 tokens; max_model_len = 2000"):
+        assert info.value.param == "prompt"
+    with pytest.raises(InvalidRequestError, match=r"prompt has 3000 tokens; max_model_len = 2000") as info:
         server.submit([1] * 3000)
+    assert info.value.param == "prompt"
     out = server.generate("hi there", SamplingParams(max_tokens=3))[0]  # the server still serves
     assert len(out.token_ids) == 3
     assert_idle(server)
@@ -316,7 +328,8 @@ def test_lone_surrogate_and_bytes_prompts_are_invalid_requests(make_server, hf_t
 
 @pytest.mark.parametrize("command", ["generate", "serve"])
 def test_cli_max_model_len_above_the_model_is_one_line(tiny_model_dir, capsys, caplog, command):
-    """Before: the ValueError escaped as a traceback."""
+    """A max_model_len above the model's is reported as one error line naming both limits, with no
+    traceback."""
     from orca_ext.cli import main
 
     args = [command] + (["hello"] if command == "generate" else []) + [
@@ -364,8 +377,8 @@ def outcome_count(app, outcome: str) -> float:
 
 
 def test_client_strings_are_escaped_in_logs(make_server, caplog):
-    """Before: the model name and unknown field names went into INFO lines verbatim, so a newline
-    and ANSI escapes forged a CRITICAL record."""
+    """Client strings (the model name, unknown field names) are logged escaped, each rejection on
+    one line: a newline and ANSI escapes in them cannot forge a CRITICAL record."""
     server = make_server()
     app = make_app(server)
     forged = "x\n2026-01-01 00:00:00 CRITICAL root: disk on fire\x1b[2K\x1b[31m"
@@ -390,8 +403,8 @@ def test_client_strings_are_escaped_in_logs(make_server, caplog):
 
 
 def test_upload_aborted_mid_body_is_a_disconnect_not_an_internal_error(make_server, caplog):
-    """Before: the ClientDisconnect from reading the body fell into the catch-all: an ERROR with a
-    traceback and outcome="internal_error"."""
+    """A client that hangs up while sending its body is a disconnect: one INFO line, outcome
+    "abort", no warning or error, and its queue place is given back."""
     server = make_server()
     app = make_app(server)
     messages = [{"type": "http.request", "body": b'{"prompt": "AB', "more_body": True}, {"type": "http.disconnect"}]
@@ -406,8 +419,8 @@ def test_upload_aborted_mid_body_is_a_disconnect_not_an_internal_error(make_serv
 
 
 def test_a_body_that_never_completes_times_out(make_server):
-    """Before: no body timeout; a client could hold a request (and its connection) forever by
-    never finishing its body."""
+    """A body that is not complete within the body timeout is answered 408, so a client cannot
+    hold a request (and its connection) by never finishing its body."""
     server = make_server()
     app = make_app(server, body_timeout=0.2)
     status = asyncio.run(asgi_call(app, "/v1/completions",
@@ -417,10 +430,9 @@ def test_a_body_that_never_completes_times_out(make_server):
 
 
 def test_dns_rebinding_and_cross_site_posts_are_refused(make_server):
-    """Before: with no API key, a text/plain POST with a foreign Origin and a foreign Host was
-    served. Now a loopback-bound server answers loopback Host names only, POST bodies must be
-    application/json (which a browser sends cross-origin only after a CORS preflight), and CORS
-    headers appear only for origins given to --cors-origins."""
+    """Without an API key too, a loopback-bound server answers loopback Host names only (and the
+    trusted hosts), POST bodies must be application/json (which a browser sends cross-origin only
+    after a CORS preflight), and CORS headers appear only for origins given to --cors-origins."""
     server = make_server()
     app = make_app(server, bind_host="127.0.0.1")
     widened = make_app(server, bind_host="127.0.0.1", trusted_hosts=["api.example.com", "*.corp.example"],
@@ -454,7 +466,8 @@ def test_dns_rebinding_and_cross_site_posts_are_refused(make_server):
 
 
 def test_api_docs_are_off_by_default_and_behind_the_key(make_server):
-    """Before: /docs, /redoc and /openapi.json were served without auth even with --api-key."""
+    """/docs, /redoc and /openapi.json are not served by default; when enabled, they need the API
+    key."""
     server = make_server()
     plain = make_app(server, api_key="k")
     docs = make_app(server, api_key="k", enable_docs=True)
@@ -472,10 +485,10 @@ def test_api_docs_are_off_by_default_and_behind_the_key(make_server):
 
 # -- slow clients ---------------------------------------------------------------------------------
 def test_slow_header_connections_are_closed(make_server):
-    """Before: uvicorn ran with no header timeout; 300 connections that trickled their headers
-    were held indefinitely. Now a connection whose request headers are incomplete
-    --header-timeout seconds after it opened (or after its previous response) is closed, while
-    a normal client is served meanwhile. (recv's socket timeout is a hang guard only.)"""
+    """A connection whose request headers are incomplete --header-timeout seconds after it opened
+    (or after its previous response) is closed, so connections that trickle their headers cannot
+    be held open; a normal client is served meanwhile. (recv's socket timeout is a hang guard
+    only.)"""
     import socket
 
     from http_utils import free_port
@@ -526,10 +539,9 @@ def sse_events(text: str) -> list:
 
 
 def test_drain_lets_running_requests_finish_then_ends_the_rest_in_band(make_server):
-    """Before: on SIGINT/SIGTERM the engine kept generating through uvicorn's grace period, then
-    every stream was cut with no error event and no [DONE]. drain() (what SIGINT/SIGTERM run)
-    refuses new requests, gives running ones the grace period (here cut short the moment the
-    short request is done), then ends the rest with an error event followed by [DONE]."""
+    """drain() (what SIGINT/SIGTERM run) refuses new requests (503), gives running ones the grace
+    period (here cut short the moment the short request is done), then ends the rest with an
+    error event followed by [DONE]: no stream is cut without an event."""
     gate = threading.Event()
     model = FakeModel(gate=gate)  # holds the engine until both requests are in
     server = make_server(model)
@@ -616,9 +628,8 @@ def test_sigterm_drains_streams_and_exits_cleanly(tiny_model_dir):
 
 
 def test_dropped_undelivered_outputs_are_summarised(make_server, caplog):
-    """Before: one warning per dropped output, so a client that never collects its outputs could
-    flood the log. Now: the first drop is reported, later ones as a periodic summary (and one at
-    shutdown); stats() counts them all."""
+    """Dropped undelivered outputs cannot flood the log: the first drop is reported, later ones as
+    a periodic summary (and one at shutdown); stats() counts them all."""
     server = make_server(max_batch_size=1, max_undelivered_outputs=3)
     with caplog.at_level(logging.WARNING, logger="orca_ext.server"):
         ids = [server.submit([i + 1], SamplingParams(max_tokens=2)) for i in range(10)]
@@ -633,7 +644,7 @@ def test_dropped_undelivered_outputs_are_summarised(make_server, caplog):
     assert len(caplog.records) == 2 and "dropped 6 more" in caplog.records[1].getMessage()
 
 
-# -- a stream of rejected requests used to take the engine's CPU ----------------------------------
+# -- a stream of rejected requests cannot take the engine's CPU ------------------------------------
 def test_rejection_budget_arithmetic():
     from orca_ext.http.rejections import RejectionBudget
 
@@ -656,10 +667,10 @@ def test_rejection_budget_arithmetic():
 
 
 def test_a_client_flooding_rejected_bodies_is_slowed_and_others_are_not(make_server):
-    """Before: every rejected request was received and parsed in full, however many a client sent
-    back to back (a 1 MB body each: ~40% of the server's CPU in bench/isolation.py). Now a client
-    address over its rejected-bytes budget gets 429 (after a delay, Connection: close) without its
-    body being read, while another address is served normally."""
+    """A client address over its rejected-bytes budget gets 429 (after a delay, Connection:
+    close) without its body being read, so a flood of bad requests cannot take the engine's CPU
+    (reading and parsing a 1 MB body per request, back to back, takes ~40% of the server's CPU in
+    bench/isolation.py); another address is served normally meanwhile."""
     from orca_ext.http.rejections import RejectionBudget
 
     server = make_server()
@@ -679,6 +690,8 @@ def test_a_client_flooding_rejected_bodies_is_slowed_and_others_are_not(make_ser
 
     statuses, good = asyncio.run(go())
     assert [r.status_code for r in statuses] == [400, 400, 429, 429]  # 2 x 25 kB > 40 kB burst
+    assert statuses[0].json()["error"] == {"message": f"stop has 5000 strings; at most {MAX_STOP_STRINGS} are allowed",
+                                           "type": "invalid_request_error", "param": "stop", "code": None}
     assert statuses[2].json()["error"]["code"] == "too_many_rejected_requests"
     assert statuses[2].headers["connection"] == "close" and int(statuses[2].headers["retry-after"]) >= 1
     assert good.status_code == 200

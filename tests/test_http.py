@@ -296,6 +296,7 @@ def test_disconnect_while_waiting_non_streaming(server, model_name):
 
 BAD_COMPLETIONS = [
     # (body, status, param)
+    # Refused while parsing the body (strict JSON types, unsupported options, the model name).
     ({"prompt": "hi", "max_tokens": "5"}, 400, "max_tokens"),
     ({"prompt": "hi", "temperature": "hot"}, 400, "temperature"),
     ({"prompt": "hi", "stream": "yes"}, 400, "stream"),
@@ -303,19 +304,8 @@ BAD_COMPLETIONS = [
     ({"prompt": "hi", "logprobs": 1}, 400, "logprobs"),
     ({"prompt": "hi", "echo": True}, 400, "echo"),
     ({"prompt": "hi", "best_of": 3}, 400, "best_of"),
-    ({"prompt": "hi", "max_tokens": 0}, 400, "max_tokens"),
-    ({"prompt": "hi", "max_tokens": 100000}, 400, "max_tokens"),
-    ({"prompt": "hi", "temperature": -0.5}, 400, "temperature"),
-    ({"prompt": "hi", "top_p": 0}, 400, "top_p"),
-    ({"prompt": "hi", "top_p": 1.5}, 400, "top_p"),
-    ({"prompt": "hi", "top_k": -3}, 400, "top_k"),
-    ({"prompt": "hi", "stop": [""]}, 400, "stop"),
     ({"prompt": "hi", "stop": 5}, 400, "stop"),
     ({"prompt": "hi", "seed": 1.5}, 400, "seed"),
-    ({"prompt": ""}, 400, "prompt"),
-    ({"prompt": []}, 400, "prompt"),
-    ({"prompt": [1, 2, 49152]}, 400, "prompt"),
-    ({"prompt": [-1]}, 400, "prompt"),
     ({"prompt": [1, True]}, 400, "prompt"),
     ({"prompt": ["one", "two"]}, 400, "prompt"),
     ({"prompt": {"text": "hi"}}, 400, "prompt"),
@@ -323,20 +313,49 @@ BAD_COMPLETIONS = [
     ({"prompt": "hi", "frobnicate": 1}, 400, "frobnicate"),
     ({"prompt": "hi", "stream_options": {"include_usage": True}}, 400, "stream_options"),
     ({"prompt": "hi", "model": "gpt-4"}, 404, "model"),
+    # Refused by the engine's checks (SamplingParams, Server.submit): param is the
+    # InvalidRequestError's, and completions use the engine's field names.
+    ({"prompt": "hi", "max_tokens": 0}, 400, "max_tokens"),
+    ({"prompt": "hi", "max_tokens": 100000}, 400, "max_tokens"),
+    ({"prompt": "hi", "temperature": -0.5}, 400, "temperature"),
+    ({"prompt": "hi", "top_p": 0}, 400, "top_p"),
+    ({"prompt": "hi", "top_p": 1.5}, 400, "top_p"),
+    ({"prompt": "hi", "top_k": -3}, 400, "top_k"),
+    ({"prompt": "hi", "stop": [""]}, 400, "stop"),
+    ({"prompt": "hi", "stop": ["x"] * 17}, 400, "stop"),
+    ({"prompt": "hi", "stop_token_ids": [49152]}, 400, "stop_token_ids"),
+    ({"prompt": ""}, 400, "prompt"),
+    ({"prompt": []}, 400, "prompt"),
+    ({"prompt": [1, 2, 49152]}, 400, "prompt"),
+    ({"prompt": [-1]}, 400, "prompt"),
+    ({"prompt": list(range(9000))}, 400, "prompt"),
 ]
 
+HI = [{"role": "user", "content": "hi"}]
 BAD_CHATS = [
     ({"messages": []}, 400, "messages"),
     ({"messages": [{"role": "wizard", "content": "hi"}]}, 400, "messages.0.role"),
     ({"messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}}]}]},
      400, "messages.0.content"),
-    ({"messages": [{"role": "user", "content": "hi"}], "logprobs": True}, 400, "logprobs"),
-    ({"messages": [{"role": "user", "content": "hi"}], "top_logprobs": 2}, 400, "top_logprobs"),
-    ({"messages": [{"role": "user", "content": "hi"}], "max_completion_tokens": 0}, 400, "max_completion_tokens"),
-    ({"messages": [{"role": "user", "content": "hi"}], "n": 3}, 400, "n"),
-    ({"messages": [{"role": "user", "content": "hi"}], "tools": []}, 400, "tools"),
+    ({"messages": HI, "logprobs": True}, 400, "logprobs"),
+    ({"messages": HI, "top_logprobs": 2}, 400, "top_logprobs"),
+    ({"messages": HI, "n": 3}, 400, "n"),
+    ({"messages": HI, "tools": []}, 400, "tools"),
     ({"messages": "hi"}, 400, "messages"),
+    # Refused by the engine's checks, reported under the chat endpoint's field names: the
+    # engine's max_tokens is whichever spelling the client sent, its prompt is the messages.
+    ({"messages": HI, "max_completion_tokens": 0}, 400, "max_completion_tokens"),
+    ({"messages": HI, "max_completion_tokens": 100000}, 400, "max_completion_tokens"),
+    ({"messages": HI, "max_tokens": 100000}, 400, "max_tokens"),
+    ({"messages": HI, "temperature": -1}, 400, "temperature"),
+    ({"messages": HI, "stop": [""]}, 400, "stop"),
+    ({"messages": [{"role": "user", "content": "hi " * 7000}]}, 400, "messages"),
 ]
+
+# OpenAI's error "type" for each status code.
+ERROR_TYPES = {400: "invalid_request_error", 401: "authentication_error", 404: "not_found_error",
+               413: "invalid_request_error", 415: "invalid_request_error", 429: "rate_limit_error",
+               500: "server_error"}
 
 
 def _check_error(r: httpx.Response, status: int, param: str | None) -> dict:
@@ -345,6 +364,7 @@ def _check_error(r: httpx.Response, status: int, param: str | None) -> dict:
     assert set(err) == {"message", "type", "param", "code"}
     assert isinstance(err["message"], str) and err["message"]
     assert err["param"] == param, err
+    assert err["type"] == ERROR_TYPES[status], err
     if param is not None:  # the message names the field too
         assert param.split(".")[-1] in err["message"] or param.split(".")[0] in err["message"], err
     return err
@@ -383,6 +403,18 @@ def test_bad_inputs_never_reach_the_engine(server, client, model_name):
     assert info.value.body["param"] == "logprobs"
     with pytest.raises(openai.NotFoundError):
         client.completions.create(model="text-davinci-003", prompt="hi")
+    # ... engine-side rejections included, with param in the endpoint's field names.
+    with pytest.raises(openai.BadRequestError) as info:
+        client.completions.create(model=model_name, prompt="hi", max_tokens=100000)
+    assert info.value.param == "max_tokens" and info.value.type == "invalid_request_error"
+    assert info.value.body["message"].startswith("len(prompt) + max_tokens = ")
+    with pytest.raises(openai.BadRequestError) as info:
+        client.chat.completions.create(model=model_name, messages=HI, max_completion_tokens=100000)
+    assert info.value.param == "max_completion_tokens" and info.value.type == "invalid_request_error"
+    assert info.value.body["message"].startswith("max_completion_tokens: len(prompt) + max_tokens = ")
+    with pytest.raises(openai.BadRequestError) as info:
+        client.chat.completions.create(model=model_name, messages=HI, top_p=1.5)
+    assert info.value.param == "top_p" and info.value.body["message"].startswith("top_p must be in (0, 1]")
     stats_after = _metrics(server)
     # Nothing was submitted: the engine's own counters did not move.
     for key in ("orca_iterations_total", "orca_engine_requests_finished_total", "orca_engine_prompt_tokens"):

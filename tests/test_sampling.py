@@ -34,8 +34,9 @@ def req(params: SamplingParams, name="r") -> Request:
     (dict(ignore_eos="yes"), "ignore_eos"),
 ])
 def test_invalid_params_raise_naming_the_field(kwargs, field):
-    with pytest.raises(InvalidRequestError, match=field):
+    with pytest.raises(InvalidRequestError, match=field) as info:
         SamplingParams(**kwargs)
+    assert info.value.param == field  # an entry of a list is reported as the list
     assert issubclass(InvalidRequestError, ValueError)
 
 

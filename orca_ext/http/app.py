@@ -5,8 +5,9 @@ Request path of one completion (`_handle`):
   delay, rejections.py) -> auth (401) -> Content-Type application/json (415)
   -> body read with a size limit (413) and a time limit (408) -> strict parse (400)
   -> model name (404) -> unsupported options (400) -> admission against --max-queue (429 +
-  Retry-After; 503 while draining) -> SamplingParams + Server.submit (InvalidRequestError -> 400)
-  -> stream or collect.
+  Retry-After; 503 while draining) -> chat template and prompt encoding (chat), SamplingParams
+  + Server.submit (InvalidRequestError -> 400, its param in the endpoint's field names,
+  errors.request_rejected) -> stream or collect.
 Nothing reaches the engine before admission (service.py). Snapshots come from
 `Server.stream_async`; a client that goes away gets its request aborted, which frees its KV slab
 at once. A client that goes away while still sending its body is a disconnect (INFO, outcome
@@ -30,9 +31,10 @@ from pydantic import ValidationError
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.requests import ClientDisconnect
 
+from ..errors import InvalidRequestError
 from ..server import Server
 from . import protocol, sse
-from .errors import APIError, bad_request, engine_error, internal_error, shutdown_error
+from .errors import APIError, bad_request, engine_error, internal_error, request_rejected, shutdown_error
 from .guards import Guards, allowed_hosts
 from .rejections import RejectionBudget
 from .service import Admission, Service, validation_error
@@ -162,7 +164,10 @@ async def _handle(svc: Service, request: Request, endpoint: str, run: Runner, mo
         svc.check_model(body.model)
         body.check_unsupported()
         adm = svc.admit(rid, endpoint)
-        response = await run(svc, request, body, adm)
+        try:
+            response = await run(svc, request, body, adm)
+        except InvalidRequestError as exc:  # refused by the engine's checks, before any engine work
+            raise request_rejected(exc, body.field_names) from exc
     except APIError as exc:
         if adm is not None:
             adm.close()
@@ -219,7 +224,7 @@ async def _respond(svc: Service, request: Request, body: Any, adm: Admission,
 async def _run_completion(svc: Service, request: Request, body: protocol.CompletionRequest,
                           adm: Admission) -> Response:
     max_tokens = body.max_tokens if body.max_tokens is not None else protocol.COMPLETIONS_DEFAULT_MAX_TOKENS
-    await svc.submit(adm, body.prompt, body, max_tokens, "max_tokens", "prompt")
+    await svc.submit(adm, body.prompt, body, max_tokens)
     created = protocol.now()
     return await _respond(
         svc, request, body, adm, lambda: sse.completion_events(adm, body, created),
@@ -234,7 +239,7 @@ async def _run_chat(svc: Service, request: Request, body: protocol.ChatCompletio
     max_tokens = body.requested_max_tokens
     if max_tokens is None:
         max_tokens = svc.chat_default_max_tokens(len(prompt_ids))
-    await svc.submit(adm, prompt_ids, body, max_tokens, body.max_tokens_field, "messages")
+    await svc.submit(adm, prompt_ids, body, max_tokens)
     created = protocol.now()
     return await _respond(
         svc, request, body, adm, lambda: sse.chat_events(adm, body, created),

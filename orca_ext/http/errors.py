@@ -3,13 +3,18 @@
 Every error response of the server has the body
 ``{"error": {"message": str, "type": str, "param": str | None, "code": str | None}}``
 so that the official ``openai`` client raises its typed exceptions (BadRequestError, ...).
+``param`` is the request field at fault, in the endpoint's names; for a request the engine
+refused it comes from ``InvalidRequestError.param`` (request_rejected).
 """
 
 from __future__ import annotations
 
 import logging
+from typing import Mapping
 
 from fastapi.responses import JSONResponse
+
+from ..errors import InvalidRequestError
 
 logger = logging.getLogger(__name__)
 
@@ -83,48 +88,18 @@ def shutdown_error() -> APIError:
     return APIError(503, "The server shut down before this request finished", code="server_shutting_down")
 
 
-# Field names the engine's InvalidRequestError messages may start with or mention, in the
-# order we look for them; used to fill "param" for errors raised inside Server.submit.
-_ENGINE_FIELDS = (
-    "max_tokens",
-    "temperature",
-    "top_p",
-    "top_k",
-    "stop_token_ids",
-    "stop",
-    "seed",
-    "ignore_eos",
-    "prompt",
-    "request_id",
-)
+def request_rejected(exc: InvalidRequestError, field_names: Mapping[str, str] | None = None) -> APIError:
+    """400 for a request the engine refused (SamplingParams, the prompt encoder, Server.submit).
 
-
-def param_from_engine_message(message: str, *, max_tokens_name: str = "max_tokens",
-                              prompt_name: str = "prompt") -> str | None:
-    """Best guess of the request field an engine validation message is about.
-
-    The engine names the field in its message (docs/DESIGN.md section 5) but has no structured
-    field attribute; the earliest mention wins ("prompt length + max_tokens ..." is about
-    the prompt as much as max_tokens: max_tokens wins, being the one a client can change).
+    `param` is the engine's field, ``exc.param``, in the endpoint's names: `field_names` maps an
+    engine name to the name the client sent (chat: prompt -> messages, and max_tokens ->
+    max_completion_tokens when the client sent that). The message keeps the engine's words, whose
+    arithmetic is in the engine's names; a renamed field is put in front ("messages: prompt has
+    ... tokens"), so the message also names the field of the client's request.
     """
-    lowered = message.lower()
-    if "max_tokens" in lowered:
-        # Length limits mention both prompt and max_tokens; max_tokens is what a client can lower.
-        return max_tokens_name
-    best: tuple[int, str] | None = None
-    for name in _ENGINE_FIELDS:
-        pos = lowered.find(name)
-        # "stop" also matches inside "stop_token_ids": the longer name comes first above and
-        # an equal position keeps the first (longer) match.
-        if pos >= 0 and (best is None or pos < best[0]):
-            best = (pos, name)
-    if best is None:
-        if "token id" in lowered or "empty" in lowered:
-            return prompt_name
-        return None
-    name = best[1]
-    if name == "max_tokens":
-        return max_tokens_name
-    if name == "prompt":
-        return prompt_name
-    return name
+    message = str(exc)
+    param = exc.param
+    renamed = (field_names or {}).get(param, param)
+    if renamed != param and not message.startswith(renamed):
+        message = f"{renamed}: {message}"
+    return bad_request(message, renamed)

@@ -97,6 +97,12 @@ class _SamplingFields(_Strict):
     def include_usage(self) -> bool:
         return bool(self.stream_options and self.stream_options.include_usage)
 
+    @property
+    def field_names(self) -> dict[str, str]:
+        """Engine field name -> this request's field name, where they differ (errors.py reports
+        the engine's rejections under the client's names). Completions use the engine's names."""
+        return {}
+
 
 class CompletionRequest(_SamplingFields):
     prompt: Any
@@ -180,6 +186,12 @@ class ChatCompletionRequest(_SamplingFields):
     @property
     def max_tokens_field(self) -> str:
         return "max_completion_tokens" if self.max_completion_tokens is not None else "max_tokens"
+
+    @property
+    def field_names(self) -> dict[str, str]:
+        # The engine's prompt is the rendered messages; its max_tokens is whichever of the two
+        # spellings the client sent.
+        return {"prompt": "messages", "max_tokens": self.max_tokens_field}
 
     def message_dicts(self) -> list[dict[str, str]]:
         return [{"role": m.role, "content": m.content} for m in self.messages]

@@ -19,13 +19,12 @@ from typing import Any, Callable
 from fastapi import Request
 from pydantic import ValidationError
 
-from ..encoding import PromptEncoder
-from ..errors import EngineDeadError, InvalidRequestError, ServerClosedError
+from ..errors import EngineDeadError, ServerClosedError
 from ..models import apply_chat_template
 from ..sampling import SamplingParams
 from ..server import Server
 from . import protocol
-from .errors import APIError, bad_request, param_from_engine_message
+from .errors import APIError, bad_request
 from .guards import bearer_ok
 from .metrics import Metrics
 from .rejections import RejectionBudget
@@ -103,10 +102,6 @@ class Service:
         self.default_max_tokens = default_max_tokens
         self.body_timeout = body_timeout
         self.rejections = rejections if rejections is not None else RejectionBudget()
-        # Chat prompts are encoded with private copies of the server's tokenizer, which its
-        # engine thread uses to detokenize.
-        self.encoder = (PromptEncoder(server.tokenizer, max_tokens=min(server.max_model_len, server.n_slots))
-                        if server.tokenizer is not None else None)
         self.created = protocol.now()
         self.inflight = 0
         self.admissions: dict[str, Admission] = {}
@@ -235,8 +230,11 @@ class Service:
     # -- prompts --------------------------------------------------------------------------------
 
     def chat_prompt_ids(self, messages: list[dict[str, str]]) -> list[int]:
+        """Token ids of the rendered chat; InvalidRequestError (param "messages") for a text
+        that is not valid Unicode or too long to fit."""
         tokenizer = self.server.tokenizer
-        if tokenizer is None:
+        encoder = self.server.prompt_encoder
+        if tokenizer is None or encoder is None:
             raise APIError(500, "chat completions need a tokenizer and this server has none")
         try:
             rendered = apply_chat_template(tokenizer, messages)
@@ -246,12 +244,10 @@ class Service:
             if type(exc).__module__.startswith("jinja2"):
                 raise bad_request(f"messages: the chat template rejected them: {exc}", "messages") from exc
             raise
-        # The template already wrote the special tokens (BOS, role markers) as text. Encoded with
-        # a private tokenizer copy, after the length check (the engine decodes with `tokenizer`).
-        try:
-            return self.encoder.encode(rendered, field="messages", add_special_tokens=False)
-        except InvalidRequestError as exc:
-            raise bad_request(str(exc), "messages") from exc
+        # The template already wrote the special tokens (BOS, role markers) as text. The server's
+        # encoder checks the length first, then encodes with a private tokenizer copy (the engine
+        # thread decodes with `tokenizer`).
+        return encoder.encode(rendered, field="messages", add_special_tokens=False)
 
     def chat_default_max_tokens(self, prompt_len: int) -> int:
         limit = min(self.server.max_model_len, self.server.n_slots)
@@ -260,7 +256,9 @@ class Service:
     # -- engine ---------------------------------------------------------------------------------
 
     async def submit(self, adm: Admission, prompt: str | list[int], body: protocol._SamplingFields,
-                     max_tokens: int, max_tokens_field: str, prompt_field: str) -> None:
+                     max_tokens: int) -> None:
+        """Submit the request to the engine. A request the engine refuses raises its
+        InvalidRequestError (app.py reports it in the endpoint's field names)."""
         try:
             params = SamplingParams(**body.sampling_kwargs(max_tokens))
             # submit tokenizes string prompts: keep that off the event loop.
@@ -270,12 +268,6 @@ class Service:
         except ServerClosedError as exc:
             raise APIError(503, "The server is shutting down", code="server_closed",
                            headers={"Retry-After": "5"}) from exc
-        except InvalidRequestError as exc:
-            message = str(exc)
-            if max_tokens_field != "max_tokens":  # say it in the client's words
-                message = message.replace("max_tokens", max_tokens_field)
-            raise bad_request(message, param_from_engine_message(
-                str(exc), max_tokens_name=max_tokens_field, prompt_name=prompt_field)) from exc
         adm.submitted = True
         if self.cutting:  # admitted before the drain began, submitted after its grace period
             self.cut(adm)
