@@ -21,21 +21,31 @@ from orca_ext.server import Server
 from tiny_models import FAMILIES, reference_greedy
 
 
-def pause_second_iteration(server: Server):
-    """Make the model's 2nd forward wait for `resume` (set `paused` when it starts)."""
-    paused, resume = threading.Event(), threading.Event()
-    forward = server.model.forward
-    calls = [0]
+class GatedModel:
+    """A loaded model behind the models seam whose 2nd forward waits for `resume` (and sets
+    `paused` when it starts), so that requests can arrive while an iteration runs."""
 
-    def gated(batch):
-        calls[0] += 1
-        if calls[0] == 2:
-            paused.set()
-            resume.wait(60)
-        return forward(batch)
+    def __init__(self, model):
+        self.model = model
+        self.paused, self.resume = threading.Event(), threading.Event()
+        self.calls = 0
 
-    server.model.forward = gated  # the engine calls model.forward(batch)
-    return paused, resume
+    def __getattr__(self, name):  # spec, device, dtype, kv_pools, allocate_kv_cache, ...
+        return getattr(self.model, name)
+
+    def forward(self, batch):
+        self.calls += 1
+        if self.calls == 2:
+            self.paused.set()
+            self.resume.wait(60)
+        return self.model.forward(batch)
+
+
+def gated_server(model_dir, tokenizer=None, **options) -> tuple[Server, GatedModel]:
+    from orca_ext.models import load_model
+
+    model = GatedModel(load_model(str(model_dir), device="cpu", dtype="float32"))
+    return Server(model, tokenizer=tokenizer, **options), model
 
 
 @functools.lru_cache(maxsize=1)
@@ -56,11 +66,11 @@ def hf_greedy_until_eos(model_dir, prompt: list[int], max_new_tokens: int, eos: 
     return out[0, len(prompt):].tolist()
 
 
-def run_waves(server: Server, jobs: list[tuple[list[int], int]], seed: int,
+def run_waves(server: Server, gate: GatedModel, jobs: list[tuple[list[int], int]], seed: int,
               ignore_eos: bool = True) -> list:
     """jobs[0:2] start first; jobs[2:4] are submitted from threads while iteration 1 is paused;
     the rest come from threads at random times. Returns the final outputs in job order."""
-    paused, resume = pause_second_iteration(server)
+    paused, resume = gate.paused, gate.resume
     results: list = [None] * len(jobs)
     ids: list = [None] * len(jobs)
 
@@ -123,9 +133,9 @@ def test_tiny_models_match_transformers_under_continuous_batching(tiny_model_dir
     jobs = [([rng.randrange(1000) for _ in range(rng.randint(1, 37))], rng.randint(3, 14)) for _ in range(8)]
     jobs[0] = (jobs[0][0], 17)
     jobs[1] = (jobs[1][0], 12)
-    with Server(str(model_dir), device="cpu", dtype="float32", max_batch_size=5, n_slots=600,
-                record_iterations=True) as server:
-        outs = run_waves(server, jobs, seed=1)
+    server, gate = gated_server(model_dir, max_batch_size=5, n_slots=600, record_iterations=True)
+    with server:
+        outs = run_waves(server, gate, jobs, seed=1)
         for (prompt, n), out in zip(jobs, outs):
             assert out.finish_reason == "length"
             assert out.token_ids == reference_greedy(model_dir, prompt, n), (family, prompt)
@@ -158,10 +168,11 @@ def test_smollm2_matches_transformers_under_continuous_batching(default_model_di
     prompts.append(tok.encode("The quick brown fox", add_special_tokens=False))
     lengths = [20, 16, 12, 14, 24, 12, 9]
     jobs = list(zip(prompts, lengths))
-    with Server(str(default_model_dir), device="cpu", dtype="float32", max_batch_size=8,
-                n_slots=2048, record_iterations=True) as server:
-        eos = server.model.spec.eos_token_ids[0]
-        outs = run_waves(server, jobs, seed=2, ignore_eos=False)
+    server, gate = gated_server(default_model_dir, tokenizer=tok, max_batch_size=8, n_slots=2048,
+                                record_iterations=True)
+    with server:
+        eos = gate.spec.eos_token_ids[0]
+        outs = run_waves(server, gate, jobs, seed=2, ignore_eos=False)
         reasons = set()
         for (prompt, n), out in zip(jobs, outs):
             ref = hf_greedy_until_eos(default_model_dir, prompt, n, eos)
