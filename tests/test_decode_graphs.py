@@ -7,6 +7,7 @@ fails. The same driver runs real CUDA graphs in tests/cuda/test_cuda_graphs.py.
 """
 from __future__ import annotations
 
+import dataclasses
 import logging
 
 import pytest
@@ -21,6 +22,13 @@ from orca_ext.random_weights import random_causal_lm, random_spec
 from graph_driver import drive, eager_twin, written_slots
 
 pytest.importorskip("orca_ext._C")
+
+
+@pytest.fixture(autouse=True)
+def default_modes():
+    """The default kernel modes, whatever an earlier test of the process (a Server) left."""
+    with modes.using(**dataclasses.asdict(modes.Modes())):
+        yield
 
 
 class FailingBackend:

@@ -19,6 +19,13 @@ pytestmark = pytest.mark.skipif(not huge_pages.supported(), reason="huge pages a
 MIB = 1 << 20
 
 
+@pytest.fixture(autouse=True)
+def huge_pages_mode_on():
+    """The huge_pages kernel mode on, whatever an earlier test of the process left."""
+    with modes.using(huge_pages=True):
+        yield
+
+
 def thp_mode() -> str:
     """The bracketed choice of /sys/kernel/mm/transparent_hugepage/enabled ('' if unreadable)."""
     try:
