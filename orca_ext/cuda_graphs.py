@@ -25,8 +25,8 @@ engine drives it like the model itself; `with_decode_graphs` decides whether to 
 """
 from __future__ import annotations
 
-import logging
 import dataclasses
+import logging
 from typing import Callable, Optional, Protocol, Sequence
 
 import torch
