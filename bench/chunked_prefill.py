@@ -50,11 +50,11 @@ def pct(values: list[float], q: float) -> float:
 
 # -- 1. iteration cost vs tokens ----------------------------------------------------------------------
 def iteration_cost(chunks: list[int], batch_invariant: bool, n_decodes: int = 16, repeat: int = 5) -> list[dict]:
+    from orca_ext import modes
     from orca_ext.default_model import default_model_path
     from orca_ext.models import ForwardBatch, load_model
 
     model = load_model(default_model_path(), device="cpu", dtype=torch.float32)
-    model.batch_invariant = batch_invariant  # the CPU default of Server
     model.allocate_kv_cache(8192)
     rng = random.Random(0)
     rows = []
@@ -63,12 +63,13 @@ def iteration_cost(chunks: list[int], batch_invariant: bool, n_decodes: int = 16
         inputs = [([rng.randrange(1000, 40000)], 256, 300 * i) for i in range(n_decodes)]
         inputs.append(([rng.randrange(1000, 40000) for _ in range(c)], 256, 300 * n_decodes))
         batch = ForwardBatch.build(inputs)
-        model.forward(batch)  # warm-up
-        times = []
-        for _ in range(repeat):
-            t0 = time.perf_counter()
-            model.forward(batch)
-            times.append(time.perf_counter() - t0)
+        with modes.using(batch_invariant=batch_invariant):  # True: the CPU default of Server
+            model.forward(batch)  # warm-up
+            times = []
+            for _ in range(repeat):
+                t0 = time.perf_counter()
+                model.forward(batch)
+                times.append(time.perf_counter() - t0)
         best = min(times)
         rows.append({"chunk": c, "tokens": c + n_decodes, "iteration_ms": 1e3 * best,
                      "ms_per_token": 1e3 * best / (c + n_decodes)})

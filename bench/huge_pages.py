@@ -1,7 +1,7 @@
 """A/B of CPU weights in transparent huge pages against torch's own allocation, in one run.
 
-For each dtype the default model is loaded twice, with `orca_ext.models.huge_pages.ENABLED` False
-and True (the same weights, bit for bit: the logits are checked to be equal first); each copy
+For each dtype the default model is loaded twice, with the kernel mode `huge_pages`
+(orca_ext/modes.py) False and True (the same weights, bit for bit: the logits are checked to be equal first); each copy
 allocates its KV cache the same way as its weights. One T=1
 decode forward (a request with a `--context`-token prompt already in the cache) is then timed on
 the two models taking turns step by step (the first of each pair alternates), `--steps` timed
@@ -26,7 +26,8 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # a checkout without an install
 
 from decode_ab import ab, decode_batch, parse_args, summary  # noqa: E402
-from orca_ext.models import huge_pages, load_model  # noqa: E402
+from orca_ext import modes  # noqa: E402
+from orca_ext.models import load_model  # noqa: E402
 from peer_cpu import read_bandwidth_gbs  # noqa: E402
 
 
@@ -43,13 +44,10 @@ def anon_huge_mib() -> float:
 
 def load(path, dtype: str, huge: bool, context: int):
     """The model, its KV cache allocated, with huge pages on or off for both."""
-    huge_pages.ENABLED = huge
-    try:
+    with modes.using(huge_pages=huge):
         model = load_model(path, dtype=dtype)
         model.allocate_kv_cache(context + 8)
         return model
-    finally:
-        huge_pages.ENABLED = True
 
 
 def weight_bytes(model) -> int:

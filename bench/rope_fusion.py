@@ -1,8 +1,8 @@
 """A/B of the fused CPU rope + KV write (rope_slab_write) against the unfused path, in one run.
 
 One T=1 decode forward of the default model (a request with a `--context`-token prompt already
-in the cache) is timed with `orca_ext.models.causal_lm.FUSED_ROPE_ON_CPU` True and False, the two
-taking turns step by step (the first of each pair alternates), `--steps` timed steps per mode
+in the cache) is timed with the kernel mode `fused_rope_on_cpu` (orca_ext/modes.py) True and
+False, the two taking turns step by step (the first of each pair alternates), `--steps` timed steps per mode
 after a warm-up; best and median per mode, per dtype. The logits of the two modes are checked to
 be bit-identical first. A second table times the op alone on one layer's shapes (T=1): the
 kernel against apply_rope + slab_write. Run it on a quiet machine, serialised with other
@@ -22,8 +22,8 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # a checkout without an install
 
 from decode_ab import ab, decode_batch, parse_args, summary  # noqa: E402
-from orca_ext import ops  # noqa: E402
-from orca_ext.models import causal_lm, load_model  # noqa: E402
+from orca_ext import modes, ops  # noqa: E402
+from orca_ext.models import load_model  # noqa: E402
 from orca_ext.models.rope import apply_rope  # noqa: E402
 
 
@@ -32,13 +32,11 @@ def decode_ab(model, context: int, steps: int) -> tuple[list[float], list[float]
     decode = decode_batch(model, context)
 
     def step(fused: bool):
-        causal_lm.FUSED_ROPE_ON_CPU = fused
-        return model.forward(decode)
+        with modes.using(fused_rope_on_cpu=fused):
+            return model.forward(decode)
 
     assert torch.equal(step(True), step(False)), "fused and unfused logits differ"
-    fused, unfused = ab(lambda: step(True), lambda: step(False), steps)
-    causal_lm.FUSED_ROPE_ON_CPU = True
-    return fused, unfused
+    return ab(lambda: step(True), lambda: step(False), steps)
 
 
 def op_ab(model, steps: int) -> tuple[list[float], list[float]]:

@@ -15,16 +15,23 @@ The scratch slot is one KV slot past the caller's n_slots. Padding rows write an
 slot, so they never touch a request's cache, and their logits are dropped. Mixed and prefill
 iterations, and batches above the largest bucket, run the model eagerly.
 
+A graph holds the kernels of the kernel modes (orca_ext/modes.py) in force when it was captured,
+e.g. the batch-invariant or the default matmuls. The runner replays only while those modes are
+still the process's; after a change every iteration runs eagerly (logged once), so no forward
+runs in modes other than the current ones. A Server sets its modes before it captures.
+
 `DecodeGraphRunner` wraps a CausalLM and implements the model seam (docs/INTERNALS.md), so the
 engine drives it like the model itself; `with_decode_graphs` decides whether to wrap.
 """
 from __future__ import annotations
 
+import dataclasses
 import logging
 from typing import Callable, Optional, Protocol, Sequence
 
 import torch
 
+from . import modes
 from .models.batch import ForwardBatch
 from .models.causal_lm import CausalLM
 
@@ -82,21 +89,23 @@ class CudaGraphBackend:
 
 class EagerReplayBackend:
     """A stand-in for CUDA graphs: replay re-runs the captured forward on the current contents of
-    the input buffers and writes into the captured output, which is the contract of a graph
-    replay. Exercises everything around the graph on any device (the CPU tests, the benchmark's
-    dry run); saves no host time."""
+    the input buffers, in the kernel modes of the capture, and writes into the captured output,
+    which is the contract of a graph replay. Exercises everything around the graph on any device
+    (the CPU tests, the benchmark's dry run); saves no host time."""
 
     def __init__(self):
         self.captured: list[int] = []  # rows of each capture, in capture order
         self.replays = 0
 
     def capture(self, fn: Callable[[], torch.Tensor]) -> Captured:
+        captured_modes = modes.current()
         logits = fn()
         self.captured.append(logits.shape[0])
 
         def replay() -> None:
             self.replays += 1
-            logits.copy_(fn())
+            with modes.using(**dataclasses.asdict(captured_modes)):  # as a graph's recorded kernels
+                logits.copy_(fn())
 
         return replay, logits
 
@@ -176,9 +185,11 @@ class DecodeGraphRunner:
     """A CausalLM behind the model seam whose decode iterations replay CUDA graphs.
 
     Graphs are captured by allocate_kv_cache (they hold the KV pools' addresses), for every bucket
-    up to the one that holds max_batch_size. Logits returned by a replay are a view of the graph's
-    output: valid until the next forward, which is all the engine needs (it samples at once).
-    A capture that fails is logged and leaves every iteration eager: graphs are an optimisation.
+    up to the one that holds max_batch_size, in the kernel modes then in force (`capture_modes`);
+    they replay only while the process's modes equal those. Logits returned by a replay are a
+    view of the graph's output: valid until the next forward, which is all the engine needs (it
+    samples at once). A capture that fails is logged and leaves every iteration eager: graphs are
+    an optimisation.
     """
 
     def __init__(self, model: CausalLM, max_batch_size: int, *, buckets: Sequence[int] = DECODE_BUCKETS,
@@ -192,6 +203,8 @@ class DecodeGraphRunner:
         self.buckets = tuple(sorted(b for b in set(buckets) if b <= top))
         self.backend = backend if backend is not None else CudaGraphBackend(model.device)
         self.graphs: dict[int, Captured] = {}
+        self.capture_modes: Optional[modes.Modes] = None  # the modes the graphs hold the kernels of
+        self._stale_modes_logged: Optional[modes.Modes] = None
         self.inputs: Optional[DecodeInputs] = None
         self.n_slots = 0
         self.replayed_iterations = 0
@@ -219,10 +232,6 @@ class DecodeGraphRunner:
         hold their addresses, stay valid; the scratch slot past n_slots never moves)."""
         return self.model.kv_pools
 
-    @property
-    def batch_invariant(self) -> bool:
-        return self.model.batch_invariant
-
     def allocate_kv_cache(self, n_slots: int) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
         """Pools of n_slots + 1 slots (the last is the padding rows' scratch), then one capture
         per bucket. Returns the caller's [n_slots, Hkv, D] views of the pools."""
@@ -233,17 +242,22 @@ class DecodeGraphRunner:
         self.n_slots = n_slots
         with torch.inference_mode():
             self.inputs = DecodeInputs(max(self.buckets), scratch_slot=n_slots, device=self.device)
+            self.capture_modes = modes.current()
+            self._stale_modes_logged = None
             self._capture_all()
         return [k[:n_slots] for k in k_pools], [v[:n_slots] for v in v_pools]
 
     @torch.inference_mode()
     def forward(self, batch: ForwardBatch) -> torch.Tensor:
         """One iteration -> [B, vocab] float32 logits: a graph replay for a decode batch that fits a
-        captured bucket, the model's own forward otherwise."""
+        captured bucket while the kernel modes are those of the capture, the model's own forward
+        otherwise."""
         if batch.max_slot >= self.n_slots:
             raise ValueError(f"batch writes KV slot {batch.max_slot} but the cache has n_slots={self.n_slots}")
         bucket = bucket_for(batch.batch_size, self.buckets) if is_decode_only(batch) else None
         captured = self.graphs.get(bucket) if bucket is not None else None
+        if captured is not None and not self._modes_unchanged():
+            captured = None
         if captured is None:
             self.eager_iterations += 1
             return self.model.forward(batch)
@@ -258,6 +272,18 @@ class DecodeGraphRunner:
 
     def __repr__(self) -> str:
         return f"DecodeGraphRunner({self.model!r}, buckets={list(self.graphs) or 'none captured'})"
+
+    def _modes_unchanged(self) -> bool:
+        """Whether the process's kernel modes are still those the graphs were captured in; if not,
+        logs it once per new set of modes (the graphs would run the other modes' kernels)."""
+        now = modes.current()
+        if now == self.capture_modes:
+            return True
+        if now != self._stale_modes_logged:
+            log.warning("kernel modes changed since the decode graphs were captured (%s, now %s); "
+                        "decode iterations run eagerly until they are back", self.capture_modes, now)
+            self._stale_modes_logged = now
+        return False
 
     # -- capture ------------------------------------------------------------------------------------
     def _capture_all(self) -> None:

@@ -4,6 +4,11 @@ pure-torch references (slow, but the package stays usable without a compiler).
 Each function takes and returns torch tensors; `_C` itself checks shapes, dtypes and devices and
 dispatches CPU tensors to csrc/cpu and CUDA tensors to csrc/cuda (glue in csrc/torch).
 
+The projections and the attention read the process's kernel modes (orca_ext/modes.py) at each
+call: with `modes.current().batch_invariant` they take their one T-independent code path (the
+`_C` functions take it as their own `batch_invariant` argument). Modes change only between
+forwards, so every op of one forward runs in the same ones.
+
 The runtime knobs of the CUDA attention (see RaggedAttentionTuning in csrc/cuda/launchers.h) can
 be set for a whole process from the environment, e.g. to compare settings in the engine benchmark:
   ORCA_EXT_ATTENTION_ITEMS_PER_SM   decode work items per SM, 1..256 (default 16)
@@ -16,7 +21,7 @@ import os
 
 import torch
 
-from . import reference
+from . import modes, reference
 
 log = logging.getLogger(__name__)
 
@@ -53,28 +58,29 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     return _C.rms_norm(x, weight, eps)
 
 
-def rmsnorm_qkv(x, norm_weight, qkv_weight, qkv_bias, eps: float, batch_invariant: bool = False) -> torch.Tensor:
-    """[T, H] -> [T, Nq*D + 2*Nkv*D]. batch_invariant: one T-independent code path (CPU: our
+def rmsnorm_qkv(x, norm_weight, qkv_weight, qkv_bias, eps: float) -> torch.Tensor:
+    """[T, H] -> [T, Nq*D + 2*Nkv*D]. Batch-invariant mode: one T-independent code path (CPU: our
     kernel at every T, as by default; CUDA: no fused decode kernel, fixed-chunk cuBLAS)."""
     if _C is None:
         return reference.rmsnorm_qkv(x, norm_weight, qkv_weight, qkv_bias, eps)
-    return _C.rmsnorm_qkv(x, norm_weight, qkv_weight, qkv_bias, eps, batch_invariant)
+    return _C.rmsnorm_qkv(x, norm_weight, qkv_weight, qkv_bias, eps, modes.current().batch_invariant)
 
 
-def linear(x, weight, bias=None, residual=None, batch_invariant: bool = False) -> torch.Tensor:
+def linear(x, weight, bias=None, residual=None) -> torch.Tensor:
     """[T, K] -> [T, N] = x W^T + bias (+ residual, added before the one rounding).
-    batch_invariant: each row's result depends only on that row (CPU: our kernels at every T;
+    Batch-invariant mode: each row's result depends only on that row (CPU: our kernels at every T;
     CUDA: cuBLAS on fixed-shape row chunks)."""
     if _C is None:
         return reference.linear(x, weight, bias, residual)
-    return _C.linear(x, weight, bias, residual, batch_invariant)
+    return _C.linear(x, weight, bias, residual, modes.current().batch_invariant)
 
 
-def linear_silu_mul(x, gate_up_weight, gate_up_bias=None, batch_invariant: bool = False) -> torch.Tensor:
-    """[T, K] -> [T, I] = silu(gate) * up of the fused gate_up projection [2I, K]."""
+def linear_silu_mul(x, gate_up_weight, gate_up_bias=None) -> torch.Tensor:
+    """[T, K] -> [T, I] = silu(gate) * up of the fused gate_up projection [2I, K]. Batch-invariant
+    mode: as in linear."""
     if _C is None:
         return reference.linear_silu_mul(x, gate_up_weight, gate_up_bias)
-    return _C.linear_silu_mul(x, gate_up_weight, gate_up_bias, batch_invariant)
+    return _C.linear_silu_mul(x, gate_up_weight, gate_up_bias, modes.current().batch_invariant)
 
 
 def slab_write(k_cache, v_cache, k, v, slots) -> None:
@@ -105,26 +111,28 @@ def rope_slab_write(qkv, cos, sin, k_cache, v_cache, slots, n_q_heads: int, n_kv
 
 
 def ragged_attention_plan(q_start, q_len, kv_start, kv_len, n_tokens: int, n_slots: int, n_q_heads: int,
-                          n_kv_heads: int, head_dim: int, dtype: torch.dtype, batch_invariant: bool = False):
+                          n_kv_heads: int, head_dim: int, dtype: torch.dtype):
     """The attention work list of one set of [B] index tensors, for every layer that shares them
-    (None without the extension: the references need no plan). batch_invariant: a work list
+    (None without the extension: the references need no plan). Batch-invariant mode: a work list
     without decode splits (each row depends only on its own request's kv_len); it runs on the
     shared kernel, so ATTENTION_DECODE_STAGES is not used with it."""
     if _C is None:
         return None
+    invariant = modes.current().batch_invariant
     return _C.ragged_attention_plan(q_start, q_len, kv_start, kv_len, n_tokens, n_slots, n_q_heads, n_kv_heads,
                                     head_dim, dtype, ATTENTION_ITEMS_PER_SM,
-                                    0 if batch_invariant else ATTENTION_DECODE_STAGES, batch_invariant)
+                                    0 if invariant else ATTENTION_DECODE_STAGES, invariant)
 
 
-def ragged_attention(q, k_cache, v_cache, q_start, q_len, kv_start, kv_len, scale: float, plan=None,
-                     batch_invariant: bool = False):
+def ragged_attention(q, k_cache, v_cache, q_start, q_len, kv_start, kv_len, scale: float, plan=None):
     """q [T, Hq, D] -> [T, Hq, D]; see docs/DESIGN.md section 4. `plan`: from ragged_attention_plan
-    over these index tensors with the same batch_invariant, or None. batch_invariant: each row's
-    arithmetic depends only on its own request's context."""
+    over these index tensors in the same modes, or None (`_C` raises ValueError for a plan built
+    in the other batch-invariant mode). Batch-invariant mode: each row's arithmetic depends only
+    on its own request's context."""
     if _C is None:
         return reference.ragged_attention(q, k_cache, v_cache, q_start, q_len, kv_start, kv_len, scale)
-    return _C.ragged_attention(q, k_cache, v_cache, q_start, q_len, kv_start, kv_len, scale, plan, batch_invariant)
+    return _C.ragged_attention(q, k_cache, v_cache, q_start, q_len, kv_start, kv_len, scale, plan,
+                               modes.current().batch_invariant)
 
 
 def slab_move(pools: torch.Tensor, moves: torch.Tensor) -> None:

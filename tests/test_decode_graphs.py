@@ -7,11 +7,13 @@ fails. The same driver runs real CUDA graphs in tests/cuda/test_cuda_graphs.py.
 """
 from __future__ import annotations
 
+import dataclasses
 import logging
 
 import pytest
 import torch
 
+from orca_ext import modes
 from orca_ext.models.batch import ForwardBatch
 from orca_ext.cuda_graphs import (DECODE_BUCKETS, DecodeGraphRunner, DecodeInputs, EagerReplayBackend,
                                          bucket_for, is_decode_only, with_decode_graphs)
@@ -20,6 +22,13 @@ from orca_ext.random_weights import random_causal_lm, random_spec
 from graph_driver import drive, eager_twin, written_slots
 
 pytest.importorskip("orca_ext._C")
+
+
+@pytest.fixture(autouse=True)
+def default_modes():
+    """The default kernel modes, whatever an earlier test of the process (a Server) left."""
+    with modes.using(**dataclasses.asdict(modes.Modes())):
+        yield
 
 
 class FailingBackend:
@@ -184,6 +193,50 @@ def test_a_new_cache_is_captured_again():
     decode = ForwardBatch.build([([6], 3, 0), ([7], 2, 250)])  # slot 252: only in the new cache
     torch.testing.assert_close(runner.forward(decode), eager.forward(decode), atol=1e-4, rtol=1e-4)
     assert runner.replayed_iterations == 1
+
+
+@pytest.mark.parametrize("change", [dict(batch_invariant=True), dict(fused_rope_on_cpu=False)])
+def test_graphs_replay_only_in_the_modes_they_were_captured_in(caplog, change):
+    """After a mode change the decode iterations run eagerly, in the new modes (a graph would run
+    the kernels of the old ones); once the modes are back, the graphs replay again."""
+    backend = EagerReplayBackend()
+    model = small_model(num_layers=2)
+    eager = eager_twin(model)
+    runner = DecodeGraphRunner(model, 4, backend=backend)
+    runner.allocate_kv_cache(200)
+    eager.allocate_kv_cache(200)
+    assert runner.capture_modes == modes.current()
+    prefill = ForwardBatch.build([([1, 2, 3], 0, 0), ([4, 5], 0, 100)])
+    runner.forward(prefill), eager.forward(prefill)
+    decodes = [ForwardBatch.build([([6 + i], 3 + i, 0), ([9 + i], 2 + i, 100)]) for i in range(4)]
+
+    def step(batch):
+        ours, ref = runner.forward(batch), eager.forward(batch)
+        assert torch.equal(ours, ref), modes.current()
+
+    step(decodes[0])
+    assert (runner.replayed_iterations, runner.eager_iterations) == (1, 1)
+    with caplog.at_level(logging.WARNING, logger="orca_ext.cuda_graphs"), modes.using(**change):
+        step(decodes[1])
+        step(decodes[2])
+    assert (runner.replayed_iterations, runner.eager_iterations) == (1, 3)
+    assert caplog.text.count("kernel modes changed since the decode graphs were captured") == 1
+    step(decodes[3])
+    assert (runner.replayed_iterations, runner.eager_iterations) == (2, 3) and backend.replays == 2
+
+
+def test_a_capture_takes_the_modes_in_force():
+    runner = DecodeGraphRunner(small_model(num_layers=1), 2, backend=EagerReplayBackend())
+    with modes.using(batch_invariant=True):
+        runner.allocate_kv_cache(40)
+        assert runner.capture_modes.batch_invariant
+        runner.forward(ForwardBatch.build([([1], 3, 0)]))
+    assert runner.replayed_iterations == 1
+    runner.forward(ForwardBatch.build([([1], 4, 0)]))  # default modes: not those of the capture
+    assert (runner.replayed_iterations, runner.eager_iterations) == (1, 1)
+    runner.allocate_kv_cache(40)  # a capture in the default modes
+    runner.forward(ForwardBatch.build([([1], 3, 0)]))
+    assert runner.replayed_iterations == 2 and not runner.capture_modes.batch_invariant
 
 
 def test_with_decode_graphs_wraps_only_a_cuda_causal_lm():

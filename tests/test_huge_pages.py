@@ -11,11 +11,19 @@ from pathlib import Path
 import pytest
 import torch
 
+from orca_ext import modes
 from orca_ext.models import ForwardBatch, huge_pages, load_model
 
-pytestmark = pytest.mark.skipif(not huge_pages.active(), reason="huge pages are advised on Linux only")
+pytestmark = pytest.mark.skipif(not huge_pages.supported(), reason="huge pages are advised on Linux only")
 
 MIB = 1 << 20
+
+
+@pytest.fixture(autouse=True)
+def huge_pages_mode_on():
+    """The huge_pages kernel mode on, whatever an earlier test of the process left."""
+    with modes.using(huge_pages=True):
+        yield
 
 
 def thp_mode() -> str:
@@ -83,14 +91,19 @@ def test_the_kernel_backs_placed_memory_with_huge_pages():
 
 @pytest.mark.parametrize("family", ["qwen2", "qwen3"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_loader_packs_each_layer_and_the_logits_do_not_change(tiny_model_dir, monkeypatch, family, dtype):
+def test_loader_packs_each_layer_and_the_logits_do_not_change(tiny_model_dir, family, dtype):
     # Wide enough that a layer's matrices outgrow one huge page in both dtypes.
     path = tiny_model_dir(family, hidden_size=384, intermediate_size=1536, num_attention_heads=8,
                           num_key_value_heads=2)
-    monkeypatch.setattr(huge_pages, "ENABLED", False)
-    plain = load_model(path, dtype=dtype)
-    monkeypatch.setattr(huge_pages, "ENABLED", True)
-    packed = load_model(path, dtype=dtype)
+    with modes.using(huge_pages=False):
+        assert not huge_pages.active()
+        plain = load_model(path, dtype=dtype)
+    with modes.using(huge_pages=True):
+        assert huge_pages.active()
+        packed = load_model(path, dtype=dtype)
+    for layer in plain.layers:  # torch's own allocation: one storage per tensor
+        tensors = [t for t in vars(layer).values() if t is not None]
+        assert len({t.untyped_storage().data_ptr() for t in tensors}) == len(tensors)
     for layer, ref in zip(packed.layers, plain.layers):
         tensors = [t for t in vars(layer).values() if t is not None]
         storages = {t.untyped_storage().data_ptr() for t in tensors}
@@ -107,13 +120,14 @@ def test_loader_packs_each_layer_and_the_logits_do_not_change(tiny_model_dir, mo
     assert torch.equal(logits[0], logits[1])
 
 
-def test_kv_pools_are_zeroed_huge_page_views(tiny_model_dir, monkeypatch):
+def test_kv_pools_are_zeroed_huge_page_views(tiny_model_dir):
     model = load_model(tiny_model_dir("llama"), dtype=torch.float32)
-    k_cache, v_cache = model.allocate_kv_cache(3000)
+    with modes.using(huge_pages=True):
+        k_cache, v_cache = model.allocate_kv_cache(3000)
     assert model.kv_pools.data_ptr() % huge_pages.HUGE_PAGE_BYTES == 0
     assert not model.kv_pools.any()
     assert all(k.data_ptr() == model.kv_pools[i].data_ptr() for i, k in enumerate(k_cache))
     assert all(v.data_ptr() == model.kv_pools[len(k_cache) + i].data_ptr() for i, v in enumerate(v_cache))
-    monkeypatch.setattr(huge_pages, "ENABLED", False)
-    model.allocate_kv_cache(3000)  # torch's own allocation
+    with modes.using(huge_pages=False):
+        model.allocate_kv_cache(3000)  # torch's own allocation
     assert not model.kv_pools.any() and model.kv_pools.shape[1] == 3000

@@ -9,7 +9,7 @@ import random
 import pytest
 import torch
 
-from orca_ext import reference
+from orca_ext import modes, ops, reference
 
 from kernel_cases import make_ragged_case, random_kinds, scattered_slabs
 
@@ -132,7 +132,6 @@ def test_ragged_attention_long_context_no_overflow():
 
 
 def test_ops_dispatch_uses_extension():
-    from orca_ext import ops
     assert ops.HAVE_EXTENSION
     case = make_ragged_case(2, ["decode", "prefill"], 2, 1, 64, torch.float32)
     a = ops.ragged_attention(case.q, case.k_cache, case.v_cache, *case.index_tensors(), 0.1)
@@ -370,3 +369,50 @@ def test_row_argmax(n_rows, n_cols):
 def test_row_argmax_bad_input(x, match):
     with pytest.raises(ValueError, match=match):
         _C.row_argmax(x)
+
+
+class RecordingExtension:
+    """Stands in for _C in orca_ext.ops: records each call's arguments, returns nothing."""
+
+    def __init__(self):
+        self.calls: dict[str, tuple] = {}
+
+    def __getattr__(self, name):
+        return lambda *args: self.calls.__setitem__(name, args)
+
+
+@pytest.mark.parametrize("invariant", [False, True])
+def test_ops_pass_the_batch_invariant_mode_to_every_kernel_that_takes_it(monkeypatch, invariant):
+    fake = RecordingExtension()
+    monkeypatch.setattr(ops, "_C", fake)
+    monkeypatch.setattr(ops, "ATTENTION_DECODE_STAGES", 2)
+    x, idx = torch.zeros(1, 4), [torch.zeros(1, dtype=torch.int32)] * 4
+    with modes.using(batch_invariant=invariant):
+        ops.rmsnorm_qkv(x, x[0], x, None, 1e-6)
+        ops.linear(x, x)
+        ops.linear_silu_mul(x, x)
+        ops.ragged_attention_plan(*idx, 1, 1, 1, 1, 4, torch.float32)
+        ops.ragged_attention(x, x, x, *idx, 1.0)
+    assert set(fake.calls) == {"rmsnorm_qkv", "linear", "linear_silu_mul", "ragged_attention_plan", "ragged_attention"}
+    assert all(args[-1] is invariant for args in fake.calls.values()), fake.calls
+    # The invariant work list runs on the shared kernel whatever the environment asks for.
+    assert fake.calls["ragged_attention_plan"][-2] == (0 if invariant else 2)
+
+
+def test_a_plan_is_used_only_in_the_mode_it_was_built_in():
+    case = make_ragged_case(5, ["decode", "prefill", "decode"], 4, 2, 64, torch.float32)
+    args = (case.q, case.k_cache, case.v_cache, *case.index_tensors(), 0.1)
+    plans = {}
+    for invariant in (False, True):
+        with modes.using(batch_invariant=invariant):
+            plans[invariant] = ops.ragged_attention_plan(*case.index_tensors(), case.q.shape[0],
+                                                         case.k_cache.shape[0], 4, 2, 64, torch.float32)
+        assert plans[invariant].batch_invariant is invariant
+    expected = reference.ragged_attention(case.q.double(), case.k_cache.double(), case.v_cache.double(),
+                                          *case.index_tensors(), 0.1)
+    for invariant in (False, True):
+        with modes.using(batch_invariant=invariant):
+            assert_close(ops.ragged_attention(*args, plan=plans[invariant]), expected, torch.float32,
+                         f"ops.ragged_attention, batch_invariant={invariant}")
+            with pytest.raises(ValueError, match="batch_invariant"):
+                ops.ragged_attention(*args, plan=plans[not invariant])

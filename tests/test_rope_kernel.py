@@ -7,8 +7,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from orca_ext import ops, reference
-from orca_ext.models import ForwardBatch, causal_lm, load_model
+from orca_ext import modes, ops, reference
+from orca_ext.models import ForwardBatch, load_model
 from orca_ext.models.rope import apply_rope
 
 _C = pytest.importorskip("orca_ext._C")
@@ -110,17 +110,24 @@ def test_zero_tokens_writes_nothing():
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
 @pytest.mark.parametrize("family", ["llama", "qwen2"])
 def test_model_forward_identical_with_and_without_fusion(tiny_model_dir, monkeypatch, dtype, family):
-    """A prefill of two prompts, then a decode step: the same logits and KV pools, bit for bit."""
+    """A prefill of two prompts, then a decode step: the same logits and KV pools, bit for bit.
+    The fused_rope_on_cpu mode picks the path: the kernel runs once per layer and step with it on,
+    never with it off."""
     model = load_model(tiny_model_dir(family, tie_word_embeddings=False), dtype=dtype)
     gen = torch.Generator().manual_seed(11)
     prompts = [torch.randint(0, model.spec.vocab_size, (n,), generator=gen).tolist() for n in (13, 5)]
     steps = [ForwardBatch.build([(prompts[0], 0, 40), (prompts[1], 0, 3)], "cpu"),
              ForwardBatch.build([([7], 13, 40), ([9], 5, 3)], "cpu")]
+    calls = []
+    fused_op = ops.rope_slab_write
+    monkeypatch.setattr(ops, "rope_slab_write", lambda *args: calls.append(1) or fused_op(*args))
     results = []
     for fused in (False, True):
-        monkeypatch.setattr(causal_lm, "FUSED_ROPE_ON_CPU", fused)
-        model.allocate_kv_cache(64)
-        logits = [model.forward(b) for b in steps]
+        calls.clear()
+        with modes.using(fused_rope_on_cpu=fused):
+            model.allocate_kv_cache(64)
+            logits = [model.forward(b) for b in steps]
+        assert len(calls) == (len(model.layers) * len(steps) if fused else 0), fused
         results.append((logits, model.kv_pools.clone()))
     (logits_old, pools_old), (logits_new, pools_new) = results
     for old, new in zip(logits_old, logits_new):

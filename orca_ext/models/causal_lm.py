@@ -4,10 +4,11 @@ One forward runs every scheduled request at once on a flat [T, hidden] tensor (T
 tokens of the iteration, no padding). Only attention needs per-request structure, and it gets
 it from the ForwardBatch index tensors in a single `ragged_attention` call per layer:
 
+    m = modes.current()                                       # the kernel modes; the ops read the same ones
     x = embed(tokens), or the previous pipeline stage's x     # [T, H]
     plan = ragged_attention_plan(per-request ranges)          # attention work list, shared by all layers
     per layer:  qkv = rmsnorm_qkv(x)                          # fused input norm + QKV, [T, Nq*D + 2*Nkv*D]
-                if CPU and no q/k norm:                       # one kernel, bit-identical to the steps below
+                if CPU, m.fused_rope_on_cpu, no q/k norm:     # one kernel, bit-identical to the steps below
                     q = rope_slab_write(qkv, cos, sin, K/V pools, slots)
                 else:
                     (Qwen3) q, k = rms_norm per head
@@ -26,7 +27,9 @@ into another, so each layer does four matmuls on the flat tensor. On CPU all fou
 lm_head) stream their weights through our kernels, whose results for a token do not depend on
 the rest of the batch (unless `_C.set_cpu_stream_max_tokens` hands large T to ATen's GEMM).
 
-`batch_invariant = True` makes a request's logits independent of its batch-mates on every device:
+The forward takes its switches from the process's kernel modes (orca_ext/modes.py), which change
+only between forwards: `fused_rope_on_cpu` picks the rope path above, and `batch_invariant`, which
+the ops read themselves, makes a request's logits independent of its batch-mates on every device:
 every matmul (rmsnorm_qkv, the o/gate_up/down projections, the lm_head) takes one code path whose
 arithmetic per token does not depend on T (CPU: our kernels even past a lowered crossover; CUDA:
 cuBLAS on fixed-shape row chunks instead of the fused decode kernel), and the attention plan has
@@ -49,17 +52,12 @@ import math
 import torch
 import torch.nn.functional as F
 
-from .. import ops
+from .. import modes, ops
 from . import huge_pages
 from .batch import ForwardBatch
 from .config import ModelSpec
 from .rope import RopeTables, apply_rope
 from .sharding import ShardSpec
-
-# On CPU, layers without a q/k norm run rope and the KV write as one kernel (rope_slab_write),
-# bit-identical to the two steps; False keeps the two steps (bench/rope_fusion.py compares them).
-FUSED_ROPE_ON_CPU = True
-
 
 class SingleRank:
     """The tensor-parallel collectives of a one-rank group: nothing to add up or gather."""
@@ -112,7 +110,6 @@ class CausalLM:
         self.v_cache: list[torch.Tensor] = []
         self.kv_pools: torch.Tensor | None = None  # [2 * layers, n_slots, Hkv, D]: all pools, one tensor
         self.n_slots = 0
-        self.batch_invariant = False  # see the module docstring
 
     def __repr__(self) -> str:
         s = self.spec
@@ -170,14 +167,14 @@ class CausalLM:
         eps = s.rms_norm_eps
         nq, nkv, d = self.num_heads, self.num_kv_heads, s.head_dim
         q_end, k_end = nq * d, nq * d + nkv * d
-        inv = self.batch_invariant
+        m = modes.current()  # batch_invariant is read by the ops themselves
+        fused_rope = m.fused_rope_on_cpu and self.device.type == "cpu"
         cos, sin = self.rope.gather(batch.positions)              # [T, D/2] each, once per forward
-        fused_rope = FUSED_ROPE_ON_CPU and self.device.type == "cpu"
         x = F.embedding(batch.token_ids, self.embed) if hidden is None else hidden  # [T, H]
         plan = ops.ragged_attention_plan(batch.q_start, batch.q_len, batch.kv_start, batch.kv_len,
-                                         t, self.n_slots, nq, nkv, d, self.dtype, inv)
+                                         t, self.n_slots, nq, nkv, d, self.dtype)
         for layer, k_pool, v_pool in zip(self.layers, self.k_cache, self.v_cache):
-            qkv = ops.rmsnorm_qkv(x, layer.input_norm, layer.qkv_weight, layer.qkv_bias, eps, inv)
+            qkv = ops.rmsnorm_qkv(x, layer.input_norm, layer.qkv_weight, layer.qkv_bias, eps)
             if fused_rope and layer.q_norm is None:
                 q = ops.rope_slab_write(qkv, cos, sin, k_pool, v_pool, batch.slots, nq, nkv)  # [T, Nq, D]
             else:
@@ -191,15 +188,15 @@ class CausalLM:
                 k = apply_rope(k, cos, sin)                       # [T, Nkv, D] contiguous
                 ops.slab_write(k_pool, v_pool, k, v, batch.slots)
             attn = ops.ragged_attention(q, k_pool, v_pool, batch.q_start, batch.q_len,
-                                        batch.kv_start, batch.kv_len, self.scale, plan, inv)  # [T, Nq, D]
+                                        batch.kv_start, batch.kv_len, self.scale, plan)  # [T, Nq, D]
             x = self._row_parallel(attn.reshape(t, q_end), layer.o_weight, layer.o_bias, x)
             n = ops.rms_norm(x, layer.post_norm, eps)
-            act = ops.linear_silu_mul(n, layer.gate_up_weight, layer.gate_up_bias, inv)  # [T, I]
+            act = ops.linear_silu_mul(n, layer.gate_up_weight, layer.gate_up_bias)  # [T, I]
             x = self._row_parallel(act, layer.down_weight, layer.down_bias, x)
         if self.lm_head is None:  # not the last pipeline stage
             return x
         # Final norm + lm_head is the same fused "norm then project" op as rmsnorm_qkv.
-        logits = ops.rmsnorm_qkv(x[batch.logits_index], self.final_norm, self.lm_head, None, eps, inv)  # [B, V/tp]
+        logits = ops.rmsnorm_qkv(x[batch.logits_index], self.final_norm, self.lm_head, None, eps)  # [B, V/tp]
         return self.tp.gather(logits.float())                                                         # [B, V]
 
     def _row_parallel(self, a: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
@@ -208,6 +205,6 @@ class CausalLM:
         input columns: the partial products are added up by one all-reduce, and only tensor
         rank 0 adds the residual (the loader gives the bias to rank 0 alone too)."""
         own = residual if self.tp.rank == 0 else None
-        return self.tp.all_reduce(ops.linear(a, weight, bias, residual=own, batch_invariant=self.batch_invariant))
+        return self.tp.all_reduce(ops.linear(a, weight, bias, residual=own))
 
     __call__ = forward

@@ -11,6 +11,8 @@ The kernel only hands out huge pages for memory that asks before it is first tou
 "madvise", the common default) and for 2 MiB-aligned ranges, so `place` copies a tensor into a
 fresh anonymous mapping that is advised first and aligned by hand. Where the system cannot (not
 Linux, THP "never"), the advice is a no-op or the tensor is returned as it is; results never change.
+The `huge_pages` kernel mode (orca_ext/modes.py) off keeps torch's own allocation (bench/huge_pages.py
+compares the two); it applies to tensors placed or pools allocated while it is in force.
 """
 from __future__ import annotations
 
@@ -19,18 +21,21 @@ from typing import Sequence
 
 import torch
 
+from .. import modes
+
 HUGE_PAGE_BYTES = 2 << 20
 _ADVICE = getattr(mmap, "MADV_HUGEPAGE", None)  # Linux only
 
-# False keeps torch's own allocation for the weights and the KV cache (bench/huge_pages.py
-# compares the two).
-ENABLED = True
+def supported() -> bool:
+    """Whether this platform can advise huge pages (the system may still decline, e.g. with THP
+    "never")."""
+    return _ADVICE is not None
 
 
 def active() -> bool:
-    """Whether CPU weights and KV pools go into huge-page memory: ENABLED, on a platform that can
-    advise huge pages (the system may still decline, e.g. with THP "never")."""
-    return ENABLED and _ADVICE is not None
+    """Whether CPU weights and KV pools go into huge-page memory now: the huge_pages mode is on,
+    on a platform that supports() it."""
+    return modes.current().huge_pages and supported()
 
 
 def empty(shape: torch.Size | tuple, dtype: torch.dtype) -> torch.Tensor:
