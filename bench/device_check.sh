@@ -1,14 +1,24 @@
 #!/usr/bin/env bash
-# One-shot GPU check on one H200, built to succeed the first time and to fit twice in a 15-minute
-# device lease: at most BUDGET_S seconds (default 360) by its own estimate and by a hard deadline.
+# The GPU check of the CUDA path, on one machine with an NVIDIA GPU (written for an H200): build _C,
+# run the CUDA tests, the microbenchmarks, compute-sanitizer, the torch references, CUDA-graph
+# replay and the engine benchmark, then write one summary.
+#
+# Time: the whole check fits in BUDGET_S seconds (default 360). The step estimates below add up to
+# 360 s, and a hard deadline enforces the budget: every step after preflight runs under `timeout`
+# with the lesser of its cap and the time left before BUDGET_S - 15 s (15 s are kept for the
+# summary); a step that would start with under 10 s left is skipped. Preflight's probes each run
+# under their own timeout.
+# Output: at most 8 files in $OUT, always these names: device_check.log, steps.tsv, preflight.txt,
+# pytest.xml, microbench.jsonl, gpu_reference.json, gpu_engine.json, summary.json. Results of the
+# other steps (CUDA graphs, tensor/pipeline parallelism) go into summary.json, not files of their own.
 #
 #   OUT=/some/dir bash bench/device_check.sh           all steps
 #   STEPS=tests,micro bash bench/device_check.sh       only these (build runs first if _C is missing)
 #   DRY_RUN=1 OUT=/tmp/x bash bench/device_check.sh    stubs instead of GPU tools: checks the control
 #                                                      flow on a CPU (tests/test_device_check.py)
 #
-# Steps, in this order (the estimate in seconds, then the hard cap):
-#   preflight  15  45  nvcc, GPU, torch, free disk; does compute-sanitizer work on a 10-line program?
+# Steps, in this order (the estimate in seconds, then the cap):
+#   preflight  15   -  nvcc, GPU, torch, free disk; does compute-sanitizer work on a 10-line program?
 #   build      75 180  _C only (CMake target _C) against this machine's torch, into orca_ext/
 #   tests      60 120  pytest tests/cuda: kernels vs float64 references, the engine vs transformers
 #                      (random weights, token-id prompts, no tokenizer files)
@@ -20,13 +30,11 @@
 #   graphs     15  60  bench/cuda_graphs.py: host time per decode iteration, eager vs CUDA-graph
 #                      replay, at batch 1, 32, 256 (target < 100 us at 256); into summary.json
 #   multigpu    - 240  only with more than one GPU visible: bench/parallel_gpu.py (tensor/pipeline
-#                      parallelism over NCCL); its results go into summary.json, not a file of its own
+#                      parallelism over NCCL); into summary.json
 #   engine     85 rest bench/gpu_engine.py: ours first, transformers baselines last, its own deadline
 #   summary            always: a table of steps and metrics, summary.json
-# Every step runs under `timeout` (its cap, or the time left, whichever is less), the script goes on
-# after a failure, and each step appends its results to $OUT as soon as it ends. $OUT holds at
-# most 8 files: device_check.log, steps.tsv, preflight.txt, pytest.xml, microbench.jsonl,
-# gpu_reference.json, gpu_engine.json, summary.json. Exit status 0 only if every step run passed.
+# The script goes on after a failed step, and each step appends its results to $OUT as soon as it
+# ends, so a run cut short keeps what finished. Exit status 0 only if every step run passed.
 set -u
 
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
@@ -46,7 +54,7 @@ MICRO="$OUT/microbench.jsonl"
 PREFLIGHT="$OUT/preflight.txt"
 : > "$LOG"; : > "$STEPS_TSV"; : > "$MICRO"
 
-# Tools. DRY_RUN replaces each with a stub (see make_stubs) that acts out a plausible run.
+# Tools. DRY_RUN replaces each with a stub (see make_stubs).
 PY="${PYTHON:-python3}"                       # the machine's python, with its CUDA torch
 SUMMARY_PY="$PY"
 NVCC="${NVCC:-$(command -v nvcc || echo /usr/local/cuda/bin/nvcc)}"
@@ -84,7 +92,17 @@ run_step() {
   return "$rc"
 }
 
-make_stubs() {  # DRY_RUN: stand-ins for every GPU-side tool, acting out a successful run
+# DRY_RUN: stand-ins for every GPU-side tool. By default they act out a successful run with fixed
+# numbers. A test steers them through the environment:
+#   DRY_RUN_OUTPUTS=DIR       a tool's output comes from DIR when the file is there: pytest.xml,
+#                             gpu_reference.json, cuda_graphs.json, gpu_engine.json, parallel_gpu.json
+#                             (what the python scripts write to --out / --junitxml) and <bench>.out
+#                             (the stdout of a CUDA microbenchmark, e.g. bench_ceiling.out)
+#   DRY_RUN_FAIL=STEP         that step's command exits 1 (build, tests, reference, graphs, multigpu,
+#                             engine, micro_<bench>; "sanitizer": compute-sanitizer refuses the GPU)
+#   DRY_RUN_SLEEP=STEP:S      that step's command sleeps S seconds first (a hang)
+#   DRY_RUN_GPUS=N            nvidia-smi lists N GPUs (default 1)
+make_stubs() {
   local s="$WORK/stubs"; mkdir -p "$s"
   cat > "$s/nvcc" <<'EOF'
 #!/usr/bin/env bash
@@ -94,33 +112,46 @@ printf '#!/usr/bin/env bash\necho "probe ok"\n' > "$out"; chmod +x "$out"
 EOF
   cat > "$s/nvidia-smi" <<'EOF'
 #!/usr/bin/env bash
-case "$*" in *compute_cap*) echo "9.0" ;; *) echo "NVIDIA H200 (dry run), 143771 MiB, 580.00" ;; esac
+case "$*" in
+  *compute_cap*) echo "9.0" ;;
+  -L) for ((i = 0; i < ${DRY_RUN_GPUS:-1}; i++)); do echo "GPU $i: NVIDIA H200 (dry run)"; done ;;
+  *) echo "NVIDIA H200 (dry run), 143771 MiB, 580.00" ;;
+esac
 EOF
   cat > "$s/compute-sanitizer" <<'EOF'
 #!/usr/bin/env bash
-echo "========= COMPUTE-SANITIZER (dry run)"; echo "========= ERROR SUMMARY: 0 errors"
+echo "========= COMPUTE-SANITIZER (dry run)"
+if [ "${DRY_RUN_FAIL:-}" = "sanitizer" ]; then echo "========= Error: Device not supported"; exit 1; fi
+echo "========= ERROR SUMMARY: 0 errors"
+EOF
+  cat > "$s/bench" <<'EOF'
+#!/usr/bin/env bash
+# A CUDA microbenchmark: its canned stdout, or one RESULT line.
+name="$(basename "$0")"
+if [ -n "${DRY_RUN_SLEEP:-}" ] && [ "${DRY_RUN_SLEEP%%:*}" = "micro_$name" ]; then sleep "${DRY_RUN_SLEEP#*:}"; fi
+if [ -n "${DRY_RUN_OUTPUTS:-}" ] && [ -f "$DRY_RUN_OUTPUTS/$name.out" ]; then cat "$DRY_RUN_OUTPUTS/$name.out"
+else echo "validated (dry run)"; echo "RESULT {\"bench\": \"${name#bench_}\", \"median_us\": 1.0}"; fi
+if [ "${DRY_RUN_FAIL:-}" = "micro_$name" ]; then echo "dry run: $name fails"; exit 1; fi
+exit 0
 EOF
   cat > "$s/cmake" <<'EOF'
 #!/usr/bin/env bash
-# --build DIR --target cuda_benchmarks: stub benchmark executables that print RESULT lines.
+# --build DIR --target cuda_benchmarks: one copy of the benchmark stub per benchmark.
 if [ "${1:-}" = "--build" ] && [[ " $* " == *" cuda_benchmarks "* ]]; then
   mkdir -p "$2/bench/cuda"
   for b in bench_ceiling bench_rms_norm bench_slab_write bench_slab_move bench_rmsnorm_qkv bench_ragged_attention; do
-    printf '#!/usr/bin/env bash\necho "validated (dry run)"\necho "RESULT {\\"bench\\": \\"%s\\", \\"median_us\\": 1.0}"\n' \
-      "$b" > "$2/bench/cuda/$b"
-    chmod +x "$2/bench/cuda/$b"
+    cp "$(dirname "$0")/bench" "$2/bench/cuda/$b"
   done
 fi
 echo "cmake $* (dry run)"
 EOF
   cat > "$s/python" <<'EOF'
 #!/usr/bin/env bash
-# Acts out pytest, the two benchmark scripts and the inline checks. DRY_RUN_FAIL=<step> fails that
-# step's command; DRY_RUN_SLEEP=<step>:<seconds> makes it hang.
+# Acts out pytest, the benchmark scripts and the inline checks (the import of _C counts as build).
 step=other
 case "$*" in
   *"-m pytest"*) step=tests ;; *gpu_reference.py*) step=reference ;; *gpu_engine.py*) step=engine ;;
-  *cuda_graphs.py*) step=graphs ;;
+  *cuda_graphs.py*) step=graphs ;; *parallel_gpu.py*) step=multigpu ;;
   *orca_ext._C*) step=build ;;
 esac
 if [ -n "${DRY_RUN_SLEEP:-}" ] && [ "${DRY_RUN_SLEEP%%:*}" = "$step" ]; then sleep "${DRY_RUN_SLEEP#*:}"; fi
@@ -128,11 +159,15 @@ if [ "${DRY_RUN_FAIL:-}" = "$step" ]; then echo "dry run: $step fails"; exit 1; 
 out=""; junit=""
 for a in "$@"; do case "$a" in --junitxml=*) junit="${a#--junitxml=}" ;; esac; done
 while [ $# -gt 0 ]; do [ "$1" = "--out" ] && out="$2"; shift; done
+emit() {  # emit FILE DEFAULT DEST: the canned FILE if the test gave one, else DEFAULT
+  if [ -n "${DRY_RUN_OUTPUTS:-}" ] && [ -f "$DRY_RUN_OUTPUTS/$1" ]; then cp "$DRY_RUN_OUTPUTS/$1" "$3"; else echo "$2" > "$3"; fi
+}
 case "$step" in
-  tests) echo '<testsuites><testsuite name="pytest" tests="3" failures="0" errors="0" skipped="0"/></testsuites>' > "$junit" ;;
-  reference) echo '{"rows": [{"name": "copy", "gbps": 4200.0}]}' > "$out" ;;
-  engine) echo '{"runs": {"ours_64": {"tok_per_s": 1000.0}}, "ratios": {}}' > "$out" ;;
-  graphs) echo '{"host_us_at_256_graph": 50.0, "rows": []}' > "$out" ;;
+  tests) emit pytest.xml '<testsuites><testsuite name="pytest" tests="3" failures="0" errors="0" skipped="0"/></testsuites>' "$junit" ;;
+  reference) emit gpu_reference.json '{"rows": [{"name": "copy", "gbps": 4200.0}]}' "$out" ;;
+  engine) emit gpu_engine.json '{"runs": {"ours_64": {"tok_per_s": 1000.0}}, "ratios": {}}' "$out" ;;
+  graphs) emit cuda_graphs.json '{"host_us_at_256_graph": 50.0, "rows": []}' "$out" ;;
+  multigpu) emit parallel_gpu.json '{"gpus": 2, "configs": {}}' "$out" ;;
 esac
 echo "python $step (dry run)"
 EOF
@@ -283,8 +318,10 @@ fi
 # ---- end of multigpu ----------------------------------------------------------------------------
 
 if want engine; then
-  ENGINE_LEFT=$(( $(left) - 10 ))  # the script's own deadline, inside this step's timeout
-  run_step engine 600 "$PY" bench/gpu_engine.py --out "$OUT/gpu_engine.json" --hf-output-scale 4 \
+  ENGINE_CAP=600
+  ENGINE_LEFT=$(left); [ "$ENGINE_CAP" -lt "$ENGINE_LEFT" ] && ENGINE_LEFT=$ENGINE_CAP
+  ENGINE_LEFT=$(( ENGINE_LEFT - 10 ))  # the benchmark's own deadline, 10 s inside this step's timeout
+  run_step engine "$ENGINE_CAP" "$PY" bench/gpu_engine.py --out "$OUT/gpu_engine.json" --hf-output-scale 4 \
     --deadline-s "$(( ENGINE_LEFT > 10 ? ENGINE_LEFT : 10 ))" ${ENGINE_ARGS:-}
 fi
 

@@ -165,3 +165,17 @@ def test_default_model_greedy_matches_transformers(default_model_dir):
         assert tokens[r] == ref_tokens, (texts[r], tok.decode(tokens[r]), tok.decode(ref_tokens))
         torch.testing.assert_close(logits[r], ref_logits, atol=2e-4, rtol=0)
     assert "Paris" in tok.decode(tokens[0])
+
+
+def test_default_model_splits_as_the_readme_says(default_model_dir):
+    """README's parallel examples for the default model (9 attention heads, 3 KV heads, 30 layers):
+    -tp 3 and -pp 2 split it, -tp 2 does not, and the refusal names the rule it breaks."""
+    from orca_ext.models.config import ModelSpec
+    from orca_ext.models.sharding import check_shardable
+
+    spec = ModelSpec.from_pretrained(default_model_dir)
+    assert (spec.num_heads, spec.num_kv_heads, spec.num_layers) == (9, 3, 30)
+    for tp, pp in [(3, 1), (1, 2), (3, 2)]:
+        check_shardable(spec, tp, pp)
+    with pytest.raises(ValueError, match=r"num_attention_heads=9 must be divisible by tensor_parallel_size=2"):
+        check_shardable(spec, 2, 1)

@@ -1,13 +1,17 @@
-"""bench/device_check.sh is run on a lent GPU once and must work the first time, so its control flow
-is checked here, on a CPU, with DRY_RUN=1: every GPU-side tool (nvcc, nvidia-smi, compute-sanitizer,
-cmake, the GPU python) is replaced by a stub that acts out a run, and a step can be made to fail
-(DRY_RUN_FAIL=step) or hang (DRY_RUN_SLEEP=step:seconds)."""
+"""bench/device_check.sh is meant for a GPU machine; its control flow is checked here, on a CPU, with
+DRY_RUN=1: every GPU-side tool (nvcc, nvidia-smi, compute-sanitizer, cmake, the microbenchmarks, the
+GPU python) is a stub. The tests steer the stubs (DRY_RUN_OUTPUTS: outputs with values drawn per
+run; DRY_RUN_FAIL, DRY_RUN_SLEEP, DRY_RUN_GPUS) and check what the script makes of them: the
+parsing of every step's output into summary.json, the verdicts against the targets, failed and
+hung steps, the time budget and the limit on the files in $OUT."""
 from __future__ import annotations
 
 import json
 import os
+import random
 import re
 import subprocess
+import time
 from pathlib import Path
 
 import pytest
@@ -16,85 +20,299 @@ ROOT = Path(__file__).resolve().parent.parent
 SCRIPT = ROOT / "bench" / "device_check.sh"
 ALL_FILES = {"device_check.log", "steps.tsv", "preflight.txt", "pytest.xml", "microbench.jsonl",
              "gpu_reference.json", "gpu_engine.json", "summary.json"}
+BENCHES = ("bench_ceiling", "bench_rms_norm", "bench_slab_write", "bench_slab_move", "bench_rmsnorm_qkv",
+           "bench_ragged_attention")
+MEMCHECKED = ("bench_slab_write", "bench_slab_move", "bench_ragged_attention")
+ALL_STEPS = ({"build", "tests", "bench_build", "reference", "graphs", "engine"}
+             | {f"micro_{b}" for b in BENCHES} | {f"memcheck_{b}" for b in MEMCHECKED})
+# Each step's cap in seconds, from the script's header.
+CAPS = {"build": 180, "tests": 120, "bench_build": 90, "reference": 60, "graphs": 60, "multigpu": 240,
+        "engine": 600, **{f"micro_{b}": 30 for b in BENCHES}, "micro_bench_ragged_attention": 60,
+        **{f"memcheck_{b}": 30 for b in MEMCHECKED}}
+RESERVE_S = 15  # kept for the summary
+CONTROL_VARS = ("STEPS", "BUDGET_S", "DRY_RUN_FAIL", "DRY_RUN_SLEEP", "DRY_RUN_GPUS", "DRY_RUN_OUTPUTS")
 
 
-def run(tmp_path: Path, timeout: float = 120, **env) -> tuple[subprocess.CompletedProcess, dict[str, str]]:
+class Run:
+    def __init__(self, proc: subprocess.CompletedProcess, out: Path, seconds: float):
+        self.proc, self.out, self.seconds = proc, out, seconds
+        self.steps: dict[str, str] = {}  # in the order they ran
+        if (out / "steps.tsv").exists():
+            for line in (out / "steps.tsv").read_text().splitlines():
+                name, status, _seconds = line.split("\t")
+                self.steps[name] = status
+
+    @property
+    def files(self) -> set[str]:
+        return {p.name for p in self.out.iterdir()}
+
+    @property
+    def summary(self) -> dict:
+        return json.loads((self.out / "summary.json").read_text())
+
+    def metric(self, prefix: str) -> dict:
+        """The summary's metric row whose label starts with `prefix` (exactly one)."""
+        rows = [r for r in self.summary["metrics"] if r["metric"].startswith(prefix)]
+        assert len(rows) == 1, (prefix, [r["metric"] for r in self.summary["metrics"]])
+        return rows[0]
+
+    def limits(self) -> dict[str, int]:
+        """Each step's timeout, from the log's `START name (limit Ns)` lines."""
+        text = (self.out / "device_check.log").read_text()
+        return {m[1]: int(m[2]) for m in re.finditer(r"START (\S+) \(limit (\d+)s\)", text)}
+
+    def explain(self) -> str:
+        return self.proc.stdout[-4000:] + self.proc.stderr[-2000:]
+
+
+def run(tmp_path: Path, outputs: dict[str, str] | None = None, timeout: float = 120, **env) -> Run:
+    """The script with DRY_RUN=1; `outputs` are the stubs' canned outputs (file name -> text)."""
     out = tmp_path / "out"
-    full_env = {k: v for k, v in os.environ.items() if k not in ("STEPS", "BUDGET_S", "DRY_RUN_FAIL", "DRY_RUN_SLEEP")}
+    full_env = {k: v for k, v in os.environ.items() if k not in CONTROL_VARS}
     full_env.update(DRY_RUN="1", OUT=str(out), **env)
+    if outputs:
+        canned = tmp_path / "canned"
+        canned.mkdir()
+        for name, text in outputs.items():
+            (canned / name).write_text(text)
+        full_env["DRY_RUN_OUTPUTS"] = str(canned)
+    t0 = time.monotonic()
     proc = subprocess.run(["bash", str(SCRIPT)], capture_output=True, text=True, env=full_env, timeout=timeout)
-    steps = {}
-    if (out / "steps.tsv").exists():
-        for line in (out / "steps.tsv").read_text().splitlines():
-            name, status, _seconds = line.split("\t")
-            steps[name] = status
-    return proc, steps
+    return Run(proc, out, time.monotonic() - t0)
+
+
+def result_line(**fields) -> str:
+    return "RESULT " + json.dumps(fields)
 
 
 def test_script_parses():
     subprocess.run(["bash", "-n", str(SCRIPT)], check=True)
 
 
-def test_dry_run_runs_every_step_within_budget_and_the_file_limit(tmp_path):
-    proc, steps = run(tmp_path)
-    assert proc.returncode == 0, proc.stdout + proc.stderr
-    assert set(steps) == {"preflight", "build", "tests", "bench_build", "memcheck_bench_slab_write",
-                          "memcheck_bench_slab_move", "memcheck_bench_ragged_attention", "reference", "graphs",
-                          "engine"} | {
-        f"micro_bench_{b}" for b in ("ceiling", "rms_norm", "slab_write", "slab_move", "rmsnorm_qkv",
-                                     "ragged_attention")}
-    assert set(steps.values()) == {"ok"}
-    # The device tool returns at most 8 files from $OUT.
-    assert {p.name for p in (tmp_path / "out").iterdir()} == ALL_FILES
-    estimate = re.search(r"estimate: .* = (\d+) s", proc.stdout)
-    assert estimate and int(estimate.group(1)) <= 360
-    # Build (the module) strictly before the benchmark targets.
-    order = list(steps)
-    assert order.index("build") < order.index("bench_build")
-    summary = json.loads((tmp_path / "out" / "summary.json").read_text())
-    assert summary["tests"].startswith("3 run, 0 failed")
-    assert len(summary["steps"]) == len(steps)
-    assert summary["cuda_graphs"]["host_us_at_256_graph"] == 50.0  # the graphs step lands in the summary
-    micro = (tmp_path / "out" / "microbench.jsonl").read_text().splitlines()
-    assert len(micro) == 6 and all(json.loads(line)["median_us"] == 1.0 for line in micro)
+def test_every_step_runs_and_its_results_reach_the_summary(tmp_path):
+    """Values drawn for this run go in through the stubs and must come out in summary.json, with
+    the verdicts the targets give them; microbench.jsonl holds exactly the RESULT lines."""
+    seed = random.randrange(2**32)
+    rng = random.Random(seed)
+
+    def draw(target: float) -> float:  # either side of a target, so both verdicts occur
+        return round(target * rng.uniform(0.5, 1.5), 3)
+
+    n_tests, n_failed, n_errors, n_skipped = (rng.randrange(1, 500), rng.randrange(5), rng.randrange(5),
+                                              rng.randrange(50))
+    v = {"copy_micro": draw(4000), "copy_ref": draw(4000), "gemm": draw(800), "ragged_pct": draw(80),
+         "ctx1024_ours": draw(100), "ctx1024_sdpa": draw(100), "prefill_pct": draw(50), "qkv64": draw(2),
+         "qkv64_kernel": draw(2), "qkv8192": draw(1.1), "hf_cb": draw(30), "hf_static": draw(30),
+         "tok64": draw(10000), "floor64": draw(60), "tok256": draw(30000), "host_ms": draw(1), "graph_us": draw(100)}
+    micro = {
+        "bench_ceiling": ["validated", result_line(bench="copy_memcpy", mib=1024, gbps=v["copy_micro"] / 2),
+                          result_line(bench="copy_ceiling", gbps=v["copy_micro"], device="H200")],
+        "bench_ragged_attention": ["validated 12 cases", "  a human-readable table line",
+                                   result_line(bench="ragged_attention", case="decode_ctx1024", median_us=v["ctx1024_ours"]),
+                                   result_line(bench="ragged_attention", case="decode_ragged_128_2048",
+                                               pct_of_copy=v["ragged_pct"])],
+        "bench_rmsnorm_qkv": [result_line(bench="rmsnorm_qkv_fused", T=8192, x_floor=v["qkv64_kernel"] + 7),
+                              result_line(bench="rmsnorm_qkv_fused", T=64, x_floor=v["qkv64_kernel"])],
+    }
+    graphs = {"host_us_at_256_graph": v["graph_us"], "rows": [{"batch": 256, "host_speedup": rng.random()}]}
+    junit = (f'<testsuites><testsuite name="pytest" tests="{n_tests}" failures="{n_failed}" errors="{n_errors}" '
+             f'skipped="{n_skipped}"/></testsuites>')
+    outputs = {
+        "pytest.xml": junit,
+        **{f"{b}.out": "\n".join(lines) + "\n" for b, lines in micro.items()},
+        "gpu_reference.json": json.dumps({"rows": [
+            {"name": "copy", "gbps": v["copy_ref"]}, {"name": "gemm_bf16_8192", "tflops": v["gemm"]},
+            {"name": "decode_sdpa_b64_ctx1024", "us": v["ctx1024_sdpa"]},
+            {"name": "prefill_ours_4x2048", "pct_of_sdpa": v["prefill_pct"]},
+            {"name": "rmsnorm_qkv_ours_T64", "x_floor": v["qkv64"]},
+            {"name": "rmsnorm_qkv_ours_T8192", "x_eager": v["qkv8192"]}]}),
+        "gpu_engine.json": json.dumps({
+            "runs": {"ours_64": {"tok_per_s": v["tok64"], "pct_of_floor": v["floor64"]},
+                     "ours_256": {"tok_per_s": v["tok256"], "host_time_at_batch": {"host_ms_median": v["host_ms"]}}},
+            "ratios": {"ours_over_hf_cb": v["hf_cb"], "ours_over_hf_static": v["hf_static"]}}),
+        "cuda_graphs.json": json.dumps(graphs),
+    }
+    r = run(tmp_path, outputs)
+    context = f"seed {seed}\n" + r.explain()
+    assert r.proc.returncode == 0, context
+    assert set(r.steps) == ALL_STEPS | {"preflight"}, context
+    assert set(r.steps.values()) == {"ok"}, context
+    assert r.files == ALL_FILES, context
+    order = list(r.steps)
+    assert order.index("build") < order.index("bench_build"), "the module is built before the benchmarks"
+
+    summary = r.summary
+    assert summary["tests"] == f"{n_tests} run, {n_failed} failed, {n_errors} errors, {n_skipped} skipped"
+    assert [s["step"] for s in summary["steps"]] == order
+    assert summary["cuda_graphs"] == graphs
+    assert "parallel_gpu" not in summary  # one GPU
+    # label prefix -> (value, target): ">= t" or "<= t", None for a plain figure
+    expected = {
+        "copy bandwidth": (v["copy_micro"], None),  # the microbenchmark's ceiling wins over the reference's copy
+        "bf16 GEMM": (v["gemm"], None),
+        "decode ragged": (v["ragged_pct"], (">=", 80)),
+        "decode ctx1024 us, ours": (v["ctx1024_ours"], None),
+        "decode ctx1024 us, torch SDPA": (v["ctx1024_sdpa"], None),
+        "prefill 4x2048": (v["prefill_pct"], (">=", 50)),
+        "rmsnorm_qkv T=64 x floor": (v["qkv64"], ("<=", 2)),
+        "rmsnorm_qkv T=64 kernel": (v["qkv64_kernel"], ("<=", 2)),
+        "rmsnorm_qkv T=8192": (v["qkv8192"], ("<=", 1.1)),
+        "engine ours / transformers CB": (v["hf_cb"], (">=", 30)),
+        "engine ours / static": (v["hf_static"], (">=", 30)),
+        "engine 64 req tok/s": (v["tok64"], None),
+        "engine 64 req % of memory floor": (v["floor64"], None),
+        "engine 256 req tok/s": (v["tok256"], None),
+        "host ms per iteration": (v["host_ms"], None),
+        "decode host us at batch 256": (v["graph_us"], ("<=", 100)),
+    }
+    assert len(summary["metrics"]) == len(expected)
+    for prefix, (value, target) in expected.items():
+        row = r.metric(prefix)
+        verdict = None
+        if target is not None:
+            op, t = target
+            verdict = "PASS" if (value >= t if op == ">=" else value <= t) else "MISS"
+        assert (row["value"], row["verdict"]) == (value, verdict), f"seed {seed}: {row}"
+
+    lines = [json.loads(x) for x in (r.out / "microbench.jsonl").read_text().splitlines()]
+    wanted = []
+    for b in BENCHES:  # the order the script runs them in; stubs without canned output print one line
+        canned = micro.get(b, [result_line(bench=b.removeprefix("bench_"), median_us=1.0)])
+        wanted += [json.loads(x.removeprefix("RESULT ")) for x in canned if x.startswith("RESULT ")]
+    assert lines == wanted
 
 
-def test_a_failing_step_does_not_stop_the_later_ones(tmp_path):
-    proc, steps = run(tmp_path, DRY_RUN_FAIL="tests")
-    assert proc.returncode == 1
-    assert steps["tests"].startswith("failed")
-    assert steps["reference"] == "ok" and steps["engine"] == "ok" and steps["micro_bench_ragged_attention"] == "ok"
-    assert (tmp_path / "out" / "summary.json").exists()
+def test_the_reference_copy_stands_in_when_the_microbenchmark_has_none(tmp_path):
+    copy = round(random.uniform(1000, 5000), 2)
+    r = run(tmp_path, {"bench_ceiling.out": "validated\n",
+                       "gpu_reference.json": json.dumps({"rows": [{"name": "copy", "gbps": copy}]})},
+            STEPS="micro,reference")
+    assert r.proc.returncode == 0, r.explain()
+    assert r.metric("copy bandwidth")["value"] == copy
+    assert r.metric("bf16 GEMM")["value"] is None and r.metric("bf16 GEMM")["verdict"] is None
 
 
-def test_steps_selects_a_subset(tmp_path):
-    proc, steps = run(tmp_path, STEPS="tests,micro")
-    assert proc.returncode == 0, proc.stdout + proc.stderr
-    assert set(steps) == {"tests", "bench_build"} | {
-        f"micro_bench_{b}" for b in ("ceiling", "rms_norm", "slab_write", "slab_move", "rmsnorm_qkv",
-                                     "ragged_attention")}
+@pytest.mark.parametrize("gpus", [1, 2, 8])
+def test_parallel_results_go_into_the_summary_only_with_several_gpus(tmp_path, gpus):
+    tok = round(random.uniform(100, 9000), 1)
+    parallel = {"gpus": gpus, "configs": {
+        "tp2_pp1": {"n_workers_1": {"tokens_per_s": tok, "speedup_vs_1gpu": 1.5},
+                    "greedy_tokens_same_as_1gpu": 0.984},
+        "tp1_pp2": {"error": "Traceback (most recent call last):\nRuntimeError: NCCL stage 1 gone"}}}
+    r = run(tmp_path, {"parallel_gpu.json": json.dumps(parallel)}, STEPS="multigpu", DRY_RUN_GPUS=str(gpus))
+    assert r.proc.returncode == 0, r.explain()
+    assert r.files <= ALL_FILES, "the parallel results take no file of their own"
+    if gpus == 1:
+        assert r.steps == {} and "parallel_gpu" not in r.summary
+        return
+    assert r.steps == {"multigpu": "ok"}
+    assert r.limits()["multigpu"] == CAPS["multigpu"]
+    assert r.summary["parallel_gpu"] == parallel
+    assert f"{tok:.0f} tok/s (1.50x)" in r.proc.stdout and "same greedy tokens 0.984" in r.proc.stdout
+    assert "ERROR RuntimeError: NCCL stage 1 gone" in r.proc.stdout
+
+
+@pytest.mark.parametrize("failing", ["build", "tests", "micro_bench_slab_move", "reference", "graphs", "engine"])
+def test_a_failing_step_is_reported_and_the_others_still_run(tmp_path, failing):
+    r = run(tmp_path, DRY_RUN_FAIL=failing)
+    assert r.proc.returncode == 1, r.explain()
+    assert r.steps[failing] == "failed(rc=1)"
+    assert set(r.steps) == ALL_STEPS | {"preflight"}
+    assert all(status == "ok" for step, status in r.steps.items() if step != failing), r.steps
+    assert f"dry run: {failing.removeprefix('micro_')} fails" in (r.out / "device_check.log").read_text()
+    assert r.files <= ALL_FILES
+    summary = r.summary
+    assert {s["step"]: s["status"] for s in summary["steps"]} == r.steps
+    if failing == "tests":
+        assert summary["tests"] == "n/a" and "pytest.xml" not in r.files
+    else:
+        assert summary["tests"].startswith("3 run")
+    assert ("cuda_graphs" in summary) == (failing != "graphs")
+    assert (r.metric("engine 64 req tok/s")["value"] is None) == (failing == "engine")
+    assert ("gpu_reference.json" in r.files) == (failing != "reference")
+
+
+def test_a_sanitizer_that_refuses_the_gpu_skips_memcheck_without_failing_the_run(tmp_path):
+    r = run(tmp_path, DRY_RUN_FAIL="sanitizer")
+    assert r.proc.returncode == 0, r.explain()
+    assert r.steps["memcheck"] == "skipped(sanitizer)"
+    assert not any(step.startswith("memcheck_") for step in r.steps)
+    assert "compute-sanitizer works: no" in (r.out / "preflight.txt").read_text()
+
+
+def test_a_hanging_step_is_cut_at_the_deadline_and_the_run_fits_its_budget(tmp_path):
+    # The deadline is BUDGET_S - RESERVE_S = 15 s: reference hangs and is killed there, engine has
+    # no time left, and what finished before (tests) is kept.
+    budget = 30
+    n_tests = random.randrange(10, 100)
+    junit = f'<testsuite name="pytest" tests="{n_tests}" failures="0" errors="0" skipped="0"/>'
+    r = run(tmp_path, {"pytest.xml": junit}, STEPS="tests,reference,engine", BUDGET_S=str(budget),
+            DRY_RUN_SLEEP="reference:120")
+    assert r.proc.returncode == 1, r.explain()
+    assert r.steps == {"tests": "ok", "reference": "timeout", "engine": "skipped(time)"}
+    assert r.seconds < budget, f"the run took {r.seconds:.1f} s of a {budget} s budget"
+    assert r.summary["tests"].startswith(f"{n_tests} run, 0 failed")
+    assert "gpu_reference.json" not in r.files and "gpu_engine.json" not in r.files
+
+
+def test_a_hanging_microbenchmark_is_cut_at_its_cap_and_the_next_ones_run(tmp_path):
+    r = run(tmp_path, STEPS="micro", DRY_RUN_SLEEP="micro_bench_ceiling:300", timeout=200)
+    assert r.proc.returncode == 1, r.explain()
+    assert r.steps["micro_bench_ceiling"] == "timeout"
+    assert all(r.steps[f"micro_{b}"] == "ok" for b in BENCHES[1:])
+    assert r.seconds < CAPS["micro_bench_ceiling"] + 20
+    benches = [json.loads(x)["bench"] for x in (r.out / "microbench.jsonl").read_text().splitlines()]
+    assert benches == [b.removeprefix("bench_") for b in BENCHES[1:]]
+
+
+@pytest.mark.parametrize("budget_range", [(60, 200), (640, 1000)], ids=["time-left-binds", "caps-bind"])
+def test_each_step_runs_under_the_lesser_of_its_cap_and_the_time_left(tmp_path, budget_range):
+    budget = random.randrange(*budget_range)
+    r = run(tmp_path, BUDGET_S=str(budget))
+    assert r.proc.returncode == 0, r.explain()
+    limits = r.limits()
+    assert set(limits) == ALL_STEPS
+    deadline = budget - RESERVE_S
+    slack = int(r.seconds) + 1  # the time left shrinks while the run goes on
+    for step, limit in limits.items():
+        assert min(CAPS[step], deadline - slack) <= limit <= min(CAPS[step], deadline), (budget, step, limit)
+    # The engine benchmark gets its own deadline, 10 s inside its timeout.
+    engine_deadline = int(re.search(r"START engine .* --deadline-s (\d+)",
+                                    (r.out / "device_check.log").read_text()).group(1))
+    assert limits["engine"] - 10 - slack <= engine_deadline <= limits["engine"] - 10 + 1, (budget, limits["engine"])
+
+
+def test_the_step_estimates_fit_the_default_budget(tmp_path):
+    """The header's per-step estimates add up to the total the script logs, within its default budget."""
+    text = SCRIPT.read_text()
+    header = text[:text.index("set -u")]
+    estimates = {m[1]: int(m[2]) for m in re.finditer(r"^#   (\w+)\s+(\d+)\s+(?:\d+|-|rest)\s", header, re.M)}
+    assert set(estimates) == {"preflight", "build", "tests", "micro", "memcheck", "reference", "graphs", "engine"}
+    default_budget = int(re.search(r'BUDGET_S="\$\{BUDGET_S:-(\d+)\}"', text).group(1))
+    r = run(tmp_path, STEPS="preflight")
+    logged = re.search(r"estimate: (.*) = (\d+) s", r.proc.stdout)
+    assert logged, r.explain()
+    assert {m[1]: int(m[2]) for m in re.finditer(r"(\w+) (\d+)", logged.group(1))} == estimates
+    assert sum(estimates.values()) == int(logged.group(2)) <= default_budget
+
+
+def test_steps_selects_a_subset_and_skips_the_build_when_the_module_imports(tmp_path):
+    r = run(tmp_path, STEPS="tests,micro")
+    assert r.proc.returncode == 0, r.explain()
+    assert set(r.steps) == {"tests", "bench_build"} | {f"micro_{b}" for b in BENCHES}
 
 
 def test_a_missing_module_is_built_before_the_selected_steps(tmp_path):
     # The stub's import of orca_ext._C fails, so the script builds first, and says the build failed.
-    proc, steps = run(tmp_path, STEPS="tests", DRY_RUN_FAIL="build")
-    assert proc.returncode == 1
-    assert list(steps) == ["build", "tests"]
-    assert steps["build"].startswith("failed") and steps["tests"] == "ok"
-
-
-def test_a_hanging_step_is_cut_at_the_deadline_and_the_rest_is_skipped(tmp_path):
-    # Budget 30 s minus the 15 s kept for the summary: reference hangs, is killed at ~15 s, and
-    # engine has no time left.
-    proc, steps = run(tmp_path, STEPS="reference,engine", BUDGET_S="30", DRY_RUN_SLEEP="reference:120")
-    assert proc.returncode == 1
-    assert steps == {"reference": "timeout", "engine": "skipped(time)"}
-    assert (tmp_path / "out" / "summary.json").exists()
+    r = run(tmp_path, STEPS="tests", DRY_RUN_FAIL="build")
+    assert r.proc.returncode == 1
+    assert list(r.steps) == ["build", "tests"]
+    assert r.steps["build"].startswith("failed") and r.steps["tests"] == "ok"
 
 
 def test_unknown_step_is_refused(tmp_path):
-    proc, _ = run(tmp_path, STEPS="tests,bogus")
-    assert proc.returncode == 2 and "unknown step 'bogus'" in proc.stderr
+    r = run(tmp_path, STEPS="tests,bogus")
+    assert r.proc.returncode == 2 and "unknown step 'bogus'" in r.proc.stderr
 
 
 @pytest.mark.parametrize("script", ["gpu_reference.py", "gpu_engine.py"])
