@@ -84,8 +84,10 @@ def start_parallel(model: Any, *, device, dtype, tokenizer: Any, tensor_parallel
     log.info("starting %d workers (tensor_parallel_size=%d x pipeline_parallel_size=%d) for %s on %s as %s",
              tensor_parallel_size * pipeline_parallel_size, tensor_parallel_size, pipeline_parallel_size,
              path, dev, dt)
-    executor = DistributedExecutor(path, spec, tensor_parallel_size=tensor_parallel_size,
-                                   pipeline_parallel_size=pipeline_parallel_size, device=dev.type,
-                                   dtype=str(dt).replace("torch.", ""), kv_cache_memory=budget,
-                                   batch_invariant=batch_invariant)
+    from .. import modes
+
+    with modes.using(batch_invariant=batch_invariant):  # the workers take the driver's modes
+        executor = DistributedExecutor(path, spec, tensor_parallel_size=tensor_parallel_size,
+                                       pipeline_parallel_size=pipeline_parallel_size, device=dev.type,
+                                       dtype=str(dt).replace("torch.", ""), kv_cache_memory=budget)
     return ParallelStart(executor, spec, tokenizer, path, dev, dt)
