@@ -153,12 +153,7 @@ def assert_idle(server: Server) -> None:
 def forward_logits(server: Server, inputs: list) -> torch.Tensor:
     """Last-token logits [B, V] of one batch run on the workers (the KV slots it writes must be
     free: only call this on an idle server)."""
-    reqs = [Request(f"logits{i}", ids, SamplingParams(max_tokens=1)) for i, (ids, _, _) in enumerate(inputs)]
-    future = server._engine.executor.execute(ScheduledBatch(-1, reqs, inputs), want_logits=True)
-    future.result(timeout=60)
-    for req in reqs:
-        server._engine.executor.request_finished(req)
-    return future.logits
+    return server._engine.executor.forward_logits(inputs).result(timeout=60)
 
 
 def local_logits(model, *batches: list) -> torch.Tensor:
@@ -242,15 +237,15 @@ def test_control_message_round_trip():
     rows = [SamplingRow(3, None, 0.0, 0, 1.0), SamplingRow(9, 2**64 - 5, 0.7, 5, 0.9),
             SamplingRow(10, -3, 1.5, 0, 0.5)]
     inputs = [([1, 2, 3], 0, 10), ([7], 5, 40), ([4, 4], 0, 0)]
-    hdr, payload = pack_forward(12, inputs, rows, [5, 6], True)
+    hdr, payload = pack_forward(12, inputs, rows, [5, 6])
     assert payload.numel() == payload_len(hdr)
     msg = unpack_forward(hdr, payload)
-    assert (msg.index, msg.inputs, msg.free, msg.want_logits) == (12, inputs, [5, 6], True)
+    assert (msg.index, msg.inputs, msg.free) == (12, inputs, [5, 6])
     assert [r.seed for r in msg.rows] == [None, 2**64 - 5, (-3) % 2**64]  # what manual_seed gets
     assert [(r.temperature, r.top_k, r.top_p) for r in msg.rows] == [(0.0, 0, 1.0), (0.7, 5, 0.9), (1.5, 0, 0.5)]
     # A non-final prompt chunk's row says so, with or without a seed.
     flagged = [SamplingRow(3, None, 0.0, 0, 1.0, False), SamplingRow(9, 7, 0.7, 5, 0.9, False), rows[2]]
-    msg = unpack_forward(*pack_forward(13, inputs, flagged, [], False))
+    msg = unpack_forward(*pack_forward(13, inputs, flagged, []))
     assert [(r.seed, r.emits_token) for r in msg.rows] == [(None, False), (7, False), ((-3) % 2**64, True)]
     # The sampling worker follows SamplingParams' greedy rule (tiny temperatures are greedy).
     for t in (0.0, 1e-7, 1e-5, 0.5):
@@ -262,6 +257,34 @@ def test_control_message_round_trip():
     tokens = [5, -1, 7, -1]
     assert unpack_row_errors(pack_row_errors(errors), tokens) == errors
     assert pack_row_errors([None, None]).numel() == 0 and unpack_row_errors(None, [1, 2]) == [None, None]
+    # The logits request carries the same inputs under its own op; a slab move its (src, dst, n) rows.
+    from orca_ext.distributed.messages import (OP_FORWARD, OP_LOGITS, OP_MOVE, pack_logits_request, pack_moves,
+                                               unpack_moves)
+
+    hdr, payload = pack_logits_request(4, inputs)
+    assert int(hdr[0]) == OP_LOGITS and payload.numel() == payload_len(hdr)
+    assert unpack_forward(hdr, payload).inputs == inputs and int(pack_forward(4, inputs, rows, [])[0][0]) == OP_FORWARD
+    moves = torch.tensor([[30, 0, 32], [70, 32, 5]])
+    hdr, payload = pack_moves(moves)
+    assert int(hdr[0]) == OP_MOVE and payload.numel() == payload_len(hdr) == 6
+    assert torch.equal(unpack_moves(hdr, payload), moves)
+
+
+def test_one_torchrun_detector():
+    from orca_ext.distributed import is_torchrun_worker
+    from orca_ext.distributed.torchrun import launched_by_torchrun, torchrun_env
+
+    rank = lambda r: {"TORCHELASTIC_RUN_ID": "x", "RANK": str(r), "WORLD_SIZE": "3", "MASTER_ADDR": "h",  # noqa: E731
+                      "MASTER_PORT": "1", "LOCAL_RANK": "1", "LOCAL_WORLD_SIZE": "2", "GROUP_RANK": "1"}
+    assert launched_by_torchrun(rank(0)) and not is_torchrun_worker(rank(0))  # rank 0 is the driver
+    assert launched_by_torchrun(rank(2)) and is_torchrun_worker(rank(2))
+    env = torchrun_env(rank(2))
+    assert (env.rank, env.world_size, env.local_rank, env.local_world_size, env.node_rank) == (2, 3, 1, 2, 1)
+    # A plain torch.distributed job (no torchrun agent), or a partial environment, is no launch.
+    plain = {k: v for k, v in rank(2).items() if k != "TORCHELASTIC_RUN_ID"}
+    partial = {k: v for k, v in rank(2).items() if k != "MASTER_PORT"}
+    for env in (plain, partial, {}):
+        assert not launched_by_torchrun(env) and not is_torchrun_worker(env) and torchrun_env(env) is None
 
 
 # -- parity ---------------------------------------------------------------------------------------------

@@ -1,122 +1,73 @@
-"""DistributedExecutor: the driver's side of tensor x pipeline parallel execution.
+"""DistributedExecutor: the driver's side of tensor x pipeline parallel execution, behind the
+engine's Executor protocol (executor.py).
 
 The driver process keeps the request pool, the scheduler, the slab allocator (so slot numbers
 are the same in every worker's pools), tokenizer and detokenizer, Server and HTTP. The tp x pp
-workers own the weights and KV pools (worker.py). Per iteration the driver sends the batch's
+workers own the weights and KV pools (worker.py). Per iteration the driver posts the batch's
 inputs to every worker on the control group and returns a future at once; the sampling worker
 (last stage, tensor rank 0) sends the token ids back, and a listener thread resolves the future.
-Up to n_workers = pp batches are in flight, one per stage.
+Up to n_workers = pp batches are in flight, one per stage. Slab compaction posts the moves to
+every worker the same way; each worker applies them between the batches posted before and after.
 
-Faults. One listener thread per worker blocks on a receive from that worker only, so it learns
-at once when the worker's connection closes (gloo reports a closed peer to a pending receive);
-a watcher thread also waits on the worker processes it started. A worker that raises reports
-the exception and exits. Any failure is fatal for the whole group (its peers' collectives could
-never complete): after a short grace period, in which the other workers' secondary errors
-arrive, the root cause is chosen (an exception that is not a communication error, else a worker
-that died, else a communication error), every in-flight future fails with an error naming that
-worker, the remaining worker processes are terminated, and `error` stays set. A batch whose
-result does not arrive within `worker_timeout` seconds fails the group too, so nothing waits
-forever.
+This class is the facade; each of its jobs lives in its own module:
+    startup.py      store, worker processes (or torchrun's ranks), control group, handshake
+    channel.py      posting a message to every worker, receiving from one
+    inflight.py     the posted batches not yet answered, in order
+    listener.py     one thread per worker receiving its answers; a watcher of the processes
+    failures.py     the failure record and the root cause's message
+    stats.py        the workers' time splits (benchmarks)
+
+Faults. Any failure (a worker raised, its connection closed, its process ended, a send failed, or
+a batch's result did not arrive within `wait_timeout` seconds) is fatal for the whole group:
+after a short grace period the root cause is named (failures.py), every in-flight future fails
+with an error naming that worker, the remaining worker processes are terminated, and `error`
+stays set.
 """
 from __future__ import annotations
 
-import collections
 import concurrent.futures
-import datetime
-import json
+import dataclasses
 import logging
-import multiprocessing.connection
 import os
-import signal
 import threading
 import time
-from dataclasses import dataclass
-from typing import Optional
+from typing import Optional, Sequence
 
 import torch
 
+from .. import modes
 from ..executor import BatchFuture
 from ..models.sharding import check_shardable
-from ..sampling import SampleResult
-from .groups import NAMESPACE, SendQueue, TorchrunEnv, control_group, torchrun_store
-from .messages import (HEADER_LEN, KIND_BYE, KIND_ERROR, KIND_RESULT, KIND_STATS, OP_STATS, OP_STOP,
-                       TAG_DOWN, TAG_UP, SamplingRow, WorkerTimes, header, pack_forward, spec_to_dict,
-                       unpack_row_errors)
+from .channel import ControlChannel
+from .failures import FAILURE_GRACE_S, Failure, FailureLog, WorkerFailedError, root_cause
+from .inflight import InFlight
+from .listener import Listeners
+from .messages import OP_STATS, OP_STOP, SamplingRow, header, pack_forward, pack_logits_request, pack_moves, \
+    spec_to_dict
+from .startup import StartupWatch, allocate_pools, open_store, start_workers
+from .stats import StatsBoard
+from .torchrun import torchrun_env
+from .worker_info import WorkerInfo, terminate_processes
+
+__all__ = ["DistributedExecutor", "WorkerFailedError"]
 
 log = logging.getLogger(__name__)
 
-FAILURE_GRACE_S = 0.5      # collect the other workers' errors before naming the root cause
 STOP_TIMEOUT_S = 15.0      # how long shutdown() waits for workers to finish before killing them
 DEFAULT_WORKER_TIMEOUT_S = 600.0
 DEFAULT_STARTUP_TIMEOUT_S = 600.0
 
 
-class WorkerFailedError(RuntimeError):
-    """A worker process died or raised; the message names it."""
-
-
-@dataclass
-class WorkerInfo:
-    rank: int
-    stage: int
-    tp_rank: int
-    tp: int
-    pp: int
-    process: object = None            # multiprocessing.Process when this driver started it
-    pipe: object = None               # the driver's end of the worker's parent-watch pipe
-    pid: Optional[int] = None
-    host: Optional[str] = None
-    device: Optional[str] = None
-    bytes_per_slot: int = 0
-    max_slots: int = 0
-
-    def name(self) -> str:
-        where = f", pid {self.pid}" if self.pid else ""
-        if self.host and self.process is None:
-            where += f" on {self.host}"
-        return (f"worker {self.rank} (pipeline stage {self.stage} of {self.pp}, tensor rank {self.tp_rank} "
-                f"of {self.tp}{where})")
-
-    def exit_status(self) -> Optional[str]:
-        p = self.process
-        if p is None:
-            return None
-        p.join(2.0)
-        code = p.exitcode
-        if code is None:
-            return None
-        if code < 0:
-            try:
-                return f"was killed by {signal.Signals(-code).name}"
-            except ValueError:
-                return f"was killed by signal {-code}"
-        return f"exited with code {code}"
-
-
-@dataclass
-class _Failure:
-    worker: Optional[int]
-    kind: str            # "raised" | "lost" | "timeout"
-    detail: str
-    communication: bool = False
-    batch: int = -1
-
-
-def launched_by_torchrun() -> bool:
-    """This process is a rank of a torchrun launch (so the workers are torchrun's other ranks)."""
-    return "TORCHELASTIC_RUN_ID" in os.environ and TorchrunEnv.present()
-
-
 class DistributedExecutor:
     """tp x pp worker processes (torch.multiprocessing spawn on this node, or the ranks of a
-    torchrun launch whose rank 0 is this process)."""
+    torchrun launch whose rank 0 is this process). The workers run with this process's kernel
+    modes (modes.current() when the executor is created)."""
 
     def __init__(self, model_path: str, spec, *, tensor_parallel_size: int = 1,
                  pipeline_parallel_size: int = 1, device: str = "cpu", dtype: str = "float32",
                  kv_cache_memory: Optional[int] = None, threads_per_worker: Optional[int] = None,
                  worker_timeout: float = DEFAULT_WORKER_TIMEOUT_S,
-                 startup_timeout: float = DEFAULT_STARTUP_TIMEOUT_S, sync_timing: bool = False,
-                 batch_invariant: bool = False):
+                 startup_timeout: float = DEFAULT_STARTUP_TIMEOUT_S, sync_timing: bool = False):
         tp, pp = tensor_parallel_size, pipeline_parallel_size
         check_shardable(spec, tp, pp)
         if device not in ("cpu", "cuda"):
@@ -124,147 +75,56 @@ class DistributedExecutor:
                              f"its own GPU, cuda:local_rank), got {device!r}")
         self.spec = spec
         self.tp, self.pp = tp, pp
-        self.num_workers = tp * pp
+        self.num_processes = tp * pp             # worker processes
         self.n_workers = pp                      # batches in flight: one per pipeline stage
         self.device_type = device
         self.dtype = dtype
-        self.worker_timeout = float(worker_timeout)
-        self.startup_timeout = float(startup_timeout)
-        self.workers = [WorkerInfo(w, w // tp, w % tp, tp, pp) for w in range(self.num_workers)]
-        self.torchrun = launched_by_torchrun()
+        self.workers = WorkerInfo.grid(tp, pp)
         self.n_slots = 0
+        self._worker_timeout = float(worker_timeout)
+        torchrun = torchrun_env()
         self._lock = threading.Lock()
-        self._send_lock = threading.RLock()      # a header and its payload go out back to back
-        self._pending: collections.deque = collections.deque()   # (batch index, BatchFuture)
         self._seq_ids: dict = {}                 # Request -> seq id (identity-hashed)
         self._next_seq = 0
         self._free: list[int] = []               # seq ids whose generators the sampler may drop
-        self._failures: list[_Failure] = []
-        self._finalizing = False
+        self._failures = FailureLog()
         self._error: Optional[str] = None
         self._stopping = False
         self._closed = False
-        self._stats: dict[int, WorkerTimes] = {}
-        self._stats_cond = threading.Condition(self._lock)
-        self._listeners: list[threading.Thread] = []
-        self._ctl = None
-        self._sends: Optional[SendQueue] = None
+        self._inflight = InFlight()
+        self._stats = StatsBoard()
+        self._channel: Optional[ControlChannel] = None
+        self._listeners: Optional[Listeners] = None
         cfg = {
             "model_path": str(model_path), "spec": spec_to_dict(spec), "dtype": str(dtype).replace("torch.", ""),
             "device": device, "tp": tp, "pp": pp, "kv_cache_memory": kv_cache_memory,
             # torchrun sets OMP_NUM_THREADS for its ranks; spawned workers share this host's cores.
-            "threads": threads_per_worker or (None if self.torchrun else self._default_threads()),
-            "loopback": not self.torchrun,
-            "workers_per_host": self.num_workers, "data_timeout_s": self.worker_timeout,
-            "sync_timing": sync_timing, "batch_invariant": bool(batch_invariant),
+            "threads": threads_per_worker or (None if torchrun else self._default_threads()),
+            "loopback": torchrun is None,
+            "workers_per_host": self.num_processes, "data_timeout_s": self._worker_timeout,
+            "sync_timing": sync_timing, "modes": dataclasses.asdict(modes.current()),
             "log_level": logging.getLevelName(logging.getLogger("orca_ext").getEffectiveLevel()),
         }
         try:
-            self._start(cfg)
+            t0 = time.perf_counter()
+            store = open_store(torchrun, self.workers, device, float(startup_timeout))
+            self._watch = StartupWatch(store, self.workers, float(startup_timeout))
+            ctl = start_workers(cfg, self.workers, self._watch, spawn=torchrun is None)
+            self._channel = ControlChannel(ctl, [w.rank for w in self.workers])
+            log.info("%d workers (tp=%d x pp=%d) ready in %.1fs", self.num_processes, tp, pp,
+                     time.perf_counter() - t0)
         except BaseException:
             self._stopping = True
-            self._terminate_processes()
+            terminate_processes(self.workers)
             raise
 
     def _default_threads(self) -> int:
         # Workers on this host share its cores (the driver needs little CPU of its own).
-        return max(1, (os.cpu_count() or 1) // self.num_workers)
+        return max(1, (os.cpu_count() or 1) // self.num_processes)
 
-    # -- start-up ----------------------------------------------------------------------------
-    def _start(self, cfg: dict) -> None:
-        timeout = datetime.timedelta(seconds=self.startup_timeout)
-        if self.torchrun:
-            env = TorchrunEnv()
-            if env.rank != 0:
-                raise RuntimeError(f"the driver must be torchrun rank 0, this process is rank {env.rank}")
-            if env.world_size != self.num_workers + 1:
-                raise ValueError(f"torchrun started {env.world_size} processes, but tensor_parallel_size="
-                                 f"{self.tp} x pipeline_parallel_size={self.pp} needs {self.num_workers + 1} "
-                                 f"({self.num_workers} workers + this driver as rank 0)")
-            self._store = torchrun_store(timeout)
-        else:
-            if self.device_type == "cuda" and torch.cuda.device_count() < self.num_workers:
-                raise ValueError(f"tensor_parallel_size={self.tp} x pipeline_parallel_size={self.pp} needs "
-                                 f"{self.num_workers} GPUs (one per worker) but {torch.cuda.device_count()} "
-                                 f"are visible")
-            self._store = torch.distributed.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False,
-                                                     timeout=timeout)
-        self._store.set(NAMESPACE + "config", json.dumps(cfg))
-        if not self.torchrun:
-            self._spawn()
-        t0 = time.perf_counter()
-        self._ctl = self._while_alive("connecting", lambda: control_group(
-            self._store, 0, self.num_workers + 1, loopback=not self.torchrun))
-        self._await("ready", "loading the model")
-        for w in self.workers:
-            info = json.loads(self._store.get(NAMESPACE + f"ready/{w.rank}"))
-            w.pid, w.host, w.device = info["pid"], info["host"], info["device"]
-            w.bytes_per_slot, w.max_slots = int(info["bytes_per_slot"]), int(info["max_slots"])
-        log.info("%d workers (tp=%d x pp=%d) ready in %.1fs", self.num_workers, self.tp, self.pp,
-                 time.perf_counter() - t0)
-
-    def _spawn(self) -> None:
-        import torch.multiprocessing as mp
-
-        from .worker import WorkerLaunch, spawn_main
-
-        ctx = mp.get_context("spawn")
-        for w in self.workers:
-            reader, writer = ctx.Pipe(duplex=False)
-            launch = WorkerLaunch(w.rank, self.num_workers, w.rank, "127.0.0.1", self._store.port, reader)
-            proc = ctx.Process(target=spawn_main, args=(launch,), name=f"orca-worker-{w.rank}", daemon=True)
-            proc.start()
-            reader.close()
-            w.process, w.pipe, w.pid = proc, writer, proc.pid
-
-    def _startup_problem(self, what: str) -> Optional[str]:
-        for w in self.workers:
-            key = NAMESPACE + f"error/{w.rank}"
-            if self._store.check([key]):
-                return f"{w.name()} failed while {what}: {self._store.get(key).decode(errors='replace')}"
-            if w.process is not None and not w.process.is_alive():
-                return f"{w.name()} {w.exit_status()} while {what}"
-        return None
-
-    def _while_alive(self, what: str, fn):
-        """Run fn() (which blocks until every worker takes part) in a helper thread, failing fast
-        if a worker dies or reports an error meanwhile."""
-        box: dict = {}
-
-        def run():
-            try:
-                box["value"] = fn()
-            except BaseException as exc:
-                box["error"] = exc
-
-        thread = threading.Thread(target=run, name=f"orca-{what}", daemon=True)
-        thread.start()
-        deadline = time.monotonic() + self.startup_timeout
-        while thread.is_alive():
-            thread.join(0.05)
-            problem = self._startup_problem(what)
-            if problem:
-                raise RuntimeError(problem)
-            if time.monotonic() > deadline:
-                raise TimeoutError(f"the workers were not all {what} within {self.startup_timeout:.0f} s")
-        if "error" in box:
-            raise RuntimeError(f"{what} to the workers failed: {box['error']}") from box["error"]
-        return box["value"]
-
-    def _await(self, key: str, what: str) -> None:
-        keys = [NAMESPACE + f"{key}/{w.rank}" for w in self.workers]
-        deadline = time.monotonic() + self.startup_timeout
-        while not self._store.check(keys):
-            problem = self._startup_problem(what)
-            if problem:
-                raise RuntimeError(problem)
-            if time.monotonic() > deadline:
-                missing = [w.rank for w, k in zip(self.workers, keys) if not self._store.check([k])]
-                raise TimeoutError(f"workers {missing} did not finish {what} within {self.startup_timeout:.0f} s")
-            time.sleep(0.05)
-
+    # -- the KV cache ------------------------------------------------------------------------------
     @property
-    def max_slots(self) -> int:
+    def max_slots(self) -> Optional[int]:
         """KV slots every worker can hold within its budget (the smallest)."""
         return min(w.max_slots for w in self.workers)
 
@@ -277,58 +137,99 @@ class DistributedExecutor:
             raise ValueError(f"n_slots must be >= 1, got {n_slots}")
         if self.n_slots:
             raise RuntimeError("the workers' KV pools are already allocated")
-        self._store.set(NAMESPACE + "n_slots", str(n_slots))
         try:
-            self._await("allocated", f"allocating {n_slots} KV slots")
+            allocate_pools(self._watch, n_slots)
         except BaseException:
             self._stopping = True
-            self._terminate_processes()
+            terminate_processes(self.workers)
             raise
         self.n_slots = n_slots
-        self._sends = SendQueue("orca-driver-sends")
-        for w in self.workers:
-            t = threading.Thread(target=self._listen, args=(w,), name=f"orca-listen-{w.rank}", daemon=True)
-            t.start()
-            self._listeners.append(t)
-        if any(w.process is not None for w in self.workers):
-            threading.Thread(target=self._watch_processes, name="orca-watch-workers", daemon=True).start()
+        self._listeners = Listeners(self._channel, self.workers, self._inflight, self._stats,
+                                    self._on_failure, lambda: self._stopping)
+        self._listeners.start()
 
-    # -- running ----------------------------------------------------------------------------------
+    def move_slabs(self, moves: Sequence[Sequence[int]]) -> None:
+        """Slab compaction: rows (src, dst, n) move KV rows [src, src+n) of every layer's K and V
+        pool to [dst, dst+n) in every worker, move after move (ops.slab_move). Workers handle
+        messages in order, so the move lands after every batch posted before it and before any
+        batch posted after it. Returns at once; a worker that fails to move fails the group."""
+        rows = self._check_moves(moves)
+        if not rows or self._error is not None:  # a failed group runs nothing more: nothing to keep in step
+            return
+        try:
+            self._channel.post_all(*pack_moves(torch.tensor(rows, dtype=torch.int64)))
+        except Exception as exc:
+            self._on_failure(Failure(None, "lost", f"sending a slab move failed: {exc}"))
+
+    def _check_moves(self, moves) -> list[tuple[int, int, int]]:
+        if not self.n_slots:
+            raise RuntimeError("move_slabs before allocate_kv_cache: the workers have no KV pools yet")
+        rows = [tuple(int(v) for v in row) for row in (moves.tolist() if torch.is_tensor(moves) else moves)]
+        for i, row in enumerate(rows):
+            if len(row) != 3:
+                raise ValueError(f"moves[{i}] must be (src, dst, n), got {row}")
+            src, dst, n = row
+            if n < 0 or src < 0 or dst < 0 or max(src, dst) + n > self.n_slots:
+                raise ValueError(f"moves[{i}] = (src={src}, dst={dst}, n={n}): rows [src, src+n) and "
+                                 f"[dst, dst+n) must lie in [0, n_slots={self.n_slots}) with n >= 0")
+        return rows
+
+    # -- running batches ---------------------------------------------------------------------------
     @property
     def error(self) -> Optional[str]:
         return self._error
 
-    def execute(self, batch, want_logits: bool = False) -> BatchFuture:
+    @property
+    def wait_timeout(self) -> Optional[float]:
+        """The longest a batch's result may take (then the group is failed)."""
+        return self._worker_timeout
+
+    def execute(self, batch) -> BatchFuture:
         future = BatchFuture()
         problem = self._check_inputs(batch.inputs)
         if problem is not None:  # one bad batch fails alone, as in a single process
             future.resolve(ValueError(problem))
             return future
         rows = [self._sampling_row(req) for req in batch.requests]
-        # Results come back in the order batches were posted: pending and posting stay in step.
-        with self._send_lock:
+        with self._channel.lock:
             with self._lock:
                 free, self._free = self._free, []
-                if self._error is not None:
-                    future.resolve(WorkerFailedError(self._error))
-                    return future
-                self._pending.append((batch.index, future))
-            hdr, payload = pack_forward(batch.index, batch.inputs, rows, free, want_logits)
+            self._post(batch.index, future, *pack_forward(batch.index, batch.inputs, rows, free))
+        return future
+
+    def forward_logits(self, inputs: list, index: int = -1) -> BatchFuture:
+        """Not for serving: run one batch of (new_token_ids, start_pos, slab_start) rows on the
+        workers (writing their KV slots) and resolve to its last-token logits, float32 [B, V],
+        instead of tokens. Tests and benchmarks compare them with a single process."""
+        future = BatchFuture()
+        problem = self._check_inputs(inputs)
+        if problem is not None:
+            future.resolve(ValueError(problem))
+            return future
+        self._post(index, future, *pack_logits_request(index, inputs))
+        return future
+
+    def _post(self, index: int, future: BatchFuture, *message: torch.Tensor) -> None:
+        # Answers come back in the order batches were posted: in-flight entries and posts stay in step.
+        with self._channel.lock:
+            closed = self._inflight.add(index, future)
+            if closed is not None:
+                future.resolve(WorkerFailedError(closed))
+                return
             try:
-                self._post_all(hdr, payload)
+                self._channel.post_all(*message)
                 failed = None
             except Exception as exc:
                 failed = exc
         if failed is not None:
-            self._on_failure(_Failure(None, "lost", f"sending iteration {batch.index} failed: {failed}"))
-        return future
+            self._on_failure(Failure(None, "lost", f"sending iteration {index} failed: {failed}"))
 
     def wait(self, future: BatchFuture):
         try:
-            return future.result(timeout=self.worker_timeout)
+            return future.result(timeout=self._worker_timeout)
         except concurrent.futures.TimeoutError:
-            self._on_failure(_Failure(None, "timeout", f"no result from the workers within "
-                                                       f"{self.worker_timeout:.0f} s"))
+            self._on_failure(Failure(None, "timeout", f"no result from the workers within "
+                                                      f"{self._worker_timeout:.0f} s"))
             try:
                 return future.result(timeout=5.0)
             except Exception as exc:
@@ -364,151 +265,38 @@ class DistributedExecutor:
                 return f"batch has token id {max(ids)} outside the vocabulary [0, {self.spec.vocab_size})"
         return None
 
-    def _post_all(self, *tensors: torch.Tensor) -> None:
-        with self._send_lock:  # reentrant: execute() holds it too
-            for w in self.workers:
-                for t in tensors:
-                    self._sends.put(self._ctl.send([t], w.rank + 1, TAG_DOWN), t)
-
-    # -- listening ----------------------------------------------------------------------------------
-    def _recv(self, w: WorkerInfo, t: torch.Tensor) -> torch.Tensor:
-        self._ctl.recv([t], w.rank + 1, TAG_UP).wait()
-        return t
-
-    def _listen(self, w: WorkerInfo) -> None:
-        hdr = torch.empty(HEADER_LEN, dtype=torch.int64)
-        try:
-            while True:
-                self._recv(w, hdr)
-                kind = int(hdr[0])
-                if kind == KIND_RESULT:
-                    self._on_result(w, hdr)
-                elif kind == KIND_STATS:
-                    values = self._recv(w, torch.empty(int(hdr[1]), dtype=torch.float64))
-                    with self._lock:
-                        self._stats[w.rank] = WorkerTimes.from_tensor(values)
-                        self._stats_cond.notify_all()
-                elif kind == KIND_ERROR:
-                    text = bytes(self._recv(w, torch.empty(int(hdr[2]), dtype=torch.uint8)).tolist())
-                    self._on_failure(_Failure(w.rank, "raised", text.decode("utf-8", "replace"),
-                                              bool(hdr[3]), int(hdr[1])))
-                    return  # the worker exits after reporting
-                elif kind == KIND_BYE:
-                    return
-                else:
-                    raise RuntimeError(f"unknown message kind {kind} from {w.name()}")
-        except Exception as exc:
-            if not self._stopping:
-                self._on_failure(_Failure(w.rank, "lost", str(exc).split("\n")[0]))
-
-    def _on_result(self, w: WorkerInfo, hdr: torch.Tensor) -> None:
-        index, b, n_err = int(hdr[1]), int(hdr[2]), int(hdr[4])
-        tokens = self._recv(w, torch.empty(b, dtype=torch.int64)).tolist()
-        errors = unpack_row_errors(self._recv(w, torch.empty(n_err, dtype=torch.uint8)) if n_err else None, tokens)
-        logits = self._recv(w, torch.empty(b, self.spec.vocab_size, dtype=torch.float32)) if int(hdr[3]) else None
-        with self._lock:
-            expected, future = self._pending.popleft() if self._pending else (None, None)
-        if expected != index:  # cannot happen while every worker follows messages.py
-            if future is not None:
-                with self._lock:
-                    self._pending.appendleft((expected, future))  # failed with the others below
-            self._on_failure(_Failure(w.rank, "raised", f"returned iteration {index} but {expected} was "
-                                                        f"expected (control-plane protocol error)", False, index))
-            return
-        future.logits = logits
-        future.resolve(SampleResult([t if t >= 0 else None for t in tokens], errors))
-
-    def _watch_processes(self) -> None:
-        alive = {w.process.sentinel: w for w in self.workers if w.process is not None}
-        while alive and not self._stopping:
-            for sentinel in multiprocessing.connection.wait(list(alive), timeout=1.0):
-                w = alive.pop(sentinel)
-                if not self._stopping:
-                    self._on_failure(_Failure(w.rank, "lost", "the process exited"))
-
-    # -- failures ------------------------------------------------------------------------------------
-    def _on_failure(self, failure: _Failure) -> None:
+    # -- failures ----------------------------------------------------------------------------------
+    def _on_failure(self, failure: Failure) -> None:
         with self._lock:
             if self._error is not None or (self._stopping and failure.kind != "raised"):
                 return
-            if any(f.worker == failure.worker and f.worker is not None for f in self._failures):
-                return  # one account per worker (its error report, then its exit)
-            self._failures.append(failure)
-            if self._finalizing:
-                return
-            self._finalizing = True
+            if not self._failures.add(failure):
+                return  # recorded; the first failure's caller names the root cause
         time.sleep(FAILURE_GRACE_S)
         with self._lock:
-            failures = list(self._failures)
-        message = self._describe(failures)
+            failures = self._failures.snapshot()
+        message = root_cause(failures, self.workers)
         log.error("distributed execution failed: %s", message)
         with self._lock:
             self._error = message
-            pending = list(self._pending)
-            self._pending.clear()
-            self._stats_cond.notify_all()
-        for _, future in pending:
+        for future in self._inflight.close(message):
             future.resolve(WorkerFailedError(message))
-        self._terminate_processes()
+        self._stats.wake()
+        terminate_processes(self.workers)
 
-    def _describe(self, failures: list[_Failure]) -> str:
-        def rank(f: _Failure) -> int:
-            if f.kind == "raised" and not f.communication:
-                return 0
-            return {"lost": 1, "raised": 2}.get(f.kind, 3)
-
-        first = min(failures, key=rank)  # min is stable: the earliest of the most telling kind
-        if first.kind == "timeout":
-            text = first.detail
-        else:
-            w = self.workers[first.worker] if first.worker is not None else None
-            name = w.name() if w is not None else "a worker"
-            if first.kind == "raised":
-                where = f" in iteration {first.batch}" if first.batch >= 0 else ""
-                text = f"{name} failed{where}: {first.detail}"
-            else:
-                status = w.exit_status() if w is not None else None
-                text = f"{name} {status}" if status else f"{name} lost its connection ({first.detail})"
-        others = len(failures) - 1
-        if others:
-            text += f" ({others} other worker(s) failed after it)"
-        return text
-
-    def _terminate_processes(self) -> None:
-        procs = [w.process for w in self.workers if w.process is not None and w.process.is_alive()]
-        for p in procs:
-            p.terminate()
-        deadline = time.monotonic() + 3.0
-        for p in procs:
-            p.join(max(0.0, deadline - time.monotonic()))
-            if p.is_alive():
-                p.kill()
-                p.join(2.0)
-
-    # -- statistics -------------------------------------------------------------------------------------
-    def worker_stats(self, reset: bool = False, timeout: float = 60.0) -> list[WorkerTimes]:
+    # -- statistics (benchmarks) ---------------------------------------------------------------------
+    def worker_stats(self, reset: bool = False, timeout: float = 60.0) -> list:
         """Each worker's time split (WorkerTimes) since start or the last reset, in worker order.
         Answered after every batch sent before it."""
-        with self._lock:
-            self._stats.clear()
-        self._post_all(header(OP_STATS, int(reset)))
-        deadline = time.monotonic() + timeout
-        with self._lock:
-            while len(self._stats) < self.num_workers:
-                if self._error is not None:
-                    raise WorkerFailedError(self._error)
-                left = deadline - time.monotonic()
-                if left <= 0:
-                    raise TimeoutError(f"worker statistics did not arrive within {timeout} s")
-                self._stats_cond.wait(left)
-            return [self._stats[w.rank] for w in self.workers]
+        self._stats.clear()
+        self._channel.post_all(header(OP_STATS, int(reset)))
+        return self._stats.wait_all([w.rank for w in self.workers], timeout,
+                                    lambda: WorkerFailedError(self._error) if self._error is not None else None)
 
     def describe_workers(self) -> list[dict]:
-        return [{"rank": w.rank, "stage": w.stage, "tp_rank": w.tp_rank, "pid": w.pid, "host": w.host,
-                 "device": w.device, "alive": (w.process.is_alive() if w.process is not None else None)}
-                for w in self.workers]
+        return [w.describe() for w in self.workers]
 
-    # -- shutdown ---------------------------------------------------------------------------------------
+    # -- shutdown ----------------------------------------------------------------------------------
     def shutdown(self) -> None:
         """Stop every worker: they finish the batches already sent, then exit; stragglers are
         terminated after STOP_TIMEOUT_S. Idempotent."""
@@ -517,26 +305,23 @@ class DistributedExecutor:
         self._closed = True
         with self._lock:
             self._stopping = True
-        if self._error is None and self._ctl is not None and self._sends is not None:
+        if self._error is None and self._listeners is not None:
             try:
-                self._post_all(header(OP_STOP))
+                self._channel.post_all(header(OP_STOP))
             except Exception as exc:
                 log.debug("could not send STOP: %s", exc)
         deadline = time.monotonic() + STOP_TIMEOUT_S
-        for t in self._listeners:
-            t.join(max(0.0, deadline - time.monotonic()))
+        if self._listeners is not None:
+            self._listeners.join(lambda: max(0.0, deadline - time.monotonic()))
         for w in self.workers:
             if w.process is not None:
                 w.process.join(max(0.0, deadline - time.monotonic()))
-        self._terminate_processes()
+        terminate_processes(self.workers)
         for w in self.workers:
             if w.pipe is not None:
                 w.pipe.close()
                 w.pipe = None
-        if self._sends is not None:
-            self._sends.close(1.0)
-        with self._lock:
-            pending = list(self._pending)
-            self._pending.clear()
-        for _, future in pending:
+        if self._channel is not None:
+            self._channel.close(1.0)
+        for future in self._inflight.close("the executor was shut down"):
             future.resolve(WorkerFailedError("the executor was shut down"))

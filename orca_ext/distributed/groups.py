@@ -14,7 +14,6 @@ from __future__ import annotations
 import contextlib
 import datetime
 import logging
-import os
 import queue
 import socket
 import threading
@@ -52,26 +51,6 @@ def control_group(store, rank: int, size: int, loopback: bool) -> dist.ProcessGr
         opts._devices = [dist.ProcessGroupGloo.create_device(hostname="127.0.0.1")]
         return dist.ProcessGroupGloo(prefixed, rank, size, opts)
     return dist.ProcessGroupGloo(prefixed, rank, size, IDLE_TIMEOUT)
-
-
-class TorchrunEnv:
-    """The variables torchrun sets for each process it starts."""
-
-    def __init__(self, env=os.environ):
-        self.rank = int(env["RANK"])
-        self.world_size = int(env["WORLD_SIZE"])
-        self.local_rank = int(env.get("LOCAL_RANK", "0"))
-        self.node_rank = int(env.get("GROUP_RANK", "0"))
-
-    @staticmethod
-    def present(env=os.environ) -> bool:
-        return all(k in env for k in ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT"))
-
-
-def torchrun_store(timeout: datetime.timedelta):
-    """The store of a torchrun launch (the agent's, or one rank 0 hosts)."""
-    store, _, _ = next(dist.rendezvous("env://", timeout=timeout))
-    return store
 
 
 def is_communication_error(exc: BaseException) -> bool:

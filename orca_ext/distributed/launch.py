@@ -12,7 +12,8 @@ log = logging.getLogger(__name__)
 def start_workers(path: str, config: EngineConfig):
     """Parse the model folder here (the driver), check that it can be split, start the workers.
     Returns (DistributedExecutor, ModelSpec). `config` is resolved; its kv_cache_memory, when
-    set, is each worker's budget (else each worker sizes its pools from its own memory)."""
+    set, is each worker's budget (else each worker sizes its pools from its own memory). The
+    workers take this process's kernel modes (modes.py), which the Server has set."""
     from ..models import ModelSpec
     from ..models.sharding import check_shardable
 
@@ -23,6 +24,5 @@ def start_workers(path: str, config: EngineConfig):
              tp * pp, tp, pp, path, config.device, config.dtype)
     executor = DistributedExecutor(path, spec, tensor_parallel_size=tp, pipeline_parallel_size=pp,
                                    device=config.device.type, dtype=str(config.dtype).replace("torch.", ""),
-                                   kv_cache_memory=config.kv_cache_memory, worker_timeout=config.worker_timeout,
-                                   batch_invariant=config.batch_invariant)
+                                   kv_cache_memory=config.kv_cache_memory, worker_timeout=config.worker_timeout)
     return executor, spec

@@ -1,24 +1,33 @@
 """The control-plane messages between the driver and the workers, as torch tensors.
 
 Everything goes through torch.distributed point-to-point send/recv on the gloo control group
-(driver = rank 0, worker w = rank w + 1). A message is a fixed-size int64 header followed by
-payload tensors whose sizes the header gives, all on one tag per direction, so messages between
-one pair arrive in order.
+(driver = rank 0, worker w = rank w + 1). A message is a fixed-size int64 header of HEADER_LEN
+ints (unused ones 0) followed by the payload tensors whose sizes the header gives, all on one tag
+per direction, so the messages between one pair arrive in the order they were sent. A worker
+handles the driver's messages one at a time in that order.
 
-Driver -> every worker (TAG_DOWN), one per iteration:
-    header  [OP_FORWARD, batch index, T, B, n_free, want_logits, 0, 0]
-    payload int64 [T + 9*B + n_free]:
+Driver -> every worker (TAG_DOWN):
+    [OP_FORWARD, batch index, T, B, n_free]    one per iteration
+        + int64 [T + 9*B + n_free]:
         token ids [T] | q_len [B] | start_pos [B] | slab_start [B]             (the ForwardBatch inputs)
-        seq_id [B] | seed [B] | has_seed [B] | top_k [B] | temperature [B] | top_p [B]   (sampling;
-            floats travel as the bits of a float64, seeds as the two's complement of seed mod 2^64)
+        seq_id [B] | seed [B] | flags [B] | top_k [B] | temperature [B] | top_p [B]   (sampling;
+            flags: bit 0 the row has a seed, bit 1 the row emits no token (a prompt chunk that
+            is not the last); floats travel as the bits of a float64, seeds as the two's
+            complement of seed mod 2^64)
         free seq ids [n_free]   (finished requests: the sampler may drop their generators)
-    header [OP_STATS, reset, ...] / [OP_STOP, ...] carry no payload.
+    [OP_MOVE, M]                               slab compaction, only while no batch is in flight
+        + int64 [M * 3]: rows (src, dst, n) of ops.slab_move, applied to every layer's K and V
+          pool before any later message
+    [OP_LOGITS, batch index, T, B, 0]          a forward whose sampling worker returns the
+        + the payload of OP_FORWARD            float32 logits instead of tokens (tests and
+                                               benchmarks compare them with one process)
+    [OP_STATS, reset] / [OP_STOP]              no payload
 
 Worker -> driver (TAG_UP):
-    [KIND_RESULT, batch index, B, has_logits, n_err]  + tokens int64 [B] (-1: the row failed)
+    [KIND_RESULT, batch index, B, n_err]       + tokens int64 [B] (-1: the row failed)
         (+ the failed rows' messages, utf-8, NUL-separated, uint8 [n_err], when n_err > 0)
-        (+ logits float32 [B, V] when asked for)
         sent by the sampling worker (last stage, tensor rank 0) only
+    [KIND_LOGITS, batch index, B, V]           + float32 [B, V] (answer to OP_LOGITS, sampling worker)
     [KIND_ERROR, batch index or -1, n_bytes, is_communication_error] + utf-8 text uint8 [n_bytes]
     [KIND_STATS, n]                            + float64 [n] (WorkerTimes.FIELDS)
     [KIND_BYE]                                 the worker stops after an OP_STOP
@@ -39,11 +48,14 @@ HEADER_LEN = 8
 OP_FORWARD = 1
 OP_STATS = 2
 OP_STOP = 3
+OP_MOVE = 4
+OP_LOGITS = 5
 
 KIND_RESULT = 1
 KIND_ERROR = 2
 KIND_STATS = 3
 KIND_BYE = 4
+KIND_LOGITS = 5
 
 _U64 = 1 << 64
 
@@ -95,11 +107,13 @@ class ForwardMessage:
     inputs: list            # [(new_token_ids, start_pos, slab_start)] as ForwardBatch.build takes them
     rows: list              # [SamplingRow] in batch order
     free: list              # seq ids whose sampling state can be dropped
-    want_logits: bool
 
 
 def pack_forward(index: int, inputs: Sequence[tuple], rows: Sequence[SamplingRow],
-                 free: Sequence[int], want_logits: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+                 free: Sequence[int], op: int = OP_FORWARD) -> tuple[torch.Tensor, torch.Tensor]:
+    """The header and payload of an OP_FORWARD (or, with `op`, an OP_LOGITS) message."""
+    if op not in (OP_FORWARD, OP_LOGITS):
+        raise ValueError(f"op must be OP_FORWARD or OP_LOGITS, got {op}")
     tokens: list[int] = []
     for ids, _, _ in inputs:
         tokens.extend(ids)
@@ -115,12 +129,35 @@ def pack_forward(index: int, inputs: Sequence[tuple], rows: Sequence[SamplingRow
     floats = torch.tensor([r.temperature for r in rows] + [r.top_p for r in rows], dtype=torch.float64)
     payload = torch.cat([torch.tensor(tokens + ints, dtype=torch.int64), floats.view(torch.int64),
                          torch.tensor(list(free), dtype=torch.int64)])
-    return header(OP_FORWARD, index, len(tokens), b, len(free), int(want_logits)), payload
+    return header(op, index, len(tokens), b, len(free)), payload
+
+
+def pack_logits_request(index: int, inputs: Sequence[tuple]) -> tuple[torch.Tensor, torch.Tensor]:
+    """An OP_LOGITS message: the forward of `inputs`, answered with their last-token logits."""
+    rows = [SamplingRow(-1, None, 0.0, 0, 1.0)] * len(inputs)  # not read: nothing is sampled
+    return pack_forward(index, inputs, rows, [], op=OP_LOGITS)
+
+
+def pack_moves(moves: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """An OP_MOVE message from an int64 [M, 3] tensor of (src, dst, n) rows."""
+    moves = moves.to(torch.int64).contiguous()
+    return header(OP_MOVE, moves.shape[0]), moves.view(-1)
+
+
+def unpack_moves(h: torch.Tensor, payload: torch.Tensor) -> torch.Tensor:
+    """OP_MOVE's payload as the int64 [M, 3] tensor ops.slab_move takes."""
+    return payload.view(int(h[1]), 3)
 
 
 def payload_len(h: torch.Tensor) -> int:
-    t, b, n_free = int(h[2]), int(h[3]), int(h[4])
-    return t + 9 * b + n_free
+    """int64 elements of the payload that follows a driver -> worker header (0: none)."""
+    op = int(h[0])
+    if op in (OP_FORWARD, OP_LOGITS):
+        t, b, n_free = int(h[2]), int(h[3]), int(h[4])
+        return t + 9 * b + n_free
+    if op == OP_MOVE:
+        return 3 * int(h[1])
+    return 0
 
 
 def unpack_forward(h: torch.Tensor, payload: torch.Tensor) -> ForwardMessage:
@@ -137,7 +174,7 @@ def unpack_forward(h: torch.Tensor, payload: torch.Tensor) -> ForwardMessage:
         pos += q_len[i]
         rows.append(SamplingRow(seq[i], seed[i] % _U64 if flags[i] & 1 else None, floats[i], top_k[i],
                                 floats[b + i], not flags[i] & 2))
-    return ForwardMessage(int(h[1]), inputs, rows, free, bool(h[5]))
+    return ForwardMessage(int(h[1]), inputs, rows, free)
 
 
 @dataclasses.dataclass

@@ -6,12 +6,19 @@ Start-up (every worker, whether torch.multiprocessing or torchrun started it):
     one tensor-parallel subgroup per stage
     load this worker's shard, report its KV capacity -> store; n_slots <- store; allocate pools
 
-Loop, one control message at a time, in the order the driver sent them:
-    header <- driver; payload <- driver          (ForwardBatch inputs + sampling rows)
-    x = previous stage's activations (recv), unless the first stage
-    x = model.forward(batch, x)                  (tensor-parallel all-reduces inside)
-    not last stage: isend x to the next stage    (never waits for the next stage to take it)
-    last stage, tensor rank 0: sample, send the token ids to the driver
+Start-up also applies the driver's kernel modes (modes.py) to this process, before the weights
+are loaded (huge pages decide where they go).
+
+Loop, one control message at a time, in the order the driver sent them (messages.py):
+    forward:  header <- driver; payload <- driver (ForwardBatch inputs + sampling rows)
+              x = previous stage's activations (recv), unless the first stage
+              x = model.forward(batch, x)          (tensor-parallel all-reduces inside)
+              not last stage: isend x to the next stage (never waits for the next stage to take it)
+              last stage, tensor rank 0: sample, send the token ids to the driver
+    move:     ops.slab_move on this worker's KV pools (slab compaction; the driver sends it
+              only while no batch is in flight, and any later forward comes after it)
+    logits:   a forward whose sampling worker sends the logits instead of tokens (tests)
+    stats / stop
 
 A stage starts its next batch as soon as it has handed its activations on, so with n_workers =
 pp batches in flight every stage is busy with a different batch. Any exception is reported to
@@ -34,15 +41,17 @@ from typing import Optional
 import torch
 import torch.distributed as dist
 
+from .. import modes, ops
 from ..models.batch import ForwardBatch
 from ..models.loader import load_model
 from ..models.sharding import make_shard
 from ..sampling import Sampler
-from .groups import (NAMESPACE, SendQueue, StageClock, TensorParallelComm, TorchrunEnv, control_group,
-                     is_communication_error, loopback_interface, torchrun_store)
-from .messages import (HEADER_LEN, KIND_BYE, KIND_ERROR, KIND_RESULT, KIND_STATS, OP_FORWARD, OP_STATS,
-                       OP_STOP, TAG_DOWN, TAG_UP, header, pack_row_errors, payload_len, spec_from_dict,
-                       unpack_forward)
+from .groups import (NAMESPACE, SendQueue, StageClock, TensorParallelComm, control_group, is_communication_error,
+                     loopback_interface)
+from .messages import (HEADER_LEN, KIND_BYE, KIND_ERROR, KIND_LOGITS, KIND_RESULT, KIND_STATS, OP_FORWARD,
+                       OP_LOGITS, OP_MOVE, OP_STATS, OP_STOP, TAG_DOWN, TAG_UP, header, pack_row_errors,
+                       payload_len, spec_from_dict, unpack_forward, unpack_moves)
+from .torchrun import TorchrunEnv, torchrun_env, torchrun_store
 
 log = logging.getLogger(__name__)
 
@@ -52,7 +61,7 @@ class WorkerLaunch:
     """How one worker finds the others."""
 
     worker_rank: int                  # 0-based; control-group rank worker_rank + 1
-    num_workers: int
+    num_processes: int                # worker processes in the group (tp x pp)
     device_index: int                 # cuda:device_index when the config says cuda
     store_host: Optional[str] = None  # torch.multiprocessing launch: the driver's TCPStore
     store_port: Optional[int] = None  # (None: a torchrun launch, the store comes from its env)
@@ -138,10 +147,10 @@ class Worker:
         self.cfg = cfg
         self.store = store
         self.rank = launch.worker_rank
-        self.num_workers = launch.num_workers
+        self.num_processes = launch.num_processes
         self.tp, self.pp = int(cfg["tp"]), int(cfg["pp"])
-        if self.tp * self.pp != self.num_workers:
-            raise ValueError(f"{self.num_workers} workers were started for tp={self.tp} x pp={self.pp}")
+        if self.tp * self.pp != self.num_processes:
+            raise ValueError(f"{self.num_processes} workers were started for tp={self.tp} x pp={self.pp}")
         self.stage, self.tp_rank = divmod(self.rank, self.tp)
         self.device = (torch.device("cuda", launch.device_index) if cfg["device"] == "cuda"
                        else torch.device("cpu"))
@@ -160,11 +169,12 @@ class Worker:
     # -- start-up --------------------------------------------------------------------------
     def start(self) -> None:
         cfg = self.cfg
+        modes.set_modes(modes.Modes(**cfg["modes"]))  # the driver's, before any weight is placed
         if cfg.get("threads"):
             torch.set_num_threads(int(cfg["threads"]))
         if self.device.type == "cuda":
             torch.cuda.set_device(self.device)
-        self.ctl = control_group(self.store, self.rank + 1, self.num_workers + 1, bool(cfg["loopback"]))
+        self.ctl = control_group(self.store, self.rank + 1, self.num_processes + 1, bool(cfg["loopback"]))
         if cfg["loopback"] and self.device.type == "cpu" and "GLOO_SOCKET_IFNAME" not in os.environ:
             lo = loopback_interface()
             if lo:
@@ -173,7 +183,7 @@ class Worker:
         timeout = datetime.timedelta(seconds=float(cfg["data_timeout_s"]))
         kwargs = {"device_id": self.device} if backend == "nccl" else {}
         dist.init_process_group(backend, store=dist.PrefixStore(NAMESPACE + "data/", self.store),
-                                rank=self.rank, world_size=self.num_workers, timeout=timeout, **kwargs)
+                                rank=self.rank, world_size=self.num_processes, timeout=timeout, **kwargs)
         tp_comm = None
         spec = spec_from_dict(cfg["spec"])
         shard = make_shard(spec, self.tp, self.pp, self.tp_rank, self.stage)
@@ -188,7 +198,6 @@ class Worker:
         self.up = SendQueue(f"worker{self.rank}-up")
         self.model = load_model(cfg["model_path"], self.device, cfg["dtype"], spec=spec, shard=shard,
                                 tp_comm=tp_comm)
-        self.model.batch_invariant = bool(cfg.get("batch_invariant", False))  # CausalLM's switch
         per_slot = self.model.kv_bytes_per_slot()
         budget = int(cfg["kv_cache_memory"]) if cfg.get("kv_cache_memory") else self._default_kv_budget()
         self.store.set(NAMESPACE + f"ready/{self.rank}", json.dumps({
@@ -204,9 +213,9 @@ class Worker:
 
         budget = default_kv_memory(self.device)
         if self.device.type == "cpu":  # workers on one host share its RAM
-            if TorchrunEnv.present():
-                env = TorchrunEnv()
-                per_host = int(os.environ.get("LOCAL_WORLD_SIZE", "1")) - (1 if env.node_rank == 0 else 0)
+            env = torchrun_env()
+            if env is not None:  # the driver's node runs the driver as one of its local ranks
+                per_host = env.local_world_size - (1 if env.node_rank == 0 else 0)
             else:
                 per_host = int(self.cfg.get("workers_per_host", 1))
             budget //= max(1, per_host)
@@ -224,15 +233,28 @@ class Worker:
             if op == OP_STATS:
                 self._send_stats(reset=bool(hdr[1]))
                 continue
-            if op != OP_FORWARD:
+            if op not in (OP_FORWARD, OP_LOGITS, OP_MOVE):
                 raise RuntimeError(f"unknown control op {op}")
             with self.clock.measure("control_recv"):
                 payload = torch.empty(payload_len(hdr), dtype=torch.int64)
                 self.ctl.recv([payload], 0, TAG_DOWN).wait()
-                msg = unpack_forward(hdr, payload)
-            self._forward(msg)
+                msg = unpack_moves(hdr, payload) if op == OP_MOVE else unpack_forward(hdr, payload)
+            if op == OP_MOVE:
+                self._move_slabs(msg)
+            else:
+                self._forward(msg, logits_only=op == OP_LOGITS)
 
-    def _forward(self, msg) -> None:
+    def _move_slabs(self, moves: torch.Tensor) -> None:
+        """Slab compaction: the driver moved these slabs; their cached KV rows follow. Every
+        batch sent before the move has finished its forward here (messages are handled in
+        order), and every later one sees the rows at their new slots."""
+        with self.clock.compute():
+            try:
+                ops.slab_move(self.model.kv_pools, moves)
+            except Exception as exc:
+                raise RuntimeError(f"moving KV slabs {moves.tolist()[:4]} failed: {type(exc).__name__}: {exc}") from exc
+
+    def _forward(self, msg, logits_only: bool = False) -> None:
         self.batch_index = msg.index
         for seq in msg.free:
             self.generators.pop(seq, None)
@@ -251,6 +273,8 @@ class Worker:
             if not self.last:
                 with self.clock.measure("data_send"):
                     self.sends.put(dist.isend(out, dst=self.next), out)
+            elif self.samples and logits_only:
+                self._send_up(header(KIND_LOGITS, msg.index, *out.shape), out.float().cpu().contiguous())
             elif self.samples:
                 with self.clock.measure("sample"):
                     self._sample(msg, out)
@@ -266,11 +290,9 @@ class Worker:
         tokens = torch.tensor([-1 if e is not None else (0 if t is None else t)
                                for t, e in zip(result.tokens, result.errors)], dtype=torch.int64)
         errors = pack_row_errors(result.errors)
-        self._send_up(header(KIND_RESULT, msg.index, len(rows), int(msg.want_logits), errors.numel()), tokens)
+        self._send_up(header(KIND_RESULT, msg.index, len(rows), errors.numel()), tokens)
         if errors.numel():
             self._send_up(errors)
-        if msg.want_logits:
-            self._send_up(logits.float().cpu().contiguous())
 
     def _send_stats(self, reset: bool) -> None:
         values = self.clock.snapshot().to_tensor()
