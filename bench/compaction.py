@@ -45,10 +45,12 @@ def run(model, jobs, n_slots: int, compaction: bool, max_batch_size: int) -> dic
     from orca_ext.engine import Engine
     from orca_ext.request import Request
     from orca_ext.sampling import SamplingParams
+    from orca_ext.config import EngineConfig
+    from orca_ext.executor import LocalExecutor
     from orca_ext.scheduler import make_scheduler
 
-    sched = make_scheduler("orca", max_batch_size, n_slots)
-    engine = Engine(model, sched, record_iterations=True, slab_compaction=compaction)
+    sched = make_scheduler(EngineConfig(max_batch_size=max_batch_size, max_num_batched_tokens=None), n_slots)
+    engine = Engine(LocalExecutor(model), sched, record_iterations=True, slab_compaction=compaction)
     reqs = [Request(f"r{i}", p, SamplingParams(max_tokens=o, ignore_eos=True)) for i, (p, o) in enumerate(jobs)]
     for r in reqs:
         engine.add_request(r)

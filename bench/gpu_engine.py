@@ -157,7 +157,7 @@ class StepTimer:
 
     def __init__(self, server):
         self.engine = server._engine            # private seam; the benchmark only observes it
-        self.model = self.engine.model          # (AttributeError if it moved: the caller skips timing)
+        self.model = server.executor.model      # (AttributeError if it moved: the caller skips timing)
         self.steps: list[tuple[float, int, object, object]] = []
         self._orig_step, self._orig_forward = self.engine.step, self.model.forward
         self._last = None

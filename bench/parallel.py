@@ -124,12 +124,14 @@ class Parallel:
         from orca_ext.distributed import DistributedExecutor
         from orca_ext.engine import Engine
         from orca_ext.models import ModelSpec
+        from orca_ext.config import EngineConfig
         from orca_ext.scheduler import make_scheduler
 
         spec = ModelSpec.from_pretrained(model_dir)
         self.executor = DistributedExecutor(str(model_dir), spec, tensor_parallel_size=tp,
                                             pipeline_parallel_size=pp, threads_per_worker=1)
-        self.sched = make_scheduler("orca", batch, n_slots, n_workers=pp)
+        config = EngineConfig(max_batch_size=batch, max_num_batched_tokens=None)
+        self.sched = make_scheduler(config, n_slots, n_workers=pp)
         self.engine = Engine(self.executor, self.sched)
 
     def run(self, jobs, n_workers: int, tag: str) -> dict:
@@ -268,13 +270,16 @@ def main(argv=None) -> int:
 
     from orca_ext.engine import Engine
     from orca_ext.models import load_model
+    from orca_ext.config import EngineConfig
+    from orca_ext.executor import LocalExecutor
     from orca_ext.scheduler import make_scheduler
 
     torch.set_num_threads(1)
     model_dir = bench_model(ROOT / "bench" / "out" / "parallel_model")
     jobs = workload(args.requests, tuple(args.prompt_len), tuple(args.output_len))
     n_slots = sum(len(p) + n for p, n in jobs) + 64
-    local = Engine(load_model(model_dir), make_scheduler("orca", args.max_batch_size, n_slots))
+    config = EngineConfig(max_batch_size=args.max_batch_size, max_num_batched_tokens=None)
+    local = Engine(LocalExecutor(load_model(model_dir)), make_scheduler(config, n_slots))
     pp2 = Parallel(model_dir, 1, 2, n_slots, args.max_batch_size)
     tp2 = Parallel(model_dir, 2, 1, n_slots, args.max_batch_size)
     runs: dict[str, list] = {"pp1": [], "pp2/1": [], "pp2/2": [], "tp2": []}

@@ -111,6 +111,8 @@ def main(argv=None) -> int:
     from orca_ext.distributed import DistributedExecutor
     from orca_ext.engine import Engine
     from orca_ext.models import ForwardBatch, ModelSpec, load_model
+    from orca_ext.config import EngineConfig
+    from orca_ext.executor import LocalExecutor
     from orca_ext.scheduler import make_scheduler
 
     result: dict = {"gpus": args.gpus, "device": torch.cuda.get_device_name(0), "model": SHAPE, "configs": {},
@@ -124,7 +126,8 @@ def main(argv=None) -> int:
         n_slots = sum(len(p) + n for p, n in jobs) + 256
         ragged = [(jobs[0][0][:37], 0, 0), (jobs[1][0][:5], 0, 1000), (jobs[2][0][:130], 0, 3000)]
         single = load_model(model_dir, "cuda:0", "bfloat16")
-        local = Engine(single, make_scheduler("orca", args.max_batch_size, n_slots))
+        config = EngineConfig(max_batch_size=args.max_batch_size, max_num_batched_tokens=None)
+        local = Engine(LocalExecutor(single), make_scheduler(config, n_slots))
         run_engine(local, jobs[:4], "warm")
         base = run_engine(local, jobs, "base")
         ref_tokens = run_engine(local, parity_jobs, "ref")["outputs"]
@@ -141,7 +144,7 @@ def main(argv=None) -> int:
                 executor = DistributedExecutor(str(model_dir), spec, tensor_parallel_size=tp,
                                                pipeline_parallel_size=pp, device="cuda", dtype="bfloat16",
                                                sync_timing=False)
-                sched = make_scheduler("orca", args.max_batch_size, n_slots, n_workers=pp)
+                sched = make_scheduler(config, n_slots, n_workers=pp)
                 engine = Engine(executor, sched)
                 logits = executor.forward_logits(ragged).result(timeout=300)
                 entry["max_logit_diff_vs_1gpu"] = float((logits - ref_logits).abs().max())

@@ -127,6 +127,12 @@ class Server:
         self.n_slots = plan.n_slots
         self.max_model_len = plan.max_model_len
 
+    @property
+    def executor(self):
+        """What runs this server's batches (executor.Executor): the model in this process or the
+        parallel workers. For benchmarks and diagnostics; requests go through submit()."""
+        return self._engine.executor
+
     # Read-only views of the resolved configuration.
     max_batch_size = property(lambda self: self.config.max_batch_size)
     max_num_batched_tokens = property(lambda self: self.config.max_num_batched_tokens)

@@ -24,6 +24,16 @@ def _seed():
     torch.manual_seed(0)
 
 
+@pytest.fixture(autouse=True)
+def _default_modes():
+    """Every test starts in the default kernel modes, whatever a Server before it set."""
+    from orca_ext import modes
+
+    modes.set_modes(modes.Modes())
+    yield
+    modes.set_modes(modes.Modes())
+
+
 @pytest.fixture(scope="session")
 def default_model_dir() -> Path:
     """The converted SmolLM2-135M-Instruct folder (converted on first use, then cached)."""

@@ -6,7 +6,9 @@ import random
 
 import torch
 
+from orca_ext.config import EngineConfig
 from orca_ext.engine import Engine
+from orca_ext.executor import LocalExecutor
 from orca_ext.request import Request
 from orca_ext.sampling import Sampler, SamplingParams
 from orca_ext.scheduler import make_scheduler
@@ -28,7 +30,8 @@ class RecordingSampler(Sampler):
 def run(model, jobs: list[tuple[str, list[int], SamplingParams, int]], budget) -> dict:
     """jobs: (request id, prompt, params, arrival step). Returns {id: (tokens, [steps, V] logits)}."""
     sampler = RecordingSampler()
-    engine = Engine(model, make_scheduler("orca", 32, 6000, max_num_batched_tokens=budget), sampler=sampler)
+    engine = Engine(LocalExecutor(model, sampler),
+                    make_scheduler(EngineConfig(max_batch_size=32, max_num_batched_tokens=budget), 6000))
     pending = sorted(jobs, key=lambda j: j[3])
     reqs, step = [], 0
     while pending or engine.has_work():

@@ -12,9 +12,10 @@ import pytest
 from setuptools import find_packages
 
 from orca_ext.cli import build_parser, main
-from orca_ext.options import add_engine_arguments, engine_kwargs
+from orca_ext.config import EngineConfig
+from orca_ext.options import add_engine_arguments
 from orca_ext.sampling import SamplingParams
-from orca_ext.server import DEFAULT_BATCH_INVARIANT, DEFAULT_MAX_NUM_BATCHED_TOKENS, Server
+from orca_ext.server import Server
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -26,18 +27,21 @@ def test_engine_arguments_round_trip():
                               "--n-slots", "512", "--max-model-len", "256", "--scheduler", "static",
                               "--kv-cache-memory", "1GiB", "--model", "/m", "--enforce-eager", "-tp", "2",
                               "--pipeline-parallel-size", "3"])
-    assert engine_kwargs(args) == dict(model="/m", device="cpu", dtype="bfloat16", max_batch_size=4,
-                                       n_slots=512, max_model_len=256, scheduler="static",
-                                       kv_cache_memory="1GiB", enforce_eager=True, tensor_parallel_size=2,
-                                       pipeline_parallel_size=3, max_num_batched_tokens=DEFAULT_MAX_NUM_BATCHED_TOKENS,
-                                       batch_invariant=DEFAULT_BATCH_INVARIANT, slab_compaction=True)
-    defaults = engine_kwargs(parser.parse_args([]))
-    assert defaults["model"] is None and defaults["max_batch_size"] == 32 and defaults["scheduler"] == "orca"
-    assert defaults["enforce_eager"] is False
-    chosen = engine_kwargs(parser.parse_args(["--max-num-batched-tokens", "96", "--no-batch-invariant",
-                                              "--no-slab-compaction"]))
-    assert (chosen["max_num_batched_tokens"], chosen["batch_invariant"], chosen["slab_compaction"]) == (96, False, False)
-    assert engine_kwargs(parser.parse_args(["--max-num-batched-tokens", "none"]))["max_num_batched_tokens"] is None
+    assert args.model == "/m"
+    assert EngineConfig.from_args(args) == EngineConfig(
+        device="cpu", dtype="bfloat16", max_batch_size=4, n_slots=512, max_model_len=256, scheduler="static",
+        kv_cache_memory="1GiB", enforce_eager=True, tensor_parallel_size=2, pipeline_parallel_size=3)
+    # The command line's defaults are EngineConfig's, option by option.
+    defaults = parser.parse_args([])
+    assert defaults.model is None and EngineConfig.from_args(defaults) == EngineConfig()
+    chosen = EngineConfig.from_args(parser.parse_args(["--max-num-batched-tokens", "96", "--no-batch-invariant",
+                                                       "--no-slab-compaction", "--worker-timeout", "7.5"]))
+    assert (chosen.max_num_batched_tokens, chosen.batch_invariant, chosen.slab_compaction,
+            chosen.worker_timeout) == (96, False, False, 7.5)
+    assert EngineConfig.from_args(parser.parse_args(["--max-num-batched-tokens", "none"])).max_num_batched_tokens is None
+    # A value argparse accepts but the config refuses is named by the config.
+    with pytest.raises(ValueError, match="max_batch_size must be an integer >= 1, got 0"):
+        EngineConfig.from_args(parser.parse_args(["--max-batch-size", "0"]))
     with pytest.raises(SystemExit):
         parser.parse_args(["--max-num-batched-tokens", "0"])
 
@@ -45,7 +49,7 @@ def test_engine_arguments_round_trip():
 def test_serve_takes_the_engine_options_and_its_own():
     args = build_parser().parse_args(["serve", "--model", "/m", "--scheduler", "static", "--port", "9",
                                       "--max-queue", "3", "--served-model-name", "x"])
-    assert engine_kwargs(args)["model"] == "/m" and engine_kwargs(args)["scheduler"] == "static"
+    assert args.model == "/m" and EngineConfig.from_args(args).scheduler == "static"
     assert (args.port, args.max_queue, args.served_model_name) == (9, 3, "x")
 
 
@@ -98,5 +102,5 @@ def test_parallel_flags_on_every_subcommand():
     for args in (build_parser().parse_args(["generate", "hi", "-tp", "2", "-pp", "3"]),
                  build_parser().parse_args(["serve", "--tensor-parallel-size", "2", "--pipeline-parallel-size", "3"]),
                  bench_parser().parse_args(["-tp", "2", "-pp", "3"])):
-        kw = engine_kwargs(args)
-        assert (kw["tensor_parallel_size"], kw["pipeline_parallel_size"]) == (2, 3)
+        config = EngineConfig.from_args(args)
+        assert (config.tensor_parallel_size, config.pipeline_parallel_size) == (2, 3)

@@ -54,7 +54,7 @@ def single_process_outputs(tiny_model_dir) -> list:
 def run_trace(server: Server) -> list:
     """Submit the whole trace while the first launch is held, so a, b, c take [0,30), [30,70),
     [70,100) in that order whatever the timing, and d waits for a contiguous run of 50."""
-    executor = server._engine.executor
+    executor = server.executor
     launch = executor.execute
     release = threading.Event()
 
@@ -82,7 +82,7 @@ UNMOVED = [([11], 8, 40), ([12], 3, 70)]
 @pytest.mark.parametrize("which", ["tp2", "pp2"])
 def test_move_slabs_moves_the_rows_in_every_worker(which, request, tiny_model_dir):
     server = request.getfixturevalue(which)
-    executor = server._engine.executor
+    executor = server.executor
     executor.forward_logits(PREFILL).result(timeout=60)
     executor.move_slabs(MOVES)
     got = executor.forward_logits(DECODE).result(timeout=60)

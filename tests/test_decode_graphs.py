@@ -262,9 +262,9 @@ def test_server_takes_enforce_eager():
     from orca_ext import SamplingParams, Server
 
     model = small_model(num_layers=1)
-    with pytest.raises(ValueError, match="enforce_eager must be a bool, got 'yes'"):
+    with pytest.raises(ValueError, match="enforce_eager must be True or False, got 'yes'"):
         Server(model, n_slots=64, enforce_eager="yes")
     with Server(model, n_slots=64, max_batch_size=4) as server:  # CPU: the engine drives the model itself
-        assert server._engine.model is model
+        assert server.executor.model is model
         out = server.generate([[1, 2, 3]], SamplingParams(max_tokens=3))[0]
         assert len(out.token_ids) == 3

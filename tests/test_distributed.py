@@ -98,7 +98,7 @@ def make_jobs(seed: int, n: int = 9) -> list[tuple[list[int], int]]:
 
 def pause_second_launch(server: Server):
     """Make the engine's 2nd launch wait for `resume` (set `paused` when it starts)."""
-    executor = server._engine.executor
+    executor = server.executor
     launch = executor.execute
     paused, resume = threading.Event(), threading.Event()
     calls = [0]
@@ -153,7 +153,7 @@ def assert_idle(server: Server) -> None:
 def forward_logits(server: Server, inputs: list) -> torch.Tensor:
     """Last-token logits [B, V] of one batch run on the workers (the KV slots it writes must be
     free: only call this on an idle server)."""
-    return server._engine.executor.forward_logits(inputs).result(timeout=60)
+    return server.executor.forward_logits(inputs).result(timeout=60)
 
 
 def local_logits(model, *batches: list) -> torch.Tensor:
@@ -347,7 +347,7 @@ def resolved_after(release: threading.Event, real) -> BatchFuture:
 
 def test_abort_while_its_batch_is_in_flight(llama_pp2):
     server, _ = llama_pp2
-    executor = server._engine.executor
+    executor = server.executor
     launch = executor.execute
     held, release = threading.Event(), threading.Event()
 
@@ -384,7 +384,7 @@ def test_a_free_stage_takes_a_new_request_at_once(llama_pp2):
     """With one batch in the pipeline and nothing else to run, a request that arrives is launched
     into the free stage at once, not after that batch returns."""
     server, _ = llama_pp2
-    executor = server._engine.executor
+    executor = server.executor
     launch = executor.execute
     launches: list = []
     release = threading.Event()
@@ -516,14 +516,14 @@ def test_killed_worker_fails_every_waiter_and_leaves_no_process(tiny_model_dir):
 def test_worker_exception_fails_the_batch_naming_the_worker(llama_pp2):
     """Runs last on the shared pipeline group: it breaks it."""
     server, _ = llama_pp2
-    executor = server._engine.executor
+    executor = server.executor
     rid = server.submit([1, 2, 3], SamplingParams(max_tokens=400, ignore_eos=True))
     deadline = time.monotonic() + 60
     while server.stats()["generated_tokens"] < 3 and time.monotonic() < deadline:
         time.sleep(0.01)
-    # A batch the driver did not check reaches the workers: stage 0 rejects its KV slot.
+    # A batch that did not come through the engine's input check reaches the workers: stage 0
+    # rejects its KV slot.
     bad = [Request("bad", [5], SamplingParams(max_tokens=1))]
-    executor._check_inputs = lambda inputs: None
     future = executor.execute(ScheduledBatch(10**6, bad, [([5], 0, server.n_slots + 7)]))
     failure = executor.wait(future)
     assert "worker 0 (pipeline stage 0 of 2, tensor rank 0 of 1" in str(failure)

@@ -185,11 +185,7 @@ class DistributedExecutor:
         return self._worker_timeout
 
     def execute(self, batch) -> BatchFuture:
-        future = BatchFuture()
-        problem = self._check_inputs(batch.inputs)
-        if problem is not None:  # one bad batch fails alone, as in a single process
-            future.resolve(ValueError(problem))
-            return future
+        future = BatchFuture()  # the engine has checked every row's inputs
         rows = [self._sampling_row(req) for req in batch.requests]
         with self._channel.lock:
             with self._lock:
@@ -202,10 +198,6 @@ class DistributedExecutor:
         workers (writing their KV slots) and resolve to its last-token logits, float32 [B, V],
         instead of tokens. Tests and benchmarks compare them with a single process."""
         future = BatchFuture()
-        problem = self._check_inputs(inputs)
-        if problem is not None:
-            future.resolve(ValueError(problem))
-            return future
         self._post(index, future, *pack_logits_request(index, inputs))
         return future
 
@@ -251,19 +243,6 @@ class DistributedExecutor:
                 self._next_seq += 1
         p = req.params
         return SamplingRow(seq, p.seed, p.temperature, p.top_k, p.top_p, req.emits_token)
-
-    def _check_inputs(self, inputs) -> Optional[str]:
-        """What the workers' forward would reject, caught here so it fails only this batch."""
-        max_pos = self.spec.max_position_embeddings
-        for ids, start, slab in inputs:
-            end = start + len(ids)
-            if slab + end > self.n_slots:
-                return f"batch writes KV slot {slab + end - 1} but the cache has n_slots={self.n_slots}"
-            if end > max_pos:
-                return f"batch has position {end - 1} but the model supports max_position_embeddings={max_pos}"
-            if ids and (max(ids) >= self.spec.vocab_size or min(ids) < 0):
-                return f"batch has token id {max(ids)} outside the vocabulary [0, {self.spec.vocab_size})"
-        return None
 
     # -- failures ----------------------------------------------------------------------------------
     def _on_failure(self, failure: Failure) -> None:

@@ -103,7 +103,7 @@ def test_server_with_graphs_gives_the_tokens_of_an_eager_server():
     for eager in (False, True):
         with Server(model if not eager else eager_twin(model), n_slots=4000, max_batch_size=40,
                     enforce_eager=eager) as server:
-            runner = server._engine.model
+            runner = server.executor.model
             assert isinstance(runner, DecodeGraphRunner) != eager
             outputs[eager] = [o.token_ids for o in server.generate(prompts, params)]
             if not eager:
