@@ -13,6 +13,7 @@ the loop releases it while the model runs. The wiring, top to bottom:
 """
 from __future__ import annotations
 
+import dataclasses
 import logging
 import threading
 import time
@@ -39,6 +40,29 @@ log = logging.getLogger(__name__)
 SHUTDOWN_WAIT_S = 30.0           # how long shutdown() lets parallel workers finish the running step
 
 
+def _engine_config(config: Optional[EngineConfig], options: dict) -> EngineConfig:
+    """`config`, or one built from Server's keyword options (EngineConfig's fields)."""
+    if config is None:
+        unknown = sorted(set(options) - {f.name for f in dataclasses.fields(EngineConfig)})
+        if unknown:
+            raise TypeError(f"Server got unknown option(s) {unknown}; the options are EngineConfig's fields")
+        return EngineConfig(**options)
+    if options:
+        raise TypeError(f"pass either config or options, not both (got config and {sorted(options)})")
+    if not isinstance(config, EngineConfig):
+        raise TypeError(f"config must be an EngineConfig, got {type(config).__name__}")
+    return config
+
+
+def _eos_token_ids(spec, tokenizer) -> frozenset:
+    """The model's EOS ids and the tokenizer's."""
+    eos = set(spec.eos_token_ids or ())
+    tok_eos = getattr(tokenizer, "eos_token_id", None) if tokenizer is not None else None
+    if isinstance(tok_eos, int):
+        eos.add(tok_eos)
+    return frozenset(eos)
+
+
 def _is_token_list(prompt) -> bool:
     return isinstance(prompt, (list, tuple)) and len(prompt) > 0 and all(
         isinstance(t, int) and not isinstance(t, bool) for t in prompt)
@@ -55,15 +79,7 @@ class Server:
 
     def __init__(self, model: Any = None, *, config: Optional[EngineConfig] = None, tokenizer: Any = None,
                  **options: Any):
-        if config is not None and options:
-            raise TypeError(f"pass either config or options, not both (got config and {sorted(options)})")
-        if config is None:
-            try:
-                config = EngineConfig(**options)
-            except TypeError as exc:  # an option EngineConfig does not have
-                raise TypeError(f"Server: {exc}".replace("EngineConfig.__init__()", "")) from None
-        elif not isinstance(config, EngineConfig):
-            raise TypeError(f"config must be an EngineConfig, got {type(config).__name__}")
+        config = _engine_config(config, options)
         config = self.config = config.resolve(model if is_model_object(model) else None)
         # Set before the executor starts: CUDA graphs capture the forward under these modes, and
         # parallel workers take them with them.
@@ -89,11 +105,7 @@ class Server:
         self.tokenizer = tokenizer
         self._tok = LockedTokenizer(tokenizer) if tokenizer is not None else None
         self.vocab_size: int = int(spec.vocab_size)
-        eos = set(spec.eos_token_ids or ())
-        tok_eos = getattr(tokenizer, "eos_token_id", None) if tokenizer is not None else None
-        if isinstance(tok_eos, int):
-            eos.add(tok_eos)
-        self.eos_token_ids = frozenset(eos)
+        self.eos_token_ids = _eos_token_ids(spec, tokenizer)
         # The one prompt encoder: Server.submit and the HTTP layer's chat prompts share its pool.
         self.prompt_encoder: Optional[PromptEncoder] = (
             PromptEncoder(tokenizer, max_tokens=min(self.max_model_len, self.n_slots), fallback_lock=self._tok.lock)

@@ -6,8 +6,8 @@ its tokenizer and its model's spec.
     folder, parallel_size>1 -> parse its config here, start tp x pp workers -> DistributedExecutor
     None                    -> the embedded default model's folder, as above
 
-The tokenizer comes from the folder unless one is given; a folder without one still serves
-token-id prompts.
+The tokenizer is the one given, else the folder's (a model object has none of its own); without
+one the server still serves token-id prompts.
 """
 from __future__ import annotations
 
@@ -64,7 +64,6 @@ def make_executor(model: Any, config: EngineConfig, tokenizer: Any = None) -> St
                              "shard), not an already loaded model object")
         from .cuda_graphs import with_decode_graphs
 
-        tokenizer = tokenizer if tokenizer is not None else getattr(model, "tokenizer", None)
         runner = with_decode_graphs(model, config.max_batch_size, enforce_eager=config.enforce_eager)
         return Started(LocalExecutor(runner), tokenizer, model.spec, None)
     path = model_folder(model)
