@@ -93,7 +93,7 @@ class OutputBroker:
 
     def add(self, req: Request) -> None:
         if req.request_id in self._live:
-            raise InvalidRequestError(f"request_id {req.request_id!r} is already in use")
+            raise InvalidRequestError(f"request_id {req.request_id!r} is already in use", param="request_id")
         self._live[req.request_id] = _Waiters(req)
 
     def find(self, request_id: str) -> Optional[Request]:

@@ -46,6 +46,7 @@ def test_the_error_is_a_value_error_with_its_message_and_param():
      r"len\(prompt\) \+ max_tokens = 40 \+ 30 = 70 exceeds max_model_len = 64"),
     ([1], SamplingParams(stop_token_ids=[2, V]), "stop_token_ids",
      rf"stop_token_ids\[1\] = {V} is outside the vocabulary"),
+    ([1], {"max_tokens": 3}, "params", "params must be a SamplingParams, got dict"),
 ])
 def test_submit_names_the_field_in_param_and_message(make_server, prompt, params, param, message):
     server = make_server(max_model_len=MAX_MODEL_LEN, n_slots=100)
@@ -53,6 +54,21 @@ def test_submit_names_the_field_in_param_and_message(make_server, prompt, params
         server.submit(prompt, params)
     assert info.value.param == param
     assert server.stats()["iterations"] == 0 and server.stats()["waiting"] == 0  # no engine work
+
+
+def test_request_ids_and_generate_params_are_named(make_server):
+    server = make_server(max_model_len=MAX_MODEL_LEN, n_slots=100)
+    with pytest.raises(InvalidRequestError, match="request_id must be a non-empty string") as info:
+        server.submit([1], request_id="")
+    assert info.value.param == "request_id"
+    rid = server.submit([1], SamplingParams(max_tokens=50), request_id="mine")
+    with pytest.raises(InvalidRequestError, match="request_id 'mine' is already in use") as info:
+        server.submit([1], request_id="mine")
+    assert info.value.param == "request_id"
+    server.abort(rid)
+    with pytest.raises(InvalidRequestError, match="params has 1 entries for 2 prompts") as info:
+        server.generate([[1], [2]], [SamplingParams()])
+    assert info.value.param == "params"
 
 
 def test_a_request_over_the_kv_cache_is_reported_against_max_tokens(make_server):
