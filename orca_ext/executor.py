@@ -8,7 +8,7 @@ when its future resolves, oldest first. The engine uses nothing of an executor b
 `LocalExecutor` is the single-process case: the model lives in this process and `execute` runs
 the forward pass and the sampler before it returns (an already resolved future).
 `orca_ext.distributed.DistributedExecutor` runs tensor x pipeline parallel worker processes.
-`make_executor` (startup.py) builds the one a config asks for.
+`make_executor` (executor_factory.py) builds the one a config asks for.
 """
 from __future__ import annotations
 

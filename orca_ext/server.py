@@ -4,12 +4,12 @@ One background thread runs the engine loop; any number of user threads and async
 stream, wait and abort concurrently. All request state is guarded by one lock (the engine's);
 the loop releases it while the model runs. The wiring, top to bottom:
 
-    EngineConfig (config.py)      every option, validated, then resolved for this machine
-    modes.update(...)             the process's kernel modes, before anything captures a forward
-    make_executor (startup.py)    the model here, or tp x pp worker processes
-    plan_kv_cache (resources.py)  n_slots and max_model_len from the budget and the model
-    make_scheduler, Engine        Algorithm 1 over that KV cache
-    RequestValidator, OutputBroker  checks at submit; waiting for outputs and the id lifecycle
+    EngineConfig (config.py)             every option, validated, then resolved for this machine
+    modes.update(...)                    the process's kernel modes, before anything captures a forward
+    make_executor (executor_factory.py)  the model here, or tp x pp worker processes
+    plan_kv_cache (resources.py)         n_slots and max_model_len from the budget and the model
+    make_scheduler, Engine               Algorithm 1 over that KV cache
+    RequestValidator, OutputBroker       checks at submit; waiting for outputs and the id lifecycle
 """
 from __future__ import annotations
 
@@ -32,7 +32,7 @@ from .request import IterationRecord, Request, RequestOutput
 from .resources import default_kv_memory, plan_kv_cache
 from .sampling import SamplingParams
 from .scheduler import make_scheduler
-from .startup import is_model_object, make_executor
+from .executor_factory import is_model_object, make_executor
 from .validation import LockedTokenizer, Prompt, RequestValidator
 
 log = logging.getLogger(__name__)

@@ -165,7 +165,7 @@ def profile_orca(model: str, config: EngineConfig, jobs, batch_size: int, top: i
     from ..sampling import SamplingParams
     from ..scheduler import make_scheduler
     from ..server import Server
-    from ..startup import make_executor
+    from ..executor_factory import make_executor
 
     config = dataclasses.replace(config, scheduler="orca", max_batch_size=batch_size)
     with Server(model, config=config) as server:  # only for its KV sizing
