@@ -100,6 +100,7 @@ def serving_protocol(timeout: float, limiter: ConnectionLimiter, keys: ClientKey
 
     class ServingH11Protocol(H11Protocol):
         header_timeout = timeout
+        connection_limiter = limiter  # shared by every connection of this server
         _header_timer: Optional[asyncio.TimerHandle] = None
         _linger_timer: Optional[asyncio.TimerHandle] = None
         _lingered: Optional[int] = None     # bytes discarded while lingering; None: not lingering
@@ -143,6 +144,21 @@ def serving_protocol(timeout: float, limiter: ConnectionLimiter, keys: ClientKey
                 self._linger()
             else:  # keep-alive: the next request has its own deadline
                 self._arm_header_timer(self.header_timeout)
+
+        def send_400_response(self, msg: str) -> None:
+            """uvicorn's answer to a malformed request (an oversize head included), ended by a
+            lingering close: closing at once, with the rest of the request unread, would reset
+            the connection and could destroy the answer before the client reads it."""
+            try:
+                output = self.conn.send(h11.Response(status_code=400, reason=b"Bad Request", headers=[
+                    (b"content-type", b"text/plain; charset=utf-8"), (b"connection", b"close")]))
+                output += self.conn.send(h11.Data(data=msg.encode("ascii")))
+                output += self.conn.send(h11.EndOfMessage())
+            except h11.LocalProtocolError:  # a response is already under way: no room for this one
+                self.transport.close()
+                return
+            self.transport.write(output)
+            self._linger()
 
         def connection_lost(self, exc: Optional[Exception]) -> None:
             self._cancel_header_timer()
@@ -204,9 +220,10 @@ def make_config(app: Any, *, host: str, port: int, log_level: str,
         http=serving_protocol(header_timeout, limiter, client_keys or ClientKeys()),
         timeout_keep_alive=int(max(1, keep_alive_timeout)),
         h11_max_incomplete_event_size=MAX_HEADER_BYTES,
-        # Connections are limited by `limiter`; uvicorn's own check (which answers 503 once its
-        # count reaches the limit) stays as a bound on running request tasks.
-        limit_concurrency=max_connections + 1,
+        # Connections are limited by `limiter` (uvicorn's own limit would also count the short
+        # tasks that answer refused connections). Running requests are bounded by the
+        # connections (one at a time each) and, for completions, by --max-queue.
+        limit_concurrency=None,
         # After drain() every stream has ended; this only bounds connections that still linger.
         timeout_graceful_shutdown=5,
         lifespan="off",
