@@ -697,3 +697,151 @@ def test_a_client_flooding_rejected_bodies_is_slowed_and_others_are_not(make_ser
     assert good.status_code == 200
     assert outcome_count(app, "rejected_too_many_errors") == 2 and outcome_count(app, "invalid") == 2
     assert_idle(server)
+
+
+# -- shared addresses, trusted proxies, /metrics and Host literals (HTTP transport level) ----------
+def asgi_client(app, client: tuple[str, int]) -> httpx.AsyncClient:
+    """An httpx client of the app whose requests come from `client` (address, port): one port
+    is one connection to the app."""
+    return httpx.AsyncClient(transport=httpx.ASGITransport(app=app, client=client), base_url="http://127.0.0.1:8000")
+
+
+def test_host_literals_must_be_exact():
+    """A bracketed Host is an IPv6 literal with nothing after it but an optional :port."""
+    from orca_ext.http.guards import host_is_allowed
+
+    loopback_only = frozenset()
+    for host in ("[::1]", "[::1]:8000", "localhost:8000", "127.0.0.1"):
+        assert host_is_allowed(host, loopback_only), host
+    for host in ("[::1]evil", "[::1]evil.example", "[::1]:8000evil", "[::1]:", "[::1]@evil.example",
+                 "[localhost]", "[::1", "localhost:80x", "localhost:\u00b2", "evil.example"):
+        assert not host_is_allowed(host, loopback_only), host
+
+
+def test_host_with_text_after_the_ipv6_literal_is_refused(make_server):
+    server = make_server()
+    app = make_app(server, bind_host="127.0.0.1")
+
+    async def go(host):
+        async with asgi_client(app, ("127.0.0.1", 4000)) as c:
+            return await c.post("/v1/completions", json={"prompt": "AB", "max_tokens": 2}, headers={"Host": host})
+
+    r = asyncio.run(go("[::1]evil"))
+    assert r.status_code == 400 and r.json()["error"]["code"] == "invalid_host"
+    assert asyncio.run(go("[::1]:8000")).status_code == 200
+    assert_idle(server)
+
+
+def test_client_keys_trust_forwarded_for_only_from_trusted_proxies():
+    from orca_ext.http.clients import ClientKeys
+
+    keys = ClientKeys(["10.0.0.0/8", "::1"])
+    assert keys.key("10.0.0.1", ["1.2.3.4"]) == "1.2.3.4"
+    assert keys.key("10.0.0.1", ["6.6.6.6, 1.2.3.4, 10.0.0.7"]) == "1.2.3.4"  # right-most untrusted
+    assert keys.key("10.0.0.1", ["6.6.6.6", "1.2.3.4"]) == "1.2.3.4"          # several header lines
+    assert keys.key("10.0.0.1", ["1.2.3.4, garbage"]) == "10.0.0.1"          # nothing past garbage
+    assert keys.key("192.0.2.9", ["1.2.3.4"]) == "192.0.2.9"                 # untrusted peer: ignored
+    assert keys.key("::1", ["2001:db8::1"]) == "2001:db8::/64"               # IPv6 clients by /64
+    assert keys.key("::ffff:192.0.2.1") == "192.0.2.1"
+    assert keys.key("2001:db8::1") == keys.key("2001:db8::ffff") != keys.key("2001:db8:0:1::1")
+    with pytest.raises(ValueError, match="--trusted-proxies: 'nope'"):
+        ClientKeys(["nope"])
+
+
+def test_a_declared_body_costs_nothing_and_others_on_a_shared_address_are_served(make_server):
+    """Behind a NAT (one address), a client sends header-only requests that declare a huge body,
+    each on a new connection, and a bad 25 kB body now and then: the declared sizes cost it
+    nothing (only the minimum charge per rejection), and when its bad bodies put the address in
+    debt, a connection that was rejected is held back (429, body unread) while a well-formed
+    request from the same address on another connection is still served."""
+    from orca_ext.http.rejections import RejectionBudget
+
+    server = make_server()
+    budget = RejectionBudget(rate=1000, burst=60_000, min_charge=1000, max_delay=0.01)
+    app = make_app(server, rejections=budget)
+    huge = {"Content-Type": "application/json", "Content-Length": str(10 ** 9)}
+    bad = json.dumps({"prompt": "AB", "stop": ["x"] * 5000}).encode()  # ~25 kB, too many stop strings
+    good = {"prompt": "AB", "max_tokens": 3, "temperature": 0}
+
+    async def go():
+        declared = []
+        for port in range(5000, 5020):  # 20 x 1 kB charged, never 20 x 1 GB
+            declared.append(await asgi_call(app, "/v1/completions", [{"type": "http.request", "body": b"",
+                                                                       "more_body": True}],
+                                            headers=[(b"content-length", str(10 ** 9).encode())]))
+        left_after_declared = budget._balance("127.0.0.1")
+        async with asgi_client(app, ("127.0.0.1", 6000)) as attacker:
+            rejected = [(await attacker.post("/v1/completions", content=bad, headers={"Content-Type": "application/json"}))
+                        for _ in range(4)]
+        in_debt = budget.delay("127.0.0.1") > 0
+        async with asgi_client(app, ("127.0.0.1", 6001)) as neighbour:
+            served = await neighbour.post("/v1/completions", json=good)
+        return declared, left_after_declared, rejected, in_debt, served
+
+    declared, left, rejected, in_debt, served = asyncio.run(go())
+    assert declared == [413] * 20
+    assert left == pytest.approx(60_000 - 20 * 1000, abs=100)
+    assert [r.status_code for r in rejected][:2] == [400, 400] and in_debt
+    assert rejected[-1].status_code == 429 and rejected[-1].json()["error"]["code"] == "too_many_rejected_requests"
+    assert rejected[-1].headers["connection"] == "close"
+    assert served.status_code == 200
+    assert served.json()["choices"][0]["text"] == FakeTokenizer().decode(fake_reference([0, 1], 3))
+    assert_idle(server)
+
+
+def test_behind_a_trusted_proxy_each_forwarded_client_has_its_own_budget(make_server):
+    """Two clients share one connection of a trusted proxy: the one whose bad requests put it in
+    debt is held back (429), the other, named by X-Forwarded-For, is served on the same
+    connection. From an untrusted peer the header names nobody: its spoofed addresses share the
+    peer's budget."""
+    from orca_ext.http.rejections import RejectionBudget
+
+    server = make_server()
+    budget = RejectionBudget(rate=1000, burst=40_000, min_charge=1000, max_delay=0.01)
+    app = make_app(server, rejections=budget, trusted_proxies=["10.0.0.0/8"])
+    bad = json.dumps({"prompt": "AB", "stop": ["x"] * 5000}).encode()
+
+    async def go(peer):
+        async with asgi_client(app, (peer, 7000)) as proxy:
+            def send(client, content=bad):
+                return proxy.post("/v1/completions", content=content, headers={
+                    "Content-Type": "application/json", "X-Forwarded-For": f"6.6.6.6, {client}"})
+            rejected = [(await send("1.1.1.1")).status_code for _ in range(4)]
+            served = await send("2.2.2.2", json.dumps({"prompt": "AB", "max_tokens": 2}).encode())
+            return rejected, served.status_code
+
+    assert asyncio.run(go("10.0.0.1")) == ([400, 400, 429, 429], 200)
+    assert budget.delay("1.1.1.1") > 0 and budget.delay("2.2.2.2") == 0
+    rejected, served = asyncio.run(go("192.0.2.1"))  # untrusted: one client, whatever the header says
+    assert rejected == [400, 400, 429, 429] and served == 429
+    assert_idle(server)
+
+
+def test_metrics_come_from_a_shared_snapshot_behind_the_key(make_server):
+    """/metrics needs the API key when one is set (unless public_metrics). 50 concurrent scrapes
+    and the scrapes after them within the interval read server.stats(), which takes the engine
+    lock, once; with interval 0 each sequential scrape renders afresh."""
+    server = make_server()
+    calls = []
+    real_stats = server.stats
+    server.stats = lambda: calls.append(1) or real_stats()  # counts the engine-lock reads
+    keyed = make_app(server, api_key="k", metrics_interval=3600)
+    public = make_app(server, api_key="k", public_metrics=True, metrics_interval=0)
+    calls.clear()  # registering the collectors read it once each
+
+    async def scrape(app, n, headers=None):
+        async with asgi_client(app, ("127.0.0.1", 4000)) as c:
+            return await asyncio.gather(*(c.get("/metrics", headers=headers) for _ in range(n)))
+
+    assert [r.status_code for r in asyncio.run(scrape(keyed, 1))] == [401]
+    assert not calls
+    scrapes = asyncio.run(scrape(keyed, 50, {"Authorization": "Bearer k"}))
+    assert {r.status_code for r in scrapes} == {200} and "orca_kv_slots_total" in scrapes[0].text
+    assert len({r.text for r in scrapes}) == 1 and len(calls) == 1
+    for _ in range(3):  # later scrapes within the interval: the same snapshot, no engine lock
+        assert asyncio.run(scrape(keyed, 1, {"Authorization": "Bearer k"}))[0].text == scrapes[0].text
+    assert len(calls) == 1
+    calls.clear()
+    for _ in range(3):
+        assert asyncio.run(scrape(public, 1))[0].status_code == 200
+    assert len(calls) == 3

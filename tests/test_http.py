@@ -56,7 +56,8 @@ def engine():
 @pytest.fixture(scope="module")
 def server(engine):
     # Depends on `engine` only to order the model loads (one at a time on two cores).
-    with ServerProcess("--api-key", KEY, env=KV_ENV) as sp:
+    # Scraped without the key, and right after each request: a public, never-cached /metrics.
+    with ServerProcess("--api-key", KEY, "--public-metrics", "--metrics-interval", "0", env=KV_ENV) as sp:
         yield sp
 
 
@@ -472,7 +473,7 @@ def test_metrics_scrape(server, client, model_name):
 
 def test_queue_full_backpressure(engine, server, model_name):
     # Started after the main server is up (fixture order), with room for one request only.
-    with ServerProcess("--max-queue", "1", env=KV_ENV) as small:
+    with ServerProcess("--max-queue", "1", "--metrics-interval", "0", env=KV_ENV) as small:
         long_body = {"model": model_name, "prompt": "Once upon a time", "max_tokens": 3000, "ignore_eos": True,
                      "temperature": 0, "stream": True}
         short_body = {"model": model_name, "prompt": "Hello", "max_tokens": 2}

@@ -1,13 +1,19 @@
 """FastAPI application: OpenAI-compatible completions and chat completions over orca_ext.Server.
 
 Request path of one completion (`_handle`):
-  Host allow-list (400, guards.py) -> the client's budget for rejected requests (429 after a
-  delay, rejections.py) -> auth (401) -> Content-Type application/json (415)
+  Host allow-list (400, guards.py) -> the client's budget for rejected requests (a connection
+  already rejected while its client is in debt: 429 after a delay, body unread; rejections.py)
+  -> auth (401) -> Content-Type application/json (415)
   -> body read with a size limit (413) and a time limit (408) -> strict parse (400)
   -> model name (404) -> unsupported options (400) -> admission against --max-queue (429 +
   Retry-After; 503 while draining) -> chat template and prompt encoding (chat), SamplingParams
   + Server.submit (InvalidRequestError -> 400, its param in the endpoint's field names,
   errors.request_rejected) -> stream or collect.
+A rejection (4xx other than 429) is charged to the client (clients.py's key) by the body bytes
+actually read; one from a client already in debt is answered after the debt's delay, with
+Connection: close.
+/metrics serves a snapshot at most `metrics_interval` seconds old (metrics_snapshot.py), behind
+the API key when one is set unless `public_metrics`.
 Nothing reaches the engine before admission (service.py). Snapshots come from
 `Server.stream_async`; a client that goes away gets its request aborted, which frees its KV slab
 at once. A client that goes away while still sending its body is a disconnect (INFO, outcome
@@ -34,11 +40,14 @@ from starlette.requests import ClientDisconnect
 from ..errors import InvalidRequestError
 from ..server import Server
 from . import protocol, sse
+from .clients import ClientKeys, client_key
 from .errors import APIError, bad_request, engine_error, internal_error, request_rejected, shutdown_error
 from .guards import Guards, allowed_hosts
+from .metrics_snapshot import MetricsSnapshot
 from .rejections import RejectionBudget
 from .service import Admission, Service, validation_error
-from .settings import DEFAULT_BODY_TIMEOUT, DEFAULT_CHAT_MAX_TOKENS, DEFAULT_MAX_BODY_BYTES
+from .settings import (DEFAULT_BODY_TIMEOUT, DEFAULT_CHAT_MAX_TOKENS, DEFAULT_MAX_BODY_BYTES,
+                       DEFAULT_METRICS_INTERVAL)
 
 logger = logging.getLogger(__name__)
 
@@ -50,7 +59,8 @@ def create_app(server: Server, *, model_name: str, max_queue: int = 256, api_key
                default_max_tokens: int = DEFAULT_CHAT_MAX_TOKENS, body_timeout: float = DEFAULT_BODY_TIMEOUT,
                bind_host: str | None = None, trusted_hosts: list[str] | None = None,
                cors_origins: list[str] | None = None, enable_docs: bool = False,
-               rejections: RejectionBudget | None = None) -> FastAPI:
+               rejections: RejectionBudget | None = None, trusted_proxies: list[str] | None = None,
+               public_metrics: bool = False, metrics_interval: float = DEFAULT_METRICS_INTERVAL) -> FastAPI:
     """The HTTP app over a running ``orca_ext.Server`` (which the caller owns and shuts down).
 
     model_name: the only name accepted in the "model" field (others get 404).
@@ -61,7 +71,13 @@ def create_app(server: Server, *, model_name: str, max_queue: int = 256, api_key
     not know where it is served and checks no Host, unless trusted_hosts is given.
     cors_origins: origins allowed by CORS (None: no CORS headers, so browsers refuse cross-origin calls).
     enable_docs: serve /docs, /redoc and /openapi.json (off by default).
-    rejections: the per-address budget for rejected requests (default: rejections.py's limits).
+    rejections: the per-client budget for rejected requests (default: rejections.py's limits).
+    trusted_proxies: addresses / CIDR networks whose X-Forwarded-For names the client (clients.py);
+    the app's ClientKeys is `app.state.client_keys`, and `clients.client_key(request)` is the
+    key every per-client limit uses.
+    public_metrics: serve /metrics without the API key even when one is set.
+    metrics_interval: the most seconds a /metrics snapshot is served for (0: every scrape
+    renders, concurrent scrapes still share one rendering).
     The chat template, the context limit and the vocabulary size are the server's.
     """
     svc = Service(server, model_name=model_name, max_queue=max_queue, api_key=api_key,
@@ -70,6 +86,8 @@ def create_app(server: Server, *, model_name: str, max_queue: int = 256, api_key
     docs = {} if enable_docs else {"docs_url": None, "redoc_url": None, "openapi_url": None}
     app = FastAPI(title="orca_ext", summary="OpenAI-compatible serving with iteration-level scheduling", **docs)
     app.state.service = svc
+    app.state.client_keys = ClientKeys(trusted_proxies or ())
+    scrapes = MetricsSnapshot(svc.metrics.render, metrics_interval)
     _add_error_handlers(app)
     if cors_origins:
         from starlette.middleware.cors import CORSMiddleware
@@ -94,10 +112,12 @@ def create_app(server: Server, *, model_name: str, max_queue: int = 256, api_key
         return JSONResponse({"status": "ok"})
 
     @app.get("/metrics")
-    async def metrics() -> Response:
+    async def metrics(request: Request) -> Response:
         from prometheus_client import CONTENT_TYPE_LATEST
 
-        return Response(await asyncio.to_thread(svc.metrics.render), media_type=CONTENT_TYPE_LATEST)
+        if not public_metrics:
+            svc.check_auth(request)
+        return Response(await scrapes.get(), media_type=CONTENT_TYPE_LATEST)
 
     @app.get("/v1/models")
     async def models(request: Request) -> dict:
@@ -151,9 +171,11 @@ async def _handle(svc: Service, request: Request, endpoint: str, run: Runner, mo
     becomes a response that carries the request id."""
     rid = f"{prefix}-{uuid.uuid4().hex}"
     request.state.rid = rid
+    client = client_key(request)
+    connection = f"{request.client.host}:{request.client.port}" if request.client else ""
     adm: Admission | None = None
     try:
-        await svc.check_rejections(request)
+        await _hold_back(svc.rejections, client, connection)
         svc.check_auth(request)
         svc.check_content_type(request)
         raw = await svc.read_body(request)
@@ -177,10 +199,14 @@ async def _handle(svc: Service, request: Request, endpoint: str, run: Runner, mo
         elif exc.status >= 500 and exc.status != 503:
             outcome = "internal_error"
         elif 400 <= exc.status < 500 and exc.status != 429:
-            svc.charge_rejection(request)
+            wait = svc.rejections.delay(client)  # in debt already: this answer waits, then closes
+            svc.rejections.charge(client, getattr(request.state, "body_bytes", 0), connection)
+            if wait > 0:
+                exc.headers = {**exc.headers, "Connection": "close"}
+                await asyncio.sleep(wait)
         svc.metrics.observe_rejected(endpoint, outcome)
         # %r: the message quotes client strings (model names, field names).
-        logger.info("request %s: %d %r", rid, exc.status, exc.message)
+        logger.info("request %s from %r: %d %r", rid, client, exc.status, exc.message)
         response = exc.response()
     except ClientDisconnect:  # gone while sending its body: the client's doing, not ours
         if adm is not None:
@@ -200,6 +226,17 @@ async def _handle(svc: Service, request: Request, endpoint: str, run: Runner, mo
         response = internal_error(rid).response()
     response.headers["X-Request-Id"] = rid
     return response
+
+
+async def _hold_back(budget: RejectionBudget, client: str, connection: str) -> None:
+    """429 (after a delay, body unread, Connection: close) for a request on a connection that was
+    rejected before while its client is in debt (rejections.py)."""
+    wait = budget.hold_back(client, connection)
+    if wait > 0:
+        await asyncio.sleep(wait)  # a client that retries at once is slowed to the budget's pace
+        raise APIError(429, "Too many rejected requests from this client; fix the requests, then retry",
+                       code="too_many_rejected_requests",
+                       headers={"Retry-After": str(max(1, round(wait))), "Connection": "close"})
 
 
 async def _respond(svc: Service, request: Request, body: Any, adm: Admission,

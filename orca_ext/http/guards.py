@@ -4,7 +4,8 @@ rebinding) and the API-key gate of the API docs.
 DNS rebinding: a web page on evil.example can make a victim's browser resolve evil.example to
 127.0.0.1 and then talk to a server on the victim's loopback, with "Host: evil.example". So a
 server bound to a loopback address answers only requests whose Host is a loopback name
-(localhost, 127.x.x.x, [::1]) unless --trusted-hosts names more. A server bound to a public
+(localhost, 127.x.x.x, [::1] with an optional :port and nothing else) unless --trusted-hosts
+names more. A server bound to a public
 address cannot know its own names, so it takes any Host unless --trusted-hosts is given.
 
 Cross-site request forgery needs no check here: every POST must carry Content-Type
@@ -15,6 +16,7 @@ from __future__ import annotations
 
 import hmac
 import ipaddress
+import re
 from typing import Any, Iterable, Optional
 
 from .errors import APIError
@@ -33,13 +35,30 @@ def is_loopback(host: str) -> bool:
         return False
 
 
-def hostname(header: str) -> str:
-    """The name part of a Host header value ('[::1]:8000' -> '::1', 'a.b:80' -> 'a.b')."""
+_PORT = re.compile(r"[0-9]{1,5}")
+
+
+def hostname(header: str) -> Optional[str]:
+    """The name part of a Host header value ('[::1]:8000' -> '::1', 'a.b:80' -> 'a.b'), or None
+    when the value is malformed: a bracketed part must be an IPv6 address followed by nothing or
+    ':port' ('[::1]evil' is malformed), and a port is 1-5 ASCII digits."""
     header = header.strip().lower()
     if header.startswith("["):
-        return header[1:header.find("]")] if "]" in header else header
-    name, _, port = header.rpartition(":")
-    return name if name and port.isdigit() else header
+        end = header.find("]")
+        if end < 0:
+            return None
+        rest = header[end + 1:]
+        if rest and not (rest[0] == ":" and _PORT.fullmatch(rest[1:])):
+            return None
+        try:
+            ipaddress.IPv6Address(header[1:end])
+        except ValueError:
+            return None
+        return header[1:end]
+    name, colon, port = header.rpartition(":")
+    if not colon:
+        return header
+    return name if name and _PORT.fullmatch(port) else None
 
 
 def allowed_hosts(bind_host: str, trusted: Optional[Iterable[str]]) -> Optional[frozenset[str]]:
@@ -60,6 +79,8 @@ def host_is_allowed(header: Optional[str], allowed: Optional[frozenset[str]]) ->
     if not header:
         return False
     name = hostname(header)
+    if name is None:
+        return False
     if is_loopback(name) or name in allowed:
         return True
     return any(a.startswith("*.") and name.endswith(a[1:]) for a in allowed)

@@ -1,16 +1,23 @@
-"""A per-client budget for rejected requests, so that a stream of bad requests from one address
-cannot eat the CPU that generation needs.
+"""A per-client budget for rejected requests, so that a stream of bad requests from one client
+cannot eat the CPU that generation needs, while good requests from the same address (behind a
+NAT or a proxy, or on localhost) keep being served.
 
 Rejecting a request is cheap per byte but not free: a 1 MB body that fails validation still has
 to be received and parsed (about 2-3 ms of the event loop's time, holding the GIL the engine
 thread also needs). Sent back to back, such requests take a quarter of a core. So each client
-address has a token bucket of "rejected bytes": every request answered 4xx (other than 429)
-costs its body size, at least MIN_CHARGE bytes. While an address is in debt, its requests are
-answered 429 without reading their bodies, only after a delay (the time the debt takes to pay
-off, at most MAX_DELAY seconds), and with Connection: close. A client that retries at once is
-slowed to the budget's pace; a well-behaved client never notices it.
+(clients.py's key) has a token bucket of "rejected bytes": every request answered 4xx (other
+than 429) costs the body bytes actually read, at least MIN_CHARGE bytes. A declared
+Content-Length costs nothing by itself: a header-only request that declares a huge body and is
+refused unread costs MIN_CHARGE.
 
-Clients are told apart by their IP address (behind a proxy, all clients share one).
+While a client is in debt:
+- a request on a connection that was itself rejected before is answered 429 without its body
+  being read, only after a delay (the time the debt takes to pay off, at most MAX_DELAY seconds),
+  and with Connection: close;
+- a request on any other connection is read and checked as usual, so a well-formed request is
+  never held back by another connection's rejections; if it is rejected too, its answer waits for
+  the same delay and closes the connection. A client that sends each bad request on a new
+  connection is thus paced by its connection limit (connections.py) over the delay.
 """
 from __future__ import annotations
 
@@ -18,11 +25,12 @@ import collections
 import time
 from typing import Callable
 
-RATE_BYTES = 1 << 20          # rejected bytes per second an address may send, sustained
+RATE_BYTES = 1 << 20          # rejected bytes per second a client may send, sustained
 BURST_BYTES = 8 << 20         # ... and at once
 MIN_CHARGE = 16 << 10         # a rejected request costs at least this (bounds floods of tiny ones)
 MAX_DELAY = 5.0               # the longest a refused request is held before its 429
-MAX_CLIENTS = 10_000          # addresses remembered (least recently seen are forgotten first)
+MAX_CLIENTS = 10_000          # clients remembered (least recently seen are forgotten first)
+MAX_CONNECTIONS_REMEMBERED = 1024  # rejected connections remembered per client
 
 
 class RejectionBudget:
@@ -35,30 +43,48 @@ class RejectionBudget:
         self.max_delay = max_delay
         self.max_clients = max_clients
         self._clock = clock
-        # address -> (bytes left, time of that reading); only addresses that were charged
+        # client -> (bytes left, time of that reading); only clients that were charged
         self._left: collections.OrderedDict[str, tuple[float, float]] = collections.OrderedDict()
+        # client -> its connections that had a request rejected (forgotten with the client)
+        self._rejected_connections: dict[str, dict[str, None]] = {}
 
-    def _balance(self, addr: str) -> float:
-        left, when = self._left.get(addr, (self.burst, 0.0))
+    def _forget(self, client: str) -> None:
+        self._left.pop(client, None)
+        self._rejected_connections.pop(client, None)
+
+    def _balance(self, client: str) -> float:
+        left, when = self._left.get(client, (self.burst, 0.0))
         now = self._clock()
         left = min(self.burst, left + (now - when) * self.rate)
         if left >= self.burst:
-            self._left.pop(addr, None)  # back to full: nothing to remember
+            self._forget(client)  # back to full: nothing to remember
         else:
-            self._left[addr] = (left, now)
-            self._left.move_to_end(addr)
+            self._left[client] = (left, now)
+            self._left.move_to_end(client)
         return left
 
-    def delay(self, addr: str) -> float:
-        """0 when `addr` may send a request; otherwise the seconds to hold its 429 (the time its
-        debt takes to pay off, at most max_delay)."""
-        left = self._balance(addr)
+    def delay(self, client: str) -> float:
+        """0 when `client` is not in debt; otherwise the seconds the debt takes to pay off, at
+        most max_delay."""
+        left = self._balance(client)
         return 0.0 if left >= 0 else min(self.max_delay, -left / self.rate)
 
-    def charge(self, addr: str, nbytes: int) -> None:
-        """A request of `nbytes` from `addr` was rejected."""
-        left = self._balance(addr) - max(nbytes, self.min_charge)
-        self._left[addr] = (left, self._clock())
-        self._left.move_to_end(addr)
+    def hold_back(self, client: str, connection: str) -> float:
+        """The delay before a 429 for a request on `connection` that is refused unread: > 0 only
+        when `client` is in debt and this connection had a request rejected before."""
+        wait = self.delay(client)
+        return wait if wait > 0 and connection in self._rejected_connections.get(client, ()) else 0.0
+
+    def charge(self, client: str, nbytes: int, connection: str = "") -> None:
+        """A request from `client` on `connection` was rejected after `nbytes` of its body were read."""
+        left = self._balance(client) - max(nbytes, self.min_charge)
+        self._left[client] = (left, self._clock())
+        self._left.move_to_end(client)
+        if connection:
+            seen = self._rejected_connections.setdefault(client, {})
+            seen[connection] = None
+            if len(seen) > MAX_CONNECTIONS_REMEMBERED:
+                del seen[next(iter(seen))]
         while len(self._left) > self.max_clients:
-            self._left.popitem(last=False)
+            oldest, _ = self._left.popitem(last=False)
+            self._rejected_connections.pop(oldest, None)

@@ -62,6 +62,18 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     p.add_argument("--max-connections", type=int, default=settings.DEFAULT_MAX_CONNECTIONS, metavar="N",
                    help="open connections (or running requests) beyond which requests get 503 "
                         "(default %(default)d)")
+    p.add_argument("--max-connections-per-client", type=int, default=settings.DEFAULT_MAX_CONNECTIONS_PER_CLIENT,
+                   metavar="N", help="open connections one client (address, or its /64 for IPv6) may hold; "
+                                     "more are refused with 429 (default %(default)d; trusted proxies are exempt)")
+    p.add_argument("--trusted-proxies", type=_names, default=None, metavar="ADDRESSES",
+                   help="comma-separated proxy addresses or CIDR networks, e.g. 10.0.0.0/8,::1: only from "
+                        "these peers is X-Forwarded-For used to tell clients apart (its right-most address "
+                        "that is not a trusted proxy). Default: none; X-Forwarded-For is ignored")
+    p.add_argument("--public-metrics", action="store_true",
+                   help="serve /metrics without the API key (default: behind --api-key when one is set)")
+    p.add_argument("--metrics-interval", type=float, default=settings.DEFAULT_METRICS_INTERVAL, metavar="S",
+                   help="/metrics is rendered at most once per this many seconds; scrapes in between get "
+                        "that snapshot (default %(default)g; 0: every scrape renders)")
     p.add_argument("--shutdown-grace", type=float, default=settings.DEFAULT_SHUTDOWN_GRACE, metavar="S",
                    help="on SIGINT/SIGTERM: seconds running requests get to finish before they are "
                         "ended with an error event (default %(default)g)")
@@ -84,7 +96,9 @@ def build_app(args: argparse.Namespace) -> tuple[Any, Any]:
         app = create_app(server, model_name=model_name, max_queue=args.max_queue, api_key=args.api_key,
                          max_body_bytes=args.max_body_bytes, default_max_tokens=args.default_max_tokens,
                          body_timeout=args.body_timeout, bind_host=args.host, trusted_hosts=args.trusted_hosts,
-                         cors_origins=args.cors_origins, enable_docs=args.enable_docs)
+                         cors_origins=args.cors_origins, enable_docs=args.enable_docs,
+                         trusted_proxies=args.trusted_proxies, public_metrics=args.public_metrics,
+                         metrics_interval=args.metrics_interval)
     except BaseException:
         server.shutdown()
         raise
@@ -101,7 +115,8 @@ def main(args: argparse.Namespace) -> int:
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     for name, value in (("--max-queue", args.max_queue), ("--max-body-bytes", args.max_body_bytes),
                         ("--default-max-tokens", args.default_max_tokens),
-                        ("--max-connections", args.max_connections)):
+                        ("--max-connections", args.max_connections),
+                        ("--max-connections-per-client", args.max_connections_per_client)):
         if value < 1:
             logger.error("%s must be >= 1 (got %d)", name, value)
             return 2
@@ -110,8 +125,16 @@ def main(args: argparse.Namespace) -> int:
         if not value > 0:
             logger.error("%s must be > 0 seconds (got %g)", name, value)
             return 2
-    if not args.shutdown_grace >= 0:
-        logger.error("--shutdown-grace must be >= 0 seconds (got %g)", args.shutdown_grace)
+    for name, value in (("--shutdown-grace", args.shutdown_grace), ("--metrics-interval", args.metrics_interval)):
+        if not value >= 0:
+            logger.error("%s must be >= 0 seconds (got %g)", name, value)
+            return 2
+    try:
+        from .clients import parse_networks
+
+        parse_networks(args.trusted_proxies or ())  # before the model loads: a typo fails at once
+    except ValueError as exc:
+        logger.error("%s", exc)
         return 2
     try:
         server, app = build_app(args)
@@ -127,7 +150,9 @@ def main(args: argparse.Namespace) -> int:
         config = transport.make_config(app, host=args.host, port=args.port, log_level=args.log_level,
                                        header_timeout=args.header_timeout,
                                        keep_alive_timeout=args.keep_alive_timeout,
-                                       max_connections=args.max_connections)
+                                       max_connections=args.max_connections,
+                                       max_connections_per_client=args.max_connections_per_client,
+                                       client_keys=app.state.client_keys)
         # SIGINT/SIGTERM: drain (stop admitting, a bounded grace, end the rest in-band), then exit 0.
         transport.DrainingServer(config, lambda hurry: service.drain(args.shutdown_grace, hurry)).run()
     finally:

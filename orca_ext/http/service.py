@@ -142,9 +142,7 @@ class Service:
                            headers={"Connection": "close"})
         request.state.body_bytes = 0
         if declared is not None and declared.isdigit() and int(declared) > limit:
-            # Charged as sent (capped): declaring a huge body and hanging up is not free either.
-            request.state.body_bytes = min(int(declared), 4 * limit)
-            raise too_big
+            raise too_big  # refused unread: a declared size costs the client nothing by itself
 
         async def read() -> bytes:
             chunks = []
@@ -160,21 +158,6 @@ class Service:
         except asyncio.TimeoutError:
             raise APIError(408, f"Request body not received within {self.body_timeout:g} s",
                            code="request_timeout", headers={"Connection": "close"}) from None
-
-    async def check_rejections(self, request: Request) -> None:
-        """429 (after a delay, body unread) for a client address whose recent requests were
-        rejected faster than its budget allows (rejections.py)."""
-        addr = request.client.host if request.client else ""
-        wait = self.rejections.delay(addr)
-        if wait > 0:
-            await asyncio.sleep(wait)  # a client that retries at once is slowed to the budget's pace
-            raise APIError(429, "Too many rejected requests from this address; fix the requests, then retry",
-                           code="too_many_rejected_requests",
-                           headers={"Retry-After": str(max(1, round(wait))), "Connection": "close"})
-
-    def charge_rejection(self, request: Request) -> None:
-        addr = request.client.host if request.client else ""
-        self.rejections.charge(addr, getattr(request.state, "body_bytes", 0))
 
     def check_model(self, name: str | None) -> None:
         if name is not None and name != self.model_name:

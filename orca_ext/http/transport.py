@@ -1,13 +1,19 @@
 """The uvicorn side of `serve`: connection timeouts and limits, and a shutdown that drains.
 
-Limits (all options of `serve`):
+Limits (all options of `serve`; defaults in settings.py):
 - --header-timeout (10 s): a connection must deliver a complete request line and headers this
   long after it opens (or after its previous response): slow-header clients cannot hold
-  connections open forever. Headers over 16 KiB are refused by h11 (400).
+  connections open forever.
+- request line + headers over 16 KiB get 400 and the connection is closed, whether they arrive
+  in pieces (h11's limit) or in one read (checked on the parsed request).
 - --keep-alive-timeout (5 s): an idle keep-alive connection is closed after this.
+- a response sent before its request's body was read (an error, or a route that reads no body)
+  ends the connection: the server half-closes it at once and discards what the client still
+  sends for at most LINGER_SECONDS or LINGER_BYTES, then closes it. A declared body can never
+  keep a connection open past its response.
 - --body-timeout (30 s, enforced by the service): the whole body must arrive within this.
-- --max-connections (2048): beyond this many open connections (or running requests), new
-  requests get 503 at once instead of queueing in the kernel.
+- --max-connections (2048) and --max-connections-per-client (256): connections.py; a refused
+  connection gets the error at its first request, or is closed after REFUSED_WAIT seconds.
 
 Shutdown (SIGINT/SIGTERM): `DrainingServer` runs the app's `drain()` first (stop admitting, a
 bounded grace period for running requests, then end the rest in-band), then uvicorn's own
@@ -20,48 +26,170 @@ import contextlib
 import logging
 import signal
 import threading
+import time
 from typing import Any, Awaitable, Callable, Generator, Optional
 
 import h11
 import uvicorn
 from uvicorn.protocols.http.h11_impl import H11Protocol
 
+from .clients import ClientKeys
+from .connections import ConnectionLimiter, Refusal
+from .errors import APIError
 from .settings import (DEFAULT_HEADER_TIMEOUT, DEFAULT_KEEP_ALIVE_TIMEOUT, DEFAULT_MAX_CONNECTIONS,
-                       MAX_HEADER_BYTES)
+                       DEFAULT_MAX_CONNECTIONS_PER_CLIENT, MAX_HEADER_BYTES)
 
 logger = logging.getLogger(__name__)
 
+LINGER_SECONDS = 2.0        # after an early response: how long the rest of a body is discarded
+LINGER_BYTES = 1 << 20      # ... and how much of it, before the connection is closed
+REFUSED_WAIT = 1.0          # a refused connection's time to send the request its error answers
+REFUSAL_LOG_EVERY = 10.0    # seconds between two warnings about refused connections
 
 
-def header_timeout_protocol(timeout: float) -> type:
-    """An h11 protocol class that closes a connection whose request headers are not complete
-    `timeout` seconds after it opened or after its previous response."""
+def request_head_bytes(event: h11.Request) -> int:
+    """The size of a parsed request line and its headers, as sent (CRLFs, ': ' separators)."""
+    size = len(event.method) + len(event.target) + len(b"  HTTP/1.1\r\n\r\n")
+    for name, value in event.headers:
+        size += len(name) + len(value) + 4
+    return size
 
-    class HeaderTimeoutH11Protocol(H11Protocol):
+
+class BoundedHeadConnection(h11.Connection):
+    """h11 bounds a request head that arrives in pieces (max_incomplete_event_size) but parses
+    one that arrives whole in one read, whatever its size; this bounds that one too."""
+
+    def next_event(self) -> Any:
+        event = super().next_event()
+        if isinstance(event, h11.Request) and request_head_bytes(event) > MAX_HEADER_BYTES:
+            raise h11.RemoteProtocolError(f"request line and headers over {MAX_HEADER_BYTES} bytes",
+                                          error_status_hint=431)
+        return event
+
+
+class _RefusalLog:
+    """One warning per REFUSAL_LOG_EVERY seconds about refused connections, with a count."""
+
+    def __init__(self) -> None:
+        self.next_at = 0.0
+        self.suppressed = 0
+
+    def refused(self, key: str, refusal: Refusal) -> None:
+        now = time.monotonic()
+        if now < self.next_at:
+            self.suppressed += 1
+            return
+        logger.warning("refused a connection from %r: %s (%d more refused since the last warning)",
+                       key, refusal.message, self.suppressed)
+        self.next_at = now + REFUSAL_LOG_EVERY
+        self.suppressed = 0
+
+
+def _refusal_app(refusal: Refusal) -> Callable[..., Awaitable[None]]:
+    async def refuse(scope: dict, receive: Any, send: Any) -> None:
+        await APIError(refusal.status, refusal.message, code=refusal.code,
+                       headers={"Connection": "close", "Retry-After": "1"}).response()(scope, receive, send)
+
+    return refuse
+
+
+def serving_protocol(timeout: float, limiter: ConnectionLimiter, keys: ClientKeys) -> type:
+    """The h11 protocol class of one server: header timeout, bounded heads, connections closed
+    after early responses, and the per-client connection limits of `limiter`."""
+    refusals = _RefusalLog()
+
+    class ServingH11Protocol(H11Protocol):
         header_timeout = timeout
+        connection_limiter = limiter  # shared by every connection of this server
         _header_timer: Optional[asyncio.TimerHandle] = None
+        _linger_timer: Optional[asyncio.TimerHandle] = None
+        _lingered: Optional[int] = None     # bytes discarded while lingering; None: not lingering
+        _client_key = ""
+        _counted = False
+
+        def __init__(self, *args: Any, **kwargs: Any) -> None:
+            super().__init__(*args, **kwargs)
+            self.conn = BoundedHeadConnection(h11.SERVER, MAX_HEADER_BYTES)
 
         def connection_made(self, transport: Any) -> None:  # type: ignore[override]
             super().connection_made(transport)
-            self._arm_header_timer()
+            peer = self.client[0] if self.client else ""
+            self._client_key = keys.peer_key(peer)
+            refusal = limiter.open(self._client_key, trusted=keys.is_trusted(peer))
+            if refusal is None:
+                self._counted = True
+                self._arm_header_timer(self.header_timeout)
+                return
+            refusals.refused(self._client_key, refusal)
+            self.connections.discard(self)  # not counted against uvicorn's limit either
+            self.app = _refusal_app(refusal)
+            self._arm_header_timer(min(REFUSED_WAIT, self.header_timeout))
 
         def data_received(self, data: bytes) -> None:
+            if self._lingered is not None:  # the rest of an answered request's body: discarded
+                self._lingered += len(data)
+                if self._lingered > LINGER_BYTES:
+                    self.transport.close()
+                return
             super().data_received(data)
             if self.conn.their_state is not h11.IDLE:  # the request line and headers are in
                 self._cancel_header_timer()
 
         def on_response_complete(self) -> None:
+            unread_body = self.conn.their_state is h11.SEND_BODY
             super().on_response_complete()
-            if not self.transport.is_closing():  # keep-alive: the next request has its own deadline
-                self._arm_header_timer()
+            if self.transport.is_closing():
+                return
+            if unread_body:
+                self._linger()
+            else:  # keep-alive: the next request has its own deadline
+                self._arm_header_timer(self.header_timeout)
+
+        def send_400_response(self, msg: str) -> None:
+            """uvicorn's answer to a malformed request (an oversize head included), ended by a
+            lingering close: closing at once, with the rest of the request unread, would reset
+            the connection and could destroy the answer before the client reads it."""
+            try:
+                output = self.conn.send(h11.Response(status_code=400, reason=b"Bad Request", headers=[
+                    (b"content-type", b"text/plain; charset=utf-8"), (b"connection", b"close")]))
+                output += self.conn.send(h11.Data(data=msg.encode("ascii")))
+                output += self.conn.send(h11.EndOfMessage())
+            except h11.LocalProtocolError:  # a response is already under way: no room for this one
+                self.transport.close()
+                return
+            self.transport.write(output)
+            self._linger()
 
         def connection_lost(self, exc: Optional[Exception]) -> None:
             self._cancel_header_timer()
+            if self._linger_timer is not None:
+                self._linger_timer.cancel()
+                self._linger_timer = None
+            if self._counted:
+                self._counted = False
+                limiter.close(self._client_key)
             super().connection_lost(exc)
 
-        def _arm_header_timer(self) -> None:
+        def _linger(self) -> None:
+            """The response is out but the request's body is still arriving: no further request
+            can follow on this connection. Half-close it (the client reads the response, then
+            EOF) and discard the body for a bounded time and size, so that closing does not reset
+            a client still writing its body before it has read the response."""
+            self._unset_keepalive_if_required()
             self._cancel_header_timer()
-            self._header_timer = self.loop.call_later(self.header_timeout, self._header_timeout_expired)
+            self._lingered = 0
+            logger.debug("closing a connection from %r: its response went out before its body was read",
+                         self._client_key)
+            try:
+                self.transport.write_eof()
+            except (OSError, RuntimeError, NotImplementedError):
+                self.transport.close()
+                return
+            self._linger_timer = self.loop.call_later(LINGER_SECONDS, self.transport.close)
+
+        def _arm_header_timer(self, seconds: float) -> None:
+            self._cancel_header_timer()
+            self._header_timer = self.loop.call_later(seconds, self._header_timeout_expired)
 
         def _cancel_header_timer(self) -> None:
             if self._header_timer is not None:
@@ -71,23 +199,31 @@ def header_timeout_protocol(timeout: float) -> type:
         def _header_timeout_expired(self) -> None:
             self._header_timer = None
             if self.conn.their_state is h11.IDLE and not self.transport.is_closing():
-                logger.debug("closing a connection from %r: no complete request headers within %g s",
-                             self.client, self.header_timeout)
+                logger.debug("closing a connection from %r: no complete request headers within the timeout",
+                             self._client_key)
                 self.transport.close()
 
-    return HeaderTimeoutH11Protocol
+    return ServingH11Protocol
 
 
 def make_config(app: Any, *, host: str, port: int, log_level: str,
                 header_timeout: float = DEFAULT_HEADER_TIMEOUT,
                 keep_alive_timeout: float = DEFAULT_KEEP_ALIVE_TIMEOUT,
-                max_connections: int = DEFAULT_MAX_CONNECTIONS) -> uvicorn.Config:
+                max_connections: int = DEFAULT_MAX_CONNECTIONS,
+                max_connections_per_client: int = DEFAULT_MAX_CONNECTIONS_PER_CLIENT,
+                client_keys: Optional[ClientKeys] = None) -> uvicorn.Config:
+    """The uvicorn config of one server. client_keys: who is a client (its trusted proxies);
+    pass the app's (`app.state.client_keys`) so that both layers agree."""
+    limiter = ConnectionLimiter(max_connections, max_connections_per_client)
     return uvicorn.Config(
         app, host=host, port=port, log_level=log_level,
-        http=header_timeout_protocol(header_timeout),
+        http=serving_protocol(header_timeout, limiter, client_keys or ClientKeys()),
         timeout_keep_alive=int(max(1, keep_alive_timeout)),
         h11_max_incomplete_event_size=MAX_HEADER_BYTES,
-        limit_concurrency=max_connections,
+        # Connections are limited by `limiter` (uvicorn's own limit would also count the short
+        # tasks that answer refused connections). Running requests are bounded by the
+        # connections (one at a time each) and, for completions, by --max-queue.
+        limit_concurrency=None,
         # After drain() every stream has ended; this only bounds connections that still linger.
         timeout_graceful_shutdown=5,
         lifespan="off",

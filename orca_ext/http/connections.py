@@ -1,0 +1,67 @@
+"""Open connections per client, so that one client cannot take every connection the server has.
+
+Three rules decide whether a new connection is served (the key is clients.py's peer key):
+- the server holds fewer than --max-connections open connections, else 503;
+- its client holds fewer than --max-connections-per-client, else 429 (a trusted proxy, which
+  carries many clients, is exempt);
+- room for new clients: once three quarters of --max-connections are open, a client that
+  already holds at least its fair share (the open connections divided by the clients holding
+  them) is refused (503), so the last quarter goes to clients holding fewer.
+
+A refused connection is not counted: it is answered at its first request with the error and
+Connection: close, or closed if that request does not arrive within a second.
+"""
+from __future__ import annotations
+
+import collections
+from dataclasses import dataclass
+from typing import Optional
+
+
+@dataclass(frozen=True)
+class Refusal:
+    status: int
+    code: str
+    message: str
+
+
+class ConnectionLimiter:
+    def __init__(self, max_connections: int, max_per_client: int) -> None:
+        if max_connections < 1 or max_per_client < 1:
+            raise ValueError(f"connection limits must be >= 1 (got {max_connections}, {max_per_client})")
+        self.max_connections = max_connections
+        self.max_per_client = max_per_client
+        self.crowded_at = max(1, (3 * max_connections) // 4)
+        self.total = 0
+        self._open: collections.Counter[str] = collections.Counter()
+
+    def open(self, key: str, trusted: bool = False) -> Optional[Refusal]:
+        """Count a new connection of client `key` (`trusted`: a trusted proxy), or say why it is
+        refused (then it is not counted)."""
+        held = self._open.get(key, 0)
+        if self.total >= self.max_connections:
+            return Refusal(503, "server_busy", f"Server busy: {self.total} connections open (limit "
+                                               f"--max-connections {self.max_connections}); retry later")
+        if not trusted and held >= self.max_per_client:
+            return Refusal(429, "too_many_connections",
+                           f"Too many connections from this client: {held} open (limit "
+                           f"--max-connections-per-client {self.max_per_client}); reuse or close them")
+        if not trusted and held and self.total >= self.crowded_at and held * len(self._open) >= self.total:
+            return Refusal(503, "server_busy", f"Server nearly full ({self.total} of {self.max_connections} "
+                                               f"connections) and this client holds {held}, at least its "
+                                               "share; retry later")
+        self._open[key] = held + 1
+        self.total += 1
+        return None
+
+    def close(self, key: str) -> None:
+        """A counted connection of `key` closed."""
+        left = self._open[key] - 1
+        if left > 0:
+            self._open[key] = left
+        else:
+            self._open.pop(key, None)
+        self.total -= 1
+
+    def held(self, key: str) -> int:
+        return self._open.get(key, 0)
