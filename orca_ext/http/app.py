@@ -37,7 +37,7 @@ from . import protocol, sse
 from .errors import APIError, bad_request, engine_error, internal_error, request_rejected, shutdown_error
 from .guards import Guards, allowed_hosts
 from .rejections import RejectionBudget
-from .service import Admission, Service, validation_error
+from .service import Admission, Service, client_key, validation_error
 from .settings import DEFAULT_BODY_TIMEOUT, DEFAULT_CHAT_MAX_TOKENS, DEFAULT_MAX_BODY_BYTES
 
 logger = logging.getLogger(__name__)
@@ -224,7 +224,7 @@ async def _respond(svc: Service, request: Request, body: Any, adm: Admission,
 async def _run_completion(svc: Service, request: Request, body: protocol.CompletionRequest,
                           adm: Admission) -> Response:
     max_tokens = body.max_tokens if body.max_tokens is not None else protocol.COMPLETIONS_DEFAULT_MAX_TOKENS
-    await svc.submit(adm, body.prompt, body, max_tokens)
+    await svc.submit(adm, body.prompt, body, max_tokens, client=client_key(request))
     created = protocol.now()
     return await _respond(
         svc, request, body, adm, lambda: sse.completion_events(adm, body, created),
@@ -235,11 +235,11 @@ async def _run_completion(svc: Service, request: Request, body: protocol.Complet
 
 async def _run_chat(svc: Service, request: Request, body: protocol.ChatCompletionRequest,
                     adm: Admission) -> Response:
-    prompt_ids = await asyncio.to_thread(svc.chat_prompt_ids, body.message_dicts())
+    prompt_ids = await svc.chat_prompt_ids(client_key(request), body.message_dicts())
     max_tokens = body.requested_max_tokens
     if max_tokens is None:
         max_tokens = svc.chat_default_max_tokens(len(prompt_ids))
-    await svc.submit(adm, prompt_ids, body, max_tokens)
+    await svc.submit(adm, prompt_ids, body, max_tokens, client=client_key(request))
     created = protocol.now()
     return await _respond(
         svc, request, body, adm, lambda: sse.chat_events(adm, body, created),
