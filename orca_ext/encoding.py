@@ -11,6 +11,15 @@ The length bound: no token of the vocabulary covers more than `longest_token_cha
 so a text of more than `max_model_len * longest_token_chars` characters cannot encode to
 `max_model_len` tokens or fewer (unless the tokenizer's normalizer deletes characters, which
 the tokenizers we load do not do).
+
+The work bound: a text can still be up to that many characters and yet far more tokens than
+fit. Past `max_tokens * DIRECT_CHARS_PER_TOKEN` characters, the text is first counted in pieces of
+about `PIECE_CHARS` characters, cut before a space where one is near, and rejected as soon as the
+pieces add up to more than fit; only a text that may fit is encoded whole. So a rejected text
+costs about as much encoding as the longest text that fits, whatever its length. Cutting a text
+changes its token count only next to the cut (the pre-tokenizers split at spaces anyway, and a
+piece adds at most its own start and end tokens): each piece is allowed `PIECE_SLACK_TOKENS` more
+tokens than it could contribute to the whole, so no text that fits is rejected.
 """
 from __future__ import annotations
 
@@ -19,13 +28,20 @@ import logging
 import queue
 import threading
 from contextlib import contextmanager
-from typing import Any, Iterator, Optional
+from typing import Any, Iterator, Optional, Sequence, Union
 
 from .errors import InvalidRequestError
 
 log = logging.getLogger(__name__)
 
 DEFAULT_POOL_SIZE = 2
+PIECE_CHARS = 16_384            # characters per piece of the counting pass
+DIRECT_CHARS_PER_TOKEN = 8      # texts up to max_tokens x this many characters skip the counting pass
+PIECE_SLACK_TOKENS = 4          # tokens a piece may count on its own beyond its share of the whole
+CUT_WINDOW_CHARS = 1_024        # how far back from a piece's end a cut looks for a space
+
+# A text part of a prompt, or a token id placed as is (encode_parts).
+Part = Union[str, int]
 
 
 def longest_token_chars(tokenizer: Any) -> Optional[int]:
@@ -40,6 +56,35 @@ def longest_token_chars(tokenizer: Any) -> Optional[int]:
     except Exception:  # an exotic tokenizer: no bound rather than no server
         return None
     return max((len(t) for t in vocab), default=None) or None
+
+
+def piece_end(text: str, start: int, piece_chars: int = PIECE_CHARS) -> int:
+    """Where the piece of `text` that begins at `start` ends: about `piece_chars` on, moved back
+    to just before a space (the first of a run) when one lies within CUT_WINDOW_CHARS."""
+    end = start + piece_chars
+    if end >= len(text):
+        return len(text)
+    space = text.rfind(" ", max(start + 1, end - CUT_WINDOW_CHARS), end)
+    if space <= start:
+        return end
+    while space - 1 > start and text[space - 1] == " ":
+        space -= 1
+    return space
+
+
+def exceeds_tokens(tokenizer: Any, text: str, budget: int, *, piece_chars: int = PIECE_CHARS,
+                   **kwargs: Any) -> Optional[int]:
+    """None when `text` may encode to `budget` tokens or fewer; otherwise how many characters
+    were encoded, piece by piece, before the count proved it cannot (module docstring)."""
+    start = counted = pieces = 0
+    while start < len(text):
+        end = piece_end(text, start, piece_chars)
+        counted += len(tokenizer.encode(text[start:end], **kwargs))
+        pieces += 1
+        if counted - PIECE_SLACK_TOKENS * pieces > budget:
+            return end
+        start = end
+    return None
 
 
 def check_text(text: str, field: str) -> None:
@@ -70,20 +115,60 @@ class PromptEncoder:
         self._fallback_lock = fallback_lock or threading.Lock()
         self._copyable = True
         per_token = longest_token_chars(tokenizer)
+        self._max_tokens = max_tokens or None
         self.max_chars: Optional[int] = max_tokens * per_token if max_tokens and per_token else None
         self._per_token = per_token
+
+    @property
+    def max_tokens(self) -> Optional[int]:
+        """The most tokens a prompt may have (the server's max_model_len, within its KV cache)."""
+        return self._max_tokens
+
+    def check_length(self, text_chars: int, field: str) -> None:
+        """InvalidRequestError (param=`field`) when `text_chars` characters cannot fit."""
+        if self.max_chars is not None and text_chars > self.max_chars:
+            raise InvalidRequestError(
+                f"{field} has {text_chars} characters; at most {self.max_chars} can fit max_model_len "
+                f"(no token of this vocabulary is longer than {self._per_token} characters)", param=field)
 
     def encode(self, text: str, *, field: str = "prompt", **kwargs: Any) -> list[int]:
         """Token ids of `text`; InvalidRequestError (param=`field`) for text that is not valid
         Unicode or that is too long to fit. kwargs go to tokenizer.encode (e.g.
         add_special_tokens=False)."""
-        check_text(text, field)
-        if self.max_chars is not None and len(text) > self.max_chars:
-            raise InvalidRequestError(
-                f"{field} has {len(text)} characters; at most {self.max_chars} can fit max_model_len "
-                f"(no token of this vocabulary is longer than {self._per_token} characters)", param=field)
+        return self.encode_parts((text,), field=field, **kwargs)
+
+    def encode_parts(self, parts: Sequence[Part], *, field: str = "prompt", **kwargs: Any) -> list[int]:
+        """Token ids of `parts` in order: each text encoded on its own (kwargs go to
+        tokenizer.encode), each int placed as that token id. The same checks as encode, on all
+        the parts together."""
+        chars = 0
+        for part in parts:
+            if isinstance(part, str):
+                check_text(part, field)
+                chars += len(part)
+        self.check_length(chars, field)
+        ids: list[int] = []
         with self._borrow() as tok:
-            return list(tok.encode(text, **kwargs))
+            for part in parts:
+                if isinstance(part, str):
+                    ids.extend(self._encode_bounded(tok, part, field, len(ids), kwargs))
+                else:
+                    ids.append(part)
+        return ids
+
+    def _encode_bounded(self, tok: Any, text: str, field: str, before: int, kwargs: dict) -> list[int]:
+        """tok.encode(text), after a counting pass for a text long enough to exceed what is left
+        of the budget once `before` tokens precede it."""
+        if self._max_tokens is not None:
+            budget = self._max_tokens - before
+            if len(text) > max(PIECE_CHARS, budget * DIRECT_CHARS_PER_TOKEN):
+                encoded = exceeds_tokens(tok, text, budget, **kwargs)
+                if encoded is not None:
+                    raise InvalidRequestError(
+                        f"{field} encodes to more than {self._max_tokens} tokens, the most that fit "
+                        f"max_model_len and the KV cache (counted in its first {encoded} of "
+                        f"{len(text)} characters)", param=field)
+        return list(tok.encode(text, **kwargs))
 
     @contextmanager
     def _borrow(self) -> Iterator[Any]:

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import math
 import numbers
+import operator
 from dataclasses import dataclass
 from typing import Optional, Sequence
 
@@ -32,6 +33,10 @@ GREEDY_TEMPERATURE = 1e-5
 MAX_STOP_STRINGS = 16
 MAX_STOP_STRING_CHARS = 256
 MAX_STOP_TOKEN_IDS = 1024
+# Seeds: any int64 or uint64 value (numpy and torch integer scalars are converted to int); the
+# request's generator is seeded with the seed modulo 2**64.
+MIN_SEED = -(1 << 63)
+MAX_SEED = (1 << 64) - 1
 _FLOAT32_MAX = float(torch.finfo(torch.float32).max)
 
 
@@ -69,8 +74,7 @@ class SamplingParams:
                                       param="top_k")
         if not _is_real(self.top_p) or not (0.0 < self.top_p <= 1.0):
             raise InvalidRequestError(f"top_p must be in (0, 1], got {self.top_p!r}", param="top_p")
-        if self.seed is not None and not _is_int(self.seed):
-            raise InvalidRequestError(f"seed must be an integer or None, got {self.seed!r}", param="seed")
+        seed = _check_seed(self.seed)
         stop = _check_stop(self.stop)
         stop_ids = self.stop_token_ids if self.stop_token_ids is not None else ()
         if isinstance(stop_ids, (str, bytes)):
@@ -97,6 +101,7 @@ class SamplingParams:
         object.__setattr__(self, "temperature", float(self.temperature))
         object.__setattr__(self, "top_k", int(self.top_k))
         object.__setattr__(self, "top_p", float(self.top_p))
+        object.__setattr__(self, "seed", seed)
         object.__setattr__(self, "stop", stop)
         object.__setattr__(self, "stop_token_ids", tuple(int(t) for t in stop_ids))
         # Compiled once here, on the caller's thread, and shared by every request using these
@@ -117,6 +122,25 @@ def _short(value, limit: int = 60) -> str:
     """repr() of a client value, cut so that an error message stays one short line."""
     text = repr(value)
     return text if len(text) <= limit else text[:limit] + f"... ({len(text)} chars)"
+
+
+def _check_seed(seed) -> Optional[int]:
+    """The seed as a Python int in [MIN_SEED, MAX_SEED], or None."""
+    if seed is None:
+        return None
+    if isinstance(seed, bool) or (isinstance(seed, torch.Tensor) and seed.dtype == torch.bool):
+        raise InvalidRequestError(f"seed must be an integer or None, got {seed!r}", param="seed")
+    try:
+        value = operator.index(seed)  # int, numpy integer scalars, one-element integer tensors
+    except (TypeError, ValueError, RuntimeError):
+        raise InvalidRequestError(f"seed must be an integer or None, got {_short(seed)}", param="seed") from None
+    if isinstance(seed, torch.Tensor) and seed.ndim != 0:
+        raise InvalidRequestError(f"seed must be an integer or None, got a tensor of shape {list(seed.shape)}",
+                                  param="seed")
+    if not MIN_SEED <= value <= MAX_SEED:
+        raise InvalidRequestError(f"seed must be in [-2**63, 2**64 - 1] (int64 or uint64), got {value}",
+                                  param="seed")
+    return value
 
 
 def _check_stop(stop) -> tuple:

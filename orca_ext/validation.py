@@ -5,14 +5,44 @@ on the caller's thread, never with the tokenizer the engine thread detokenizes w
 """
 from __future__ import annotations
 
+import numbers
 import threading
-from typing import Optional, Sequence, Union
+from typing import Any, Optional, Sequence, Union
+
+import torch
 
 from .encoding import PromptEncoder
 from .errors import InvalidRequestError
 from .sampling import SamplingParams
 
 Prompt = Union[str, Sequence[int]]
+
+
+def text_prompt_ids(encoder: PromptEncoder, text: str) -> list[int]:
+    """Token ids of a text prompt: not empty, valid Unicode, short enough to fit (encoding.py)."""
+    if not text:
+        raise InvalidRequestError("prompt must not be empty", param="prompt")
+    ids = encoder.encode(text)
+    if not ids:
+        raise InvalidRequestError("prompt must not be empty (it encodes to no tokens)", param="prompt")
+    return ids
+
+
+def token_id(value: Any, index: int) -> int:
+    """One entry of a token-id prompt as an int: a Python, numpy or 0-d torch integer (bools and
+    everything else are refused)."""
+    if isinstance(value, int) and not isinstance(value, bool):
+        return value
+    if isinstance(value, numbers.Integral) and not isinstance(value, bool):  # numpy integers
+        return int(value)
+    if isinstance(value, torch.Tensor) and value.ndim == 0 and not value.is_floating_point() \
+            and not value.is_complex() and value.dtype != torch.bool:
+        return int(value.item())
+    shape = f" of shape {list(value.shape)}" if isinstance(value, torch.Tensor) else ""
+    text = repr(value)
+    text = text if len(text) <= 60 else text[:60] + "..."
+    raise InvalidRequestError(f"prompt[{index}] must be an integer token id (the prompt must be a flat list "
+                              f"of ids), got {type(value).__name__}{shape} {text}", param="prompt")
 
 
 class LockedTokenizer:
@@ -43,20 +73,20 @@ class RequestValidator:
     def prompt_ids(self, prompt: Prompt) -> list[int]:
         """Token ids of a text or token-id prompt; InvalidRequestError names what is wrong."""
         if isinstance(prompt, str):
-            if not prompt:
-                raise InvalidRequestError("prompt must not be empty", param="prompt")
             if self.encoder is None:
+                if not prompt:
+                    raise InvalidRequestError("prompt must not be empty", param="prompt")
                 raise InvalidRequestError("prompt: a text prompt needs a tokenizer; pass token ids",
                                           param="prompt")
             # Checks its length and Unicode first, then encodes with a private tokenizer copy.
-            ids = self.encoder.encode(prompt)
-            if not ids:
-                raise InvalidRequestError("prompt must not be empty (it encodes to no tokens)", param="prompt")
-            return ids
+            return text_prompt_ids(self.encoder, prompt)
         if isinstance(prompt, (bytes, bytearray, memoryview)):
             # Iterating bytes gives ints, which would silently pass as token ids.
             raise InvalidRequestError(f"prompt must be a string or a list of token ids, got "
                                       f"{type(prompt).__name__}; decode it to a str first", param="prompt")
+        if isinstance(prompt, torch.Tensor) and prompt.ndim != 1:
+            raise InvalidRequestError(f"prompt must be a 1-D sequence of token ids, got a tensor of shape "
+                                      f"{list(prompt.shape)}", param="prompt")
         try:
             ids = list(prompt)
         except TypeError:
@@ -69,11 +99,7 @@ class RequestValidator:
             raise InvalidRequestError(f"prompt has {len(ids)} tokens; max_model_len = {self.max_model_len}",
                                       param="prompt")
         for i, t in enumerate(ids):
-            if hasattr(t, "item") and not isinstance(t, int):  # numpy / torch scalars
-                t = t.item()
-                ids[i] = t
-            if not isinstance(t, int) or isinstance(t, bool):
-                raise InvalidRequestError(f"prompt[{i}] must be an integer token id, got {t!r}", param="prompt")
+            t = ids[i] = token_id(t, i)
             if not 0 <= t < self.vocab_size:
                 raise InvalidRequestError(
                     f"prompt[{i}] = {t} is outside the vocabulary [0, {self.vocab_size})", param="prompt")

@@ -845,3 +845,40 @@ def test_metrics_come_from_a_shared_snapshot_behind_the_key(make_server):
     for _ in range(3):
         assert asyncio.run(scrape(public, 1))[0].status_code == 200
     assert len(calls) == 3
+
+# -- prompt and seed types, through the Python API --------------------------------------------------
+@pytest.mark.parametrize("prompt", [torch.tensor([[1, 2]]), torch.tensor([[1], [2]]), torch.tensor(5),
+                                    torch.tensor([1.0, 2.0]), torch.tensor([True, False]), [[1, 2]],
+                                    [torch.tensor([1, 2])]], ids=repr)
+def test_a_prompt_that_is_not_a_flat_list_of_ids_is_an_invalid_request(make_server, prompt):
+    """A 2-D tensor, a 0-d one, float or bool ids, nested lists: InvalidRequestError about the
+    prompt at submit, and the server keeps serving. A 1-D integer tensor or numpy array is a
+    list of ids."""
+    import numpy as np
+
+    server = make_server()
+    with pytest.raises(InvalidRequestError, match="prompt") as info:
+        server.submit(prompt)
+    assert info.value.param == "prompt"
+    params = SamplingParams(max_tokens=4, ignore_eos=True)
+    for ids in (torch.tensor([3, 1, 4]), np.array([3, 1, 4]), [np.int64(3), torch.tensor(1), 4]):
+        assert server.result(server.submit(ids, params), timeout=60).token_ids == fake_reference([3, 1, 4], 4)
+    assert_idle(server)
+
+
+def test_a_numpy_uint64_seed_is_served_like_the_same_int(make_server):
+    """seed=np.uint64(2**64 - 1) is the int 2**64 - 1: served (not failed in the sampler) with
+    the same tokens, beside bystanders that are unaffected; beyond the uint64 range it is an
+    InvalidRequestError about the seed at construction."""
+    import numpy as np
+
+    model = FakeModel()
+    server = make_server(model)
+    params = SamplingParams(max_tokens=8, temperature=1.0, seed=np.uint64(2**64 - 1), ignore_eos=True)
+    [out] = alongside_bystanders(server, model, lambda: [server.submit([1, 2, 3], params)])
+    assert out.finish_reason == "length" and out.error is None
+    same = SamplingParams(max_tokens=8, temperature=1.0, seed=2**64 - 1, ignore_eos=True)
+    assert server.generate([1, 2, 3], same)[0].token_ids == out.token_ids
+    with pytest.raises(InvalidRequestError, match=r"seed must be in \[-2\*\*63, 2\*\*64 - 1\]") as info:
+        SamplingParams(seed=2**64)
+    assert info.value.param == "seed"

@@ -537,7 +537,7 @@ def test_internal_error_is_a_logged_500(engine, caplog):
             return getattr(self._s, name)
 
         def submit(self, prompt, params=None, *, request_id=None):
-            if prompt == "trigger the bug":
+            if params.max_tokens == 7:  # the trigger (the HTTP layer submits prompts as token ids)
                 raise RuntimeError("simulated bug")
             return self._s.submit(prompt, params, request_id=request_id)
 
@@ -545,7 +545,7 @@ def test_internal_error_is_a_logged_500(engine, caplog):
 
     async def go():
         async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://app") as c:
-            bad = await c.post("/v1/completions", json={"prompt": "trigger the bug"})
+            bad = await c.post("/v1/completions", json={"prompt": "trigger the bug", "max_tokens": 7})
             good = await c.post("/v1/completions", json={"prompt": "fine", "max_tokens": 2})
             return bad, good
 

@@ -26,6 +26,12 @@ def req(params: SamplingParams, name="r") -> Request:
     (dict(top_k=-1), "top_k"),
     (dict(top_k=1.5), "top_k"),
     (dict(seed="7"), "seed"),
+    (dict(seed=1.0), "seed"),
+    (dict(seed=True), "seed"),
+    (dict(seed=2**64), "seed"),
+    (dict(seed=-(2**63) - 1), "seed"),
+    (dict(seed=torch.tensor([1, 2])), "seed"),
+    (dict(seed=torch.tensor(1.5)), "seed"),
     (dict(stop=[""]), "stop"),
     (dict(stop=["ok", 3]), "stop"),
     (dict(stop=5), "stop"),
@@ -38,6 +44,20 @@ def test_invalid_params_raise_naming_the_field(kwargs, field):
         SamplingParams(**kwargs)
     assert info.value.param == field  # an entry of a list is reported as the list
     assert issubclass(InvalidRequestError, ValueError)
+
+
+def test_integer_seeds_of_every_kind_become_ints_that_seed_the_sampler():
+    """numpy and torch integer scalars are seeds like the int of the same value, across the whole
+    int64 and uint64 range: the same draws, and no failure in the sampler."""
+    import numpy as np
+
+    logits = torch.randn(1, 50)
+    for raw, value in [(np.uint64(2**64 - 1), 2**64 - 1), (np.int64(-(2**63)), -(2**63)), (torch.tensor(7), 7),
+                       (np.int32(5), 5), (2**64 - 1, 2**64 - 1)]:
+        kinds = [SamplingParams(temperature=1.0, seed=s) for s in (raw, value)]
+        assert type(kinds[0].seed) is int and kinds[0].seed == value and kinds[0] == kinds[1]
+        draws = [Sampler()(logits.expand(3, -1).contiguous(), [req(p, f"s{i}") for i in range(3)]) for p in kinds]
+        assert draws[0].tokens == draws[1].tokens and None not in draws[0].tokens, draws[0].errors
 
 
 def test_params_are_normalised_and_immutable():

@@ -44,6 +44,7 @@ from .clients import ClientKeys, client_key
 from .errors import APIError, bad_request, engine_error, internal_error, request_rejected, shutdown_error
 from .guards import Guards, allowed_hosts
 from .metrics_snapshot import MetricsSnapshot
+from .prompt_workers import DEFAULT_PROMPT_JOBS_PER_CLIENT, DEFAULT_PROMPT_THREADS
 from .rejections import RejectionBudget
 from .service import Admission, Service, validation_error
 from .settings import (DEFAULT_BODY_TIMEOUT, DEFAULT_CHAT_MAX_TOKENS, DEFAULT_MAX_BODY_BYTES,
@@ -60,7 +61,9 @@ def create_app(server: Server, *, model_name: str, max_queue: int = 256, api_key
                bind_host: str | None = None, trusted_hosts: list[str] | None = None,
                cors_origins: list[str] | None = None, enable_docs: bool = False,
                rejections: RejectionBudget | None = None, trusted_proxies: list[str] | None = None,
-               public_metrics: bool = False, metrics_interval: float = DEFAULT_METRICS_INTERVAL) -> FastAPI:
+               public_metrics: bool = False, metrics_interval: float = DEFAULT_METRICS_INTERVAL,
+               prompt_threads: int = DEFAULT_PROMPT_THREADS,
+               prompt_jobs_per_client: int = DEFAULT_PROMPT_JOBS_PER_CLIENT) -> FastAPI:
     """The HTTP app over a running ``orca_ext.Server`` (which the caller owns and shuts down).
 
     model_name: the only name accepted in the "model" field (others get 404).
@@ -78,11 +81,14 @@ def create_app(server: Server, *, model_name: str, max_queue: int = 256, api_key
     public_metrics: serve /metrics without the API key even when one is set.
     metrics_interval: the most seconds a /metrics snapshot is served for (0: every scrape
     renders, concurrent scrapes still share one rendering).
+    prompt_threads / prompt_jobs_per_client: the threads that render chat templates and encode
+    text prompts, and the most of them one client holds at once (prompt_workers.py).
     The chat template, the context limit and the vocabulary size are the server's.
     """
     svc = Service(server, model_name=model_name, max_queue=max_queue, api_key=api_key,
                   max_body_bytes=max_body_bytes, default_max_tokens=default_max_tokens,
-                  body_timeout=body_timeout, rejections=rejections)
+                  body_timeout=body_timeout, rejections=rejections, prompt_threads=prompt_threads,
+                  prompt_jobs_per_client=prompt_jobs_per_client)
     docs = {} if enable_docs else {"docs_url": None, "redoc_url": None, "openapi_url": None}
     app = FastAPI(title="orca_ext", summary="OpenAI-compatible serving with iteration-level scheduling", **docs)
     app.state.service = svc
@@ -261,7 +267,7 @@ async def _respond(svc: Service, request: Request, body: Any, adm: Admission,
 async def _run_completion(svc: Service, request: Request, body: protocol.CompletionRequest,
                           adm: Admission) -> Response:
     max_tokens = body.max_tokens if body.max_tokens is not None else protocol.COMPLETIONS_DEFAULT_MAX_TOKENS
-    await svc.submit(adm, body.prompt, body, max_tokens)
+    await svc.submit(adm, body.prompt, body, max_tokens, client=client_key(request))
     created = protocol.now()
     return await _respond(
         svc, request, body, adm, lambda: sse.completion_events(adm, body, created),
@@ -272,11 +278,11 @@ async def _run_completion(svc: Service, request: Request, body: protocol.Complet
 
 async def _run_chat(svc: Service, request: Request, body: protocol.ChatCompletionRequest,
                     adm: Admission) -> Response:
-    prompt_ids = await asyncio.to_thread(svc.chat_prompt_ids, body.message_dicts())
+    prompt_ids = await svc.chat_prompt_ids(client_key(request), body.message_dicts())
     max_tokens = body.requested_max_tokens
     if max_tokens is None:
         max_tokens = svc.chat_default_max_tokens(len(prompt_ids))
-    await svc.submit(adm, prompt_ids, body, max_tokens)
+    await svc.submit(adm, prompt_ids, body, max_tokens, client=client_key(request))
     created = protocol.now()
     return await _respond(
         svc, request, body, adm, lambda: sse.chat_events(adm, body, created),

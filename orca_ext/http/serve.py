@@ -18,6 +18,7 @@ from typing import Any
 from ..config import EngineConfig
 from ..options import add_engine_arguments
 from . import settings
+from .prompt_workers import DEFAULT_PROMPT_JOBS_PER_CLIENT, DEFAULT_PROMPT_THREADS
 
 logger = logging.getLogger(__name__)
 
@@ -74,6 +75,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     p.add_argument("--metrics-interval", type=float, default=settings.DEFAULT_METRICS_INTERVAL, metavar="S",
                    help="/metrics is rendered at most once per this many seconds; scrapes in between get "
                         "that snapshot (default %(default)g; 0: every scrape renders)")
+    p.add_argument("--prompt-threads", type=int, default=DEFAULT_PROMPT_THREADS, metavar="N",
+                   help="threads that render chat templates and encode text prompts, off the event loop "
+                        "and the engine (default %(default)d)")
+    p.add_argument("--prompt-jobs-per-client", type=int, default=DEFAULT_PROMPT_JOBS_PER_CLIENT, metavar="N",
+                   help="of those threads, the most one client holds at once; its other prompts wait "
+                        "without a thread (default %(default)d)")
     p.add_argument("--shutdown-grace", type=float, default=settings.DEFAULT_SHUTDOWN_GRACE, metavar="S",
                    help="on SIGINT/SIGTERM: seconds running requests get to finish before they are "
                         "ended with an error event (default %(default)g)")
@@ -98,7 +105,8 @@ def build_app(args: argparse.Namespace) -> tuple[Any, Any]:
                          body_timeout=args.body_timeout, bind_host=args.host, trusted_hosts=args.trusted_hosts,
                          cors_origins=args.cors_origins, enable_docs=args.enable_docs,
                          trusted_proxies=args.trusted_proxies, public_metrics=args.public_metrics,
-                         metrics_interval=args.metrics_interval)
+                         metrics_interval=args.metrics_interval, prompt_threads=args.prompt_threads,
+                         prompt_jobs_per_client=args.prompt_jobs_per_client)
     except BaseException:
         server.shutdown()
         raise

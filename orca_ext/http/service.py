@@ -5,6 +5,11 @@ in the --max-queue budget. The checks that run before admission (auth, content t
 and time, model name) never touch the engine, so malformed or oversize input costs no engine
 work.
 
+Prompts: chat templates are rendered and text prompts encoded on `PromptWorkers` threads
+(prompt_workers.py), a bounded pool shared fairly between clients (client_key), never on the
+event loop, the engine's thread or under its lock; the chat limits are checked before that, on
+the event loop, in time proportional to the number of messages (chat_prompt.py).
+
 Shutdown: drain() stops admitting (503), lets admitted requests finish for a bounded grace
 period, then aborts the rest, which end with an in-band error event (streams, see sse.py) or a
 503 (non-streaming).
@@ -19,14 +24,16 @@ from typing import Any, Callable
 from fastapi import Request
 from pydantic import ValidationError
 
+from ..chat_prompt import ChatPromptEncoder
 from ..errors import EngineDeadError, ServerClosedError
-from ..models import apply_chat_template
 from ..sampling import SamplingParams
 from ..server import Server
+from ..validation import text_prompt_ids
 from . import protocol
 from .errors import APIError, bad_request
 from .guards import bearer_ok
 from .metrics import Metrics
+from .prompt_workers import DEFAULT_PROMPT_JOBS_PER_CLIENT, DEFAULT_PROMPT_THREADS, PromptWorkers
 from .rejections import RejectionBudget
 from .settings import DEFAULT_BODY_TIMEOUT
 
@@ -89,7 +96,9 @@ class Admission:
 class Service:
     def __init__(self, server: Server, *, model_name: str, max_queue: int, api_key: str | None,
                  max_body_bytes: int, default_max_tokens: int,
-                 body_timeout: float = DEFAULT_BODY_TIMEOUT, rejections: RejectionBudget | None = None) -> None:
+                 body_timeout: float = DEFAULT_BODY_TIMEOUT, rejections: RejectionBudget | None = None,
+                 prompt_threads: int = DEFAULT_PROMPT_THREADS,
+                 prompt_jobs_per_client: int = DEFAULT_PROMPT_JOBS_PER_CLIENT) -> None:
         if max_queue < 1:
             raise ValueError(f"max_queue must be >= 1 (got {max_queue})")
         if not body_timeout > 0:
@@ -108,6 +117,9 @@ class Service:
         self.draining = False    # no new admissions
         self.cutting = False     # the grace period is over: whatever is still admitted is aborted
         self.metrics = Metrics(server.stats)
+        self.prompt_workers = PromptWorkers(prompt_threads, prompt_jobs_per_client)
+        encoder = server.prompt_encoder
+        self.chat = ChatPromptEncoder(server.tokenizer, encoder) if encoder is not None else None
 
     def model_card(self) -> dict:
         return protocol.model_card(self.model_name, self.created, self.server.max_model_len,
@@ -212,25 +224,15 @@ class Service:
 
     # -- prompts --------------------------------------------------------------------------------
 
-    def chat_prompt_ids(self, messages: list[dict[str, str]]) -> list[int]:
-        """Token ids of the rendered chat; InvalidRequestError (param "messages") for a text
-        that is not valid Unicode or too long to fit."""
-        tokenizer = self.server.tokenizer
-        encoder = self.server.prompt_encoder
-        if tokenizer is None or encoder is None:
+    async def chat_prompt_ids(self, client: str, messages: list[dict[str, str]]) -> list[int]:
+        """Token ids of the rendered chat; InvalidRequestError (param "messages") for messages
+        over the limits (checked here, before any rendering), refused by the template, not valid
+        Unicode or too long to fit. Rendered and encoded on a prompt thread, within `client`'s
+        share."""
+        if self.chat is None:
             raise APIError(500, "chat completions need a tokenizer and this server has none")
-        try:
-            rendered = apply_chat_template(tokenizer, messages)
-        except (ValueError, TypeError, KeyError) as exc:
-            raise bad_request(f"messages: the chat template rejected them: {exc}", "messages") from exc
-        except Exception as exc:  # jinja2.TemplateError (e.g. "roles must alternate") is the client's
-            if type(exc).__module__.startswith("jinja2"):
-                raise bad_request(f"messages: the chat template rejected them: {exc}", "messages") from exc
-            raise
-        # The template already wrote the special tokens (BOS, role markers) as text. The server's
-        # encoder checks the length first, then encodes with a private tokenizer copy (the engine
-        # thread decodes with `tokenizer`).
-        return encoder.encode(rendered, field="messages", add_special_tokens=False)
+        self.chat.check(messages)
+        return await self.prompt_workers.run(client, self.chat.ids, messages)
 
     def chat_default_max_tokens(self, prompt_len: int) -> int:
         limit = min(self.server.max_model_len, self.server.n_slots)
@@ -239,12 +241,15 @@ class Service:
     # -- engine ---------------------------------------------------------------------------------
 
     async def submit(self, adm: Admission, prompt: str | list[int], body: protocol._SamplingFields,
-                     max_tokens: int) -> None:
+                     max_tokens: int, *, client: str) -> None:
         """Submit the request to the engine. A request the engine refuses raises its
-        InvalidRequestError (app.py reports it in the endpoint's field names)."""
+        InvalidRequestError (app.py reports it in the endpoint's field names). A text prompt is
+        encoded first, on a prompt thread within `client`'s share."""
         try:
             params = SamplingParams(**body.sampling_kwargs(max_tokens))
-            # submit tokenizes string prompts: keep that off the event loop.
+            encoder = self.server.prompt_encoder
+            if isinstance(prompt, str) and encoder is not None:
+                prompt = await self.prompt_workers.run(client, text_prompt_ids, encoder, prompt)
             await asyncio.to_thread(self.server.submit, prompt, params, request_id=adm.rid)
         except EngineDeadError as exc:
             raise APIError(503, str(exc), code="engine_dead") from exc
