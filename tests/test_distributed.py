@@ -20,6 +20,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from orca_ext.distributed.batch_trace import TRACE_ENV, read_traces
 from orca_ext.engine import ScheduledBatch
 from orca_ext.errors import EngineDeadError
 from orca_ext.executor import BatchFuture
@@ -65,10 +66,21 @@ def group(request, tiny_model_dir):
 
 
 @pytest.fixture(scope="module")
-def llama_pp2(tiny_model_dir):
-    """Two pipeline stages of the llama model; its last user breaks it on purpose."""
+def llama_pp2(tiny_model_dir, tmp_path_factory):
+    """Two pipeline stages of the llama model, whose workers record when they run each batch
+    (batch_trace.py, in `server.trace_dir`); its last user breaks it on purpose."""
     model_dir = tiny_model_dir("llama")
-    server = start_server(model_dir, 1, 2, record_iterations=True, max_batch_size=3)
+    trace_dir = tmp_path_factory.mktemp("pp2-trace")
+    previous = os.environ.get(TRACE_ENV)
+    os.environ[TRACE_ENV] = str(trace_dir)  # spawned workers take this process's environment
+    try:
+        server = start_server(model_dir, 1, 2, record_iterations=True, max_batch_size=3)
+    finally:
+        if previous is None:
+            os.environ.pop(TRACE_ENV)
+        else:
+            os.environ[TRACE_ENV] = previous
+    server.trace_dir = trace_dir
     yield server, model_dir
     server.shutdown()
 
@@ -328,6 +340,15 @@ def test_pipeline_parity_with_two_batches_in_flight(llama_pp2, local_models):
     for i, rec in enumerate(recs):
         in_flight = [r for r in recs[:i] if r.complete_time > rec.launch_time]
         assert len(in_flight) <= 1, (rec, in_flight)
+    # The same from the workers' side, which no launch bookkeeping can fake: stage 0 started a
+    # batch while stage 1 was still running the one before it.
+    indices = {r.index for r in recs}
+    traces = read_traces(server.trace_dir)
+    first = [t for t in traces[0] if t[0] in indices]
+    last = {index: end for index, _, end in traces[1] if index in indices}
+    assert [t[0] for t in first] == sorted(indices) == sorted(last)  # every batch ran on both stages
+    overlaps = [(a[0], b[0]) for a, b in zip(first, first[1:]) if b[1] < last[a[0]]]
+    assert overlaps, "stage 0 never started a batch before stage 1 finished the previous one"
 
 
 def resolved_after(release: threading.Event, real) -> BatchFuture:

@@ -17,11 +17,13 @@ This class is the facade; each of its jobs lives in its own module:
     failures.py     the failure record and the root cause's message
     stats.py        the workers' time splits (benchmarks)
 
-Faults. Any failure (a worker raised, its connection closed, its process ended, a send failed, or
-a batch's result did not arrive within `wait_timeout` seconds) is fatal for the whole group:
-after a short grace period the root cause is named (failures.py), every in-flight future fails
-with an error naming that worker, the remaining worker processes are terminated, and `error`
-stays set.
+Faults. A row whose sampling parameters cannot be packed fails alone, and a batch that cannot be
+packed fails alone, before anything is sent (as in one process). Any failure of the group (a
+worker raised, its connection closed, its process ended, it sent no heartbeat for
+`heartbeat_timeout` seconds (heartbeat.py), a send failed, or a batch's result did not arrive
+within `wait_timeout` seconds) is fatal for the whole group: after a short grace period the root
+cause is named (failures.py), every in-flight future fails with an error naming that worker, the
+remaining worker processes are terminated, and `error` stays set.
 """
 from __future__ import annotations
 
@@ -40,10 +42,13 @@ from ..executor import BatchFuture
 from ..models.sharding import check_shardable
 from .channel import ControlChannel
 from .failures import FAILURE_GRACE_S, Failure, FailureLog, WorkerFailedError, root_cause
+from .groups import store_client
+from .heartbeat import DEFAULT_HEARTBEAT_INTERVAL_S, DEFAULT_HEARTBEAT_TIMEOUT_S, HeartbeatMonitor, \
+    check_heartbeat_options
 from .inflight import InFlight
 from .listener import Listeners
 from .messages import OP_STATS, OP_STOP, SamplingRow, header, pack_forward, pack_logits_request, pack_moves, \
-    spec_to_dict
+    sampling_row, spec_to_dict
 from .startup import StartupWatch, allocate_pools, open_store, start_workers
 from .stats import StatsBoard
 from .torchrun import torchrun_env
@@ -61,15 +66,24 @@ DEFAULT_STARTUP_TIMEOUT_S = 600.0
 class DistributedExecutor:
     """tp x pp worker processes (torch.multiprocessing spawn on this node, or the ranks of a
     torchrun launch whose rank 0 is this process). The workers run with this process's kernel
-    modes (modes.current() when the executor is created)."""
+    modes (modes.current() when the executor is created).
+
+    `worker_timeout`: the longest one batch's result may take. `startup_timeout`: the longest
+    the workers may take to start (a worker that dies or raises meanwhile fails it at once).
+    `heartbeat_interval` / `heartbeat_timeout`: each worker beats every interval; one silent for
+    the timeout (stopped, or its host froze) fails the group, naming it."""
 
     def __init__(self, model_path: str, spec, *, tensor_parallel_size: int = 1,
                  pipeline_parallel_size: int = 1, device: str = "cpu", dtype: str = "float32",
                  kv_cache_memory: Optional[int] = None, threads_per_worker: Optional[int] = None,
                  worker_timeout: float = DEFAULT_WORKER_TIMEOUT_S,
-                 startup_timeout: float = DEFAULT_STARTUP_TIMEOUT_S, sync_timing: bool = False):
+                 startup_timeout: float = DEFAULT_STARTUP_TIMEOUT_S,
+                 heartbeat_interval: float = DEFAULT_HEARTBEAT_INTERVAL_S,
+                 heartbeat_timeout: float = DEFAULT_HEARTBEAT_TIMEOUT_S, sync_timing: bool = False):
         tp, pp = tensor_parallel_size, pipeline_parallel_size
         check_shardable(spec, tp, pp)
+        self._heartbeat_interval, self._heartbeat_timeout = check_heartbeat_options(heartbeat_interval,
+                                                                                    heartbeat_timeout)
         if device not in ("cpu", "cuda"):
             raise ValueError(f"device must be 'cpu' or 'cuda' for parallel workers (each worker uses "
                              f"its own GPU, cuda:local_rank), got {device!r}")
@@ -95,6 +109,7 @@ class DistributedExecutor:
         self._stats = StatsBoard()
         self._channel: Optional[ControlChannel] = None
         self._listeners: Optional[Listeners] = None
+        self._watch: Optional[StartupWatch] = None
         cfg = {
             "model_path": str(model_path), "spec": spec_to_dict(spec), "dtype": str(dtype).replace("torch.", ""),
             "device": device, "tp": tp, "pp": pp, "kv_cache_memory": kv_cache_memory,
@@ -102,21 +117,28 @@ class DistributedExecutor:
             "threads": threads_per_worker or (None if torchrun else self._default_threads()),
             "loopback": torchrun is None,
             "workers_per_host": self.num_processes, "data_timeout_s": self._worker_timeout,
+            "heartbeat_interval_s": self._heartbeat_interval,
             "sync_timing": sync_timing, "modes": dataclasses.asdict(modes.current()),
             "log_level": logging.getLevelName(logging.getLogger("orca_ext").getEffectiveLevel()),
         }
         try:
             t0 = time.perf_counter()
-            store = open_store(torchrun, self.workers, device, float(startup_timeout))
-            self._watch = StartupWatch(store, self.workers, float(startup_timeout))
+            # No local name holds the store: closing the watch must be able to close it.
+            self._watch = StartupWatch(open_store(torchrun, self.workers, device, float(startup_timeout)),
+                                       self.workers, float(startup_timeout))
             ctl = start_workers(cfg, self.workers, self._watch, spawn=torchrun is None)
             self._channel = ControlChannel(ctl, [w.rank for w in self.workers])
             log.info("%d workers (tp=%d x pp=%d) ready in %.1fs", self.num_processes, tp, pp,
                      time.perf_counter() - t0)
         except BaseException:
-            self._stopping = True
-            terminate_processes(self.workers)
+            self._fail_startup()
             raise
+
+    def _fail_startup(self) -> None:
+        self._stopping = True
+        terminate_processes(self.workers)
+        if self._watch is not None:
+            self._watch.close()
 
     def _default_threads(self) -> int:
         # Workers on this host share its cores (the driver needs little CPU of its own).
@@ -140,13 +162,15 @@ class DistributedExecutor:
         try:
             allocate_pools(self._watch, n_slots)
         except BaseException:
-            self._stopping = True
-            terminate_processes(self.workers)
+            self._fail_startup()
             raise
         self.n_slots = n_slots
         self._listeners = Listeners(self._channel, self.workers, self._inflight, self._stats,
                                     self._on_failure, lambda: self._stopping)
         self._listeners.start()
+        beats = store_client(self._watch.store, self._heartbeat_timeout)
+        HeartbeatMonitor(beats, self.workers, self._heartbeat_interval, self._heartbeat_timeout,
+                         self._on_silent, lambda: self._stopping or self._error is not None).start()
 
     def move_slabs(self, moves: Sequence[Sequence[int]]) -> None:
         """Slab compaction: rows (src, dst, n) move KV rows [src, src+n) of every layer's K and V
@@ -185,12 +209,24 @@ class DistributedExecutor:
         return self._worker_timeout
 
     def execute(self, batch) -> BatchFuture:
-        future = BatchFuture()  # the engine has checked every row's inputs
-        rows = [self._sampling_row(req) for req in batch.requests]
+        """Post one batch (the engine has checked every row's inputs). Never raises: a row whose
+        sampling parameters cannot be packed fails alone, and a batch that cannot be packed fails
+        alone, before anything reaches the workers (nothing is left in flight to answer)."""
+        future = BatchFuture()
+        rows, row_errors = self._sampling_rows(batch.requests)
         with self._channel.lock:
             with self._lock:
                 free, self._free = self._free, []
-            self._post(batch.index, future, *pack_forward(batch.index, batch.inputs, rows, free))
+            try:
+                message = pack_forward(batch.index, batch.inputs, rows, free)
+            except Exception as exc:
+                with self._lock:
+                    self._free[:0] = free
+                log.exception("iteration %d could not be packed; failing its %d requests", batch.index, len(rows))
+                future.resolve(RuntimeError(f"iteration {batch.index} could not be packed for the workers: "
+                                            f"{type(exc).__name__}: {exc}"))
+                return future
+            self._post(batch.index, _failing_rows(future, row_errors) if row_errors else future, *message)
         return future
 
     def forward_logits(self, inputs: list, index: int = -1) -> BatchFuture:
@@ -235,14 +271,26 @@ class DistributedExecutor:
             if seq is not None and req.params.seed is not None:
                 self._free.append(seq)
 
-    def _sampling_row(self, req) -> SamplingRow:
+    def _sampling_rows(self, requests) -> tuple[list[SamplingRow], dict[int, str]]:
+        """The batch's sampling rows, and the error of each row whose values cannot be packed (a
+        stand-in that draws nothing takes its place; its error replaces its result)."""
+        rows, errors = [], {}
+        for i, req in enumerate(requests):
+            seq = self._seq_id(req)
+            try:
+                rows.append(sampling_row(seq, req.params, req.emits_token, self.spec.vocab_size))
+            except Exception as exc:
+                errors[i] = f"sampling failed: {type(exc).__name__}: {exc}"
+                rows.append(SamplingRow(seq, None, 0.0, 0, 1.0, emits_token=False))
+        return rows, errors
+
+    def _seq_id(self, req) -> int:
         with self._lock:
             seq = self._seq_ids.get(req)
             if seq is None:
                 seq = self._seq_ids[req] = self._next_seq
                 self._next_seq += 1
-        p = req.params
-        return SamplingRow(seq, p.seed, p.temperature, p.top_k, p.top_p, req.emits_token)
+            return seq
 
     # -- failures ----------------------------------------------------------------------------------
     def _on_failure(self, failure: Failure) -> None:
@@ -262,6 +310,11 @@ class DistributedExecutor:
             future.resolve(WorkerFailedError(message))
         self._stats.wake()
         terminate_processes(self.workers)
+
+    def _on_silent(self, worker, seconds: float) -> None:
+        state = " (its process is stopped)" if worker.is_stopped() else ""
+        self._on_failure(Failure(worker.rank, "hung", f"stopped responding: no heartbeat for {seconds:.0f} s "
+                                                      f"(heartbeat_timeout={self._heartbeat_timeout:g} s){state}"))
 
     # -- statistics (benchmarks) ---------------------------------------------------------------------
     def worker_stats(self, reset: bool = False, timeout: float = 60.0) -> list:
@@ -304,3 +357,23 @@ class DistributedExecutor:
             self._channel.close(1.0)
         for future in self._inflight.close("the executor was shut down"):
             future.resolve(WorkerFailedError("the executor was shut down"))
+
+
+def _failing_rows(future: BatchFuture, errors: dict[int, str]) -> BatchFuture:
+    """The future to post for a batch whose rows `errors` failed on the driver: when the
+    workers' result arrives, those rows get their errors and `future` resolves with it."""
+    posted = BatchFuture()
+
+    def relay(done: BatchFuture) -> None:
+        try:
+            result = done.result()
+        except BaseException as exc:
+            future.resolve(exc)
+            return
+        for i, error in errors.items():
+            result.tokens[i] = None
+            result.errors[i] = error
+        future.resolve(result)
+
+    posted.add_done_callback(relay)
+    return posted

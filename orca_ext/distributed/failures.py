@@ -3,8 +3,8 @@
 Any failure is fatal for the whole group (its peers' collectives could never complete), and one
 worker's death makes the others fail too (their connections close). So the first failure opens a
 grace period in which the secondary ones arrive, and the message names the most telling one: an
-exception that is not a communication error, else a worker that died, else a communication
-error, else a timeout; the earliest of that kind.
+exception that is not a communication error, else a worker that died, else a worker that stopped
+sending heartbeats, else a communication error, else a timeout; the earliest of that kind.
 """
 from __future__ import annotations
 
@@ -23,7 +23,7 @@ class WorkerFailedError(RuntimeError):
 @dataclass
 class Failure:
     worker: Optional[int]  # worker rank; None when the driver noticed it (a send, a timeout)
-    kind: str              # "raised" | "lost" | "timeout"
+    kind: str              # "raised" | "lost" | "hung" (no heartbeat) | "timeout"
     detail: str
     communication: bool = False
     batch: int = -1
@@ -57,7 +57,7 @@ def root_cause(failures: Sequence[Failure], workers: Sequence[WorkerInfo]) -> st
     def rank(f: Failure) -> int:
         if f.kind == "raised" and not f.communication:
             return 0
-        return {"lost": 1, "raised": 2}.get(f.kind, 3)
+        return {"lost": 1, "hung": 2, "raised": 3}.get(f.kind, 4)
 
     first = min(failures, key=rank)  # min is stable: the earliest of the most telling kind
     if first.kind == "timeout":
@@ -65,7 +65,9 @@ def root_cause(failures: Sequence[Failure], workers: Sequence[WorkerInfo]) -> st
     else:
         w = workers[first.worker] if first.worker is not None else None
         name = w.name() if w is not None else "a worker"
-        if first.kind == "raised":
+        if first.kind == "hung":
+            text = f"{name} {first.detail}"
+        elif first.kind == "raised":
             where = f" in iteration {first.batch}" if first.batch >= 0 else ""
             text = f"{name} failed{where}: {first.detail}"
         else:

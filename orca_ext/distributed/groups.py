@@ -53,6 +53,15 @@ def control_group(store, rank: int, size: int, loopback: bool) -> dist.ProcessGr
     return dist.ProcessGroupGloo(prefixed, rank, size, IDLE_TIMEOUT)
 
 
+def store_client(store, timeout_s: float) -> dist.TCPStore:
+    """A new client of the TCPStore that `store` hosts or is a client of. One client serves one
+    call at a time: a thread blocked in a long wait on it (a process group's constructor waiting
+    for its peers' addresses) would hold up every other thread's call, so each thread that must
+    not wait behind another gets a client of its own."""
+    return dist.TCPStore(store.host, store.port, is_master=False,
+                         timeout=datetime.timedelta(seconds=timeout_s))
+
+
 def is_communication_error(exc: BaseException) -> bool:
     """True for errors that mean "a peer went away", as opposed to a failure of this worker."""
     if isinstance(exc, getattr(dist, "DistError", ())) and not isinstance(exc, getattr(dist, "DistStoreError", ())):

@@ -35,6 +35,7 @@ Worker -> driver (TAG_UP):
 from __future__ import annotations
 
 import dataclasses
+import operator
 from typing import Optional, Sequence
 
 import torch
@@ -58,6 +59,7 @@ KIND_BYE = 4
 KIND_LOGITS = 5
 
 _U64 = 1 << 64
+_FLOAT32_MAX = float(torch.finfo(torch.float32).max)
 
 
 def header(*values: int) -> torch.Tensor:
@@ -80,6 +82,18 @@ class SamplingRow:
     @property
     def greedy(self) -> bool:
         return self.temperature < GREEDY_TEMPERATURE  # the rule of SamplingParams.greedy
+
+
+def sampling_row(seq_id: int, params, emits_token: bool, vocab_size: int) -> SamplingRow:
+    """One request's SamplingRow, clamped once, before anything is packed, the way the
+    single-process sampler clamps at use, so that any value SamplingParams accepts fits the
+    message's int64/float64 fields and samples the same tokens: top_k to the vocabulary (any
+    top_k >= vocab keeps every token), the temperature to float32's range, the seed to its
+    residue mod 2**64 (the generator's seed)."""
+    seed = None if params.seed is None else operator.index(params.seed) % _U64
+    top_k = min(operator.index(params.top_k), vocab_size)
+    return SamplingRow(seq_id, seed, min(float(params.temperature), _FLOAT32_MAX), top_k, float(params.top_p),
+                       bool(emits_token))
 
 
 def pack_row_errors(errors: Sequence[Optional[str]]) -> torch.Tensor:

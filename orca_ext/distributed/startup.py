@@ -11,6 +11,12 @@ On one node the driver hosts a TCPStore and spawns the workers (torch.multiproce
 torchrun the workers are the launch's other ranks and the store is torchrun's. Every wait fails
 fast, naming the worker, when a worker reports an error or its process dies, and gives up after
 the start-up timeout.
+
+The control group's constructor blocks until every worker has published its address on the
+store; it runs in a helper thread on a store client of its own (groups.store_client), so that
+the main thread's checks never wait behind it: a worker that died before publishing is named
+within a fraction of a second. Giving up closes the store this driver hosts (StartupWatch.close),
+which ends that constructor's wait too, so no thread is left blocked in it.
 """
 from __future__ import annotations
 
@@ -22,7 +28,7 @@ from typing import Callable, Optional, Sequence, TypeVar
 
 import torch
 
-from .groups import NAMESPACE, control_group
+from .groups import NAMESPACE, control_group, store_client
 from .torchrun import TorchrunEnv, torchrun_store
 from .worker_info import WorkerInfo
 
@@ -73,13 +79,24 @@ class StartupWatch:
         self.store = store
         self.workers = workers
         self.timeout_s = timeout_s
+        self._helpers: list[threading.Thread] = []
+
+    def close(self, join_s: float = 2.0) -> None:
+        """Start-up failed: drop this driver's hold on the store (one it hosts closes, so a helper
+        still waiting on it fails instead of waiting forever) and let the helpers end."""
+        self.store = None
+        deadline = time.monotonic() + join_s
+        for thread in self._helpers:
+            thread.join(max(0.0, deadline - time.monotonic()))
 
     def problem(self, what: str) -> Optional[str]:
-        """Why some worker will never finish `what` (it reported an error, or its process ended)."""
+        """Why some worker will never finish `what` (it reported an error, or its process ended).
+        A reported error is the more telling (the process exits right after reporting it)."""
         for w in self.workers:
             key = NAMESPACE + f"error/{w.rank}"
             if self.store.check([key]):
                 return f"{w.name()} failed while {what}: {self.store.get(key).decode(errors='replace')}"
+        for w in self.workers:
             if w.process is not None and not w.process.is_alive():
                 return f"{w.name()} {w.exit_status()} while {what}"
         return None
@@ -96,6 +113,7 @@ class StartupWatch:
                 box["error"] = exc
 
         thread = threading.Thread(target=run, name=f"orca-{what}", daemon=True)
+        self._helpers.append(thread)
         thread.start()
         deadline = time.monotonic() + self.timeout_s
         while thread.is_alive():
@@ -127,14 +145,14 @@ def start_workers(cfg: dict, workers: Sequence[WorkerInfo], watch: StartupWatch,
     """Publish the config, spawn the workers (when this driver starts them), join the control
     group with them and wait until each has loaded its shard; fills in each WorkerInfo from its
     ready key. Returns the control group."""
-    store = watch.store
-    store.set(NAMESPACE + "config", json.dumps(cfg))
+    watch.store.set(NAMESPACE + "config", json.dumps(cfg))
     if spawn:
-        spawn_workers(workers, store.port)
-    ctl = watch.while_alive("connecting", lambda: control_group(store, 0, len(workers) + 1, loopback=spawn))
+        spawn_workers(workers, watch.store.port)
+    own = store_client(watch.store, watch.timeout_s)
+    ctl = watch.while_alive("connecting", lambda: control_group(own, 0, len(workers) + 1, loopback=spawn))
     watch.await_keys("ready", "loading the model")
     for w in workers:
-        info = json.loads(store.get(NAMESPACE + f"ready/{w.rank}"))
+        info = json.loads(watch.store.get(NAMESPACE + f"ready/{w.rank}"))
         w.pid, w.host, w.device = info["pid"], info["host"], info["device"]
         w.bytes_per_slot, w.max_slots = int(info["bytes_per_slot"]), int(info["max_slots"])
     return ctl

@@ -24,6 +24,16 @@ A stage starts its next batch as soon as it has handed its activations on, so wi
 pp batches in flight every stage is busy with a different batch. Any exception is reported to
 the driver (with the batch it happened in) and the worker exits: its peers' collectives would
 otherwise never complete, so the driver treats every failure as fatal for the whole group.
+
+Once started, a thread of its own beats on the store every heartbeat interval (heartbeat.py), so
+the driver notices within seconds when this process stops (SIGSTOP) or hangs.
+
+Signals. SIGINT is ignored (Ctrl-C in a terminal reaches the whole process group; the driver
+decides how workers stop). A worker that torchrun started ignores SIGTERM too: torchrun's agent
+sends SIGTERM to every rank at once, and the driver drains its running requests first, then stops
+the workers with OP_STOP. A worker still ends when the driver is gone: a spawned worker watches a
+pipe whose write end only the driver holds; every worker's receive from the driver fails when the
+driver's connection closes.
 """
 from __future__ import annotations
 
@@ -46,8 +56,11 @@ from ..models.batch import ForwardBatch
 from ..models.loader import load_model
 from ..models.sharding import make_shard
 from ..sampling import Sampler
+from .batch_trace import BatchTrace
+from .batch_trace import now as trace_now
 from .groups import (NAMESPACE, SendQueue, StageClock, TensorParallelComm, control_group, is_communication_error,
-                     loopback_interface)
+                     loopback_interface, store_client)
+from .heartbeat import HeartbeatSender
 from .messages import (HEADER_LEN, KIND_BYE, KIND_ERROR, KIND_LOGITS, KIND_RESULT, KIND_STATS, OP_FORWARD,
                        OP_LOGITS, OP_MOVE, OP_STATS, OP_STOP, TAG_DOWN, TAG_UP, header, pack_row_errors,
                        payload_len, spec_from_dict, unpack_forward, unpack_moves)
@@ -75,6 +88,8 @@ def spawn_main(launch: WorkerLaunch) -> None:
 
 def torchrun_main() -> None:
     """Entry point of a torchrun process other than rank 0 (which is the driver)."""
+    # The agent signals every rank at once; the driver drains first, then stops this worker.
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
     env = TorchrunEnv()
     # The driver's node runs the driver as local rank 0, so its workers' GPUs start at 0 too.
     device_index = env.local_rank - 1 if env.node_rank == 0 else env.local_rank
@@ -165,6 +180,7 @@ class Worker:
         self.batch_index: Optional[int] = None
         self.ctl = None
         self.model = None
+        self.trace = BatchTrace.from_env(self.rank)
 
     # -- start-up --------------------------------------------------------------------------
     def start(self) -> None:
@@ -206,6 +222,8 @@ class Worker:
         n_slots = int(self.store.get(NAMESPACE + "n_slots"))
         self.model.allocate_kv_cache(n_slots)
         self.store.set(NAMESPACE + f"allocated/{self.rank}", "1")
+        interval = float(cfg["heartbeat_interval_s"])
+        HeartbeatSender(store_client(self.store, 60.0), self.rank, interval).start()
         self.clock.reset()
 
     def _default_kv_budget(self) -> int:
@@ -256,6 +274,7 @@ class Worker:
 
     def _forward(self, msg, logits_only: bool = False) -> None:
         self.batch_index = msg.index
+        started = trace_now()
         for seq in msg.free:
             self.generators.pop(seq, None)
         with torch.inference_mode():
@@ -278,6 +297,8 @@ class Worker:
             elif self.samples:
                 with self.clock.measure("sample"):
                     self._sample(msg, out)
+        if self.trace is not None:
+            self.trace.record(msg.index, started, trace_now())
         self.batch_index = None
 
     def _sample(self, msg, logits: torch.Tensor) -> None:

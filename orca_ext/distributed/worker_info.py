@@ -52,6 +52,16 @@ class WorkerInfo:
                 return f"was killed by signal {-code}"
         return f"exited with code {code}"
 
+    def is_stopped(self) -> bool:
+        """True when the process this driver started is stopped (SIGSTOP, a debugger)."""
+        if self.process is None or self.pid is None:
+            return False
+        try:
+            with open(f"/proc/{self.pid}/stat") as f:
+                return f.read().rsplit(")", 1)[1].split()[0] in ("T", "t")
+        except (OSError, IndexError):
+            return False
+
     def describe(self) -> dict:
         return {"rank": self.rank, "stage": self.stage, "tp_rank": self.tp_rank, "pid": self.pid,
                 "host": self.host, "device": self.device,
