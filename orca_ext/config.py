@@ -20,7 +20,9 @@ from .resources import parse_bytes, requested_kv_bytes, resolve_device, resolve_
 from .scheduler import SCHEDULERS
 
 DEFAULT_MAX_UNDELIVERED = 4096   # finished outputs nobody has collected yet
-DEFAULT_WORKER_TIMEOUT_S = 600.0
+DEFAULT_WORKER_TIMEOUT_S = 600.0       # parallel workers: one batch's result
+DEFAULT_HEARTBEAT_INTERVAL_S = 1.0     # parallel workers: between two heartbeats
+DEFAULT_HEARTBEAT_TIMEOUT_S = 10.0     # parallel workers: silence that fails the server
 # Chunked prefill's token budget ("auto"), raised to max_batch_size when that is larger (every
 # running request decodes each iteration). CPU: the smallest chunk whose cost per token is within
 # ~10% of a whole long prompt's (bench/chunked_prefill.py --cost, bench/RESULTS.md); a CPU forward
@@ -56,6 +58,8 @@ class EngineConfig:
     batch_invariant: Optional[bool] = None              # None: per device (default_batch_invariant)
     slab_compaction: bool = True                        # slide live slabs together when fragmented
     worker_timeout: float = DEFAULT_WORKER_TIMEOUT_S    # parallel workers: longest wait for one batch
+    heartbeat_interval: float = DEFAULT_HEARTBEAT_INTERVAL_S  # parallel workers: seconds between heartbeats
+    heartbeat_timeout: float = DEFAULT_HEARTBEAT_TIMEOUT_S    # parallel workers: silence that fails the server
 
     def __post_init__(self) -> None:
         for name in ("max_batch_size", "max_undelivered_outputs", "tensor_parallel_size",
@@ -76,9 +80,13 @@ class EngineConfig:
             if self.scheduler == "orca" and budget < self.max_batch_size:
                 raise ValueError(f"max_num_batched_tokens ({budget}) must be >= max_batch_size "
                                  f"({self.max_batch_size}): every running request decodes one token per iteration")
-        if isinstance(self.worker_timeout, bool) or not isinstance(self.worker_timeout, (int, float)) \
-                or not 0 < self.worker_timeout < float("inf"):
-            raise ValueError(f"worker_timeout must be a number of seconds > 0, got {self.worker_timeout!r}")
+        for name in ("worker_timeout", "heartbeat_interval", "heartbeat_timeout"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 < value < float("inf"):
+                raise ValueError(f"{name} must be a number of seconds > 0, got {value!r}")
+        if self.heartbeat_interval >= self.heartbeat_timeout:
+            raise ValueError(f"heartbeat_interval ({self.heartbeat_interval}) must be below heartbeat_timeout "
+                             f"({self.heartbeat_timeout})")
         if self.kv_cache_memory is not None:
             try:
                 parse_bytes(self.kv_cache_memory)

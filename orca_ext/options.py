@@ -53,6 +53,11 @@ def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--worker-timeout", type=float, default=_DEFAULTS.worker_timeout,
                    help="with -tp/-pp: seconds to wait for one batch's result before the workers are "
                         f"declared failed (default {_DEFAULTS.worker_timeout:.0f})")
+    g.add_argument("--heartbeat-interval", type=float, default=_DEFAULTS.heartbeat_interval, metavar="S",
+                   help=f"with -tp/-pp: seconds between worker heartbeats (default {_DEFAULTS.heartbeat_interval:g})")
+    g.add_argument("--heartbeat-timeout", type=float, default=_DEFAULTS.heartbeat_timeout, metavar="S",
+                   help="with -tp/-pp: a worker silent this long (stopped, hung) fails the server "
+                        f"(default {_DEFAULTS.heartbeat_timeout:g})")
 
 
 def _budget(value: str):

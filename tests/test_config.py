@@ -29,6 +29,8 @@ from orca_ext.server import Server
     (dict(max_num_batched_tokens=7, max_batch_size=8), r"max_num_batched_tokens \(7\) must be >= max_batch_size \(8\)"),
     (dict(worker_timeout=0), "worker_timeout must be a number of seconds > 0, got 0"),
     (dict(worker_timeout=float("inf")), "worker_timeout must be a number of seconds > 0, got inf"),
+    (dict(heartbeat_interval=-1), "heartbeat_interval must be a number of seconds > 0, got -1"),
+    (dict(heartbeat_interval=5, heartbeat_timeout=5), r"heartbeat_interval \(5\) must be below heartbeat_timeout \(5\)"),
     (dict(kv_cache_memory="lots"), "kv_cache_memory: cannot parse a memory size from 'lots'"),
 ])
 def test_bad_options_name_the_field_and_the_limit(options, message):

@@ -38,6 +38,7 @@ from typing import Optional, Sequence
 import torch
 
 from .. import modes
+from ..config import DEFAULT_WORKER_TIMEOUT_S
 from ..executor import BatchFuture
 from ..models.sharding import check_shardable
 from .channel import ControlChannel
@@ -59,7 +60,6 @@ __all__ = ["DistributedExecutor", "WorkerFailedError"]
 log = logging.getLogger(__name__)
 
 STOP_TIMEOUT_S = 15.0      # how long shutdown() waits for workers to finish before killing them
-DEFAULT_WORKER_TIMEOUT_S = 600.0
 DEFAULT_STARTUP_TIMEOUT_S = 600.0
 
 

@@ -23,13 +23,11 @@ import threading
 import time
 from typing import Callable, Sequence
 
+from ..config import DEFAULT_HEARTBEAT_INTERVAL_S, DEFAULT_HEARTBEAT_TIMEOUT_S
 from .groups import NAMESPACE
 from .worker_info import WorkerInfo
 
 log = logging.getLogger(__name__)
-
-DEFAULT_HEARTBEAT_INTERVAL_S = 1.0
-DEFAULT_HEARTBEAT_TIMEOUT_S = 10.0
 
 
 def beat_key(rank: int) -> str:

@@ -24,5 +24,7 @@ def start_workers(path: str, config: EngineConfig):
              tp * pp, tp, pp, path, config.device, config.dtype)
     executor = DistributedExecutor(path, spec, tensor_parallel_size=tp, pipeline_parallel_size=pp,
                                    device=config.device.type, dtype=str(config.dtype).replace("torch.", ""),
-                                   kv_cache_memory=config.kv_cache_memory, worker_timeout=config.worker_timeout)
+                                   kv_cache_memory=config.kv_cache_memory, worker_timeout=config.worker_timeout,
+                                   heartbeat_interval=config.heartbeat_interval,
+                                   heartbeat_timeout=config.heartbeat_timeout)
     return executor, spec
