@@ -14,8 +14,10 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
+import re
 import sys
 import threading
+import time
 
 import httpx
 import pytest
@@ -615,6 +617,12 @@ def test_sigterm_drains_streams_and_exits_cleanly(tiny_model_dir):
         for t in threads:
             t.start()
         assert started.acquire(timeout=120)  # the first stream is producing
+        # ... and all three are admitted (the other two wait for the one batch seat).
+        deadline = time.monotonic() + 120
+        while not re.search(r"^orca_http_requests_inflight 3(\.0)?$",
+                            httpx.get(sp.url("/metrics"), timeout=10).text, re.M):
+            assert time.monotonic() < deadline, "the three streams were never in flight together"
+            time.sleep(0.05)
         sp.proc.send_signal(signal.SIGTERM)
         for t in threads:
             t.join(120)
