@@ -11,8 +11,9 @@ client. A client that becomes active is lifted to the smallest counter of the ac
 to the last such minimum when none is active, so time spent idle banks no credit.
 
 The scheduler keeps Algorithm 1's no-skip rule over this order: a request that does not fit in
-the KV cache blocks every request after it, so the client with the least service is never
-overtaken while it waits for space, and nothing starves. The per-client cap is the one way past
+the KV cache blocks every admission after it (admitted requests' prompt chunks still run), so
+the client with the least service is never overtaken while it waits for space, and nothing
+starves. The per-client cap is the one way past
 it: a client whose next admission would take its reserved slots above `max_kv_per_client` is
 left out of the selection (its requests wait, the others go ahead). A request larger than the cap
 is admitted when its client holds no other slots, so no request waits forever.
@@ -21,7 +22,7 @@ from __future__ import annotations
 
 import heapq
 from collections import deque
-from typing import Iterator, Optional
+from typing import Callable, Iterator, Optional
 
 from .request import RequestState
 
@@ -44,9 +45,11 @@ class FairShares:
         self.active: set = set()   # clients with a request in the pool at the last selection
         self.floor = 0             # the smallest active counter when last seen (never decreases)
 
-    def order(self, pool: list) -> Iterator:
-        """The pool's prompt work in fair-share order. The caller resumes this iterator only
-        after it has taken the request yielded last (`num_scheduled` of its prompt tokens)."""
+    def order(self, pool: list, admit: Callable[[object], bool]) -> Iterator:
+        """The pool's prompt work in fair-share order, each waiting request admitted (`admit`,
+        the scheduler's) before it is yielded. Once one does not fit, no later one is admitted,
+        but admitted requests' chunks still come. The caller asks for the next request only
+        when it has room for it, after taking the last one (`num_scheduled` prompt tokens)."""
         queues: dict = {}
         reserved: dict = {}
         for index, req in enumerate(pool):
@@ -57,14 +60,18 @@ class FairShares:
         self._track({req.client for req in pool})
         heap = [(self.counters[c], q[0][0], c) for c, q in queues.items()]
         heapq.heapify(heap)
+        blocked = False  # a request did not fit: no later one may skip ahead of it
         while heap:
             counter, _, client = heapq.heappop(heap)
             queue = queues[client]
             req = queue[0][1]
-            if req.state is RequestState.INITIATION and self._over_cap(reserved.get(client, 0), req):
-                continue  # the client waits for its own requests to finish; the others go ahead
             if req.slab_start < 0:
-                reserved[client] = reserved.get(client, 0) + req.reservation  # admitted once taken
+                if blocked or self._over_cap(reserved.get(client, 0), req):
+                    continue  # this client waits; with the cap, the others go ahead
+                if not admit(req):
+                    blocked = True
+                    continue
+                reserved[client] = reserved.get(client, 0) + req.reservation
             yield req
             queue.popleft()
             if queue:

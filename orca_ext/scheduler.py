@@ -199,10 +199,10 @@ class OrcaScheduler(_SchedulerBase):
                 budget -= self._take(req, 1)
                 batch.append(req)
         # Then prompts, whole or their next chunk, in arrival order (FCFS) until the budget is spent.
-        for req in self._prompt_order():
-            if len(batch) == self.max_batch_size or budget == 0:
-                break
-            if req.state is RequestState.INITIATION and not self._admit(req):
+        prompts = self._prompt_order()
+        while len(batch) < self.max_batch_size and budget > 0:
+            req = next(prompts, None)
+            if req is None or (req.slab_start < 0 and not self._admit(req)):
                 break  # no skipping: a request that does not fit blocks everything behind it
             budget -= self._take(req, min(req.prompt_remaining, budget))
             batch.append(req)
@@ -231,7 +231,7 @@ class FairScheduler(OrcaScheduler):
         return batch
 
     def _prompt_order(self):
-        return self.shares.order(self.pool)
+        return self.shares.order(self.pool, self._admit)
 
 
 class StaticScheduler(_SchedulerBase):
