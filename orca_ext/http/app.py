@@ -164,6 +164,7 @@ async def _handle(svc: Service, request: Request, endpoint: str, run: Runner, mo
         svc.check_model(body.model)
         body.check_unsupported()
         adm = svc.admit(rid, endpoint)
+        adm.client = request.client.host if request.client else None
         try:
             response = await run(svc, request, body, adm)
         except InvalidRequestError as exc:  # refused by the engine's checks, before any engine work

@@ -58,6 +58,7 @@ class Admission:
         self.service = service
         self.rid = rid
         self.endpoint = endpoint
+        self.client: str | None = None  # whose request, for fair admission (the peer address)
         self.submitted = False
         self.finished = False
         self.shutdown = False   # ended by the server's drain, not by the client or the engine
@@ -262,7 +263,7 @@ class Service:
         try:
             params = SamplingParams(**body.sampling_kwargs(max_tokens))
             # submit tokenizes string prompts: keep that off the event loop.
-            await asyncio.to_thread(self.server.submit, prompt, params, request_id=adm.rid)
+            await asyncio.to_thread(self.server.submit, prompt, params, request_id=adm.rid, client=adm.client)
         except EngineDeadError as exc:
             raise APIError(503, str(exc), code="engine_dead") from exc
         except ServerClosedError as exc:
