@@ -221,6 +221,7 @@ def attacks(model: str, port: int, n_slots: int = 0,
     oversize_body = json.dumps({**_body(model), "prompt": "x" * (2 << 20)}).encode()
     long_prompt = " ".join(rng.choice(["light", "house", "keeper", "bottle", "message", "sea", "night", "wave"])
                            for _ in range(long_prompt_words))
+    long_prompt_body = {**_body(model, max_tokens=1), "prompt": long_prompt}
     return {
         "benign_client": lambda c, u, s: _accepted_loop(c, u, _body(model, temperature=1.0), s),
         "one_token_client": lambda c, u, s: _accepted_loop(c, u, _body(model, max_tokens=1), s),
@@ -233,7 +234,7 @@ def attacks(model: str, port: int, n_slots: int = 0,
         "disconnect_churn": lambda c, u, s: _disconnect_loop(c, u, _body(model), s),
         "slow_headers": lambda c, u, s: _slow_headers(port, s),
         "kv_hog": lambda c, u, s: _kv_hog(c, u, model, n_slots, s),
-        "long_prompt_hog": lambda c, u, s: _accepted_loop(c, u, {**_body(model, max_tokens=1), "prompt": long_prompt}, s),
+        "long_prompt_hog": lambda c, u, s: _accepted_loop(c, u, long_prompt_body, s),
     }
 
 
@@ -348,7 +349,8 @@ def main(argv: list[str] | None = None) -> int:
     with ServeProcess(*serve_args, python=args.python, cwd=args.cwd, env=env) as server:
         result = asyncio.run(run(server, names, victims=args.victims, window=args.window, settle=args.settle,
                                  long_prompt_words=args.long_prompt_words))
-    result.update({"admission": args.admission, "max_kv_per_client": args.max_kv_per_client, "label": args.label, "date": time.strftime("%Y-%m-%d %H:%M"), "machine": platform.processor()
+    result.update({"admission": args.admission, "max_kv_per_client": args.max_kv_per_client})
+    result.update({"label": args.label, "date": time.strftime("%Y-%m-%d %H:%M"), "machine": platform.processor()
                    or platform.machine(), "victims": args.victims, "window_s": args.window, "server_cwd": args.cwd})
     print(f"\n{'attack':<18} {'baseline tok/s':>14} {'attack tok/s':>12} {'ratio':>6}   "
           f"{'tok/CPU-s base':>14} {'attack':>7} {'ratio':>6}   {'TTFT base':>9} {'attack':>7} {'ratio':>6}"

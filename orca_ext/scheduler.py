@@ -1,5 +1,5 @@
 """Iteration-level scheduling: Algorithm 1 of the Orca paper (docs/DESIGN.md section 3), its
-extensions (section 6: chunked prefill, slab compaction, pipeline balance, fair admission) and the
+extensions (chunked prefill, slab compaction, fair admission: section 6; pipeline balance: 3) and the
 request-level `static` baseline. Pure Python over request objects; no model, no threads.
 
 A request object needs: `state` (RequestState), `reservation` (int), `slab_start` (int, -1 when
@@ -213,7 +213,7 @@ class OrcaScheduler(_SchedulerBase):
         return (r for r in self.pool if r.state is not RequestState.RUNNING and r.prompt_remaining)
 
     def _decode_limit(self) -> int:
-        """max_batch_size, and with n_workers > 1 an even share of the admitted requests (balance)."""
+        """max_batch_size, and with n_workers > 1 an even share of the admitted requests (DESIGN section 3)."""
         n_workers = self.n_workers
         return self.max_batch_size if n_workers == 1 else min(self.max_batch_size, -(-self.num_running // n_workers))
 
