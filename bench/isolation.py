@@ -14,8 +14,8 @@ lowers that too, while other jobs on a shared machine slow tokens and server CPU
 this ratio stays meaningful when the wall-clock one is swamped by other load. (An attack that
 stalls the engine without using CPU shows only in the wall-clock rate.)
 
-Victims connect from 127.0.0.1 and the attacker from 127.0.0.2 (both loopback), so the server
-sees them as two clients, as it would two machines. Attacks (each is one client unless noted;
+Each victim connects from its own loopback address (127.0.0.10, .11, ...) and the attacker from
+127.0.0.2, so the server sees separate clients, as it would separate machines. Attacks (each is one client unless noted;
 requests are sent back to back):
   benign_client      a reference, not an attack: a fifth client with ordinary parameters
                      (temperature 1), i.e. what any extra client costs the victims
@@ -53,6 +53,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import json
 import logging
 import os
@@ -76,6 +77,12 @@ log = logging.getLogger("bench.isolation")
 VICTIM_PROMPT = "Write a short story about a lighthouse keeper who finds a message in a bottle."
 VICTIM_TOKENS = 16
 ATTACKER_ADDRESS = "127.0.0.2"  # a second loopback address: a different client to the server
+
+
+def victim_address(i: int) -> str:
+    """Each victim is a client of its own, as separate users are (127.0.0.10, .11, ...)."""
+    return f"127.0.0.{10 + i}"
+
 TARGET_RATIO = 0.75
 REFERENCES = ("benign_client", "one_token_client")  # extra clients, not attacks: what load itself costs
 # A stream of accepted requests is load, which the target does not bound (it bounds one request and
@@ -270,9 +277,11 @@ async def run(server: ServeProcess, names: list[str], *, victims: int, window: f
     phases: list[Phase] = []
     limits = httpx.Limits(max_connections=None, max_keepalive_connections=32)
     attacker_transport = httpx.AsyncHTTPTransport(local_address=ATTACKER_ADDRESS, limits=limits)
-    async with httpx.AsyncClient(timeout=httpx.Timeout(600.0), limits=limits) as vc, \
+    victim_clients = [httpx.AsyncClient(timeout=httpx.Timeout(600.0), transport=httpx.AsyncHTTPTransport(
+        local_address=victim_address(i), limits=limits)) for i in range(victims)]
+    async with contextlib.AsyncExitStack() as stack, \
             httpx.AsyncClient(timeout=httpx.Timeout(600.0), transport=attacker_transport) as ac:
-        vtasks = [asyncio.create_task(victim(vc)) for _ in range(victims)]
+        vtasks = [asyncio.create_task(victim(await stack.enter_async_context(vc))) for vc in victim_clients]
         await asyncio.sleep(settle * 2)  # warm up
         order = ["baseline"]
         for name in names:

@@ -8,7 +8,10 @@ when the tokens are scheduled. The requests that want prompt tokens (waiting one
 ones with part of their prompt left) are taken client by client, always from the client whose
 counter (with what this selection already gave it) is smallest, and in arrival order within a
 client. A client that becomes active is lifted to the smallest counter of the active clients, or
-to the last such minimum when none is active, so time spent idle banks no credit.
+to the last such minimum when none is active, so time spent idle banks no credit. A client that
+is ahead by more than one token budget takes at most as many weighted tokens of prompt in an
+iteration as the other clients in it together: on a CPU an iteration's time grows with its
+tokens, so a long prefill would otherwise slow every other client's decodes.
 
 The scheduler keeps Algorithm 1's no-skip rule over this order: a request that does not fit in
 the KV cache blocks every admission after it (admitted requests' prompt chunks still run), so
@@ -39,9 +42,11 @@ MAX_IDLE_COUNTERS = 4096
 class FairShares:
     """The counters of one scheduler, and the order in which it takes prompt tokens."""
 
-    def __init__(self, max_kv_per_client: Optional[int] = None):
+    def __init__(self, max_kv_per_client: Optional[int] = None, token_budget: Optional[int] = None):
         self.max_kv_per_client = max_kv_per_client
+        self.token_budget = token_budget  # the scheduler's max_num_batched_tokens (None: whole prompts)
         self.counters: dict = {}   # client -> weighted tokens received
+        self.taken: dict = {}      # client -> weighted tokens in the batch being selected
         self.active: set = set()   # clients with a request in the pool at the last selection
         self.floor = 0             # the smallest active counter when last seen (never decreases)
 
@@ -62,7 +67,7 @@ class FairShares:
         heapq.heapify(heap)
         blocked = False  # a request did not fit: no later one may skip ahead of it
         while heap:
-            counter, _, client = heapq.heappop(heap)
+            _, _, client = heapq.heappop(heap)
             queue = queues[client]
             req = queue[0][1]
             if req.slab_start < 0:
@@ -74,15 +79,30 @@ class FairShares:
                 reserved[client] = reserved.get(client, 0) + req.reservation
             yield req
             queue.popleft()
-            if queue:
-                counter += PROMPT_WEIGHT * req.num_scheduled
-                heapq.heappush(heap, (counter, queue[0][0], client))
+            if queue and req.num_scheduled == req.prompt_remaining:  # a cut chunk: its share is used
+                heapq.heappush(heap, (self.counters[client], queue[0][0], client))
 
-    def charge(self, batch: list) -> None:
-        """Count a launched batch's tokens against their clients."""
-        for req in batch:
-            weight = PROMPT_WEIGHT if req.prompt_remaining else OUTPUT_WEIGHT
-            self.counters[req.client] = self.counters.get(req.client, self.floor) + weight * req.num_scheduled
+    def begin(self) -> None:
+        """A new selection: nothing taken yet."""
+        self.taken = {}
+
+    def take(self, req, n_tokens: int) -> int:
+        """Charge req's client for the `n_tokens` of its next input the scheduler wants to take,
+        and return how many it may: all, except for a prompt chunk of a client that is ahead
+        (its counter more than one token budget above another client's in this batch). That
+        chunk may hold only as many weighted tokens as the other clients in the batch have
+        together (at least one), so a heavy client cannot slow everyone's iteration more."""
+        client = req.client
+        weight = PROMPT_WEIGHT if req.prompt_remaining else OUTPUT_WEIGHT
+        others = [c for c in self.taken if c != client]
+        if req.prompt_remaining and others and self.token_budget is not None:
+            counter = self.counters.get(client, self.floor)
+            if counter > min(self.counters[c] for c in others) + self.token_budget:
+                share = sum(self.taken[c] for c in others) - self.taken.get(client, 0)
+                n_tokens = max(1, min(n_tokens, share // PROMPT_WEIGHT))
+        self.taken[client] = self.taken.get(client, 0) + weight * n_tokens
+        self.counters[client] = self.counters.get(client, self.floor) + weight * n_tokens
+        return n_tokens
 
     def _over_cap(self, held: int, req) -> bool:
         cap = self.max_kv_per_client

@@ -84,8 +84,7 @@ class _SchedulerBase:
 
     # -- Algorithm 1 main loop hooks ---------------------------------------------------------
     def schedule(self) -> list:
-        """select() and launch: the returned requests are RUNNING. Empty when nothing can run
-        or when n_workers batches are already in flight."""
+        """select() and launch: the returned requests are RUNNING (none while n_workers are in flight)."""
         if self.n_scheduled >= self.n_workers:
             return []
         if self.compaction_pending:
@@ -153,9 +152,8 @@ class _SchedulerBase:
         owner = {r.slab_start: r for r in self.pool if r.slab_start >= 0}
         moves = []
         for old, new, _ in self.allocator.compact():
-            req = owner[old]
-            req.slab_start = new
-            moves.append((req, old, new))
+            owner[old].slab_start = new
+            moves.append((owner[old], old, new))
         self.slab_mover(moves)
         self.num_compactions += 1
         log.debug("compacted the KV slabs: %d moved", len(moves))
@@ -223,12 +221,14 @@ class FairScheduler(OrcaScheduler):
 
     def __init__(self, config, *args, **kwargs):
         super().__init__(config, *args, **kwargs)
-        self.shares = FairShares(config.max_kv_per_client)
+        self.shares = FairShares(config.max_kv_per_client, self.max_num_batched_tokens)
 
-    def schedule(self) -> list:
-        batch = super().schedule()
-        self.shares.charge(batch)
-        return batch
+    def _select(self) -> list:
+        self.shares.begin()
+        return super()._select()
+
+    def _take(self, req, n_tokens: int) -> int:
+        return super()._take(req, self.shares.take(req, n_tokens))
 
     def _prompt_order(self):
         return self.shares.order(self.pool, self._admit)

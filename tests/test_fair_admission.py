@@ -119,9 +119,13 @@ def test_prompt_chunks_are_shared_between_clients(admission):
         assert waited >= 20 and hog.prompt_remaining == 0
     else:
         assert waited <= 1 and hog.prompt_remaining > 300
-        # And the hog keeps the rest of the budget: the iteration is never emptier for it.
+        # The hog, ahead by more than a token budget, now takes as many weighted tokens of prompt
+        # per iteration as the victim gets: its decode counts OUTPUT_WEIGHT.
         batch = s.schedule()
-        assert [(r.client, r.num_scheduled) for r in batch] == [("victim", 1), ("hog", 15)]
+        assert [(r.client, r.num_scheduled) for r in batch] == [("victim", 1), ("hog", OUTPUT_WEIGHT)]
+        run_batch(s, batch)
+        victim.mark_finished("abort"), s.remove(victim)
+        assert [(r.client, r.num_scheduled) for r in s.schedule()] == [("hog", 16)]  # alone: the whole budget
 
 
 def test_many_clients_each_get_a_share_of_one_iterations_chunks():
@@ -222,9 +226,10 @@ def test_counters_charge_weighted_tokens_and_lift_newcomers_without_banked_credi
     assert s.shares.counters["a"] == 10 * PROMPT_WEIGHT + OUTPUT_WEIGHT
     s.add(mk(3, 5, "b"))
     s.schedule()
-    # b arrived while a was active: lifted to a's counter, then charged its prompt.
+    # b arrived while a was active: lifted to a's counter (with this selection's decode), then
+    # charged its prompt.
+    assert s.shares.floor == s.shares.counters["a"] == 10 * PROMPT_WEIGHT + 2 * OUTPUT_WEIGHT
     assert s.shares.counters["b"] == s.shares.floor + 3 * PROMPT_WEIGHT
-    assert s.shares.floor == 10 * PROMPT_WEIGHT + OUTPUT_WEIGHT
 
 
 def test_an_idle_client_keeps_its_counter_so_pausing_does_not_reset_it():
