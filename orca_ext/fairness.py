@@ -16,10 +16,10 @@ tokens, so a long prefill would otherwise slow every other client's decodes.
 The scheduler keeps Algorithm 1's no-skip rule over this order: a request that does not fit in
 the KV cache blocks every admission after it (admitted requests' prompt chunks still run), so
 the client with the least service is never overtaken while it waits for space, and nothing
-starves. The per-client cap is the one way past
-it: a client whose next admission would take its reserved slots above `max_kv_per_client` is
-left out of the selection (its requests wait, the others go ahead). A request larger than the cap
-is admitted when its client holds no other slots, so no request waits forever.
+starves. The per-client cap is the one way past it: a client whose next admission would take
+its reserved slots above `max_kv_per_client` is left out of the selection (its requests wait,
+the others go ahead). A request larger than the cap is admitted when its client holds no other
+slots, so no request waits forever.
 """
 from __future__ import annotations
 
