@@ -14,8 +14,8 @@ lowers that too, while other jobs on a shared machine slow tokens and server CPU
 this ratio stays meaningful when the wall-clock one is swamped by other load. (An attack that
 stalls the engine without using CPU shows only in the wall-clock rate.)
 
-Victims connect from 127.0.0.1 and the attacker from 127.0.0.2 (both loopback), so the server
-sees them as two clients, as it would two machines. Attacks (each is one client unless noted;
+Each victim connects from its own loopback address (127.0.0.10, .11, ...) and the attacker from
+127.0.0.2, so the server sees separate clients, as it would separate machines. Attacks (each is one client unless noted;
 requests are sent back to back):
   benign_client      a reference, not an attack: a fifth client with ordinary parameters
                      (temperature 1), i.e. what any extra client costs the victims
@@ -31,6 +31,17 @@ requests are sent back to back):
   disconnect_churn   accepted, then the client hangs up after the first chunk (held to
                      one_token_client: hanging up may add nothing to that load)
   slow_headers       300 connections that send headers one byte every few seconds
+  kv_hog             accepted: five streams whose prompt + max_tokens together reserve all but a
+                     few of the KV slots (each one legal), held open for the whole phase
+  long_prompt_hog    accepted: one very long legal prompt (`--long-prompt-words` words, one token
+                     asked) after another, so its chunked prefill runs the whole phase
+
+The last two are legal requests from one client: what stops them is the server's admission
+policy (`--admission fair`, `--max-kv-per-client`), not a limit. Run them under both policies:
+  python bench/isolation.py --attacks kv_hog,long_prompt_hog --admission fcfs
+  python bench/isolation.py --attacks kv_hog,long_prompt_hog --admission fair --max-kv-per-client half
+Next to the rate ratio the table gives the victims' median time to first token during the attack
+over that of the baselines around it (target: within 2x).
 
 Usage:
   python bench/isolation.py --out bench/isolation.json
@@ -42,6 +53,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import json
 import logging
 import os
@@ -65,6 +77,12 @@ log = logging.getLogger("bench.isolation")
 VICTIM_PROMPT = "Write a short story about a lighthouse keeper who finds a message in a bottle."
 VICTIM_TOKENS = 16
 ATTACKER_ADDRESS = "127.0.0.2"  # a second loopback address: a different client to the server
+
+
+def victim_address(i: int) -> str:
+    """Each victim is a client of its own, as separate users are (127.0.0.10, .11, ...)."""
+    return f"127.0.0.{10 + i}"
+
 TARGET_RATIO = 0.75
 REFERENCES = ("benign_client", "one_token_client")  # extra clients, not attacks: what load itself costs
 # A stream of accepted requests is load, which the target does not bound (it bounds one request and
@@ -80,6 +98,7 @@ class Span:
     start: float
     end: float
     tokens: int
+    ttft: float = float("nan")
 
 
 @dataclass
@@ -104,6 +123,11 @@ class Phase:
 
     def per_cpu(self, spans: list[Span]) -> float:
         return self.tokens(spans) / self.cpu_s if self.cpu_s > 0 else float("nan")
+
+    def median_ttft(self, spans: list[Span]) -> float:
+        """Median time to first token of the victim requests sent during the phase."""
+        ttfts = sorted(s.ttft for s in spans if self.start <= s.start < self.end and s.ttft == s.ttft)
+        return ttfts[len(ttfts) // 2] if ttfts else float("nan")
 
 
 def cpu_seconds(pid: int) -> float:
@@ -176,7 +200,24 @@ async def _slow_headers(port: int, statuses: Counter, n: int = 300, gap: float =
             w.close()
 
 
-def attacks(model: str, port: int) -> dict[str, Callable[[httpx.AsyncClient, str, Counter], Awaitable[None]]]:
+async def _kv_hog(client, url, model: str, n_slots: int, statuses: Counter, streams: int = 5, spare: int = 10) -> None:
+    """`streams` concurrent greedy streams whose reservations leave only `spare` slots free."""
+    prompt = "Count from one to a million, one number a line."
+    per_stream = (n_slots - spare) // streams
+    body = {"model": model, "prompt": prompt, "max_tokens": per_stream - 14, "temperature": 0, "ignore_eos": True}
+
+    async def one() -> None:
+        while True:
+            res = await stream_completion(client, url, body)
+            statuses[res.status if not res.error or res.status != 200 else f"{res.status}+error"] += 1
+            if res.status != 200:
+                await asyncio.sleep(0.5)
+
+    await asyncio.gather(*(one() for _ in range(streams)))
+
+
+def attacks(model: str, port: int, n_slots: int = 0,
+            long_prompt_words: int = 1200) -> dict[str, Callable[[httpx.AsyncClient, str, Counter], Awaitable[None]]]:
     rng = random.Random(0)
     letters = "abcdefghijklmnopqrstuvwxyz"
     # Long random stops: they never occur in the text, so every character is checked against all.
@@ -185,6 +226,9 @@ def attacks(model: str, port: int) -> dict[str, Callable[[httpx.AsyncClient, str
     huge_stops_body = json.dumps(_body(model, stop=huge_stops)).encode()
     huge_prompt_body = json.dumps({**_body(model), "prompt": "lorem ipsum dolor sit amet " * 33_000}).encode()
     oversize_body = json.dumps({**_body(model), "prompt": "x" * (2 << 20)}).encode()
+    long_prompt = " ".join(rng.choice(["light", "house", "keeper", "bottle", "message", "sea", "night", "wave"])
+                           for _ in range(long_prompt_words))
+    long_prompt_body = {**_body(model, max_tokens=1), "prompt": long_prompt}
     return {
         "benign_client": lambda c, u, s: _accepted_loop(c, u, _body(model, temperature=1.0), s),
         "one_token_client": lambda c, u, s: _accepted_loop(c, u, _body(model, max_tokens=1), s),
@@ -196,15 +240,24 @@ def attacks(model: str, port: int) -> dict[str, Callable[[httpx.AsyncClient, str
         "oversize_body": lambda c, u, s: _raw_loop(c, u, oversize_body, s),
         "disconnect_churn": lambda c, u, s: _disconnect_loop(c, u, _body(model), s),
         "slow_headers": lambda c, u, s: _slow_headers(port, s),
+        "kv_hog": lambda c, u, s: _kv_hog(c, u, model, n_slots, s),
+        "long_prompt_hog": lambda c, u, s: _accepted_loop(c, u, long_prompt_body, s),
     }
 
 
 # -- the run --------------------------------------------------------------------------------------
 
-async def run(server: ServeProcess, names: list[str], *, victims: int, window: float, settle: float) -> dict:
+def kv_slots(server: ServeProcess) -> int:
+    """The server's KV capacity in slots, from /metrics."""
+    text = httpx.get(server.base_url + "/metrics", timeout=30).text
+    return int(float(re.search(r"^\S*kv_slots_total\S* (\S+)$", text, re.M).group(1)))
+
+
+async def run(server: ServeProcess, names: list[str], *, victims: int, window: float, settle: float,
+              long_prompt_words: int = 1200) -> dict:
     model = server.model_card()["id"]
     url = server.base_url + "/v1/completions"
-    table = attacks(model, server.port)
+    table = attacks(model, server.port, kv_slots(server), long_prompt_words)
     spans: list[Span] = []
     victim_errors: Counter = Counter()
     stop = asyncio.Event()
@@ -216,7 +269,7 @@ async def run(server: ServeProcess, names: list[str], *, victims: int, window: f
             start = time.perf_counter()
             res = await stream_completion(client, url, victim_body)
             if res.status == 200 and not res.error:
-                spans.append(Span(start, res.finished, res.tokens))
+                spans.append(Span(start, res.finished, res.tokens, res.ttft))
             else:
                 victim_errors[f"{res.status} {re.sub(r'cmpl-[0-9a-f]+', 'cmpl-<id>', res.error)[:80]}"] += 1
                 await asyncio.sleep(0.1)
@@ -224,9 +277,11 @@ async def run(server: ServeProcess, names: list[str], *, victims: int, window: f
     phases: list[Phase] = []
     limits = httpx.Limits(max_connections=None, max_keepalive_connections=32)
     attacker_transport = httpx.AsyncHTTPTransport(local_address=ATTACKER_ADDRESS, limits=limits)
-    async with httpx.AsyncClient(timeout=httpx.Timeout(600.0), limits=limits) as vc, \
+    victim_clients = [httpx.AsyncClient(timeout=httpx.Timeout(600.0), transport=httpx.AsyncHTTPTransport(
+        local_address=victim_address(i), limits=limits)) for i in range(victims)]
+    async with contextlib.AsyncExitStack() as stack, \
             httpx.AsyncClient(timeout=httpx.Timeout(600.0), transport=attacker_transport) as ac:
-        vtasks = [asyncio.create_task(victim(vc)) for _ in range(victims)]
+        vtasks = [asyncio.create_task(victim(await stack.enter_async_context(vc))) for vc in victim_clients]
         await asyncio.sleep(settle * 2)  # warm up
         order = ["baseline"]
         for name in names:
@@ -257,10 +312,14 @@ async def run(server: ServeProcess, names: list[str], *, victims: int, window: f
         during = phase.rate(spans)
         base_cpu = (phases[i - 1].per_cpu(spans) + phases[i + 1].per_cpu(spans)) / 2
         during_cpu = phase.per_cpu(spans)
+        base_ttft = (phases[i - 1].median_ttft(spans) + phases[i + 1].median_ttft(spans)) / 2
+        during_ttft = phase.median_ttft(spans)
         rows.append({"attack": phase.name, "baseline_tok_s": base, "attack_tok_s": during,
                      "ratio": during / base if base else float("nan"),
                      "baseline_tok_per_cpu_s": base_cpu, "attack_tok_per_cpu_s": during_cpu,
                      "cpu_ratio": during_cpu / base_cpu if base_cpu else float("nan"),
+                     "baseline_ttft_s": base_ttft, "attack_ttft_s": during_ttft,
+                     "ttft_ratio": during_ttft / base_ttft if base_ttft else float("nan"),
                      "attacker": {str(k): v for k, v in phase.attack_statuses.items()}})
     return {"rows": rows, "victim_errors": dict(victim_errors),
             "baselines_tok_s": [p.rate(spans) for p in phases if p.name == "baseline"],
@@ -278,25 +337,38 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--cwd", default=str(REPO), help="checkout the server runs from")
     p.add_argument("--label", default="", help="a name for this run in the output")
     p.add_argument("--out", default=None, help="write the results as JSON here")
+    p.add_argument("--admission", default="fcfs", choices=["fcfs", "fair"], help="the server's admission policy")
+    p.add_argument("--max-kv-per-client", default=None,
+                   help="the server's per-client KV cap with --admission fair: slots, or 'half' of the KV cache")
+    p.add_argument("--long-prompt-words", type=int, default=1200,
+                   help="words in long_prompt_hog's prompt (default 1200, about 1,200 tokens)")
     args = p.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(message)s")
     logging.getLogger("httpx").setLevel(logging.WARNING)
     names = list(attacks("m", 0)) if args.attacks is None else args.attacks.split(",")
-    serve_args = ["--max-queue", "100000", "--log-level", "warning"]
+    serve_args = ["--max-queue", "100000", "--log-level", "warning", "--admission", args.admission]
     if args.model:
         serve_args += ["--model", args.model]
-    with ServeProcess(*serve_args, python=args.python, cwd=args.cwd,
-                      env={"ORCA_EXT_KV_CACHE_MEMORY": "512MiB"}) as server:
-        result = asyncio.run(run(server, names, victims=args.victims, window=args.window, settle=args.settle))
+    env = {"ORCA_EXT_KV_CACHE_MEMORY": "512MiB"}
+    if args.max_kv_per_client == "half":
+        with ServeProcess(*serve_args, python=args.python, cwd=args.cwd, env=env) as probe:
+            args.max_kv_per_client = str(kv_slots(probe) // 2)
+    if args.max_kv_per_client is not None:
+        serve_args += ["--max-kv-per-client", args.max_kv_per_client]
+    with ServeProcess(*serve_args, python=args.python, cwd=args.cwd, env=env) as server:
+        result = asyncio.run(run(server, names, victims=args.victims, window=args.window, settle=args.settle,
+                                 long_prompt_words=args.long_prompt_words))
+    result.update({"admission": args.admission, "max_kv_per_client": args.max_kv_per_client})
     result.update({"label": args.label, "date": time.strftime("%Y-%m-%d %H:%M"), "machine": platform.processor()
                    or platform.machine(), "victims": args.victims, "window_s": args.window, "server_cwd": args.cwd})
     print(f"\n{'attack':<18} {'baseline tok/s':>14} {'attack tok/s':>12} {'ratio':>6}   "
-          f"{'tok/CPU-s base':>14} {'attack':>7} {'ratio':>6}  attacker statuses")
+          f"{'tok/CPU-s base':>14} {'attack':>7} {'ratio':>6}   {'TTFT base':>9} {'attack':>7} {'ratio':>6}"
+          f"  attacker statuses")
     attacks_only = [r for r in result["rows"] if r["attack"] not in REFERENCES]
     for r in result["rows"]:
         print(f"{r['attack']:<18} {r['baseline_tok_s']:>14.1f} {r['attack_tok_s']:>12.1f} {r['ratio']:>6.2f}   "
-              f"{r['baseline_tok_per_cpu_s']:>14.1f} {r['attack_tok_per_cpu_s']:>7.1f} {r['cpu_ratio']:>6.2f}  "
-              f"{r['attacker']}")
+              f"{r['baseline_tok_per_cpu_s']:>14.1f} {r['attack_tok_per_cpu_s']:>7.1f} {r['cpu_ratio']:>6.2f}   "
+              f"{r['baseline_ttft_s']:>9.2f} {r['attack_ttft_s']:>7.2f} {r['ttft_ratio']:>6.2f}  {r['attacker']}")
     print(f"victim errors: {result['victim_errors'] or 'none'}")
     measured = {r["attack"]: r for r in result["rows"]}
 

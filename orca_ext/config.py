@@ -16,6 +16,7 @@ from typing import Any, Optional, Union
 import torch
 
 from .checks import check_choice, check_positive_int
+from .fairness import ADMISSION_POLICIES
 from .resources import parse_bytes, requested_kv_bytes, resolve_device, resolve_dtype
 from .scheduler import SCHEDULERS
 
@@ -60,6 +61,8 @@ class EngineConfig:
     worker_timeout: float = DEFAULT_WORKER_TIMEOUT_S    # parallel workers: longest wait for one batch
     heartbeat_interval: float = DEFAULT_HEARTBEAT_INTERVAL_S  # parallel workers: seconds between heartbeats
     heartbeat_timeout: float = DEFAULT_HEARTBEAT_TIMEOUT_S    # parallel workers: silence that fails the server
+    admission: str = "fcfs"                             # 'fcfs' (Algorithm 1) | 'fair' (per-client shares)
+    max_kv_per_client: Optional[int] = None             # fair: a client's reserved KV slots (None: no cap)
 
     def __post_init__(self) -> None:
         for name in ("max_batch_size", "max_undelivered_outputs", "tensor_parallel_size",
@@ -69,6 +72,13 @@ class EngineConfig:
             if getattr(self, name) is not None:
                 check_positive_int(name, getattr(self, name))
         check_choice("scheduler", self.scheduler, SCHEDULERS)
+        check_choice("admission", self.admission, ADMISSION_POLICIES)
+        if self.admission == "fair" and self.scheduler != "orca":
+            raise ValueError(f"admission='fair' needs scheduler='orca', got scheduler={self.scheduler!r}")
+        if self.max_kv_per_client is not None:
+            check_positive_int("max_kv_per_client", self.max_kv_per_client)
+            if self.admission != "fair":
+                raise ValueError("max_kv_per_client needs admission='fair' (FCFS admits in arrival order only)")
         for name in ("record_iterations", "enforce_eager", "slab_compaction"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"{name} must be True or False, got {getattr(self, name)!r}")

@@ -9,6 +9,7 @@ from __future__ import annotations
 import argparse
 
 from .config import EngineConfig
+from .fairness import ADMISSION_POLICIES
 from .resources import DTYPES
 from .scheduler import SCHEDULERS
 
@@ -58,6 +59,25 @@ def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--heartbeat-timeout", type=float, default=_DEFAULTS.heartbeat_timeout, metavar="S",
                    help="with -tp/-pp: a worker silent this long (stopped, hung) fails the server "
                         f"(default {_DEFAULTS.heartbeat_timeout:g})")
+    g.add_argument("--admission", default=_DEFAULTS.admission, choices=list(ADMISSION_POLICIES),
+                   help="fcfs = arrival order (Algorithm 1); fair = per-client fair shares of admission "
+                        f"and prefill chunks (default {_DEFAULTS.admission})")
+    g.add_argument("--max-kv-per-client", type=_optional_int, default=_DEFAULTS.max_kv_per_client,
+                   help="with --admission fair: KV slots one client's admitted requests may reserve; "
+                        "its next request waits past it ('none': no cap, the default)")
+
+
+def _optional_int(value: str):
+    """A positive integer, or 'none'."""
+    if value.lower() == "none":
+        return None
+    try:
+        n = int(value)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a positive integer or 'none', got {value!r}") from None
+    if n < 1:
+        raise argparse.ArgumentTypeError(f"must be >= 1, got {n}")
+    return n
 
 
 def _budget(value: str):

@@ -44,11 +44,9 @@ class RequestOutput:
 @dataclass(frozen=True)
 class IterationRecord:
     """What one engine iteration ran (kept when the server has record_iterations=True).
-
-    `launch_time` and `complete_time` (time.perf_counter clock) are when the batch was handed to
-    the executor and when its tokens came back; with pipeline parallelism a later batch is
-    launched before an earlier one completes. complete_time is None while the batch is in flight.
-    """
+    `launch_time` and `complete_time` (time.perf_counter clock): when the batch was handed to the
+    executor and when its tokens came back (None while in flight; with pipeline parallelism a
+    later batch is launched before an earlier one completes)."""
 
     index: int
     request_ids: tuple[str, ...]
@@ -57,8 +55,7 @@ class IterationRecord:
     slots_reserved: int
     launch_time: float = 0.0
     complete_time: Optional[float] = None
-    # New tokens of each request, in request_ids order: 1 for a decode, the prompt length for a
-    # whole prefill, less for a chunk of a prompt split over iterations by the token budget.
+    # New tokens per request (request_ids order): 1 per decode, the prompt or a chunk of it per prefill.
     chunk_sizes: tuple[int, ...] = ()
 
 
@@ -67,8 +64,9 @@ class Request:
 
     def __init__(self, request_id: str, prompt_token_ids: list[int], params: "SamplingParams",
                  detokenizer: "Optional[IncrementalDetokenizer]" = None,
-                 eos_token_ids: frozenset[int] = frozenset()):
+                 eos_token_ids: frozenset[int] = frozenset(), client: Optional[str] = None):
         self.request_id = request_id
+        self.client = client               # whose request, for fair admission (None: anonymous)
         self.prompt_token_ids = list(prompt_token_ids)
         self.params = params
         self.arrival_time = time.time()
@@ -84,10 +82,7 @@ class Request:
         self.detokenizer = detokenizer
         self.text = ""                     # published text (stop strings excluded, held-back tail not shown)
         # Tokens that finish the request with "stop". EOS counts unless ignore_eos.
-        stops = set(params.stop_token_ids)
-        if not params.ignore_eos:
-            stops |= set(eos_token_ids)
-        self.stop_token_ids = frozenset(stops)
+        self.stop_token_ids = frozenset(params.stop_token_ids) | frozenset(() if params.ignore_eos else eos_token_ids)
         self.generator = None              # per-request torch.Generator, made on first sampled step
         self.version = 0                   # bumped whenever a new snapshot is available
         self.stop_matcher = params.stop_matcher()  # streaming stop-string search (None: no stops)

@@ -1,22 +1,14 @@
-"""Iteration-level scheduling: Algorithm 1 of the Orca paper (docs/DESIGN.md section 3), and the
+"""Iteration-level scheduling: Algorithm 1 of the Orca paper (docs/DESIGN.md section 3), its
+extensions (chunked prefill, slab compaction, fair admission: section 6; pipeline balance: 3) and the
 request-level `static` baseline. Pure Python over request objects; no model, no threads.
 
 A request object needs: `state` (RequestState), `reservation` (int), `slab_start` (int, -1 when
-none), `finished` (bool), `prompt_remaining` (int) and `num_scheduled` (int, written here). The
-engine marks requests finished; the scheduler owns state transitions, slabs, the reservation
-count and the count of batches in flight (`n_scheduled`).
+none), `finished` (bool), `prompt_remaining` (int), `client` (fair admission's key) and
+`num_scheduled` (int, written here). The engine marks requests finished; the scheduler owns state
+transitions, slabs, the reservation count and the count of batches in flight (`n_scheduled`).
 
-Usage per iteration (n_workers = 1):  batch = s.schedule(); run it; s.complete(batch).
-With n_workers > 1 up to n_workers batches may be scheduled before one is completed; requests of
-a scheduled batch are RUNNING and are never selected again until their batch completes.
-
-Two extensions of Algorithm 1, both in the orca policy:
-  * a token budget (`max_num_batched_tokens`): each iteration takes the decodes first, one token
-    each, then prompt tokens in arrival order until the budget is spent, so a long prompt is
-    split into chunks over several iterations instead of stalling every decode of one;
-  * slab compaction: when the head of the queue fits in the free slots but no contiguous run is
-    free, the live slabs are slid toward slot 0 (`slab_mover` copies their KV rows) and the head
-    is admitted in the same iteration.
+Per iteration: batch = s.schedule(); run it; s.complete(batch). Up to n_workers batches may be
+in flight; their requests are RUNNING and are not selected again until their batch completes.
 """
 from __future__ import annotations
 
@@ -25,6 +17,7 @@ import math
 from typing import Callable, Optional
 
 from .checks import check_positive_int
+from .fairness import FairShares
 from .request import RequestState
 
 log = logging.getLogger(__name__)
@@ -35,17 +28,15 @@ def make_allocator(n_slots: int):
         from . import _C  # type: ignore[attr-defined]
     except ImportError:
         from .reference import SlabAllocatorReference
-
         log.warning("orca_ext._C is not built; using the slow pure-Python slab allocator")
         return SlabAllocatorReference(n_slots)
     return _C.SlabAllocator(n_slots)
 
 
 class _SchedulerBase:
-    """`config` (an EngineConfig, checked at its construction) gives the policy's limits:
-    max_batch_size and, for the orca policy, max_num_batched_tokens (an int, or None for whole
-    prompts; 'auto' must be resolved first). `n_slots` is the KV cache's capacity and
-    `n_workers` the batches that may be in flight."""
+    """`config` (a resolved EngineConfig) gives the policy's limits: max_batch_size and, for the
+    orca policy, max_num_batched_tokens (None: whole prompts) and the admission policy.
+    `n_slots` is the KV cache's capacity and `n_workers` the batches that may be in flight."""
 
     def __init__(self, config, n_slots: int, n_workers: int = 1, allocator=None):
         check_positive_int("n_slots", n_slots)
@@ -57,11 +48,10 @@ class _SchedulerBase:
         self.allocator = allocator if allocator is not None else make_allocator(n_slots)
         if self.allocator.n_slots != n_slots:
             raise ValueError(f"allocator has {self.allocator.n_slots} slots, scheduler {n_slots}")
-        self.pool: list = []       # unfinished requests, arrival order (admitted ones are a prefix)
+        self.pool: list = []       # unfinished requests, arrival order
         self.n_rsrv = 0            # slots reserved by admitted requests
         self.n_scheduled = 0       # batches launched and not yet completed (owned here alone)
-        # Compaction: slab_mover(moves) copies the KV rows of [(request, old_start, new_start)];
-        # compaction is off while it is None.
+        # slab_mover(moves) copies the KV rows of [(request, old_start, new_start)]; None: no compaction.
         self.slab_mover: Optional[Callable[[list], None]] = None
         self.compaction_pending = False    # the head waits for in-flight batches before compacting
         self.num_compactions = 0
@@ -94,8 +84,7 @@ class _SchedulerBase:
 
     # -- Algorithm 1 main loop hooks ---------------------------------------------------------
     def schedule(self) -> list:
-        """select() and launch: the returned requests are RUNNING. Empty when nothing can run
-        or when n_workers batches are already in flight."""
+        """select() and launch: the returned requests are RUNNING (none while n_workers are in flight)."""
         if self.n_scheduled >= self.n_workers:
             return []
         if self.compaction_pending:
@@ -130,9 +119,8 @@ class _SchedulerBase:
         self.n_scheduled = 0
 
     def remove(self, req) -> None:
-        """A finished request ended outside a batch return (abort, shutdown). Its slab is freed
-        now, unless it is inside a running batch: the model may be writing that slab, so
-        complete() frees it."""
+        """A finished request ended outside a batch return (abort, shutdown). Its slab is freed now,
+        unless it is inside a running batch, which may be writing it: then complete() frees it."""
         if req.state is RequestState.RUNNING or req.state is RequestState.RELEASED:
             return
         self._release(req)
@@ -164,9 +152,8 @@ class _SchedulerBase:
         owner = {r.slab_start: r for r in self.pool if r.slab_start >= 0}
         moves = []
         for old, new, _ in self.allocator.compact():
-            req = owner[old]
-            req.slab_start = new
-            moves.append((req, old, new))
+            owner[old].slab_start = new
+            moves.append((owner[old], old, new))
         self.slab_mover(moves)
         self.num_compactions += 1
         log.debug("compacted the KV slabs: %d moved", len(moves))
@@ -188,9 +175,6 @@ class _SchedulerBase:
             self.n_rsrv -= req.reservation
         req.state = RequestState.RELEASED
 
-    def _select(self) -> list:  # pragma: no cover - abstract
-        raise NotImplementedError
-
 
 class OrcaScheduler(_SchedulerBase):
     """Iteration-level scheduling: every iteration re-selects from the whole pool."""
@@ -198,31 +182,56 @@ class OrcaScheduler(_SchedulerBase):
     @staticmethod
     def _token_budget(config) -> Optional[int]:
         if config.max_num_batched_tokens == "auto":
-            raise ValueError("max_num_batched_tokens='auto' must be resolved for a device first "
-                             "(EngineConfig.resolve())")
+            raise ValueError("max_num_batched_tokens='auto' must be resolved first (EngineConfig.resolve())")
         return config.max_num_batched_tokens
 
     def _select(self) -> list:
         batch = []
         budget = self.max_num_batched_tokens or math.inf  # tokens this iteration may still take
         # Decodes first, one token each: a long prompt never holds up a running request's token.
+        decodes = self._decode_limit()
         for req in self.pool:
-            if len(batch) == self.max_batch_size:
+            if len(batch) == decodes:
                 break
             if req.state is RequestState.INCREMENT and req.prompt_remaining == 0:
                 budget -= self._take(req, 1)
                 batch.append(req)
-        # Then prompts, whole or their next chunk, in arrival order until the budget is spent.
-        for req in self.pool:
-            if req.state is RequestState.RUNNING or req.prompt_remaining == 0:
-                continue  # executing, or a decode taken above
-            if len(batch) == self.max_batch_size or budget == 0:
-                break
-            if req.state is RequestState.INITIATION and not self._admit(req):
-                break  # FCFS: a request that does not fit blocks everything behind it
+        # Then prompts, whole or their next chunk, in arrival order (FCFS) until the budget is spent.
+        prompts = self._prompt_order()
+        while len(batch) < self.max_batch_size and budget > 0:
+            req = next(prompts, None)
+            if req is None or (req.slab_start < 0 and not self._admit(req)):
+                break  # no skipping: a request that does not fit blocks everything behind it
             budget -= self._take(req, min(req.prompt_remaining, budget))
             batch.append(req)
         return batch
+
+    def _prompt_order(self):
+        """Requests with prompt tokens to run (waiting, or admitted with a chunk left), in arrival order."""
+        return (r for r in self.pool if r.state is not RequestState.RUNNING and r.prompt_remaining)
+
+    def _decode_limit(self) -> int:
+        """max_batch_size, and with n_workers > 1 an even share of the admitted requests (DESIGN section 3)."""
+        n_workers = self.n_workers
+        return self.max_batch_size if n_workers == 1 else min(self.max_batch_size, -(-self.num_running // n_workers))
+
+
+class FairScheduler(OrcaScheduler):
+    """The orca policy with client-aware admission (fairness.py)."""
+
+    def __init__(self, config, *args, **kwargs):
+        super().__init__(config, *args, **kwargs)
+        self.shares = FairShares(config.max_kv_per_client, self.max_num_batched_tokens)
+
+    def _select(self) -> list:
+        self.shares.begin()
+        return super()._select()
+
+    def _take(self, req, n_tokens: int) -> int:
+        return super()._take(req, self.shares.take(req, n_tokens))
+
+    def _prompt_order(self):
+        return self.shares.order(self.pool, self._admit)
 
 
 class StaticScheduler(_SchedulerBase):
@@ -250,5 +259,6 @@ SCHEDULERS = {"orca": OrcaScheduler, "static": StaticScheduler}
 
 
 def make_scheduler(config, n_slots: int, n_workers: int = 1, allocator: Optional[object] = None) -> _SchedulerBase:
-    """The scheduler of `config.scheduler` ('orca' or 'static') over n_slots KV slots."""
-    return SCHEDULERS[config.scheduler](config, n_slots, n_workers, allocator)
+    """The scheduler of `config.scheduler` ('orca' or 'static') and `config.admission` over n_slots KV slots."""
+    policy = FairScheduler if config.admission == "fair" else SCHEDULERS[config.scheduler]
+    return policy(config, n_slots, n_workers, allocator)

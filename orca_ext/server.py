@@ -164,8 +164,9 @@ class Server:
 
     # -- submission -------------------------------------------------------------------------------
     def submit(self, prompt: Prompt, params: Optional[SamplingParams] = None, *,
-               request_id: Optional[str] = None) -> str:
-        """Queue a request; returns its id. Invalid input raises InvalidRequestError here."""
+               request_id: Optional[str] = None, client: Optional[str] = None) -> str:
+        """Queue a request; returns its id. Invalid input raises InvalidRequestError here.
+        `client` keys fair admission (an API key's identity or an address; None: anonymous)."""
         if self._closed:
             raise ServerClosedError("the server is shut down; no new requests are accepted")
         self._check_engine()
@@ -177,6 +178,9 @@ class Server:
         if request_id is not None and (not isinstance(request_id, str) or not request_id):
             raise InvalidRequestError(f"request_id must be a non-empty string, got {request_id!r}",
                                       param="request_id")
+        if client is not None and not isinstance(client, str):
+            raise InvalidRequestError(f"client must be a string or None, got {type(client).__name__}",
+                                      param="client")
         prompt_ids = self._validator.prompt_ids(prompt)
         self._validator.check(prompt_ids, params)
         detok = (IncrementalDetokenizer(self._tok, prompt_ids) if self._tok is not None else None)
@@ -186,7 +190,7 @@ class Server:
             self._check_engine()
             if request_id is None:
                 request_id = self._outputs.unused_id()
-            req = Request(request_id, prompt_ids, params, detok, self.eos_token_ids)
+            req = Request(request_id, prompt_ids, params, detok, self.eos_token_ids, client)
             self._outputs.add(req)  # raises if the id is in use
             self._engine.add_request(req)
         return request_id

@@ -48,9 +48,10 @@ def test_without_compaction_the_head_waits_with_it_it_is_admitted_at_once(n_work
     _, _, first_d, last_b = run_trace(FakeModel(), compaction=False, n_workers=n_workers)
     assert first_d > last_b  # d only fit once b had left
     reqs, engine, first_d, last_b = run_trace(FakeModel(), compaction=True, n_workers=n_workers)
-    # a and c leave after the iteration of their 3rd token; d joins the very next iteration.
-    last_a = max(rec.index for rec in engine.records if "a" in rec.request_ids)
-    assert first_d == last_a + 1 and first_d < last_b
+    # a and c leave after the iteration of their 3rd token; d joins the very next iteration (with
+    # two stages a and c run in different batches, and the slabs move once both have returned).
+    last_ac = max(rec.index for rec in engine.records if {"a", "c"} & set(rec.request_ids))
+    assert first_d <= last_ac + n_workers and first_d < last_b
     assert engine.num_compactions == 1
     # b's cached rows (its prompt and the tokens before the move) went along with its slab.
     for name, prompt, n in TRACE:

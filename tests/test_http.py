@@ -536,10 +536,10 @@ def test_internal_error_is_a_logged_500(engine, caplog):
         def __getattr__(self, name):
             return getattr(self._s, name)
 
-        def submit(self, prompt, params=None, *, request_id=None):
+        def submit(self, prompt, params=None, *, request_id=None, client=None):
             if params.max_tokens == 7:  # the trigger (the HTTP layer submits prompts as token ids)
                 raise RuntimeError("simulated bug")
-            return self._s.submit(prompt, params, request_id=request_id)
+            return self._s.submit(prompt, params, request_id=request_id, client=client)
 
     app = create_app(Buggy(engine), model_name="m", max_queue=1, api_key=None)
 

@@ -250,7 +250,8 @@ class Service:
             encoder = self.server.prompt_encoder
             if isinstance(prompt, str) and encoder is not None:
                 prompt = await self.prompt_workers.run(client, text_prompt_ids, encoder, prompt)
-            await asyncio.to_thread(self.server.submit, prompt, params, request_id=adm.rid)
+            await asyncio.to_thread(self.server.submit, prompt, params, request_id=adm.rid,
+                                    client=client)
         except EngineDeadError as exc:
             raise APIError(503, str(exc), code="engine_dead") from exc
         except ServerClosedError as exc:

@@ -1,0 +1,124 @@
+"""Client-aware admission: fair shares of admission and of prefill chunks between clients, in the
+manner of the Virtual Token Counter (Sheng et al., OSDI '24, "Fairness in Serving Large Language
+Models"), and a per-client cap on reserved KV slots (docs/DESIGN.md section 6).
+
+Each client (`Request.client`; None is one shared anonymous client) has a counter of the service
+it has received: PROMPT_WEIGHT per prompt token and OUTPUT_WEIGHT per generated token, charged
+when the tokens are scheduled. The requests that want prompt tokens (waiting ones, and admitted
+ones with part of their prompt left) are taken client by client, always from the client whose
+counter (with what this selection already gave it) is smallest, and in arrival order within a
+client. A client that becomes active is lifted to the smallest counter of the active clients, or
+to the last such minimum when none is active, so time spent idle banks no credit. A client that
+is ahead by more than one token budget takes at most as many weighted tokens of prompt in an
+iteration as the other clients in it together: on a CPU an iteration's time grows with its
+tokens, so a long prefill would otherwise slow every other client's decodes.
+
+The scheduler keeps Algorithm 1's no-skip rule over this order: a request that does not fit in
+the KV cache blocks every admission after it (admitted requests' prompt chunks still run), so
+the client with the least service is never overtaken while it waits for space, and nothing
+starves. The per-client cap is the one way past it: a client whose next admission would take
+its reserved slots above `max_kv_per_client` is left out of the selection (its requests wait,
+the others go ahead). A request larger than the cap is admitted when its client holds no other
+slots, so no request waits forever.
+"""
+from __future__ import annotations
+
+import heapq
+from collections import deque
+from typing import Callable, Iterator, Optional
+
+from .request import RequestState
+
+ADMISSION_POLICIES = ("fcfs", "fair")  # fcfs: Algorithm 1's arrival order; fair: this module
+# Weights of the counters: a generated token costs twice a prompt token, as in the VTC paper (a
+# decode step streams the weights for one token, a prefill shares that cost over its chunk).
+PROMPT_WEIGHT = 1
+OUTPUT_WEIGHT = 2
+# Counters of clients with nothing in the pool are kept (so a heavy client cannot shed its
+# counter by pausing) up to this many; past it the smallest are forgotten first.
+MAX_IDLE_COUNTERS = 4096
+
+
+class FairShares:
+    """The counters of one scheduler, and the order in which it takes prompt tokens."""
+
+    def __init__(self, max_kv_per_client: Optional[int] = None, token_budget: Optional[int] = None):
+        self.max_kv_per_client = max_kv_per_client
+        self.token_budget = token_budget  # the scheduler's max_num_batched_tokens (None: whole prompts)
+        self.counters: dict = {}   # client -> weighted tokens received
+        self.taken: dict = {}      # client -> weighted tokens in the batch being selected
+        self.active: set = set()   # clients with a request in the pool at the last selection
+        self.floor = 0             # the smallest active counter when last seen (never decreases)
+
+    def order(self, pool: list, admit: Callable[[object], bool]) -> Iterator:
+        """The pool's prompt work in fair-share order, each waiting request admitted (`admit`,
+        the scheduler's) before it is yielded. Once one does not fit, no later one is admitted,
+        but admitted requests' chunks still come. The caller asks for the next request only
+        when it has room for it, after taking the last one (`num_scheduled` prompt tokens)."""
+        queues: dict = {}
+        reserved: dict = {}
+        for index, req in enumerate(pool):
+            if req.slab_start >= 0:
+                reserved[req.client] = reserved.get(req.client, 0) + req.reservation
+            if req.state is not RequestState.RUNNING and req.prompt_remaining:
+                queues.setdefault(req.client, deque()).append((index, req))
+        self._track({req.client for req in pool})
+        heap = [(self.counters[c], q[0][0], c) for c, q in queues.items()]
+        heapq.heapify(heap)
+        blocked = False  # a request did not fit: no later one may skip ahead of it
+        while heap:
+            _, _, client = heapq.heappop(heap)
+            queue = queues[client]
+            req = queue[0][1]
+            if req.slab_start < 0:
+                if blocked or self._over_cap(reserved.get(client, 0), req):
+                    continue  # this client waits; with the cap, the others go ahead
+                if not admit(req):
+                    blocked = True
+                    continue
+                reserved[client] = reserved.get(client, 0) + req.reservation
+            yield req
+            queue.popleft()
+            if queue and req.num_scheduled == req.prompt_remaining:  # a cut chunk: its share is used
+                heapq.heappush(heap, (self.counters[client], queue[0][0], client))
+
+    def begin(self) -> None:
+        """A new selection: nothing taken yet."""
+        self.taken = {}
+
+    def take(self, req, n_tokens: int) -> int:
+        """Charge req's client for the `n_tokens` of its next input the scheduler wants to take,
+        and return how many it may: all, except for a prompt chunk of a client that is ahead
+        (its counter more than one token budget above another client's in this batch). That
+        chunk may hold only as many weighted tokens as the other clients in the batch have
+        together (at least one), so a heavy client cannot slow everyone's iteration more."""
+        client = req.client
+        weight = PROMPT_WEIGHT if req.prompt_remaining else OUTPUT_WEIGHT
+        others = [c for c in self.taken if c != client]
+        if req.prompt_remaining and others and self.token_budget is not None:
+            counter = self.counters.get(client, self.floor)
+            if counter > min(self.counters[c] for c in others) + self.token_budget:
+                share = sum(self.taken[c] for c in others) - self.taken.get(client, 0)
+                n_tokens = max(1, min(n_tokens, share // PROMPT_WEIGHT))
+        self.taken[client] = self.taken.get(client, 0) + weight * n_tokens
+        self.counters[client] = self.counters.get(client, self.floor) + weight * n_tokens
+        return n_tokens
+
+    def _over_cap(self, held: int, req) -> bool:
+        cap = self.max_kv_per_client
+        return cap is not None and held > 0 and held + req.reservation > cap
+
+    def _track(self, clients: set) -> None:
+        """Lift clients that became active to the active minimum; keep the idle ones' counters."""
+        staying = clients & self.active
+        if staying:
+            self.floor = max(self.floor, min(self.counters[c] for c in staying))
+        for c in clients - self.active:
+            self.counters[c] = max(self.counters.get(c, 0), self.floor)
+        self.active = clients
+        idle = len(self.counters) - len(clients)
+        if idle > MAX_IDLE_COUNTERS:
+            # Counters at or below the floor carry nothing: a returning client is lifted to it.
+            forget = sorted((v, c) for c, v in self.counters.items() if c not in clients)
+            for _, c in forget[:idle - MAX_IDLE_COUNTERS]:
+                del self.counters[c]

@@ -1,0 +1,394 @@
+"""Client-aware admission (`admission="fair"`, orca_ext/fairness.py) and pipeline balance.
+
+The scheduler is driven directly with real Request objects (as in test_scheduler.py), then the
+engine with the fake model, whose outputs must equal the request run alone whatever the policy.
+Fair admission: a victim behind a hog client is admitted within a bounded number of iterations
+(under FCFS it waits behind the hog), prompt chunks are shared between clients, the per-client KV
+cap holds, counters bank no idle credit, and nothing starves (a hypothesis property test).
+Balance: with two batches in flight a burst is split over both; with one, nothing changes.
+"""
+from __future__ import annotations
+
+import argparse
+import random
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from fake_model import FakeModel, fake_reference
+from orca_ext import InvalidRequestError, Server
+from orca_ext.config import EngineConfig
+from orca_ext.engine import Engine
+from orca_ext.executor import LocalExecutor
+from orca_ext.fairness import MAX_IDLE_COUNTERS, OUTPUT_WEIGHT, PROMPT_WEIGHT, FairShares
+from orca_ext.options import add_engine_arguments
+from orca_ext.reference import SlabAllocatorReference
+from orca_ext.request import Request, RequestState
+from orca_ext.sampling import SamplingParams
+from orca_ext.scheduler import FairScheduler, OrcaScheduler, make_scheduler
+
+_ids = iter(range(10**9))
+
+
+def mk(prompt_len: int, max_tokens: int, client=None, name: str | None = None) -> Request:
+    name = name or f"{client}-{next(_ids)}"
+    return Request(name, [1] * prompt_len, SamplingParams(max_tokens=max_tokens), client=client)
+
+
+def sched(admission="fair", max_bs=8, n_slots=1000, n_workers=1, budget=None, cap=None):
+    config = EngineConfig(max_batch_size=max_bs, max_num_batched_tokens=budget, admission=admission,
+                          max_kv_per_client=cap)
+    return make_scheduler(config, n_slots, n_workers, SlabAllocatorReference(n_slots))
+
+
+def run_batch(s, batch=None) -> list[Request]:
+    """Play the engine for one returned batch: cache its inputs, one token each after the last
+    prompt chunk, finish at max_tokens."""
+    batch = s.schedule() if batch is None else batch
+    for r in batch:
+        r.num_cached += len(r.next_inputs()[0])
+        if not r.prompt_remaining:
+            r.output_token_ids.append(0)
+            if len(r.output_token_ids) >= r.params.max_tokens:
+                r.mark_finished("length")
+    s.complete(batch)
+    return batch
+
+
+def reserved_by(s, client) -> int:
+    return sum(r.reservation for r in s.pool if r.slab_start >= 0 and r.client == client)
+
+
+# -- admission order ------------------------------------------------------------------------------
+def first_iteration_of(victim, s, limit=200) -> int:
+    for i in range(limit):
+        if victim in run_batch(s):
+            return i
+    raise AssertionError(f"{victim.request_id} not scheduled in {limit} iterations")
+
+
+@pytest.mark.parametrize("admission", ["fcfs", "fair"])
+def test_a_victim_behind_a_hog_waits_under_fcfs_and_is_admitted_next_under_fair(admission):
+    # 100 slots; the hog's five requests reserve 30 each, so three run and two wait.
+    s = sched(admission, n_slots=100)
+    hog = [mk(10, 20, "hog") for _ in range(5)]
+    for r in hog:
+        s.add(r)
+    run_batch(s), run_batch(s)
+    victim = mk(4, 6, "victim")  # reserves 10: it fits next to the three running hog requests
+    s.add(victim)
+    waited = first_iteration_of(victim, s)
+    if admission == "fcfs":
+        # Arrival order: the victim is admitted only after both waiting hog requests.
+        assert waited >= 18 and hog[4].slab_start >= 0
+    else:
+        # Lifted to the hog's counter on arrival (a tie that the hog's older head wins), and
+        # ahead of it once the hog's decodes were charged: one iteration.
+        assert waited <= 1 and hog[3].slab_start == -1
+    assert s.n_rsrv <= s.n_slots
+    while s.has_unfinished():  # the hog still gets all its work done
+        run_batch(s)
+    assert all(r.finished for r in hog + [victim])
+
+
+def test_fair_shares_of_admission_alternate_between_two_busy_clients():
+    # Room for two requests at a time; each client keeps four queued.
+    s = sched(n_slots=40)
+    for i in range(4):
+        s.add(mk(5, 5, "a")), s.add(mk(5, 5, "b"))
+    admitted = []
+    while s.has_unfinished():
+        for r in run_batch(s):
+            if r.num_cached == 5 and len(r.output_token_ids) == 1:
+                admitted.append(r.client)
+    assert admitted == ["a", "b"] * 4
+
+
+@pytest.mark.parametrize("admission", ["fcfs", "fair"])
+def test_prompt_chunks_are_shared_between_clients(admission):
+    # Budget 16: the hog's 400-token prompt takes 25 iterations of chunks.
+    s = sched(admission, n_slots=1000, budget=16)
+    hog = mk(400, 4, "hog")
+    s.add(hog)
+    run_batch(s), run_batch(s)
+    victim = mk(6, 4, "victim")
+    s.add(victim)
+    waited = first_iteration_of(victim, s)
+    if admission == "fcfs":
+        assert waited >= 20 and hog.prompt_remaining == 0
+    else:
+        assert waited <= 1 and hog.prompt_remaining > 300
+        # The hog, ahead by more than a token budget, now takes as many weighted tokens of prompt
+        # per iteration as the victim gets: its decode counts OUTPUT_WEIGHT.
+        batch = s.schedule()
+        assert [(r.client, r.num_scheduled) for r in batch] == [("victim", 1), ("hog", OUTPUT_WEIGHT)]
+        run_batch(s, batch)
+        victim.mark_finished("abort"), s.remove(victim)
+        assert [(r.client, r.num_scheduled) for r in s.schedule()] == [("hog", 16)]  # alone: the whole budget
+
+
+def test_many_clients_each_get_a_share_of_one_iterations_chunks():
+    s = sched(max_bs=8, n_slots=1000, budget=24)
+    reqs = {c: mk(40, 2, c) for c in "abc"}
+    for r in reqs.values():
+        s.add(r)
+    for _ in range(3):
+        run_batch(s)
+    # 72 prompt tokens over three iterations: each client got 24, whatever the arrival order.
+    assert [r.num_cached for r in reqs.values()] == [24, 24, 24]
+
+
+def test_a_big_head_blocks_later_clients_so_it_never_starves():
+    # A needs 80 of 100 slots while B keeps 30 busy with a stream of small requests.
+    s = sched(n_slots=100)
+    s.add(mk(5, 25, "b"))
+    run_batch(s)
+    big = mk(40, 40, "a")
+    s.add(big)
+    for i in range(200):
+        if s.num_waiting < 3:
+            s.add(mk(5, 5, "b"))
+        run_batch(s)
+        if big.slab_start >= 0:
+            break
+    assert big.slab_start >= 0 and i < 40
+
+
+def test_no_request_skips_an_older_one_of_its_own_client():
+    s = sched(n_slots=100)
+    s.add(mk(5, 55, "b"))
+    run_batch(s)
+    big, small = mk(30, 20, "a"), mk(2, 2, "a")  # big does not fit next to b's 60; small would
+    s.add(big), s.add(small)
+    for _ in range(5):
+        run_batch(s)
+        assert big.slab_start == -1 and small.slab_start == -1
+
+
+# -- the per-client KV cap -----------------------------------------------------------------------
+def test_the_kv_cap_holds_a_client_back_and_lets_the_others_go_ahead():
+    s = sched(n_slots=300, cap=70)
+    hog = [mk(10, 20, "hog") for _ in range(5)]  # 30 each: two fit under the cap, 60
+    for r in hog:
+        s.add(r)
+    victim = mk(5, 5, "victim")
+    s.add(victim)
+    batch = s.schedule()
+    assert {r.request_id for r in batch} == {hog[0].request_id, hog[1].request_id, victim.request_id}
+    assert reserved_by(s, "hog") == 60 and hog[2].state is RequestState.INITIATION
+    s.complete(batch)
+    while s.has_unfinished():
+        assert reserved_by(s, "hog") <= 70
+        run_batch(s)
+    assert all(r.finished for r in hog)  # waited, never rejected
+
+
+def test_a_request_larger_than_the_cap_runs_alone_for_its_client():
+    s = sched(n_slots=300, cap=50)
+    large, later = mk(60, 20, "a"), mk(5, 5, "a")
+    s.add(large), s.add(later)
+    assert [r.request_id for r in s.schedule()] == [large.request_id]
+    assert later.slab_start == -1
+
+
+def test_cap_needs_fair_admission_and_fair_needs_the_orca_scheduler():
+    with pytest.raises(ValueError, match="max_kv_per_client needs admission='fair'"):
+        EngineConfig(max_kv_per_client=100)
+    with pytest.raises(ValueError, match="max_kv_per_client must be an integer >= 1"):
+        EngineConfig(admission="fair", max_kv_per_client=0)
+    with pytest.raises(ValueError, match="admission must be one of 'fcfs', 'fair'"):
+        EngineConfig(admission="lottery")
+    with pytest.raises(ValueError, match="admission='fair' needs scheduler='orca'"):
+        EngineConfig(admission="fair", scheduler="static")
+    assert type(sched("fcfs")) is OrcaScheduler and type(sched("fair")) is FairScheduler
+
+
+def test_cli_flags_build_the_config():
+    parser = argparse.ArgumentParser()
+    add_engine_arguments(parser)
+    config = EngineConfig.from_args(parser.parse_args(["--admission", "fair", "--max-kv-per-client", "4096"]))
+    assert (config.admission, config.max_kv_per_client) == ("fair", 4096)
+    defaults = EngineConfig.from_args(parser.parse_args([]))
+    assert (defaults.admission, defaults.max_kv_per_client) == ("fcfs", None)
+    assert EngineConfig.from_args(parser.parse_args(["--max-kv-per-client", "none"])).max_kv_per_client is None
+    with pytest.raises(SystemExit):
+        parser.parse_args(["--max-kv-per-client", "0"])
+
+
+# -- counters ------------------------------------------------------------------------------------
+def test_counters_charge_weighted_tokens_and_lift_newcomers_without_banked_credit():
+    s = sched(n_slots=1000)
+    a = mk(10, 5, "a")
+    s.add(a)
+    run_batch(s)  # a's prompt
+    run_batch(s)  # one decode
+    assert s.shares.counters["a"] == 10 * PROMPT_WEIGHT + OUTPUT_WEIGHT
+    s.add(mk(3, 5, "b"))
+    s.schedule()
+    # b arrived while a was active: lifted to a's counter (with this selection's decode), then
+    # charged its prompt.
+    assert s.shares.floor == s.shares.counters["a"] == 10 * PROMPT_WEIGHT + 2 * OUTPUT_WEIGHT
+    assert s.shares.counters["b"] == s.shares.floor + 3 * PROMPT_WEIGHT
+
+
+def test_an_idle_client_keeps_its_counter_so_pausing_does_not_reset_it():
+    shares = FairShares()
+    shares._track({"hog", "victim"})
+    shares.counters.update(hog=500, victim=10)
+    shares._track({"victim"})  # the hog goes idle
+    shares.counters["victim"] = 40
+    shares._track({"victim", "hog"})  # and comes back: its 500 stays, the victim still goes first
+    assert shares.counters["hog"] == 500 and shares.floor == 40
+    shares._track({"victim", "newcomer"})
+    assert shares.counters["newcomer"] == 40
+
+
+def test_idle_counters_are_bounded():
+    shares = FairShares()
+    for i in range(MAX_IDLE_COUNTERS + 50):
+        shares._track({f"c{i}"})
+        shares.counters[f"c{i}"] += i
+    assert len(shares.counters) <= MAX_IDLE_COUNTERS + 1
+    assert f"c{MAX_IDLE_COUNTERS + 40}" in shares.counters and "c0" not in shares.counters
+
+
+# -- pipeline balance ----------------------------------------------------------------------------
+@pytest.mark.parametrize("admission", ["fcfs", "fair"])
+def test_with_two_stages_a_burst_is_split_over_both_batches_in_flight(admission):
+    s = sched(admission, max_bs=16, n_workers=2)
+    burst = [mk(4, 10, "c") for _ in range(8)]
+    for r in burst:
+        s.add(r)
+    first = s.schedule()
+    assert len(first) == 8 and s.schedule() == []  # all prompts in one batch, nothing left
+    run_batch(s, first)
+    b1, b2 = s.schedule(), s.schedule()
+    assert len(b1) == 4 and len(b2) == 4 and set(b1).isdisjoint(b2)
+    for _ in range(5):  # and it stays balanced as the batches come back in turn
+        run_batch(s, b1)
+        b1, b2 = b2, s.schedule()
+        assert len(b2) == 4
+
+
+def test_with_one_stage_a_burst_stays_in_one_batch():
+    s = sched(max_bs=16, n_workers=1)
+    for _ in range(8):
+        s.add(mk(4, 10, "c"))
+    for _ in range(6):
+        assert len(run_batch(s)) == 8
+
+
+# -- random workloads ----------------------------------------------------------------------------
+@settings(max_examples=60, deadline=None)
+@given(seed=st.integers(0, 2**32 - 1), n_workers=st.integers(1, 3), max_bs=st.integers(1, 6),
+       n_slots=st.integers(16, 150), budget=st.one_of(st.none(), st.integers(0, 40)),
+       cap=st.one_of(st.none(), st.integers(1, 150)), n_clients=st.integers(1, 4))
+def test_random_workloads_keep_caps_and_counters_and_starve_nobody(seed, n_workers, max_bs, n_slots, budget,
+                                                                   cap, n_clients):
+    rng = random.Random(seed)
+    s = sched("fair", max_bs, n_slots, n_workers, None if budget is None else max_bs + budget, cap)
+    clients = [None] + [f"c{i}" for i in range(n_clients - 1)]
+    all_reqs: list[Request] = []
+    inflight: list[list[Request]] = []
+    last_counters: dict = {}
+
+    def check() -> None:
+        assert s.n_rsrv <= s.n_slots
+        holders = [r for r in s.pool if r.slab_start >= 0]
+        assert s.n_rsrv == sum(r.reservation for r in holders) == s.allocator.n_used
+        for c in clients:
+            mine = [r for r in s.pool if r.client == c]
+            held = [r for r in mine if r.slab_start >= 0]
+            if cap is not None and len(held) > 1:
+                assert sum(r.reservation for r in held) <= cap, "a client went over its KV cap"
+            # No skipping within a client: its admitted requests are the oldest of its own.
+            admitted = [r.slab_start >= 0 for r in mine]
+            assert admitted == sorted(admitted, reverse=True)
+        for c, v in s.shares.counters.items():
+            assert v >= last_counters.get(c, 0) or c not in s.shares.active, "an active counter fell"
+        for c in s.shares.active:
+            assert s.shares.counters[c] >= s.shares.floor
+        last_counters.clear()
+        last_counters.update(s.shares.counters)
+
+    for _ in range(150):
+        op = rng.random()
+        if op < 0.3:
+            p = rng.randint(1, n_slots // 2)
+            r = mk(p, rng.randint(1, n_slots - p), rng.choice(clients))
+            s.add(r)
+            all_reqs.append(r)
+        elif op < 0.65:
+            batch = s.schedule()
+            assert len(batch) <= s.max_batch_size
+            if s.max_num_batched_tokens is not None:
+                assert sum(r.num_scheduled for r in batch) <= s.max_num_batched_tokens
+            if batch:
+                inflight.append(batch)
+        elif op < 0.9 and inflight:
+            run_batch(s, inflight.pop(rng.randrange(len(inflight))))
+        elif all_reqs:
+            victim = rng.choice(all_reqs)
+            if not victim.finished:
+                victim.mark_finished("abort")
+                s.remove(victim)
+        check()
+    # Liveness: with no new arrivals every request finishes within a bounded number of iterations.
+    while inflight:
+        run_batch(s, inflight.pop())
+    bound = sum(r.prompt_remaining + r.params.max_tokens for r in s.pool) + 10
+    for _ in range(bound):
+        if not s.has_unfinished():
+            break
+        run_batch(s)
+        check()
+    assert not s.pool and s.n_rsrv == 0 and s.allocator.n_used == 0
+
+
+# -- the engine and the server -------------------------------------------------------------------
+def engine_run(admission: str, cap=None):
+    """A hog client with six long requests, then a victim with one short one, through the engine
+    and the fake model; returns the requests and the index of the victim's first iteration."""
+    config = EngineConfig(max_batch_size=8, max_num_batched_tokens=32, admission=admission, max_kv_per_client=cap)
+    engine = Engine(LocalExecutor(FakeModel()), make_scheduler(config, 200), record_iterations=True)
+    rng = random.Random(3)
+    hog = [Request(f"hog{i}", [rng.randrange(101) for _ in range(40)], SamplingParams(max_tokens=25, ignore_eos=True),
+                   client="hog") for i in range(6)]
+    victim = Request("victim", [5, 6, 7], SamplingParams(max_tokens=5, ignore_eos=True), client="victim")
+    for r in hog:
+        engine.add_request(r)
+    for _ in range(3):
+        engine.step()
+    engine.add_request(victim)
+    while engine.has_work():
+        engine.step()
+    first = next(rec.index for rec in engine.records if "victim" in rec.request_ids)
+    for r in hog + [victim]:
+        assert r.output_token_ids == fake_reference(r.prompt_token_ids, r.params.max_tokens), r.request_id
+    return engine, first
+
+
+def test_engine_fair_admission_serves_the_victim_within_bounded_iterations():
+    _, fcfs_first = engine_run("fcfs")
+    fair, fair_first = engine_run("fair")
+    _, capped_first = engine_run("fair", cap=130)
+    # The hog's 65-slot requests: three fill 195 of 200 slots. Under FCFS the victim waits for
+    # the other three; under fair it waits only for the first slab to come free; with the cap
+    # (two hog requests at a time) it is admitted at once.
+    assert fcfs_first > 45
+    assert fair_first <= 30
+    assert capped_first <= 4
+    # The hog kept its share while the victim ran: every iteration carried hog work.
+    assert all(any(rid.startswith("hog") for rid in rec.request_ids) for rec in fair.records[:60])
+
+
+def test_server_submit_takes_the_client_key():
+    with Server(FakeModel(), n_slots=200, max_batch_size=4, max_num_batched_tokens=None,
+                admission="fair", max_kv_per_client=60) as server:
+        rids = [server.submit([1, 2, 3], SamplingParams(max_tokens=4), client=c) for c in ("k1", "k2", None)]
+        for rid in rids:
+            assert server.result(rid, timeout=60).token_ids == fake_reference([1, 2, 3], 4)
+        with pytest.raises(InvalidRequestError, match="client must be a string or None") as err:
+            server.submit([1], SamplingParams(max_tokens=1), client=7)
+        assert err.value.param == "client"
