@@ -67,27 +67,21 @@ def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
                         "its next request waits past it ('none': no cap, the default)")
 
 
-def _optional_int(value: str):
-    """A positive integer, or 'none'."""
-    if value.lower() == "none":
-        return None
-    try:
-        n = int(value)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a positive integer or 'none', got {value!r}") from None
-    if n < 1:
-        raise argparse.ArgumentTypeError(f"must be >= 1, got {n}")
-    return n
+def _positive_int_or(*words: str):
+    """An argparse type: a positive integer, or one of `words` ('none' -> None, others as given)."""
+    def parse(value: str):
+        if value.lower() in words:
+            return None if value.lower() == "none" else value.lower()
+        try:
+            n = int(value)
+        except ValueError:
+            choices = ", ".join(repr(w) for w in words)
+            raise argparse.ArgumentTypeError(f"expected a positive integer or {choices}, got {value!r}") from None
+        if n < 1:
+            raise argparse.ArgumentTypeError(f"must be >= 1, got {n}")
+        return n
+    return parse
 
 
-def _budget(value: str):
-    """--max-num-batched-tokens: a positive integer, 'none' or 'auto'."""
-    if value.lower() in ("none", "auto"):
-        return None if value.lower() == "none" else "auto"
-    try:
-        n = int(value)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a positive integer, 'none' or 'auto', got {value!r}") from None
-    if n < 1:
-        raise argparse.ArgumentTypeError(f"must be >= 1, got {n}")
-    return n
+_budget = _positive_int_or("none", "auto")          # --max-num-batched-tokens
+_optional_int = _positive_int_or("none")            # --max-kv-per-client
