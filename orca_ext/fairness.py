@@ -3,15 +3,17 @@ manner of the Virtual Token Counter (Sheng et al., OSDI '24, "Fairness in Servin
 Models"), and a per-client cap on reserved KV slots (docs/DESIGN.md section 6).
 
 Each client (`Request.client`; None is one shared anonymous client) has a counter of the service
-it has received: PROMPT_WEIGHT per prompt token and OUTPUT_WEIGHT per generated token, charged
-when the tokens are scheduled. The requests that want prompt tokens (waiting ones, and admitted
+it has received: OUTPUT_WEIGHT per generated token and, for a prompt chunk, its cost in prompt
+tokens (`chunk_cost`: PROMPT_WEIGHT per token, scaled up by the context the chunk attends to),
+charged when the tokens are scheduled. The requests that want prompt tokens (waiting ones, and admitted
 ones with part of their prompt left) are taken client by client, always from the client whose
 counter (with what this selection already gave it) is smallest, and in arrival order within a
 client. A client that becomes active is lifted to the smallest counter of the active clients, or
 to the last such minimum when none is active, so time spent idle banks no credit. A client that
 is ahead by more than one token budget takes at most as many weighted tokens of prompt in an
 iteration as the other clients in it together: on a CPU an iteration's time grows with its
-tokens, so a long prefill would otherwise slow every other client's decodes.
+tokens and with the context its prompt tokens attend to, so a long prefill would otherwise slow
+every other client's decodes.
 
 The scheduler keeps Algorithm 1's no-skip rule over this order: a request that does not fit in
 the KV cache blocks every admission after it (admitted requests' prompt chunks still run), so
@@ -34,6 +36,14 @@ ADMISSION_POLICIES = ("fcfs", "fair")  # fcfs: Algorithm 1's arrival order; fair
 # decode step streams the weights for one token, a prefill shares that cost over its chunk).
 PROMPT_WEIGHT = 1
 OUTPUT_WEIGHT = 2
+# A prompt token at context position L costs (1 + L / CONTEXT_COST_TOKENS) tokens at position 0:
+# its attention reads L cached keys, its projections cost the same at any L. Measured on the
+# default model in float32 on a 2-core CPU (bench/chunk_cost.py, bench/RESULTS.md): a chunk of
+# 8-32 tokens adds ~1.0-1.2 ms per token at L=0 and ~1.4 ms more per token per 1,000 positions
+# to an iteration of decodes, a slope that doubles the cost at L ~ 720. Larger chunks (64-128)
+# attend more cheaply per token (double at L ~ 2,000), so for them the estimate errs high, on
+# the side of the other clients.
+CONTEXT_COST_TOKENS = 720
 # Counters of clients with nothing in the pool are kept (so a heavy client cannot shed its
 # counter by pausing) up to this many; past it the smallest are forgotten first.
 MAX_IDLE_COUNTERS = 4096
@@ -42,9 +52,11 @@ MAX_IDLE_COUNTERS = 4096
 class FairShares:
     """The counters of one scheduler, and the order in which it takes prompt tokens."""
 
-    def __init__(self, max_kv_per_client: Optional[int] = None, token_budget: Optional[int] = None):
+    def __init__(self, max_kv_per_client: Optional[int] = None, token_budget: Optional[int] = None,
+                 context_cost_tokens: int = CONTEXT_COST_TOKENS):
         self.max_kv_per_client = max_kv_per_client
         self.token_budget = token_budget  # the scheduler's max_num_batched_tokens (None: whole prompts)
+        self.context_cost_tokens = context_cost_tokens  # context that doubles a prompt token's cost
         self.counters: dict = {}   # client -> weighted tokens received
         self.taken: dict = {}      # client -> weighted tokens in the batch being selected
         self.active: set = set()   # clients with a request in the pool at the last selection
@@ -90,19 +102,32 @@ class FairShares:
         """Charge req's client for the `n_tokens` of its next input the scheduler wants to take,
         and return how many it may: all, except for a prompt chunk of a client that is ahead
         (its counter more than one token budget above another client's in this batch). That
-        chunk may hold only as many weighted tokens as the other clients in the batch have
-        together (at least one), so a heavy client cannot slow everyone's iteration more."""
+        chunk may cost only as many weighted tokens as the other clients in the batch have
+        together (at least one token), so a heavy client cannot slow everyone's iteration more."""
         client = req.client
-        weight = PROMPT_WEIGHT if req.prompt_remaining else OUTPUT_WEIGHT
+        context = req.num_cached  # the chunk's first position: prompt tokens already cached
         others = [c for c in self.taken if c != client]
         if req.prompt_remaining and others and self.token_budget is not None:
             counter = self.counters.get(client, self.floor)
             if counter > min(self.counters[c] for c in others) + self.token_budget:
                 share = sum(self.taken[c] for c in others) - self.taken.get(client, 0)
-                n_tokens = max(1, min(n_tokens, share // PROMPT_WEIGHT))
-        self.taken[client] = self.taken.get(client, 0) + weight * n_tokens
-        self.counters[client] = self.counters.get(client, self.floor) + weight * n_tokens
+                n_tokens = max(1, min(n_tokens, self.chunk_fitting(share, context)))
+        cost = self.chunk_cost(n_tokens, context) if req.prompt_remaining else OUTPUT_WEIGHT * n_tokens
+        self.taken[client] = self.taken.get(client, 0) + cost
+        self.counters[client] = self.counters.get(client, self.floor) + cost
         return n_tokens
+
+    def chunk_cost(self, n_tokens: int, context: int) -> int:
+        """Weighted cost of a prompt chunk of n_tokens whose first token is at position
+        `context`: PROMPT_WEIGHT per token, times (1 + context / context_cost_tokens), rounded
+        up. A chunk at position 0 (a whole short prompt) costs exactly its tokens."""
+        scale = self.context_cost_tokens
+        return -(-PROMPT_WEIGHT * n_tokens * (scale + context) // scale)
+
+    def chunk_fitting(self, cost: int, context: int) -> int:
+        """The most tokens of a prompt chunk at position `context` whose cost is at most `cost`."""
+        scale = self.context_cost_tokens
+        return max(0, cost) * scale // (PROMPT_WEIGHT * (scale + context))
 
     def _over_cap(self, held: int, req) -> bool:
         cap = self.max_kv_per_client

@@ -4,7 +4,8 @@ request-level `static` baseline. Pure Python over request objects; no model, no 
 
 A request object needs: `state` (RequestState), `reservation` (int), `slab_start` (int, -1 when
 none), `finished` (bool), `prompt_remaining` (int), `client` (fair admission's key) and
-`num_scheduled` (int, written here). The engine marks requests finished; the scheduler owns state
+`num_scheduled` (int, written here); fair admission also reads `num_cached` (int, the position of
+the next prompt chunk). The engine marks requests finished; the scheduler owns state
 transitions, slabs, the reservation count and the count of batches in flight (`n_scheduled`).
 
 Per iteration: batch = s.schedule(); run it; s.complete(batch). Up to n_workers batches may be

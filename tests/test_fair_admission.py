@@ -21,7 +21,7 @@ from orca_ext import InvalidRequestError, Server
 from orca_ext.config import EngineConfig
 from orca_ext.engine import Engine
 from orca_ext.executor import LocalExecutor
-from orca_ext.fairness import MAX_IDLE_COUNTERS, OUTPUT_WEIGHT, PROMPT_WEIGHT, FairShares
+from orca_ext.fairness import CONTEXT_COST_TOKENS, MAX_IDLE_COUNTERS, OUTPUT_WEIGHT, PROMPT_WEIGHT, FairShares
 from orca_ext.options import add_engine_arguments
 from orca_ext.reference import SlabAllocatorReference
 from orca_ext.request import Request, RequestState
@@ -119,10 +119,12 @@ def test_prompt_chunks_are_shared_between_clients(admission):
         assert waited >= 20 and hog.prompt_remaining == 0
     else:
         assert waited <= 1 and hog.prompt_remaining > 300
-        # The hog, ahead by more than a token budget, now takes as many weighted tokens of prompt
-        # per iteration as the victim gets: its decode counts OUTPUT_WEIGHT.
+        # The hog, ahead by more than a token budget, now takes a chunk that costs at most what
+        # the victim gets (its decode counts OUTPUT_WEIGHT): a chunk at context L costs
+        # (1 + L / CONTEXT_COST_TOKENS) per token, so past L = 0 that is one token.
+        assert 0 < hog.num_cached < CONTEXT_COST_TOKENS
         batch = s.schedule()
-        assert [(r.client, r.num_scheduled) for r in batch] == [("victim", 1), ("hog", OUTPUT_WEIGHT)]
+        assert [(r.client, r.num_scheduled) for r in batch] == [("victim", 1), ("hog", 1)]
         run_batch(s, batch)
         victim.mark_finished("abort"), s.remove(victim)
         assert [(r.client, r.num_scheduled) for r in s.schedule()] == [("hog", 16)]  # alone: the whole budget
@@ -137,6 +139,78 @@ def test_many_clients_each_get_a_share_of_one_iterations_chunks():
         run_batch(s)
     # 72 prompt tokens over three iterations: each client got 24, whatever the arrival order.
     assert [r.num_cached for r in reqs.values()] == [24, 24, 24]
+
+
+# -- the cost of a chunk at a long context ----------------------------------------------------------
+def test_a_chunk_costs_its_tokens_scaled_by_its_context():
+    shares = FairShares(token_budget=128, context_cost_tokens=100)
+    assert [shares.chunk_cost(n, 0) for n in (1, 8, 128)] == [PROMPT_WEIGHT * n for n in (1, 8, 128)]
+    assert shares.chunk_cost(10, 100) == 20 * PROMPT_WEIGHT      # L = the constant: twice the tokens
+    assert shares.chunk_cost(8, 250) == 28 * PROMPT_WEIGHT       # 8 x 3.5
+    assert shares.chunk_cost(3, 10) == -(-33 * PROMPT_WEIGHT // 10)  # 3.3 rounds up
+    for context in (0, 1, 99, 100, 350, 1200):
+        for cost in range(0, 40):
+            n = shares.chunk_fitting(cost, context)
+            # The most tokens whose cost fits, checked against the definition.
+            assert n * PROMPT_WEIGHT * (100 + context) <= cost * 100 < (n + 1) * PROMPT_WEIGHT * (100 + context)
+            assert shares.chunk_cost(n, context) <= cost
+
+
+def hog_at_context(context: int, n_victims: int = 4):
+    """A hog client whose 2,000-token prompt has `context` tokens cached (run alone under a budget
+    of 128), then n_victims clients, each with one request that is decoding; the hog is now more
+    than a token budget ahead of them."""
+    s = sched(max_bs=16, n_slots=4000, budget=128)
+    hog = mk(2000, 1, "hog")
+    s.add(hog)
+    while hog.num_cached < context:
+        run_batch(s)
+    assert hog.num_cached == context
+    victims = [mk(1, 50, f"v{i}") for i in range(n_victims)]
+    for v in victims:
+        s.add(v)
+    run_batch(s)  # the victims' one-token prompts, and the rest of the budget for the hog
+    run_batch(s)  # the hog, still within one token budget of the victims, takes what is left
+    return s, hog, victims
+
+
+@pytest.mark.parametrize("context", [0, 128, 640, 1280])
+def test_a_hog_chunk_costs_no_more_than_the_other_clients_tokens_at_any_context(context):
+    s, hog, victims = hog_at_context(context)
+    for _ in range(5):
+        before = hog.num_cached
+        batch = s.schedule()
+        others = sum(r.num_scheduled * OUTPUT_WEIGHT for r in batch if r.client != "hog")
+        assert others == 4 * OUTPUT_WEIGHT  # the four victims' decodes
+        (chunk,) = [r.num_scheduled for r in batch if r is hog]
+        # The independent bound: tokens x (1 + L / CONTEXT_COST_TOKENS) <= the others' weight,
+        # and one more token would not fit (or the chunk is the one token always allowed).
+        per_token = PROMPT_WEIGHT * (CONTEXT_COST_TOKENS + before) / CONTEXT_COST_TOKENS
+        assert chunk == 1 or chunk * per_token <= others + 1e-9
+        assert (chunk + 1) * per_token > others
+        run_batch(s, batch)
+    # Far into a long prompt its chunks are smaller than its tokens alone would allow.
+    if context >= 640:
+        assert chunk < others // PROMPT_WEIGHT
+
+
+def test_a_hog_alone_takes_the_whole_budget_at_any_context():
+    s, hog, victims = hog_at_context(1280, n_victims=1)
+    victims[0].mark_finished("abort"), s.remove(victims[0])
+    assert [(r.client, r.num_scheduled) for r in s.schedule()] == [("hog", 128)]
+
+
+def test_counters_charge_a_chunk_by_its_context():
+    s, hog, victims = hog_at_context(1280)
+    before = s.shares.counters["hog"]
+    context = hog.num_cached
+    batch = s.schedule()
+    (chunk,) = [r.num_scheduled for r in batch if r is hog]
+    charged = s.shares.counters["hog"] - before
+    assert charged == -(-chunk * PROMPT_WEIGHT * (CONTEXT_COST_TOKENS + context) // CONTEXT_COST_TOKENS)
+    assert charged > chunk * PROMPT_WEIGHT
+    for v in victims:
+        assert v.num_scheduled == 1
 
 
 def test_a_big_head_blocks_later_clients_so_it_never_starves():
