@@ -112,6 +112,7 @@ class Phase:
     start: float = 0.0
     end: float = 0.0
     cpu_s: float = 0.0  # CPU seconds the server process used during the phase
+    client_cpu_s: float = 0.0  # CPU seconds this process (victims and attacker) used during the phase
     attack_statuses: Counter = field(default_factory=Counter)
 
     def tokens(self, spans: list[Span]) -> float:
@@ -135,11 +136,33 @@ class Phase:
         return ttfts[len(ttfts) // 2] if ttfts else float("nan")
 
 
-def cpu_seconds(pid: int) -> float:
-    """utime + stime of a process, in seconds."""
+def own_cpu_seconds() -> float:
+    """user + system CPU seconds of this process (the victims' and the attacker's client side)."""
+    t = os.times()
+    return t.user + t.system
+
+
+def _stat_fields(pid: int | str) -> list[str]:
     with open(f"/proc/{pid}/stat") as f:
-        fields = f.read().rsplit(")", 1)[1].split()
-    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+        return f.read().rsplit(")", 1)[1].split()
+
+
+def cpu_seconds(pid: int) -> float:
+    """utime + stime of a process and of all its live descendants (a parallel server's workers), in
+    seconds."""
+    children: dict[int, list[int]] = {}
+    for entry in os.listdir("/proc"):
+        if entry.isdigit():
+            with contextlib.suppress(OSError, IndexError, ValueError):
+                children.setdefault(int(_stat_fields(entry)[1]), []).append(int(entry))
+    total, todo = 0, [pid]
+    while todo:
+        p = todo.pop()
+        with contextlib.suppress(OSError, IndexError, ValueError):
+            fields = _stat_fields(p)
+            total += int(fields[11]) + int(fields[12])
+        todo += children.get(p, [])
+    return total / os.sysconf("SC_CLK_TCK")
 
 
 # -- attacks: each runs until cancelled, recording the HTTP statuses it got -------------------------
@@ -245,7 +268,7 @@ def _holding_heads(api_key: str) -> dict[str, bytes]:
 
 
 async def _connection_holding(port: int, api_key: str, statuses: Counter, n: int = 2047, gap: float = 3.0,
-                              backoff: float = 1.0) -> None:
+                              backoff: float = 3.0) -> None:
     """`n` connections from HOLDING_ADDRESSES (eight clients), each sending one of _holding_heads and
     then a body byte every `gap` seconds, reopened `backoff` seconds after the server closes it."""
     heads = list(_holding_heads(api_key).items())
@@ -440,15 +463,16 @@ async def run(server: ServeProcess, names: list[str], *, victims: int, window: f
             if name != "baseline":
                 task = asyncio.create_task(table[name](ac, url, phase.attack_statuses))
             await asyncio.sleep(settle)  # let the attack reach its steady state
-            cpu0, phase.start = cpu_seconds(server.proc.pid), time.perf_counter()
+            cpu0, client0, phase.start = cpu_seconds(server.proc.pid), own_cpu_seconds(), time.perf_counter()
             await asyncio.sleep(window)
             phase.end, phase.cpu_s = time.perf_counter(), cpu_seconds(server.proc.pid) - cpu0
+            phase.client_cpu_s = own_cpu_seconds() - client0
             if task is not None:
                 task.cancel()
                 await asyncio.gather(task, return_exceptions=True)
             phases.append(phase)
-            log.info("phase %d/%d %-18s server %.1f CPU-s, attacker %s", i + 1, len(order), name,
-                     phase.cpu_s, dict(phase.attack_statuses))
+            log.info("phase %d/%d %-18s server %.1f CPU-s, clients %.1f CPU-s, attacker %s", i + 1, len(order),
+                     name, phase.cpu_s, phase.client_cpu_s, dict(phase.attack_statuses))
         stop.set()
         await asyncio.gather(*vtasks, return_exceptions=True)
 
@@ -473,6 +497,9 @@ async def run(server: ServeProcess, names: list[str], *, victims: int, window: f
                      "cpu_ratio": during_cpu / base_cpu if base_cpu else float("nan"),
                      "baseline_ttft_s": base_ttft, "attack_ttft_s": during_ttft,
                      "ttft_ratio": during_ttft / base_ttft if base_ttft else float("nan"),
+                     "server_cpu_s": phase.cpu_s, "client_cpu_s": phase.client_cpu_s,
+                     "baseline_client_cpu_s": (phases[i - 1].client_cpu_s + phases[i + 1].client_cpu_s) / 2,
+                     "window_s": phase.end - phase.start,
                      "attacker": {str(k): v for k, v in phase.attack_statuses.items()}})
     return {"rows": rows, "victim_errors": dict(victim_errors),
             "baselines_tok_s": [p.rate(spans) for p in phases if p.name == "baseline"],
@@ -538,12 +565,14 @@ def main(argv: list[str] | None = None) -> int:
                    or platform.machine(), "victims": args.victims, "window_s": args.window, "server_cwd": args.cwd})
     print(f"\n{'attack':<18} {'baseline tok/s':>14} {'attack tok/s':>12} {'ratio':>6}   "
           f"{'tok/CPU-s base':>14} {'attack':>7} {'ratio':>6}   {'TTFT base':>9} {'attack':>7} {'ratio':>6}"
-          f"  attacker statuses")
+          f"   {'client CPU base':>15} {'attack':>6}  attacker statuses")
     attacks_only = [r for r in result["rows"] if r["attack"] not in REFERENCES]
     for r in result["rows"]:
         print(f"{r['attack']:<18} {r['baseline_tok_s']:>14.1f} {r['attack_tok_s']:>12.1f} {r['ratio']:>6.2f}   "
               f"{r['baseline_tok_per_cpu_s']:>14.1f} {r['attack_tok_per_cpu_s']:>7.1f} {r['cpu_ratio']:>6.2f}   "
-              f"{r['baseline_ttft_s']:>9.2f} {r['attack_ttft_s']:>7.2f} {r['ttft_ratio']:>6.2f}  {r['attacker']}")
+              f"{r['baseline_ttft_s']:>9.2f} {r['attack_ttft_s']:>7.2f} {r['ttft_ratio']:>6.2f}   "
+              f"{r['baseline_client_cpu_s'] / r['window_s']:>14.0%} {r['client_cpu_s'] / r['window_s']:>6.0%}  "
+              f"{r['attacker']}")
     for r in result["rows"]:
         if r["attack"] == "shared_address":
             print(f"shared_address: victim 0 (the attacker's own address) kept {r['victim0_ratio']:.2f} of its rate, "
