@@ -9,7 +9,7 @@ than 25% (ratio >= 0.75). A stream of accepted requests is load, not one request
 attack that sends one (disconnect_churn) is held to its polite twin instead (TWINS below).
 
 Next to the wall-clock rate it reports the victims' tokens per CPU second of the server process
-(utime + stime from /proc). An attack that makes the server burn CPU (encoding, stop checks)
+and its workers (utime + stime from /proc). An attack that makes the server burn CPU (encoding, stop checks)
 lowers that too, while other jobs on a shared machine slow tokens and server CPU time alike, so
 this ratio stays meaningful when the wall-clock one is swamped by other load. (An attack that
 stalls the engine without using CPU shows only in the wall-clock rate.)
@@ -35,16 +35,35 @@ requests are sent back to back):
                      few of the KV slots (each one legal), held open for the whole phase
   long_prompt_hog    accepted: one very long legal prompt (`--long-prompt-words` words, one token
                      asked) after another, so its chunked prefill runs the whole phase
+  connection_holding 2,047 connections from eight clients (127.0.0.2 - .9): GET /health declaring a
+                     1 GB body, POSTs the server answers 404 / 415 / 401 without reading their
+                     (1 GB, declared) body, and idle connections that send nothing; each sends a
+                     body byte every 3 s and is reopened 3 s after the server closes it
+  shared_address     from victim 0's own address (the same client key): header-only POSTs
+                     declaring a 1 GB body, each on a new connection, and 1 MiB invalid bodies,
+                     back to back. Victim 0's own ratio is reported too; it must never get 429
+  metrics_flood      4 connections scraping /metrics back to back (with the API key)
+  chat_template_flood  chat requests of 30,000 one-character messages, back to back (rejected)
+  chat_template_paced  the same, one request every 1-2 s
+  oversize_head      a 100 KiB header in one send, on 2 connections back to back
 
 The last two are legal requests from one client: what stops them is the server's admission
 policy (`--admission fair`, `--max-kv-per-client`), not a limit. Run them under both policies:
   python bench/isolation.py --attacks kv_hog,long_prompt_hog --admission fcfs
   python bench/isolation.py --attacks kv_hog,long_prompt_hog --admission fair --max-kv-per-client half
 Next to the rate ratio the table gives the victims' median time to first token during the attack
-over that of the baselines around it (target: within 2x).
+over that of the baselines around it (target: within 2x), and the CPU share this process (the
+victims' and the attacker's client side) took during the phase and its baselines: on a machine with
+few cores an attacker's own CPU use competes with the server, which a separate attacker machine
+would not.
+
+The server runs with an API key (`--api-key`, default 'isolation-bench'; victims and attackers
+send it unless an attack is about requests without it) and, with `-tp N`, as N tensor-parallel
+worker processes (the model must split N ways: the default model's 9 / 3 heads split over 3).
 
 Usage:
   python bench/isolation.py --out bench/isolation.json
+  python bench/isolation.py -tp 3 --out bench/isolation_tp3.json
   python bench/isolation.py --python /path/other/.venv/bin/python --cwd /path/other   # another build
 Per-victim token counts come from each stream's final usage chunk, spread evenly over that
 request's lifetime, so a request that straddles two phases counts in both.
