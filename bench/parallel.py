@@ -27,7 +27,7 @@ Pipeline balance (--burst N): N requests arriving together, max_batch_size N, on
 batches in flight. Their prompts run in one batch; then each batch takes at most an even share of
 the admitted requests as decodes (the scheduler's cap), so the other pipeline slot gets the rest.
 The run is repeated with that cap lifted (patched in this benchmark only: one batch may take every
-decode), which is what a burst did before: it rode in one batch and the other slot stayed empty.
+decode), so the burst rides in one batch and the other slot stays empty: the reference.
 Reported per variant: tokens/s; the fraction of launches posted while another batch was in flight
 (from the driver's clocks: posted, and its result back); the fraction of the wall time with two
 batches in flight; the decodes per batch; and the workers' busy fractions.
