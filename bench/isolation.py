@@ -9,8 +9,8 @@ than 25% (ratio >= 0.75). A stream of accepted requests is load, not one request
 attack that sends one (disconnect_churn) is held to its polite twin instead (TWINS below).
 
 Next to the wall-clock rate it reports the victims' tokens per CPU second of the server process
-and its workers (utime + stime from /proc). An attack that makes the server burn CPU (encoding, stop checks)
-lowers that too, while other jobs on a shared machine slow tokens and server CPU time alike, so
+and its workers (utime + stime from /proc). An attack that makes the server burn CPU (encoding,
+stop checks) lowers that too, while other jobs on a shared machine slow tokens and server CPU time alike, so
 this ratio stays meaningful when the wall-clock one is swamped by other load. (An attack that
 stalls the engine without using CPU shows only in the wall-clock rate.)
 
@@ -47,7 +47,7 @@ requests are sent back to back):
   chat_template_paced  the same, one request every 1-2 s
   oversize_head      a 100 KiB header in one send, on 2 connections back to back
 
-The last two are legal requests from one client: what stops them is the server's admission
+kv_hog and long_prompt_hog are legal requests from one client: what stops them is the server's admission
 policy (`--admission fair`, `--max-kv-per-client`), not a limit. Run them under both policies:
   python bench/isolation.py --attacks kv_hog,long_prompt_hog --admission fcfs
   python bench/isolation.py --attacks kv_hog,long_prompt_hog --admission fair --max-kv-per-client half
@@ -137,7 +137,7 @@ class Phase:
     def tokens(self, spans: list[Span]) -> float:
         """Victim tokens inside [start, end] (each request's tokens spread over its life)."""
         total = 0.0
-        for s in spans:  # noqa: B007
+        for s in spans:
             overlap = min(s.end, self.end) - max(s.start, self.start)
             if overlap > 0 and s.end > s.start:
                 total += s.tokens * overlap / (s.end - s.start)
