@@ -509,8 +509,7 @@ async def run(server: ServeProcess, names: list[str], *, victims: int, window: f
         own = victim_spans(spans, 0)
         base0 = (phases[i - 1].rate(own) + phases[i + 1].rate(own)) / 2
         base0_ttft = (phases[i - 1].median_ttft(own) + phases[i + 1].median_ttft(own)) / 2
-        rows.append({"victim0_ratio": phase.rate(own) / base0 if base0 else float("nan"),
-                     "victim0_ttft_ratio": phase.median_ttft(own) / base0_ttft if base0_ttft else float("nan"),"attack": phase.name, "baseline_tok_s": base, "attack_tok_s": during,
+        rows.append({"attack": phase.name, "baseline_tok_s": base, "attack_tok_s": during,
                      "ratio": during / base if base else float("nan"),
                      "baseline_tok_per_cpu_s": base_cpu, "attack_tok_per_cpu_s": during_cpu,
                      "cpu_ratio": during_cpu / base_cpu if base_cpu else float("nan"),
@@ -519,6 +518,8 @@ async def run(server: ServeProcess, names: list[str], *, victims: int, window: f
                      "server_cpu_s": phase.cpu_s, "client_cpu_s": phase.client_cpu_s,
                      "baseline_client_cpu_s": (phases[i - 1].client_cpu_s + phases[i + 1].client_cpu_s) / 2,
                      "window_s": phase.end - phase.start,
+                     "victim0_ratio": phase.rate(own) / base0 if base0 else float("nan"),
+                     "victim0_ttft_ratio": phase.median_ttft(own) / base0_ttft if base0_ttft else float("nan"),
                      "attacker": {str(k): v for k, v in phase.attack_statuses.items()}})
     return {"rows": rows, "victim_errors": dict(victim_errors),
             "baselines_tok_s": [p.rate(spans) for p in phases if p.name == "baseline"],
@@ -559,7 +560,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("-tp", "--tensor-parallel-size", type=int, default=1,
                    help="serve with -tp N worker processes (default 1: one process)")
     p.add_argument("--api-key", default=DEFAULT_API_KEY,
-                   help=f"the server's API key, sent by victims and attackers ('' for none; default {DEFAULT_API_KEY!r})")
+                   help="the server's API key, sent by victims and attackers ('' for none; "
+                        f"default {DEFAULT_API_KEY!r})")
     args = p.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(message)s")
     logging.getLogger("httpx").setLevel(logging.WARNING)
