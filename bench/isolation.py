@@ -9,8 +9,8 @@ than 25% (ratio >= 0.75). A stream of accepted requests is load, not one request
 attack that sends one (disconnect_churn) is held to its polite twin instead (TWINS below).
 
 Next to the wall-clock rate it reports the victims' tokens per CPU second of the server process
-(utime + stime from /proc). An attack that makes the server burn CPU (encoding, stop checks)
-lowers that too, while other jobs on a shared machine slow tokens and server CPU time alike, so
+and its workers (utime + stime from /proc). An attack that makes the server burn CPU (encoding,
+stop checks) lowers that too, while other jobs on a shared machine slow tokens and server CPU time alike, so
 this ratio stays meaningful when the wall-clock one is swamped by other load. (An attack that
 stalls the engine without using CPU shows only in the wall-clock rate.)
 
@@ -35,16 +35,35 @@ requests are sent back to back):
                      few of the KV slots (each one legal), held open for the whole phase
   long_prompt_hog    accepted: one very long legal prompt (`--long-prompt-words` words, one token
                      asked) after another, so its chunked prefill runs the whole phase
+  connection_holding 2,047 connections from eight clients (127.0.0.2 - .9): GET /health declaring a
+                     1 GB body, POSTs the server answers 404 / 415 / 401 without reading their
+                     (1 GB, declared) body, and idle connections that send nothing; each sends a
+                     body byte every 3 s and is reopened 3 s after the server closes it
+  shared_address     from victim 0's own address (the same client key): header-only POSTs
+                     declaring a 1 GB body, each on a new connection, and 1 MiB invalid bodies,
+                     back to back. Victim 0's own ratio is reported too; it must never get 429
+  metrics_flood      4 connections scraping /metrics back to back (with the API key)
+  chat_template_flood  chat requests of 30,000 one-character messages, back to back (rejected)
+  chat_template_paced  the same, one request every 1-2 s
+  oversize_head      a 100 KiB header in one send, on 2 connections back to back
 
-The last two are legal requests from one client: what stops them is the server's admission
+kv_hog and long_prompt_hog are legal requests from one client: what stops them is the server's admission
 policy (`--admission fair`, `--max-kv-per-client`), not a limit. Run them under both policies:
   python bench/isolation.py --attacks kv_hog,long_prompt_hog --admission fcfs
   python bench/isolation.py --attacks kv_hog,long_prompt_hog --admission fair --max-kv-per-client half
 Next to the rate ratio the table gives the victims' median time to first token during the attack
-over that of the baselines around it (target: within 2x).
+over that of the baselines around it (target: within 2x), and the CPU share this process (the
+victims' and the attacker's client side) took during the phase and its baselines: on a machine with
+few cores an attacker's own CPU use competes with the server, which a separate attacker machine
+would not.
+
+The server runs with an API key (`--api-key`, default 'isolation-bench'; victims and attackers
+send it unless an attack is about requests without it) and, with `-tp N`, as N tensor-parallel
+worker processes (the model must split N ways: the default model's 9 / 3 heads split over 3).
 
 Usage:
   python bench/isolation.py --out bench/isolation.json
+  python bench/isolation.py -tp 3 --out bench/isolation_tp3.json
   python bench/isolation.py --python /path/other/.venv/bin/python --cwd /path/other   # another build
 Per-victim token counts come from each stream's final usage chunk, spread evenly over that
 request's lifetime, so a request that straddles two phases counts in both.
@@ -60,6 +79,7 @@ import os
 import platform
 import random
 import re
+import subprocess
 import sys
 import time
 from collections import Counter
@@ -70,13 +90,15 @@ from typing import Any, Awaitable, Callable
 import httpx
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from loopback import REPO, ServeProcess, stream_completion  # noqa: E402
+from loopback import REPO, ServeProcess, raw_exchange, stream_completion  # noqa: E402
 
 log = logging.getLogger("bench.isolation")
 
 VICTIM_PROMPT = "Write a short story about a lighthouse keeper who finds a message in a bottle."
 VICTIM_TOKENS = 16
 ATTACKER_ADDRESS = "127.0.0.2"  # a second loopback address: a different client to the server
+HOLDING_ADDRESSES = [f"127.0.0.{2 + i}" for i in range(8)]  # connection_holding's clients (.2 - .9)
+HUGE_LENGTH = 1_000_000_000  # a declared Content-Length no body will ever fill
 
 
 def victim_address(i: int) -> str:
@@ -84,6 +106,7 @@ def victim_address(i: int) -> str:
     return f"127.0.0.{10 + i}"
 
 TARGET_RATIO = 0.75
+DEFAULT_API_KEY = "isolation-bench"
 REFERENCES = ("benign_client", "one_token_client")  # extra clients, not attacks: what load itself costs
 # A stream of accepted requests is load, which the target does not bound (it bounds one request and
 # a stream of rejected ones; the server has no per-client rate limit for accepted requests). Such an
@@ -99,6 +122,7 @@ class Span:
     end: float
     tokens: int
     ttft: float = float("nan")
+    victim: int = 0
 
 
 @dataclass
@@ -107,6 +131,7 @@ class Phase:
     start: float = 0.0
     end: float = 0.0
     cpu_s: float = 0.0  # CPU seconds the server process used during the phase
+    client_cpu_s: float = 0.0  # CPU seconds this process (victims and attacker) used during the phase
     attack_statuses: Counter = field(default_factory=Counter)
 
     def tokens(self, spans: list[Span]) -> float:
@@ -130,11 +155,33 @@ class Phase:
         return ttfts[len(ttfts) // 2] if ttfts else float("nan")
 
 
-def cpu_seconds(pid: int) -> float:
-    """utime + stime of a process, in seconds."""
+def own_cpu_seconds() -> float:
+    """user + system CPU seconds of this process (the victims' and the attacker's client side)."""
+    t = os.times()
+    return t.user + t.system
+
+
+def _stat_fields(pid: int | str) -> list[str]:
     with open(f"/proc/{pid}/stat") as f:
-        fields = f.read().rsplit(")", 1)[1].split()
-    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+        return f.read().rsplit(")", 1)[1].split()
+
+
+def cpu_seconds(pid: int) -> float:
+    """utime + stime of a process and of all its live descendants (a parallel server's workers), in
+    seconds."""
+    children: dict[int, list[int]] = {}
+    for entry in os.listdir("/proc"):
+        if entry.isdigit():
+            with contextlib.suppress(OSError, IndexError, ValueError):
+                children.setdefault(int(_stat_fields(entry)[1]), []).append(int(entry))
+    total, todo = 0, [pid]
+    while todo:
+        p = todo.pop()
+        with contextlib.suppress(OSError, IndexError, ValueError):
+            fields = _stat_fields(p)
+            total += int(fields[11]) + int(fields[12])
+        todo += children.get(p, [])
+    return total / os.sysconf("SC_CLK_TCK")
 
 
 # -- attacks: each runs until cancelled, recording the HTTP statuses it got -------------------------
@@ -216,8 +263,120 @@ async def _kv_hog(client, url, model: str, n_slots: int, statuses: Counter, stre
     await asyncio.gather(*(one() for _ in range(streams)))
 
 
-def attacks(model: str, port: int, n_slots: int = 0,
-            long_prompt_words: int = 1200) -> dict[str, Callable[[httpx.AsyncClient, str, Counter], Awaitable[None]]]:
+def _auth(api_key: str) -> bytes:
+    return f"Authorization: Bearer {api_key}\r\n".encode() if api_key else b""
+
+
+def _holding_heads(api_key: str) -> dict[str, bytes]:
+    """What each kind of held connection sends first: requests the server answers without reading
+    their (huge, declared) body, and nothing at all (an idle connection)."""
+    host = b"Host: 127.0.0.1\r\n"
+    huge = f"Content-Length: {HUGE_LENGTH}\r\n".encode()
+    heads = {
+        "get_body": b"GET /health HTTP/1.1\r\n" + host + huge + b"\r\n",
+        "idle": b"",
+        "post_404": b"POST /nowhere HTTP/1.1\r\n" + host + _auth(api_key) + b"Content-Type: application/json\r\n"
+                    + huge + b"\r\n",
+        "post_415": b"POST /v1/completions HTTP/1.1\r\n" + host + _auth(api_key) + b"Content-Type: text/plain\r\n"
+                    + huge + b"\r\n",
+    }
+    if api_key:
+        heads["post_401"] = b"POST /v1/completions HTTP/1.1\r\n" + host + b"Content-Type: application/json\r\n" \
+                            + huge + b"\r\n"
+    return heads
+
+
+async def _connection_holding(port: int, api_key: str, statuses: Counter, n: int = 2047, gap: float = 3.0,
+                              backoff: float = 3.0) -> None:
+    """`n` connections from HOLDING_ADDRESSES (eight clients), each sending one of _holding_heads and
+    then a body byte every `gap` seconds, reopened `backoff` seconds after the server closes it."""
+    heads = list(_holding_heads(api_key).items())
+    open_now = [0]
+
+    async def slot(i: int) -> None:
+        kind, head = heads[i % len(heads)]
+        address = HOLDING_ADDRESSES[i % len(HOLDING_ADDRESSES)]
+        await asyncio.sleep(random.random())  # spread the first opens over a second
+        while True:
+            open_now[0] += 1
+            statuses["open_max"] = max(statuses["open_max"], open_now[0])
+            try:
+                status, held = await raw_exchange(port, address, head, trickle=b"x" if head else b"", gap=gap)
+            finally:
+                open_now[0] -= 1
+            statuses[f"{kind} {status}"] += 1
+            await asyncio.sleep(backoff)
+
+    await asyncio.gather(*(slot(i) for i in range(n)))
+
+
+async def _shared_address(port: int, api_key: str, url: str, statuses: Counter, header_only: int = 4) -> None:
+    """From victim 0's address (the same client key): header-only POSTs declaring a huge body, each
+    on a new connection and abandoned after a second, and 1 MiB invalid bodies, back to back."""
+    address = victim_address(0)
+    head = (b"POST /v1/completions HTTP/1.1\r\nHost: 127.0.0.1\r\n" + _auth(api_key)
+            + f"Content-Type: application/json\r\nContent-Length: {HUGE_LENGTH}\r\n\r\n".encode())
+    invalid = b"{" + b"x" * ((1 << 20) - 64) + b"}"
+
+    async def header_only_loop() -> None:
+        while True:
+            status, _ = await raw_exchange(port, address, head, gap=1.0, limit=1.0)
+            statuses[f"header-only {status}"] += 1
+
+    async def invalid_loop() -> None:
+        transport = httpx.AsyncHTTPTransport(local_address=address)
+        headers = {"Content-Type": "application/json", **({"Authorization": f"Bearer {api_key}"} if api_key else {})}
+        async with httpx.AsyncClient(timeout=httpx.Timeout(600.0), transport=transport) as client:
+            while True:
+                try:
+                    r = await client.post(url, content=invalid, headers=headers)
+                    statuses[f"1MiB-invalid {r.status_code}"] += 1
+                except httpx.HTTPError as exc:
+                    statuses[f"1MiB-invalid {type(exc).__name__}"] += 1
+
+    await asyncio.gather(invalid_loop(), *(header_only_loop() for _ in range(header_only)))
+
+
+async def _metrics_flood(client, base_url: str, statuses: Counter, connections: int = 4) -> None:
+    async def one() -> None:
+        while True:
+            try:
+                r = await client.get(base_url + "/metrics")
+                statuses[r.status_code] += 1
+            except httpx.HTTPError as exc:
+                statuses[type(exc).__name__] += 1
+
+    await asyncio.gather(*(one() for _ in range(connections)))
+
+
+async def _paced_raw_loop(client, url, payload: bytes, statuses: Counter, interval: tuple[float, float]) -> None:
+    """_raw_loop at one request every `interval` (uniform) seconds."""
+    headers = {"Content-Type": "application/json"}
+    rng = random.Random(1)
+    while True:
+        start = time.perf_counter()
+        try:
+            r = await client.post(url, content=payload, headers=headers)
+            statuses[r.status_code] += 1
+        except httpx.HTTPError as exc:
+            statuses[type(exc).__name__] += 1
+        await asyncio.sleep(max(0.0, rng.uniform(*interval) - (time.perf_counter() - start)))
+
+
+async def _oversize_head(port: int, statuses: Counter, size: int = 100 << 10, connections: int = 2) -> None:
+    """Request heads of `size` bytes (one header), each in one send, back to back."""
+    head = b"GET /health HTTP/1.1\r\nHost: 127.0.0.1\r\nX-Pad: " + b"a" * size + b"\r\n\r\n"
+
+    async def one() -> None:
+        while True:
+            status, _ = await raw_exchange(port, ATTACKER_ADDRESS, head, gap=5.0, limit=10.0)
+            statuses[status] += 1
+
+    await asyncio.gather(*(one() for _ in range(connections)))
+
+
+def attacks(model: str, port: int, n_slots: int = 0, long_prompt_words: int = 1200,
+            api_key: str = "") -> dict[str, Callable[[httpx.AsyncClient, str, Counter], Awaitable[None]]]:
     rng = random.Random(0)
     letters = "abcdefghijklmnopqrstuvwxyz"
     # Long random stops: they never occur in the text, so every character is checked against all.
@@ -229,6 +388,15 @@ def attacks(model: str, port: int, n_slots: int = 0,
     long_prompt = " ".join(rng.choice(["light", "house", "keeper", "bottle", "message", "sea", "night", "wave"])
                            for _ in range(long_prompt_words))
     long_prompt_body = {**_body(model, max_tokens=1), "prompt": long_prompt}
+    chat_flood_body = json.dumps({"model": model, "max_tokens": 16,
+                                  "messages": [{"role": "user", "content": "a"}] * 30_000}).encode()
+
+    def chat_url(url: str) -> str:
+        return url.replace("/v1/completions", "/v1/chat/completions")
+
+    def base_url(url: str) -> str:
+        return url.rsplit("/v1/", 1)[0]
+
     return {
         "benign_client": lambda c, u, s: _accepted_loop(c, u, _body(model, temperature=1.0), s),
         "one_token_client": lambda c, u, s: _accepted_loop(c, u, _body(model, max_tokens=1), s),
@@ -242,65 +410,88 @@ def attacks(model: str, port: int, n_slots: int = 0,
         "slow_headers": lambda c, u, s: _slow_headers(port, s),
         "kv_hog": lambda c, u, s: _kv_hog(c, u, model, n_slots, s),
         "long_prompt_hog": lambda c, u, s: _accepted_loop(c, u, long_prompt_body, s),
+        "connection_holding": lambda c, u, s: _connection_holding(port, api_key, s),
+        "shared_address": lambda c, u, s: _shared_address(port, api_key, u, s),
+        "metrics_flood": lambda c, u, s: _metrics_flood(c, base_url(u), s),
+        "chat_template_flood": lambda c, u, s: _raw_loop(c, chat_url(u), chat_flood_body, s),
+        "chat_template_paced": lambda c, u, s: _paced_raw_loop(c, chat_url(u), chat_flood_body, s, (1.0, 2.0)),
+        "oversize_head": lambda c, u, s: _oversize_head(port, s),
     }
 
 
 # -- the run --------------------------------------------------------------------------------------
 
-def kv_slots(server: ServeProcess) -> int:
+def auth_headers(api_key: str) -> dict[str, str]:
+    return {"Authorization": f"Bearer {api_key}"} if api_key else {}
+
+
+def kv_slots(server: ServeProcess, api_key: str = "") -> int:
     """The server's KV capacity in slots, from /metrics."""
-    text = httpx.get(server.base_url + "/metrics", timeout=30).text
+    text = httpx.get(server.base_url + "/metrics", headers=auth_headers(api_key), timeout=30).text
     return int(float(re.search(r"^\S*kv_slots_total\S* (\S+)$", text, re.M).group(1)))
 
 
+def victim_spans(spans: list[Span], victim: int) -> list[Span]:
+    return [s for s in spans if s.victim == victim]
+
+
 async def run(server: ServeProcess, names: list[str], *, victims: int, window: float, settle: float,
-              long_prompt_words: int = 1200) -> dict:
-    model = server.model_card()["id"]
+              long_prompt_words: int = 1200, api_key: str = "") -> dict:
+    model = httpx.get(server.base_url + "/v1/models", headers=auth_headers(api_key), timeout=30).json()["data"][0]["id"]
     url = server.base_url + "/v1/completions"
-    table = attacks(model, server.port, kv_slots(server), long_prompt_words)
+    table = attacks(model, server.port, kv_slots(server, api_key), long_prompt_words, api_key)
     spans: list[Span] = []
     victim_errors: Counter = Counter()
     stop = asyncio.Event()
     victim_body = {"model": model, "prompt": VICTIM_PROMPT, "max_tokens": VICTIM_TOKENS, "temperature": 0,
                    "ignore_eos": True}
 
-    async def victim(client: httpx.AsyncClient) -> None:
+    async def victim(i: int, client: httpx.AsyncClient) -> None:
         while not stop.is_set():
             start = time.perf_counter()
             res = await stream_completion(client, url, victim_body)
             if res.status == 200 and not res.error:
-                spans.append(Span(start, res.finished, res.tokens, res.ttft))
+                spans.append(Span(start, res.finished, res.tokens, res.ttft, victim=i))
             else:
-                victim_errors[f"{res.status} {re.sub(r'cmpl-[0-9a-f]+', 'cmpl-<id>', res.error)[:80]}"] += 1
+                phase_name = phases_now[-1] if phases_now else "warm-up"
+                victim_errors[f"victim {i} in {phase_name}: {res.status} "
+                              f"{re.sub(r'cmpl-[0-9a-f]+', 'cmpl-<id>', res.error)[:80]}"] += 1
                 await asyncio.sleep(0.1)
 
     phases: list[Phase] = []
+    phases_now: list[str] = []
+    headers = auth_headers(api_key)
     limits = httpx.Limits(max_connections=None, max_keepalive_connections=32)
     attacker_transport = httpx.AsyncHTTPTransport(local_address=ATTACKER_ADDRESS, limits=limits)
-    victim_clients = [httpx.AsyncClient(timeout=httpx.Timeout(600.0), transport=httpx.AsyncHTTPTransport(
-        local_address=victim_address(i), limits=limits)) for i in range(victims)]
+    victim_clients = [httpx.AsyncClient(timeout=httpx.Timeout(600.0), headers=headers,
+                                        transport=httpx.AsyncHTTPTransport(local_address=victim_address(i),
+                                                                           limits=limits))
+                      for i in range(victims)]
     async with contextlib.AsyncExitStack() as stack, \
-            httpx.AsyncClient(timeout=httpx.Timeout(600.0), transport=attacker_transport) as ac:
-        vtasks = [asyncio.create_task(victim(await stack.enter_async_context(vc))) for vc in victim_clients]
+            httpx.AsyncClient(timeout=httpx.Timeout(600.0), headers=headers, transport=attacker_transport) as ac:
+        vtasks = [asyncio.create_task(victim(i, await stack.enter_async_context(vc)))
+                  for i, vc in enumerate(victim_clients)]
         await asyncio.sleep(settle * 2)  # warm up
         order = ["baseline"]
         for name in names:
             order += [name, "baseline"]
         for i, name in enumerate(order):
             phase = Phase(name)
+            phases_now.append(name)
             task = None
             if name != "baseline":
                 task = asyncio.create_task(table[name](ac, url, phase.attack_statuses))
             await asyncio.sleep(settle)  # let the attack reach its steady state
-            cpu0, phase.start = cpu_seconds(server.proc.pid), time.perf_counter()
+            cpu0, client0, phase.start = cpu_seconds(server.proc.pid), own_cpu_seconds(), time.perf_counter()
             await asyncio.sleep(window)
             phase.end, phase.cpu_s = time.perf_counter(), cpu_seconds(server.proc.pid) - cpu0
+            phase.client_cpu_s = own_cpu_seconds() - client0
             if task is not None:
                 task.cancel()
                 await asyncio.gather(task, return_exceptions=True)
             phases.append(phase)
-            log.info("phase %d/%d %-18s server %.1f CPU-s, attacker %s", i + 1, len(order), name,
-                     phase.cpu_s, dict(phase.attack_statuses))
+            log.info("phase %d/%d %-18s server %.1f CPU-s, clients %.1f CPU-s, attacker %s", i + 1, len(order),
+                     name, phase.cpu_s, phase.client_cpu_s, dict(phase.attack_statuses))
         stop.set()
         await asyncio.gather(*vtasks, return_exceptions=True)
 
@@ -314,16 +505,40 @@ async def run(server: ServeProcess, names: list[str], *, victims: int, window: f
         during_cpu = phase.per_cpu(spans)
         base_ttft = (phases[i - 1].median_ttft(spans) + phases[i + 1].median_ttft(spans)) / 2
         during_ttft = phase.median_ttft(spans)
+        # victim 0 alone: the client whose address shared_address borrows
+        own = victim_spans(spans, 0)
+        base0 = (phases[i - 1].rate(own) + phases[i + 1].rate(own)) / 2
+        base0_ttft = (phases[i - 1].median_ttft(own) + phases[i + 1].median_ttft(own)) / 2
         rows.append({"attack": phase.name, "baseline_tok_s": base, "attack_tok_s": during,
                      "ratio": during / base if base else float("nan"),
                      "baseline_tok_per_cpu_s": base_cpu, "attack_tok_per_cpu_s": during_cpu,
                      "cpu_ratio": during_cpu / base_cpu if base_cpu else float("nan"),
                      "baseline_ttft_s": base_ttft, "attack_ttft_s": during_ttft,
                      "ttft_ratio": during_ttft / base_ttft if base_ttft else float("nan"),
+                     "server_cpu_s": phase.cpu_s, "client_cpu_s": phase.client_cpu_s,
+                     "baseline_client_cpu_s": (phases[i - 1].client_cpu_s + phases[i + 1].client_cpu_s) / 2,
+                     "window_s": phase.end - phase.start,
+                     "victim0_ratio": phase.rate(own) / base0 if base0 else float("nan"),
+                     "victim0_ttft_ratio": phase.median_ttft(own) / base0_ttft if base0_ttft else float("nan"),
                      "attacker": {str(k): v for k, v in phase.attack_statuses.items()}})
     return {"rows": rows, "victim_errors": dict(victim_errors),
             "baselines_tok_s": [p.rate(spans) for p in phases if p.name == "baseline"],
             "baselines_tok_per_cpu_s": [p.per_cpu(spans) for p in phases if p.name == "baseline"]}
+
+
+def _commit(cwd: str) -> str:
+    with contextlib.suppress(OSError, subprocess.SubprocessError):
+        return subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=cwd, capture_output=True, text=True,
+                              timeout=10).stdout.strip()
+    return ""
+
+
+def _cpu_model() -> str:
+    with contextlib.suppress(OSError):
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    return platform.processor() or platform.machine()
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -342,33 +557,47 @@ def main(argv: list[str] | None = None) -> int:
                    help="the server's per-client KV cap with --admission fair: slots, or 'half' of the KV cache")
     p.add_argument("--long-prompt-words", type=int, default=1200,
                    help="words in long_prompt_hog's prompt (default 1200, about 1,200 tokens)")
+    p.add_argument("-tp", "--tensor-parallel-size", type=int, default=1,
+                   help="serve with -tp N worker processes (default 1: one process)")
+    p.add_argument("--api-key", default=DEFAULT_API_KEY,
+                   help="the server's API key, sent by victims and attackers ('' for none; "
+                        f"default {DEFAULT_API_KEY!r})")
     args = p.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(message)s")
     logging.getLogger("httpx").setLevel(logging.WARNING)
     names = list(attacks("m", 0)) if args.attacks is None else args.attacks.split(",")
-    serve_args = ["--max-queue", "100000", "--log-level", "warning", "--admission", args.admission]
+    serve_args = ["--max-queue", "100000", "--log-level", "warning", "--admission", args.admission,
+                  "-tp", str(args.tensor_parallel_size)]
     if args.model:
         serve_args += ["--model", args.model]
-    env = {"ORCA_EXT_KV_CACHE_MEMORY": "512MiB"}
+    env = {"ORCA_EXT_KV_CACHE_MEMORY": "512MiB", **({"ORCA_EXT_API_KEY": args.api_key} if args.api_key else {})}
     if args.max_kv_per_client == "half":
         with ServeProcess(*serve_args, python=args.python, cwd=args.cwd, env=env) as probe:
-            args.max_kv_per_client = str(kv_slots(probe) // 2)
+            args.max_kv_per_client = str(kv_slots(probe, args.api_key) // 2)
     if args.max_kv_per_client is not None:
         serve_args += ["--max-kv-per-client", args.max_kv_per_client]
     with ServeProcess(*serve_args, python=args.python, cwd=args.cwd, env=env) as server:
         result = asyncio.run(run(server, names, victims=args.victims, window=args.window, settle=args.settle,
-                                 long_prompt_words=args.long_prompt_words))
-    result.update({"admission": args.admission, "max_kv_per_client": args.max_kv_per_client})
+                                 long_prompt_words=args.long_prompt_words, api_key=args.api_key))
+    result.update({"admission": args.admission, "max_kv_per_client": args.max_kv_per_client,
+                   "tensor_parallel_size": args.tensor_parallel_size, "model": args.model or "default",
+                   "commit": _commit(args.cwd), "cpu": _cpu_model(), "cores": os.cpu_count()})
     result.update({"label": args.label, "date": time.strftime("%Y-%m-%d %H:%M"), "machine": platform.processor()
                    or platform.machine(), "victims": args.victims, "window_s": args.window, "server_cwd": args.cwd})
     print(f"\n{'attack':<18} {'baseline tok/s':>14} {'attack tok/s':>12} {'ratio':>6}   "
           f"{'tok/CPU-s base':>14} {'attack':>7} {'ratio':>6}   {'TTFT base':>9} {'attack':>7} {'ratio':>6}"
-          f"  attacker statuses")
+          f"   {'client CPU base':>15} {'attack':>6}  attacker statuses")
     attacks_only = [r for r in result["rows"] if r["attack"] not in REFERENCES]
     for r in result["rows"]:
         print(f"{r['attack']:<18} {r['baseline_tok_s']:>14.1f} {r['attack_tok_s']:>12.1f} {r['ratio']:>6.2f}   "
               f"{r['baseline_tok_per_cpu_s']:>14.1f} {r['attack_tok_per_cpu_s']:>7.1f} {r['cpu_ratio']:>6.2f}   "
-              f"{r['baseline_ttft_s']:>9.2f} {r['attack_ttft_s']:>7.2f} {r['ttft_ratio']:>6.2f}  {r['attacker']}")
+              f"{r['baseline_ttft_s']:>9.2f} {r['attack_ttft_s']:>7.2f} {r['ttft_ratio']:>6.2f}   "
+              f"{r['baseline_client_cpu_s'] / r['window_s']:>14.0%} {r['client_cpu_s'] / r['window_s']:>6.0%}  "
+              f"{r['attacker']}")
+    for r in result["rows"]:
+        if r["attack"] == "shared_address":
+            print(f"shared_address: victim 0 (the attacker's own address) kept {r['victim0_ratio']:.2f} of its rate, "
+                  f"TTFT ratio {r['victim0_ttft_ratio']:.2f}")
     print(f"victim errors: {result['victim_errors'] or 'none'}")
     measured = {r["attack"]: r for r in result["rows"]}
 

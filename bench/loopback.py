@@ -6,6 +6,8 @@ fill up and block it); stop() sends SIGINT (the server's drain) and waits for a 
 """
 from __future__ import annotations
 
+import asyncio
+import contextlib
 import json
 import os
 import signal
@@ -140,3 +142,46 @@ def percentile(values: list[float], q: float) -> float:
     lo = int(pos)
     hi = min(lo + 1, len(vals) - 1)
     return vals[lo] + (vals[hi] - vals[lo]) * (pos - lo)
+
+
+async def raw_exchange(port: int, local_address: str, data: bytes, *, trickle: bytes = b"", gap: float = 3.0,
+                       limit: float = 600.0) -> tuple[str, float]:
+    """Send `data` on a fresh connection from `local_address` to 127.0.0.1:`port`, then `trickle`
+    (if any) every `gap` seconds, until the server closes the connection or `limit` seconds pass.
+
+    Returns (the response's status code, or 'no response' / 'refused' / the error's type name;
+    seconds the connection stayed open).
+    """
+    start = time.perf_counter()
+    try:
+        reader, writer = await asyncio.open_connection("127.0.0.1", port, local_addr=(local_address, 0))
+    except OSError as exc:
+        return type(exc).__name__, 0.0
+    status, head = "no response", b""
+    try:
+        if data:
+            writer.write(data)
+            await writer.drain()
+        while time.perf_counter() - start < limit:
+            try:
+                chunk = await asyncio.wait_for(reader.read(65536), timeout=gap)
+            except asyncio.TimeoutError:
+                if trickle:
+                    writer.write(trickle)
+                    await writer.drain()
+                continue
+            if not chunk:
+                break  # the server closed the connection
+            if status == "no response":
+                head += chunk
+                if b"\r\n" in head:
+                    parts = head.split(b"\r\n", 1)[0].split()
+                    status = parts[1].decode(errors="replace") if len(parts) > 1 else "malformed"
+    except (ConnectionError, OSError) as exc:
+        if status == "no response":
+            status = type(exc).__name__
+    finally:
+        writer.close()
+        with contextlib.suppress(ConnectionError, OSError):
+            await writer.wait_closed()
+    return status, time.perf_counter() - start

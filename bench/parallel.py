@@ -22,6 +22,17 @@ hidden 512, 8 heads / 4 KV heads, intermediate 1536, 16 layers, vocabulary 8192,
 
     flock /tmp/orca_bench.lock .venv/bin/python bench/parallel.py [--requests 16] [--rounds 3]
 Writes bench/out/parallel.json and bench/parallel.png.
+
+Pipeline balance (--burst N): N requests arriving together, max_batch_size N, on pp2 with two
+batches in flight. Their prompts run in one batch; then each batch takes at most an even share of
+the admitted requests as decodes (the scheduler's cap), so the other pipeline slot gets the rest.
+The run is repeated with that cap lifted (patched in this benchmark only: one batch may take every
+decode), so the burst rides in one batch and the other slot stays empty: the reference.
+Reported per variant: tokens/s; the fraction of launches posted while another batch was in flight
+(from the driver's clocks: posted, and its result back); the fraction of the wall time with two
+batches in flight; the decodes per batch; and the workers' busy fractions.
+
+    .venv/bin/python bench/parallel.py --burst 8 [--rounds 3]   # writes bench/out/parallel_burst.json
 """
 from __future__ import annotations
 
@@ -99,6 +110,90 @@ def run_engine(engine, jobs, tag: str) -> dict:
     return {"wall_s": wall, "tokens": tokens, "tokens_per_s": tokens / wall, "iterations": iterations,
             "driver_launch_us_per_iter": 1e6 * spent[0] / max(iterations, 1),
             "outputs": [r.output_token_ids for r in reqs]}
+
+
+def run_traced(engine, jobs, tag: str) -> dict:
+    """run_engine, and when each batch was posted and when its result came back (driver clocks)."""
+    executor = engine.executor
+    launch, spans = executor.execute, []
+
+    def traced(batch, **kw):
+        future = launch(batch, **kw)
+        spans.append((time.perf_counter(), future, len(batch.requests)))
+        return future
+
+    executor.execute = traced
+    try:
+        out = run_engine(engine, jobs, tag)
+    finally:
+        executor.execute = launch
+    intervals = [(t, f.completed_at, n) for t, f, n in spans]
+    # A launch overlaps when another batch was posted before it and its result was not back yet.
+    overlapped = sum(any(t0 < t < t1 for t0, t1, _ in intervals if (t0, t1) != (t, end))
+                     for t, end, _ in intervals)
+    events = sorted([(t0, 1) for t0, _, _ in intervals] + [(t1, -1) for _, t1, _ in intervals])
+    two, depth, last = 0.0, 0, events[0][0] if events else 0.0
+    for when, step in events:
+        if depth >= 2:
+            two += when - last
+        depth, last = depth + step, when
+    out.update({"launches": len(intervals), "launch_overlap": overlapped / max(len(intervals), 1),
+                "two_in_flight": two / out["wall_s"],
+                "requests_per_batch": sum(n for _, _, n in intervals) / max(len(intervals), 1)})
+    return out
+
+
+def burst_balance(args, model_dir: Path) -> int:
+    """--burst: pp2 with two batches in flight, the scheduler's even-share cap against none."""
+    from tqdm import tqdm
+
+    jobs = workload(args.burst, tuple(args.prompt_len), tuple(args.output_len), seed=1)
+    n_slots = sum(len(p) + n for p, n in jobs) + 64
+    pp2 = Parallel(model_dir, 1, 2, n_slots, args.burst)
+    capped = pp2.sched._decode_limit
+
+    def uncapped() -> int:
+        return pp2.sched.max_batch_size
+
+    variants = {"even share (scheduler)": capped, "no cap (one batch takes all)": uncapped}
+    runs: dict[str, list] = {name: [] for name in variants}
+    try:
+        pp2.run(jobs[:2], 2, "warm")
+        for r in tqdm(range(args.rounds), desc="rounds"):
+            for i, (name, limit) in enumerate(variants.items()):
+                pp2.sched._decode_limit = limit
+                pp2.executor.worker_stats(reset=True)
+                out = run_traced(pp2.engine, jobs, f"{i}-{r}-")
+                out["workers"] = [breakdown(t, out["iterations"]) for t in pp2.executor.worker_stats()]
+                runs[name].append(out)
+    finally:
+        pp2.sched._decode_limit = capped
+        pp2.close()
+    reference = runs[next(iter(runs))][0]["outputs"]
+    configs = {}
+    for name, rs in runs.items():
+        same = all(run.pop("outputs") == reference for run in rs)
+        median = sorted(rs, key=lambda x: x["tokens_per_s"])[len(rs) // 2]
+        configs[name] = dict(median, rounds_tokens_per_s=[x["tokens_per_s"] for x in rs], same_tokens=same)
+    result = {"date": time.strftime("%Y-%m-%d %H:%M"),
+              "machine": f"{platform.machine()} {os.cpu_count()} cores, torch {torch.__version__}",
+              "load_average_at_end": os.getloadavg(),
+              "workload": {"burst": args.burst, "prompt_len": args.prompt_len, "output_len": args.output_len,
+                           "max_batch_size": args.burst, "pipeline": "pp2, 2 batches in flight",
+                           "model": MODEL_SHAPE},
+              "configs": configs}
+    out = Path(args.out).with_name("parallel_burst.json")
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(result, indent=1))
+    print(f"\n{'pp2/2, burst of ' + str(args.burst):32} {'tok/s (rounds)':>26} {'iters':>6} {'req/batch':>9} "
+          f"{'launch overlap':>14} {'2 in flight':>11}  stage busy")
+    for name, c in configs.items():
+        rounds = ", ".join(f"{x:.0f}" for x in c["rounds_tokens_per_s"])
+        busy = " / ".join(f"{100 * w['fraction']['compute']:.0f}%" for w in c["workers"])
+        print(f"{name:32} {c['tokens_per_s']:8.1f} ({rounds:>15}) {c['iterations']:6d} {c['requests_per_batch']:9.1f} "
+              f"{c['launch_overlap']:14.0%} {c['two_in_flight']:11.0%}  {busy}  same tokens: {c['same_tokens']}")
+    print(f"\nwrote {out}")
+    return 0
 
 
 def breakdown(times, iterations: int) -> dict:
@@ -264,6 +359,8 @@ def main(argv=None) -> int:
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--out", default=str(ROOT / "bench" / "out" / "parallel.json"))
     parser.add_argument("--png", default=str(ROOT / "bench" / "parallel.png"))
+    parser.add_argument("--burst", type=int, default=0,
+                        help="measure pipeline balance instead: a burst of N requests on pp2 with 2 batches in flight")
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     from tqdm import tqdm
@@ -276,6 +373,8 @@ def main(argv=None) -> int:
 
     torch.set_num_threads(1)
     model_dir = bench_model(ROOT / "bench" / "out" / "parallel_model")
+    if args.burst:
+        return burst_balance(args, model_dir)
     jobs = workload(args.requests, tuple(args.prompt_len), tuple(args.output_len))
     n_slots = sum(len(p) + n for p, n in jobs) + 64
     config = EngineConfig(max_batch_size=args.max_batch_size, max_num_batched_tokens=None)
