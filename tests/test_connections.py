@@ -275,3 +275,41 @@ def test_request_heads_over_16_kib_are_refused_even_in_one_read(make_server, pie
         assert closed_by_server(sock)
         sock.close()
         bystander_is_served(port)
+
+
+def _post(sock: socket.socket, body: bytes) -> None:
+    sock.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: application/json\r\n"
+                 b"Content-Length: " + str(len(body)).encode() + b"\r\n\r\n" + body)
+
+
+def test_a_new_connection_on_a_closed_connections_port_is_not_held_back(make_server):
+    """A rejection marks its connection, and while its client is in debt a request on a marked
+    connection gets a 429 unread. Once that connection has closed, a new connection that happens
+    to reuse its source port is a different connection: its well-formed request is served."""
+    from orca_ext.http.rejections import RejectionBudget
+
+    budget = RejectionBudget(rate=1.0, burst=1.0, max_delay=0.2)  # one rejection puts a client in debt
+    app = make_app(make_server(), rejections=budget)
+    good = b'{"model": "m", "prompt": [1, 2], "max_tokens": 2}'
+    with serving(app, on_close=budget.connection_closed) as (port, _):
+        first = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+        first.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        first.settimeout(GUARD_S)
+        first.bind((ATTACKER, 0))
+        first.connect(("127.0.0.1", port))
+        source_port = first.getsockname()[1]
+        _post(first, b"{not json")
+        assert read_response(first)[0] == 400                 # rejected: the client is in debt now
+        _post(first, good)
+        assert read_response(first)[0] == 429                 # held back on the rejected connection...
+        assert closed_by_server(first)                        # ... which the server then closes
+        first.close()
+        again = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+        again.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        again.settimeout(GUARD_S)
+        again.bind((ATTACKER, source_port))
+        again.connect(("127.0.0.1", port))
+        _post(again, good)
+        status, _, body = read_response(again)
+        again.close()
+    assert status == 200, body

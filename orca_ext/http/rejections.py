@@ -75,6 +75,12 @@ class RejectionBudget:
         wait = self.delay(client)
         return wait if wait > 0 and connection in self._rejected_connections.get(client, ()) else 0.0
 
+    def connection_closed(self, connection: str) -> None:
+        """`connection` ("host:port") is gone: a later connection from the same port is another
+        connection, which no rejection of this one may hold back."""
+        for seen in self._rejected_connections.values():
+            seen.pop(connection, None)
+
     def charge(self, client: str, nbytes: int, connection: str = "") -> None:
         """A request from `client` on `connection` was rejected after `nbytes` of its body were read."""
         left = self._balance(client) - max(nbytes, self.min_charge)

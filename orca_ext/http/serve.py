@@ -160,7 +160,8 @@ def main(args: argparse.Namespace) -> int:
                                        keep_alive_timeout=args.keep_alive_timeout,
                                        max_connections=args.max_connections,
                                        max_connections_per_client=args.max_connections_per_client,
-                                       client_keys=app.state.client_keys)
+                                       client_keys=app.state.client_keys,
+                                       on_close=service.rejections.connection_closed)
         # SIGINT/SIGTERM: drain (stop admitting, a bounded grace, end the rest in-band), then exit 0.
         transport.DrainingServer(config, lambda hurry: service.drain(args.shutdown_grace, hurry)).run()
     finally:

@@ -93,9 +93,11 @@ def _refusal_app(refusal: Refusal) -> Callable[..., Awaitable[None]]:
     return refuse
 
 
-def serving_protocol(timeout: float, limiter: ConnectionLimiter, keys: ClientKeys) -> type:
+def serving_protocol(timeout: float, limiter: ConnectionLimiter, keys: ClientKeys,
+                     on_close: Callable[[str], None] = lambda connection: None) -> type:
     """The h11 protocol class of one server: header timeout, bounded heads, connections closed
-    after early responses, and the per-client connection limits of `limiter`."""
+    after early responses, and the per-client connection limits of `limiter`. `on_close` hears
+    of every connection that closes, as "host:port" (the app's name for a connection)."""
     refusals = _RefusalLog()
 
     class ServingH11Protocol(H11Protocol):
@@ -168,6 +170,8 @@ def serving_protocol(timeout: float, limiter: ConnectionLimiter, keys: ClientKey
             if self._counted:
                 self._counted = False
                 limiter.close(self._client_key)
+            if self.client:
+                on_close(f"{self.client[0]}:{self.client[1]}")
             super().connection_lost(exc)
 
         def _linger(self) -> None:
@@ -211,13 +215,16 @@ def make_config(app: Any, *, host: str, port: int, log_level: str,
                 keep_alive_timeout: float = DEFAULT_KEEP_ALIVE_TIMEOUT,
                 max_connections: int = DEFAULT_MAX_CONNECTIONS,
                 max_connections_per_client: int = DEFAULT_MAX_CONNECTIONS_PER_CLIENT,
-                client_keys: Optional[ClientKeys] = None) -> uvicorn.Config:
+                client_keys: Optional[ClientKeys] = None,
+                on_close: Callable[[str], None] = lambda connection: None) -> uvicorn.Config:
     """The uvicorn config of one server. client_keys: who is a client (its trusted proxies);
-    pass the app's (`app.state.client_keys`) so that both layers agree."""
+    pass the app's (`app.state.client_keys`) so that both layers agree. on_close: told of each
+    closed connection ("host:port"); pass the app's rejection budget's `connection_closed`, so
+    that a new connection reusing a closed one's port starts with a clean record."""
     limiter = ConnectionLimiter(max_connections, max_connections_per_client)
     return uvicorn.Config(
         app, host=host, port=port, log_level=log_level,
-        http=serving_protocol(header_timeout, limiter, client_keys or ClientKeys()),
+        http=serving_protocol(header_timeout, limiter, client_keys or ClientKeys(), on_close),
         timeout_keep_alive=int(max(1, keep_alive_timeout)),
         h11_max_incomplete_event_size=MAX_HEADER_BYTES,
         # Connections are limited by `limiter` (uvicorn's own limit would also count the short
