@@ -11,9 +11,9 @@ counter (with what this selection already gave it) is smallest, and in arrival o
 client. A client that becomes active is lifted to the smallest counter of the active clients, or
 to the last such minimum when none is active, so time spent idle banks no credit. A client that
 is ahead by more than one token budget takes at most as many weighted tokens of prompt in an
-iteration as the other clients in it together: on a CPU an iteration's time grows with its
-tokens and with the context its prompt tokens attend to, so a long prefill would otherwise slow
-every other client's decodes.
+iteration as the busiest other client in it (an equal share per client): on a CPU an
+iteration's time grows with its tokens and with the context its prompt tokens attend to, so a
+long prefill would otherwise slow every other client's decodes.
 
 The scheduler keeps Algorithm 1's no-skip rule over this order: a request that does not fit in
 the KV cache blocks every admission after it (admitted requests' prompt chunks still run), so
@@ -102,15 +102,16 @@ class FairShares:
         """Charge req's client for the `n_tokens` of its next input the scheduler wants to take,
         and return how many it may: all, except for a prompt chunk of a client that is ahead
         (its counter more than one token budget above another client's in this batch). That
-        chunk may cost only as many weighted tokens as the other clients in the batch have
-        together (at least one token), so a heavy client cannot slow everyone's iteration more."""
+        chunk may cost only as many weighted tokens as the busiest other client in the batch has
+        (at least one token): an equal share of the iteration per client, so one heavy client
+        cannot slow everyone's iteration more than one more ordinary client would."""
         client = req.client
         context = req.num_cached  # the chunk's first position: prompt tokens already cached
         others = [c for c in self.taken if c != client]
         if req.prompt_remaining and others and self.token_budget is not None:
             counter = self.counters.get(client, self.floor)
             if counter > min(self.counters[c] for c in others) + self.token_budget:
-                share = sum(self.taken[c] for c in others) - self.taken.get(client, 0)
+                share = max(self.taken[c] for c in others) - self.taken.get(client, 0)
                 n_tokens = max(1, min(n_tokens, self.chunk_fitting(share, context)))
         cost = self.chunk_cost(n_tokens, context) if req.prompt_remaining else OUTPUT_WEIGHT * n_tokens
         self.taken[client] = self.taken.get(client, 0) + cost
