@@ -12,8 +12,9 @@ Two steps, chosen once by the executor's pipeline depth (vLLM's `step` and
     step_with_batch_queue()   n_workers > 1: launch whenever a stage is free and a batch can be
                               selected; otherwise postprocess the oldest batch in flight
 One condition, `wakeup` (on the engine's lock), is signalled whenever something the next
-selection depends on changes: a request arrives or is aborted, a launched batch returns, or the
-server shuts down. Whoever waits for work waits on it.
+selection depends on changes: a request arrives or is aborted, a batch in flight returns (the
+pipelined step's; step_one waits on its one batch directly), or the server shuts down. Whoever
+waits for work waits on it.
 
 The executor (executor.py) runs batches: in this process (`LocalExecutor`: the forward pass is
 done when `execute` returns), or on tensor x pipeline parallel workers (`DistributedExecutor`:
@@ -167,7 +168,9 @@ class Engine:
             if batch is not None and not batch.requests:
                 return self._finish(batch, None)
         if batch is not None:
-            self._inflight.append((batch, self._launch(batch)))
+            launched = self._launch(batch)
+            launched.add_done_callback(lambda _: self.signal())  # ends a free stage's wait below
+            self._inflight.append((batch, launched))
             if len(self._inflight) < self.scheduler.n_workers:
                 return []  # another stage is free: select again
         done, future = self._inflight[0] if self._inflight else (None, None)
@@ -187,10 +190,9 @@ class Engine:
             return self._finish(done, result, future)
 
     def _launch(self, batch: ScheduledBatch) -> BatchFuture:
-        """Hand the batch to the executor; its future signals `wakeup` when it resolves."""
+        """Hand the batch to the executor; returns its future."""
         launched = time.perf_counter()
         future = self.executor.execute(batch)
-        future.add_done_callback(lambda _: self.signal())
         if batch.record >= 0:
             rec = self.records[batch.record]
             self.records[batch.record] = dataclasses.replace(rec, launch_time=launched)
