@@ -674,6 +674,24 @@ def test_rejection_budget_arithmetic():
     assert len(b._left) == 2 and "a" not in b._left  # bounded memory: the oldest is forgotten
 
 
+def test_a_closing_connection_clears_only_its_own_rejection_marks():
+    from orca_ext.http import rejections
+
+    b = rejections.RejectionBudget(rate=1, burst=1, min_charge=50, max_delay=2.0)
+    for i in range(50):  # many clients in debt, each with a marked connection
+        b.charge(f"c{i}", 50, f"10.0.0.{i}:4000")
+    b.charge("c0", 50, "10.0.0.0:4001")
+    assert b.hold_back("c0", "10.0.0.0:4000") > 0 and b.hold_back("c0", "10.0.0.0:4001") > 0
+    b.connection_closed("10.0.0.0:4000")
+    assert b.hold_back("c0", "10.0.0.0:4000") == 0       # the same port again: a new connection
+    assert b.hold_back("c0", "10.0.0.0:4001") > 0        # its other connection keeps its mark
+    assert b.hold_back("c7", "10.0.0.7:4000") > 0        # and other clients' marks stay
+    b.connection_closed("10.0.0.99:1")                    # an unmarked connection: nothing to do
+    for i in range(rejections.MAX_MARKED_CONNECTIONS + 10):  # a transport that never reports closes
+        b.charge("c1", 50, f"10.0.1.1:{i}")
+    assert len(b._marked_by) == rejections.MAX_MARKED_CONNECTIONS  # bounded memory
+
+
 def test_a_client_flooding_rejected_bodies_is_slowed_and_others_are_not(make_server):
     """A client address over its rejected-bytes budget gets 429 (after a delay, Connection:
     close) without its body being read, so a flood of bad requests cannot take the engine's CPU

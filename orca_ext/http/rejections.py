@@ -30,6 +30,7 @@ BURST_BYTES = 8 << 20         # ... and at once
 MIN_CHARGE = 16 << 10         # a rejected request costs at least this (bounds floods of tiny ones)
 MAX_DELAY = 5.0               # the longest a refused request is held before its 429
 MAX_CLIENTS = 10_000          # clients remembered (least recently seen are forgotten first)
+MAX_MARKED_CONNECTIONS = 1 << 16  # connections whose marks connection_closed can find (oldest dropped)
 MAX_CONNECTIONS_REMEMBERED = 1024  # rejected connections remembered per client
 
 
@@ -47,6 +48,10 @@ class RejectionBudget:
         self._left: collections.OrderedDict[str, tuple[float, float]] = collections.OrderedDict()
         # client -> its connections that had a request rejected (forgotten with the client)
         self._rejected_connections: dict[str, dict[str, None]] = {}
+        # connection -> the clients that marked it, so that a closing connection touches only its
+        # own marks; an entry goes when its connection closes (at most MAX_MARKED_CONNECTIONS,
+        # for servers whose transport never reports closes)
+        self._marked_by: dict[str, set[str]] = {}
 
     def _forget(self, client: str) -> None:
         self._left.pop(client, None)
@@ -78,8 +83,8 @@ class RejectionBudget:
     def connection_closed(self, connection: str) -> None:
         """`connection` ("host:port") is gone: a later connection from the same port is another
         connection, which no rejection of this one may hold back."""
-        for seen in self._rejected_connections.values():
-            seen.pop(connection, None)
+        for client in self._marked_by.pop(connection, ()):
+            self._rejected_connections.get(client, {}).pop(connection, None)
 
     def charge(self, client: str, nbytes: int, connection: str = "") -> None:
         """A request from `client` on `connection` was rejected after `nbytes` of its body were read."""
@@ -89,6 +94,9 @@ class RejectionBudget:
         if connection:
             seen = self._rejected_connections.setdefault(client, {})
             seen[connection] = None
+            self._marked_by.setdefault(connection, set()).add(client)
+            if len(self._marked_by) > MAX_MARKED_CONNECTIONS:
+                del self._marked_by[next(iter(self._marked_by))]
             if len(seen) > MAX_CONNECTIONS_REMEMBERED:
                 del seen[next(iter(seen))]
         while len(self._left) > self.max_clients:
