@@ -17,6 +17,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from fake_model import FakeModel, fake_reference
+from scheduler_driver import advance, random_operations
 from orca_ext import InvalidRequestError, Server
 from orca_ext.config import EngineConfig
 from orca_ext.engine import Engine
@@ -43,15 +44,8 @@ def sched(admission="fair", max_bs=8, n_slots=1000, n_workers=1, budget=None, ca
 
 
 def run_batch(s, batch=None) -> list[Request]:
-    """Play the engine for one returned batch: cache its inputs, one token each after the last
-    prompt chunk, finish at max_tokens."""
     batch = s.schedule() if batch is None else batch
-    for r in batch:
-        r.num_cached += len(r.next_inputs()[0])
-        if not r.prompt_remaining:
-            r.output_token_ids.append(0)
-            if len(r.output_token_ids) >= r.params.max_tokens:
-                r.mark_finished("length")
+    advance(batch)
     s.complete(batch)
     return batch
 
@@ -366,11 +360,9 @@ def test_random_workloads_keep_caps_and_counters_and_starve_nobody(seed, n_worke
     rng = random.Random(seed)
     s = sched("fair", max_bs, n_slots, n_workers, None if budget is None else max_bs + budget, cap)
     clients = [None] + [f"c{i}" for i in range(n_clients - 1)]
-    all_reqs: list[Request] = []
-    inflight: list[list[Request]] = []
     last_counters: dict = {}
 
-    def check() -> None:
+    def check(inflight=None, all_reqs=None) -> None:
         assert s.n_rsrv <= s.n_slots
         holders = [r for r in s.pool if r.slab_start >= 0]
         assert s.n_rsrv == sum(r.reservation for r in holders) == s.allocator.n_used
@@ -389,28 +381,16 @@ def test_random_workloads_keep_caps_and_counters_and_starve_nobody(seed, n_worke
         last_counters.clear()
         last_counters.update(s.shares.counters)
 
-    for _ in range(150):
-        op = rng.random()
-        if op < 0.3:
-            p = rng.randint(1, n_slots // 2)
-            r = mk(p, rng.randint(1, n_slots - p), rng.choice(clients))
-            s.add(r)
-            all_reqs.append(r)
-        elif op < 0.65:
-            batch = s.schedule()
-            assert len(batch) <= s.max_batch_size
-            if s.max_num_batched_tokens is not None:
-                assert sum(r.num_scheduled for r in batch) <= s.max_num_batched_tokens
-            if batch:
-                inflight.append(batch)
-        elif op < 0.9 and inflight:
-            run_batch(s, inflight.pop(rng.randrange(len(inflight))))
-        elif all_reqs:
-            victim = rng.choice(all_reqs)
-            if not victim.finished:
-                victim.mark_finished("abort")
-                s.remove(victim)
-        check()
+    def new_request():
+        p = rng.randint(1, n_slots // 2)
+        return mk(p, rng.randint(1, n_slots - p), rng.choice(clients))
+
+    def on_batch(batch):
+        assert len(batch) <= s.max_batch_size
+        if s.max_num_batched_tokens is not None:
+            assert sum(r.num_scheduled for r in batch) <= s.max_num_batched_tokens
+
+    all_reqs, inflight = random_operations(s, rng, 150, new_request, run_batch, on_batch, check)
     # Liveness: with no new arrivals every request finishes within a bounded number of iterations.
     while inflight:
         run_batch(s, inflight.pop())

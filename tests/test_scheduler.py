@@ -18,6 +18,7 @@ from orca_ext.sampling import SamplingParams
 from orca_ext.reference import SlabAllocatorReference
 from orca_ext.config import EngineConfig
 from orca_ext.scheduler import OrcaScheduler, StaticScheduler, make_scheduler
+from scheduler_driver import advance, random_operations
 
 try:
     from orca_ext import _C
@@ -62,20 +63,6 @@ class FakeKV:
             if r.slab_start >= 0:
                 cached = self.owner[r.slab_start:r.slab_start + r.num_cached]
                 assert cached == [r.request_id] * r.num_cached, f"{r.request_id} lost its KV rows"
-
-
-def advance(batch: list[Request]) -> None:
-    """What the engine does to a returned batch: its inputs are cached, then one more token each
-    (none after a prompt chunk that is not the last), finish at max_tokens."""
-    for r in batch:
-        if r.finished:
-            continue
-        r.num_cached += len(r.next_inputs()[0])
-        if r.prompt_remaining:
-            continue
-        r.output_token_ids.append(0)
-        if len(r.output_token_ids) >= r.params.max_tokens:
-            r.mark_finished("length")
 
 
 def run_batch(s, batch=None, kv: FakeKV | None = None) -> list[Request]:
@@ -441,31 +428,22 @@ def test_random_workloads_never_overcommit_or_overlap(seed, policy, n_workers, m
     kv = FakeKV(n_slots)
     if compaction:
         s.slab_mover = kv.move
-    all_reqs: list[Request] = []
-    inflight: list[list[Request]] = []
-    for _ in range(150):
-        op = rng.random()
-        if op < 0.3:
-            p = rng.randint(1, max(1, n_slots // 2))
-            r = mk(p, rng.randint(1, n_slots - p + 1) if n_slots - p >= 1 else 1)
-            if r.reservation <= n_slots:
-                s.add(r)
-                all_reqs.append(r)
-        elif op < 0.65:
-            batch = s.schedule()
-            check_batch(s, batch)
-            if batch:
-                kv.write(batch)
-                inflight.append(batch)
-        elif op < 0.9 and inflight:
-            run_batch(s, inflight.pop(rng.randrange(len(inflight))))
-        elif all_reqs:
-            victim = rng.choice(all_reqs)
-            if not victim.finished:
-                victim.mark_finished("abort")
-                s.remove(victim)
+
+    def new_request():
+        p = rng.randint(1, max(1, n_slots // 2))
+        r = mk(p, rng.randint(1, n_slots - p + 1) if n_slots - p >= 1 else 1)
+        return r if r.reservation <= n_slots else None
+
+    def on_batch(batch):
+        check_batch(s, batch)
+        if batch:
+            kv.write(batch)
+
+    def check(inflight, all_reqs):
         check_invariants(s, inflight, all_reqs)
         kv.check([r for r in all_reqs if r.state is not RequestState.RUNNING])
+
+    all_reqs, inflight = random_operations(s, rng, 150, new_request, run_batch, on_batch, check)
     while inflight:  # drain: everything ends, nothing stays reserved
         run_batch(s, inflight.pop())
     for r in all_reqs:
