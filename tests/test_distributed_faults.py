@@ -25,19 +25,13 @@ from orca_ext.distributed import DistributedExecutor
 from orca_ext.distributed import startup as dist_startup
 from orca_ext.distributed.heartbeat import check_heartbeat_options
 from orca_ext.errors import EngineDeadError
-from orca_ext.executor import BatchFuture
 from orca_ext.models import ModelSpec
 from orca_ext.sampling import SamplingParams
 from orca_ext.server import Server
-from test_distributed import children_of, gone
+from test_distributed import children_of, gone, resolved_after, start_server
 
 REPO = Path(__file__).resolve().parents[1]
 ENV = {**os.environ, "PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1", "GLOO_SOCKET_IFNAME": "lo"}
-
-
-def start_server(model_dir, tp: int, pp: int, **kw) -> Server:
-    return Server(str(model_dir), device="cpu", dtype="float32", tensor_parallel_size=tp,
-                  pipeline_parallel_size=pp, n_slots=800, max_batch_size=4, **kw)
 
 
 def wait_until(condition, timeout: float, what: str) -> float:
@@ -248,17 +242,7 @@ def test_a_batch_that_cannot_be_packed_fails_alone_with_another_in_flight(tiny_m
             real = launch(batch)
             if len(launches) > 1:
                 return real
-            held = BatchFuture()  # the first batch's tokens stay "in the pipeline" until released
-
-            def relay():
-                release.wait(60)
-                try:
-                    held.resolve(real.result(timeout=60))
-                except Exception as exc:
-                    held.resolve(exc)
-
-            threading.Thread(target=relay, daemon=True).start()
-            return held
+            return resolved_after(release, real)  # its tokens stay "in the pipeline" until released
 
         executor.execute = hold_first
         try:
