@@ -309,6 +309,13 @@ class Server:
                 "compaction_moved_bytes": eng.compaction_moved_bytes,
             }
 
+    def health(self) -> Optional[str]:
+        """None while the server can serve; otherwise why not (closed, or a worker failed). Reads
+        two fields without the engine lock, so a health probe never waits for an iteration."""
+        if self._closed:
+            return "server closed"
+        return self._engine.executor.error
+
     def iterations(self) -> list[IterationRecord]:
         """Per-iteration records (only kept with record_iterations=True)."""
         with self._lock:

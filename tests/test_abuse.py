@@ -671,7 +671,7 @@ def test_rejection_budget_arithmetic():
     assert b.delay("a") == 0.0
     now[0] = 100.0
     b.charge("a", 50), b.charge("b", 50), b.charge("c", 50)
-    assert len(b._left) == 2 and "a" not in b._left  # bounded memory: the oldest is forgotten
+    assert len(b._buckets) == 2 and b.delay("a") == 0  # bounded memory: the oldest is forgotten
 
 
 def test_a_closing_connection_clears_only_its_own_rejection_marks():
@@ -795,7 +795,7 @@ def test_a_declared_body_costs_nothing_and_others_on_a_shared_address_are_served
             declared.append(await asgi_call(app, "/v1/completions", [{"type": "http.request", "body": b"",
                                                                        "more_body": True}],
                                             headers=[(b"content-length", str(10 ** 9).encode())]))
-        left_after_declared = budget._balance("127.0.0.1")
+        left_after_declared = budget.left("127.0.0.1")
         async with asgi_client(app, ("127.0.0.1", 6000)) as attacker:
             rejected = [(await attacker.post("/v1/completions", content=bad, headers={"Content-Type": "application/json"}))
                         for _ in range(4)]
@@ -908,3 +908,39 @@ def test_a_numpy_uint64_seed_is_served_like_the_same_int(make_server):
     with pytest.raises(InvalidRequestError, match=r"seed must be in \[-2\*\*63, 2\*\*64 - 1\]") as info:
         SamplingParams(seed=2**64)
     assert info.value.param == "seed"
+
+
+def test_a_client_probing_in_a_loop_is_refused_and_held_back_while_others_probe_freely(make_server):
+    """/health and /metrics share one per-client rate (burst 5x): past it a client gets 429s that
+    count against its rejection budget, so a connection that keeps probing while in debt is held
+    back; another client, and the same client after a pause, are answered at once."""
+    from orca_ext.http.rejections import RejectionBudget
+
+    server = make_server()
+    app = make_app(server, probe_rate=2.0, rejections=RejectionBudget(rate=1000, burst=3000, min_charge=1000,
+                                                                       max_delay=0.01))
+
+    async def go():
+        async with asgi_client(app, ("127.0.0.2", 4000)) as flooder, asgi_client(app, ("127.0.0.1", 4001)) as other:
+            flood = [(await flooder.get(path)).status_code for path in ["/health", "/metrics"] * 8]
+            last = await flooder.get("/health")
+            others = [(await other.get(path)).status_code for path in ("/health", "/metrics")]
+            return flood, last, others
+
+    flood, last, others = asyncio.run(go())
+    assert flood[:10] == [200] * 10                 # the burst: 5 x 2 per second
+    assert flood[10:13] == [429] * 3                # 3 refusals x 1000 B: the 3000 B budget is spent
+    assert last.status_code == 429 and last.json()["error"]["code"] == "too_many_rejected_requests"
+    assert last.headers["connection"] == "close"    # in debt on a refused connection: held back
+    assert others == [200, 200]
+    with pytest.raises(ValueError, match="probe_rate must be > 0"):
+        make_app(server, probe_rate=0)
+
+
+def test_health_reads_no_engine_state_under_the_lock(make_server):
+    """/health answers from the server's closed flag and the executor's error alone, so a probe
+    does not wait for an engine iteration, and says why when it cannot serve."""
+    server = make_server()
+    assert server.health() is None
+    server.shutdown()
+    assert server.health() == "server closed"

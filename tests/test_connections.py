@@ -250,18 +250,23 @@ def test_connection_limiter_rules():
 @pytest.mark.parametrize("pieces", [1, 8])
 def test_request_heads_over_16_kib_are_refused_even_in_one_read(make_server, pieces):
     """A request line + headers over 16 KiB gets 400 and a closed connection, whether it arrives
-    in one read or in pieces; a 15 KiB head is served."""
+    in one read or in pieces, and counts against its client's rejection budget (one refusal of
+    16 KiB empties this budget); a 15 KiB head is served."""
+    from orca_ext.http.rejections import RejectionBudget
+
     server = make_server()
-    app = make_app(server)
+    budget = RejectionBudget(rate=1.0, burst=16 << 10, max_delay=0.2)
+    app = make_app(server, rejections=budget)
 
     def head(filler: int) -> bytes:
         return b"GET /health HTTP/1.1\r\nHost: 127.0.0.1\r\nX-Filler: " + b"a" * filler + b"\r\n\r\n"
 
-    with serving(app) as (port, _):
+    with serving(app, rejections=budget) as (port, _):
         sock = connect(port, ATTACKER)
         sock.sendall(head(15 * 1024))
         assert read_response(sock)[0] == 200
         sock.close()
+        assert budget.delay(ATTACKER) == 0
         sock = connect(port, ATTACKER)
         big = head(100 * 1024)
         step = -(-len(big) // pieces)
@@ -274,6 +279,12 @@ def test_request_heads_over_16_kib_are_refused_even_in_one_read(make_server, pie
         assert status in (400, 431)
         assert closed_by_server(sock)
         sock.close()
+        assert budget.delay(ATTACKER) == 0  # exactly the burst spent: 16 KiB
+        sock = connect(port, ATTACKER)
+        sock.sendall(b"GET /health HTTP/1.1\r\nHost: 127.0.0.1\r\nBad Header\r\n\r\n")
+        assert read_response(sock)[0] == 400  # malformed: charged too, and now in debt
+        sock.close()
+        assert budget.delay(ATTACKER) > 0
         bystander_is_served(port)
 
 
@@ -291,7 +302,7 @@ def test_a_new_connection_on_a_closed_connections_port_is_not_held_back(make_ser
     budget = RejectionBudget(rate=1.0, burst=1.0, max_delay=0.2)  # one rejection puts a client in debt
     app = make_app(make_server(), rejections=budget)
     good = b'{"model": "m", "prompt": [1, 2], "max_tokens": 2}'
-    with serving(app, on_close=budget.connection_closed) as (port, _):
+    with serving(app, rejections=budget) as (port, _):
         first = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
         first.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
         first.settimeout(GUARD_S)

@@ -13,7 +13,10 @@ A rejection (4xx other than 429) is charged to the client (clients.py's key) by 
 actually read; one from a client already in debt is answered after the debt's delay, with
 Connection: close.
 /metrics serves a snapshot at most `metrics_interval` seconds old (metrics_snapshot.py), behind
-the API key when one is set unless `public_metrics`.
+the API key when one is set unless `public_metrics`. /health and /metrics together take at most
+`probe_rate` requests per second from one client (burst 5x): beyond that a 429 that counts against
+the client's rejection budget, so a client probing in a loop is held back like one sending bad
+requests, and a monitor or load balancer probing every few seconds never notices.
 Nothing reaches the engine before admission (service.py). Snapshots come from
 `Server.stream_async`; a client that goes away gets its request aborted, which frees its KV slab
 at once. A client that goes away while still sending its body is a disconnect (INFO, outcome
@@ -40,15 +43,16 @@ from starlette.requests import ClientDisconnect
 from ..errors import InvalidRequestError
 from ..server import Server
 from . import protocol, sse
+from .buckets import ClientBuckets
 from .clients import ClientKeys, client_key
 from .errors import APIError, bad_request, engine_error, internal_error, request_rejected, shutdown_error
 from .guards import Guards, allowed_hosts
 from .metrics_snapshot import MetricsSnapshot
 from .prompt_workers import DEFAULT_PROMPT_JOBS_PER_CLIENT, DEFAULT_PROMPT_THREADS
-from .rejections import RejectionBudget
+from .rejections import MAX_CLIENTS, RejectionBudget
 from .service import Admission, Service, validation_error
 from .settings import (DEFAULT_BODY_TIMEOUT, DEFAULT_CHAT_MAX_TOKENS, DEFAULT_MAX_BODY_BYTES,
-                       DEFAULT_METRICS_INTERVAL)
+                       DEFAULT_METRICS_INTERVAL, DEFAULT_PROBE_RATE)
 
 logger = logging.getLogger(__name__)
 
@@ -63,7 +67,8 @@ def create_app(server: Server, *, model_name: str, max_queue: int = 256, api_key
                rejections: RejectionBudget | None = None, trusted_proxies: list[str] | None = None,
                public_metrics: bool = False, metrics_interval: float = DEFAULT_METRICS_INTERVAL,
                prompt_threads: int = DEFAULT_PROMPT_THREADS,
-               prompt_jobs_per_client: int = DEFAULT_PROMPT_JOBS_PER_CLIENT) -> FastAPI:
+               prompt_jobs_per_client: int = DEFAULT_PROMPT_JOBS_PER_CLIENT,
+               probe_rate: float = DEFAULT_PROBE_RATE) -> FastAPI:
     """The HTTP app over a running ``orca_ext.Server`` (which the caller owns and shuts down).
 
     model_name: the only name accepted in the "model" field (others get 404).
@@ -83,6 +88,7 @@ def create_app(server: Server, *, model_name: str, max_queue: int = 256, api_key
     renders, concurrent scrapes still share one rendering).
     prompt_threads / prompt_jobs_per_client: the threads that render chat templates and encode
     text prompts, and the most of them one client holds at once (prompt_workers.py).
+    probe_rate: /health + /metrics requests per second one client may send (burst 5x); more get 429.
     The chat template, the context limit and the vocabulary size are the server's.
     """
     svc = Service(server, model_name=model_name, max_queue=max_queue, api_key=api_key,
@@ -94,6 +100,18 @@ def create_app(server: Server, *, model_name: str, max_queue: int = 256, api_key
     app.state.service = svc
     app.state.client_keys = ClientKeys(trusted_proxies or ())
     scrapes = MetricsSnapshot(svc.metrics.render, metrics_interval)
+    if not probe_rate > 0:
+        raise ValueError(f"probe_rate must be > 0 requests per second (got {probe_rate})")
+    probes = ClientBuckets(probe_rate, 5 * probe_rate, MAX_CLIENTS)
+
+    async def check_probe(request: Request) -> None:
+        """Hold back or refuse a client's /health or /metrics request beyond its probe rate."""
+        client, connection = client_key(request), _connection(request)
+        await _hold_back(svc.rejections, client, connection)
+        if not probes.take_if_available(client):
+            svc.rejections.charge(client, 0, connection)
+            raise APIError(429, f"Too many /health and /metrics requests from this client (limit "
+                           f"{probe_rate:g} per second)", code="too_many_probes", headers={"Retry-After": "1"})
     _add_error_handlers(app)
     if cors_origins:
         from starlette.middleware.cors import CORSMiddleware
@@ -106,21 +124,18 @@ def create_app(server: Server, *, model_name: str, max_queue: int = 256, api_key
     app.add_middleware(Guards, allowed=hosts, api_key=api_key if enable_docs else None)
 
     @app.get("/health")
-    async def health() -> Response:
-        try:
-            stats = await asyncio.to_thread(server.stats)
-        except Exception as exc:
-            return JSONResponse({"status": "unavailable", "detail": str(exc)}, status_code=503)
-        if stats["closed"]:
-            return JSONResponse({"status": "unavailable", "detail": "server closed"}, status_code=503)
-        if not stats.get("healthy", True):  # a worker process of a parallel server failed
-            return JSONResponse({"status": "unavailable", "detail": stats.get("error")}, status_code=503)
+    async def health(request: Request) -> Response:
+        await check_probe(request)
+        problem = server.health()  # no engine lock: a probe never waits for an iteration
+        if problem is not None:
+            return JSONResponse({"status": "unavailable", "detail": problem}, status_code=503)
         return JSONResponse({"status": "ok"})
 
     @app.get("/metrics")
     async def metrics(request: Request) -> Response:
         from prometheus_client import CONTENT_TYPE_LATEST
 
+        await check_probe(request)
         if not public_metrics:
             svc.check_auth(request)
         return Response(await scrapes.get(), media_type=CONTENT_TYPE_LATEST)
@@ -178,7 +193,7 @@ async def _handle(svc: Service, request: Request, endpoint: str, run: Runner, mo
     rid = f"{prefix}-{uuid.uuid4().hex}"
     request.state.rid = rid
     client = client_key(request)
-    connection = f"{request.client.host}:{request.client.port}" if request.client else ""
+    connection = _connection(request)
     adm: Admission | None = None
     try:
         await _hold_back(svc.rejections, client, connection)
@@ -232,6 +247,11 @@ async def _handle(svc: Service, request: Request, endpoint: str, run: Runner, mo
         response = internal_error(rid).response()
     response.headers["X-Request-Id"] = rid
     return response
+
+
+def _connection(request: Request) -> str:
+    """The request's connection as the rejection budget names it ("host:port")."""
+    return f"{request.client.host}:{request.client.port}" if request.client else ""
 
 
 async def _hold_back(budget: RejectionBudget, client: str, connection: str) -> None:

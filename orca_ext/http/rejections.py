@@ -21,9 +21,10 @@ While a client is in debt:
 """
 from __future__ import annotations
 
-import collections
 import time
 from typing import Callable
+
+from .buckets import ClientBuckets
 
 RATE_BYTES = 1 << 20          # rejected bytes per second a client may send, sustained
 BURST_BYTES = 8 << 20         # ... and at once
@@ -38,14 +39,10 @@ class RejectionBudget:
     def __init__(self, rate: float = RATE_BYTES, burst: float = BURST_BYTES, min_charge: int = MIN_CHARGE,
                  max_delay: float = MAX_DELAY, max_clients: int = MAX_CLIENTS,
                  clock: Callable[[], float] = time.monotonic) -> None:
-        self.rate = rate
-        self.burst = burst
         self.min_charge = min_charge
         self.max_delay = max_delay
-        self.max_clients = max_clients
-        self._clock = clock
-        # client -> (bytes left, time of that reading); only clients that were charged
-        self._left: collections.OrderedDict[str, tuple[float, float]] = collections.OrderedDict()
+        self._buckets = ClientBuckets(rate, burst, max_clients, clock)  # rejected bytes per client
+        self._buckets.on_forget = self._forget
         # client -> its connections that had a request rejected (forgotten with the client)
         self._rejected_connections: dict[str, dict[str, None]] = {}
         # connection -> the clients that marked it, so that a closing connection touches only its
@@ -53,25 +50,25 @@ class RejectionBudget:
         # for servers whose transport never reports closes)
         self._marked_by: dict[str, set[str]] = {}
 
+    @property
+    def rate(self) -> float:
+        return self._buckets.rate
+
+    @property
+    def burst(self) -> float:
+        return self._buckets.burst
+
     def _forget(self, client: str) -> None:
-        self._left.pop(client, None)
         self._rejected_connections.pop(client, None)
 
-    def _balance(self, client: str) -> float:
-        left, when = self._left.get(client, (self.burst, 0.0))
-        now = self._clock()
-        left = min(self.burst, left + (now - when) * self.rate)
-        if left >= self.burst:
-            self._forget(client)  # back to full: nothing to remember
-        else:
-            self._left[client] = (left, now)
-            self._left.move_to_end(client)
-        return left
+    def left(self, client: str) -> float:
+        """The rejected bytes `client` may still send before it is in debt (negative: the debt)."""
+        return self._buckets.balance(client)
 
     def delay(self, client: str) -> float:
         """0 when `client` is not in debt; otherwise the seconds the debt takes to pay off, at
         most max_delay."""
-        left = self._balance(client)
+        left = self.left(client)
         return 0.0 if left >= 0 else min(self.max_delay, -left / self.rate)
 
     def hold_back(self, client: str, connection: str) -> float:
@@ -88,9 +85,7 @@ class RejectionBudget:
 
     def charge(self, client: str, nbytes: int, connection: str = "") -> None:
         """A request from `client` on `connection` was rejected after `nbytes` of its body were read."""
-        left = self._balance(client) - max(nbytes, self.min_charge)
-        self._left[client] = (left, self._clock())
-        self._left.move_to_end(client)
+        self._buckets.take(client, max(nbytes, self.min_charge))
         if connection:
             seen = self._rejected_connections.setdefault(client, {})
             seen[connection] = None
@@ -99,6 +94,3 @@ class RejectionBudget:
                 del self._marked_by[next(iter(self._marked_by))]
             if len(seen) > MAX_CONNECTIONS_REMEMBERED:
                 del seen[next(iter(seen))]
-        while len(self._left) > self.max_clients:
-            oldest, _ = self._left.popitem(last=False)
-            self._rejected_connections.pop(oldest, None)

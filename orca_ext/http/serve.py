@@ -75,6 +75,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     p.add_argument("--metrics-interval", type=float, default=settings.DEFAULT_METRICS_INTERVAL, metavar="S",
                    help="/metrics is rendered at most once per this many seconds; scrapes in between get "
                         "that snapshot (default %(default)g; 0: every scrape renders)")
+    p.add_argument("--probe-rate", type=float, default=settings.DEFAULT_PROBE_RATE, metavar="N",
+                   help="/health and /metrics requests per second one client may send (burst 5x); more get "
+                        "429 and count against its rejection budget (default %(default)g)")
     p.add_argument("--prompt-threads", type=int, default=DEFAULT_PROMPT_THREADS, metavar="N",
                    help="threads that render chat templates and encode text prompts, off the event loop "
                         "and the engine (default %(default)d)")
@@ -105,7 +108,8 @@ def build_app(args: argparse.Namespace) -> tuple[Any, Any]:
                          body_timeout=args.body_timeout, bind_host=args.host, trusted_hosts=args.trusted_hosts,
                          cors_origins=args.cors_origins, enable_docs=args.enable_docs,
                          trusted_proxies=args.trusted_proxies, public_metrics=args.public_metrics,
-                         metrics_interval=args.metrics_interval, prompt_threads=args.prompt_threads,
+                         metrics_interval=args.metrics_interval, probe_rate=args.probe_rate,
+                         prompt_threads=args.prompt_threads,
                          prompt_jobs_per_client=args.prompt_jobs_per_client)
     except BaseException:
         server.shutdown()
@@ -129,9 +133,9 @@ def main(args: argparse.Namespace) -> int:
             logger.error("%s must be >= 1 (got %d)", name, value)
             return 2
     for name, value in (("--header-timeout", args.header_timeout), ("--body-timeout", args.body_timeout),
-                        ("--keep-alive-timeout", args.keep_alive_timeout)):
+                        ("--keep-alive-timeout", args.keep_alive_timeout), ("--probe-rate", args.probe_rate)):
         if not value > 0:
-            logger.error("%s must be > 0 seconds (got %g)", name, value)
+            logger.error("%s must be > 0 (got %g)", name, value)
             return 2
     for name, value in (("--shutdown-grace", args.shutdown_grace), ("--metrics-interval", args.metrics_interval)):
         if not value >= 0:
@@ -161,7 +165,7 @@ def main(args: argparse.Namespace) -> int:
                                        max_connections=args.max_connections,
                                        max_connections_per_client=args.max_connections_per_client,
                                        client_keys=app.state.client_keys,
-                                       on_close=service.rejections.connection_closed)
+                                       rejections=service.rejections)
         # SIGINT/SIGTERM: drain (stop admitting, a bounded grace, end the rest in-band), then exit 0.
         transport.DrainingServer(config, lambda hurry: service.drain(args.shutdown_grace, hurry)).run()
     finally:

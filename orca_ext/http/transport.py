@@ -36,6 +36,7 @@ from uvicorn.protocols.http.h11_impl import H11Protocol
 from .clients import ClientKeys
 from .connections import ConnectionLimiter, Refusal
 from .errors import APIError
+from .rejections import RejectionBudget
 from .settings import (DEFAULT_HEADER_TIMEOUT, DEFAULT_KEEP_ALIVE_TIMEOUT, DEFAULT_MAX_CONNECTIONS,
                        DEFAULT_MAX_CONNECTIONS_PER_CLIENT, MAX_HEADER_BYTES)
 
@@ -94,10 +95,12 @@ def _refusal_app(refusal: Refusal) -> Callable[..., Awaitable[None]]:
 
 
 def serving_protocol(timeout: float, limiter: ConnectionLimiter, keys: ClientKeys,
-                     on_close: Callable[[str], None] = lambda connection: None) -> type:
+                     rejections: Optional[RejectionBudget] = None) -> type:
     """The h11 protocol class of one server: header timeout, bounded heads, connections closed
-    after early responses, and the per-client connection limits of `limiter`. `on_close` hears
-    of every connection that closes, as "host:port" (the app's name for a connection)."""
+    after early responses, and the per-client connection limits of `limiter`. `rejections`, the
+    app's rejection budget, hears of every connection that closes (as "host:port", the app's
+    name for a connection) and is charged for every request the transport refuses as malformed
+    (an oversize head included), as the app charges the requests it rejects."""
     refusals = _RefusalLog()
 
     class ServingH11Protocol(H11Protocol):
@@ -151,6 +154,8 @@ def serving_protocol(timeout: float, limiter: ConnectionLimiter, keys: ClientKey
             """uvicorn's answer to a malformed request (an oversize head included), ended by a
             lingering close: closing at once, with the rest of the request unread, would reset
             the connection and could destroy the answer before the client reads it."""
+            if rejections is not None and self.client:
+                rejections.charge(self._client_key, 0, f"{self.client[0]}:{self.client[1]}")
             try:
                 output = self.conn.send(h11.Response(status_code=400, reason=b"Bad Request", headers=[
                     (b"content-type", b"text/plain; charset=utf-8"), (b"connection", b"close")]))
@@ -170,8 +175,8 @@ def serving_protocol(timeout: float, limiter: ConnectionLimiter, keys: ClientKey
             if self._counted:
                 self._counted = False
                 limiter.close(self._client_key)
-            if self.client:
-                on_close(f"{self.client[0]}:{self.client[1]}")
+            if rejections is not None and self.client:
+                rejections.connection_closed(f"{self.client[0]}:{self.client[1]}")
             super().connection_lost(exc)
 
         def _linger(self) -> None:
@@ -216,15 +221,16 @@ def make_config(app: Any, *, host: str, port: int, log_level: str,
                 max_connections: int = DEFAULT_MAX_CONNECTIONS,
                 max_connections_per_client: int = DEFAULT_MAX_CONNECTIONS_PER_CLIENT,
                 client_keys: Optional[ClientKeys] = None,
-                on_close: Callable[[str], None] = lambda connection: None) -> uvicorn.Config:
+                rejections: Optional[RejectionBudget] = None) -> uvicorn.Config:
     """The uvicorn config of one server. client_keys: who is a client (its trusted proxies);
-    pass the app's (`app.state.client_keys`) so that both layers agree. on_close: told of each
-    closed connection ("host:port"); pass the app's rejection budget's `connection_closed`, so
-    that a new connection reusing a closed one's port starts with a clean record."""
+    pass the app's (`app.state.client_keys`) so that both layers agree. rejections: pass the
+    app's rejection budget (`app.state.service.rejections`): a new connection reusing a closed
+    one's port then starts with a clean record, and a malformed request the transport refuses
+    costs its client as a rejected one does."""
     limiter = ConnectionLimiter(max_connections, max_connections_per_client)
     return uvicorn.Config(
         app, host=host, port=port, log_level=log_level,
-        http=serving_protocol(header_timeout, limiter, client_keys or ClientKeys(), on_close),
+        http=serving_protocol(header_timeout, limiter, client_keys or ClientKeys(), rejections),
         timeout_keep_alive=int(max(1, keep_alive_timeout)),
         h11_max_incomplete_event_size=MAX_HEADER_BYTES,
         # Connections are limited by `limiter` (uvicorn's own limit would also count the short
