@@ -1,0 +1,153 @@
+// The ggml block formats of quantized weights, exactly as a GGUF file stores them, and their
+// dequantization, one 32-element chunk at a time (every format's blocks split into 32-element
+// chunks: Q8_0/Q4_0/Q4_1 blocks are one chunk, Q4_K/Q6_K blocks eight).
+//
+// A weight row of K elements is K / block_elems consecutive blocks (row_bytes = K / block_elems *
+// block_bytes). Dequantization repeats the float32 arithmetic of gguf.quants.dequantize operation
+// for operation (fp16 scales widened exactly, then the same products and sums, each rounded on
+// its own): the files that include this header are compiled with -ffp-contract=off, so no product
+// is fused into an FMA. Every path therefore sees the same float32 weights, bit for bit.
+//
+// Everything here sits in an anonymous namespace: each translation unit (one per instruction set)
+// compiles its own copy for its own target, and none leaks into another through the linker.
+#pragma once
+#include <cstdint>
+#include <cstring>
+#include <type_traits>
+
+#include "quant_kernels.h"
+
+namespace orca {
+namespace cpu {
+namespace detail {
+namespace {
+
+constexpr int kChunk = 32;  // elements per dequantization chunk
+
+// IEEE half -> float, exact for every value (subnormals, infinities, NaN).
+inline float half_to_float(const uint8_t* p) {
+  uint16_t h;
+  std::memcpy(&h, p, sizeof h);
+  const uint32_t sign = static_cast<uint32_t>(h & 0x8000u) << 16;
+  uint32_t exp = (h >> 10) & 0x1fu, man = h & 0x3ffu, bits;
+  if (exp == 0x1fu) {
+    bits = sign | 0x7f800000u | (man << 13);
+  } else if (exp != 0) {
+    bits = sign | ((exp + 112u) << 23) | (man << 13);
+  } else if (man == 0) {
+    bits = sign;
+  } else {  // subnormal: normalise
+    int e = -1;
+    do {
+      man <<= 1;
+      ++e;
+    } while ((man & 0x400u) == 0);
+    bits = sign | ((112u - static_cast<uint32_t>(e)) << 23) | ((man & 0x3ffu) << 13);
+  }
+  float f;
+  std::memcpy(&f, &bits, sizeof f);
+  return f;
+}
+
+// Q8_0 block (34 bytes): fp16 d, int8 q[32]; w = q * d.
+inline void dequant_q8_0(const uint8_t* __restrict blk, float* __restrict out) {  // out [32]
+  const float d = half_to_float(blk);
+  const int8_t* q = reinterpret_cast<const int8_t*>(blk + 2);
+  for (int i = 0; i < 32; ++i) out[i] = static_cast<float>(q[i]) * d;
+}
+
+// Q4_0 block (18 bytes): fp16 d, qs[16]; element i < 16 is the low nibble of qs[i], element
+// 16 + i its high nibble; w = d * (nib - 8).
+inline void dequant_q4_0(const uint8_t* __restrict blk, float* __restrict out) {  // out [32]
+  const float d = half_to_float(blk);
+  const uint8_t* qs = blk + 2;
+  for (int i = 0; i < 16; ++i) {
+    out[i] = d * static_cast<float>((qs[i] & 0x0f) - 8);
+    out[i + 16] = d * static_cast<float>((qs[i] >> 4) - 8);
+  }
+}
+
+// Q4_1 block (20 bytes): fp16 d, fp16 m, qs[16] (nibbles as Q4_0); w = d * nib + m.
+inline void dequant_q4_1(const uint8_t* __restrict blk, float* __restrict out) {  // out [32]
+  const float d = half_to_float(blk), m = half_to_float(blk + 2);
+  const uint8_t* qs = blk + 4;
+  for (int i = 0; i < 16; ++i) {
+    out[i] = d * static_cast<float>(qs[i] & 0x0f) + m;
+    out[i + 16] = d * static_cast<float>(qs[i] >> 4) + m;
+  }
+}
+
+// Q4_K block (144 bytes): fp16 d, fp16 dmin, scales[12], qs[128]. Sub-block s < 8 (elements
+// 32s .. 32s+31) has a 6-bit scale sc and min mn packed in scales[] (ggml's get_scale_min_k4) and
+// reads the low (s even) or high (s odd) nibbles of qs[32 * (s / 2) ..]; w = (d*sc) * nib - dmin*mn.
+inline void dequant_q4_k(const uint8_t* __restrict blk, int sub, float* __restrict out) {  // out [32]
+  const float d = half_to_float(blk), dmin = half_to_float(blk + 2);
+  const uint8_t* s = blk + 4;
+  const uint8_t* qs = blk + 16 + 32 * (sub / 2);
+  int sc, mn;
+  if (sub < 4) {
+    sc = s[sub] & 63;
+    mn = s[sub + 4] & 63;
+  } else {
+    sc = (s[sub + 4] & 0x0f) | ((s[sub - 4] >> 6) << 4);
+    mn = (s[sub + 4] >> 4) | ((s[sub] >> 6) << 4);
+  }
+  const float dl = d * static_cast<float>(sc), ml = dmin * static_cast<float>(mn);
+  const int shift = (sub & 1) * 4;
+  for (int i = 0; i < 32; ++i) out[i] = dl * static_cast<float>((qs[i] >> shift) & 0x0f) - ml;
+}
+
+// Q6_K block (210 bytes): ql[128], qh[64], int8 scales[16], fp16 d. Chunk c < 8 (elements
+// 32c .. 32c+31) lies in half h = c / 4, quarter r = c % 4: element i takes the low (r < 2) or high
+// nibble of ql[64h + 32(r % 2) + i] and bits 2r, 2r+1 of qh[32h + i] as bits 4, 5; q = that - 32;
+// w = (d * scales[8h + 2r + i / 16]) * q.
+inline void dequant_q6_k(const uint8_t* __restrict blk, int chunk, float* __restrict out) {  // out [32]
+  const int h = chunk / 4, r = chunk % 4;
+  const uint8_t* ql = blk + 64 * h + 32 * (r % 2);
+  const uint8_t* qh = blk + 128 + 32 * h;
+  const int8_t* sc = reinterpret_cast<const int8_t*>(blk + 192) + 8 * h + 2 * r;
+  const float d = half_to_float(blk + 208);
+  const float d0 = d * static_cast<float>(sc[0]), d1 = d * static_cast<float>(sc[1]);
+  const int lshift = (r / 2) * 4, hshift = 2 * r;
+  for (int i = 0; i < 32; ++i) {
+    const int q = (((ql[i] >> lshift) & 0x0f) | (((qh[i] >> hshift) & 3) << 4)) - 32;
+    out[i] = (i < 16 ? d0 : d1) * static_cast<float>(q);
+  }
+}
+
+// Chunk `chunk` (elements 32*chunk .. 32*chunk+31) of a row in format F.
+template <int F>
+inline void dequant_chunk(const uint8_t* __restrict row, int64_t chunk, float* __restrict out) {  // out [32]
+  constexpr int kQ4_0 = kQuantTypeQ4_0, kQ4_1 = kQuantTypeQ4_1, kQ8_0 = kQuantTypeQ8_0, kQ4_K = kQuantTypeQ4_K,
+                kQ6_K = kQuantTypeQ6_K;
+  if constexpr (F == kQ8_0) {
+    dequant_q8_0(row + chunk * 34, out);
+  } else if constexpr (F == kQ4_0) {
+    dequant_q4_0(row + chunk * 18, out);
+  } else if constexpr (F == kQ4_1) {
+    dequant_q4_1(row + chunk * 20, out);
+  } else if constexpr (F == kQ4_K) {
+    dequant_q4_k(row + (chunk / 8) * 144, static_cast<int>(chunk % 8), out);
+  } else {
+    static_assert(F == kQ6_K, "unknown format");
+    dequant_q6_k(row + (chunk / 8) * 210, static_cast<int>(chunk % 8), out);
+  }
+}
+
+// Calls f(std::integral_constant<int, F>{}) for the runtime type id (one of kQuantFormats).
+template <typename Fn>
+inline void dispatch_quant_format(int type, Fn&& f) {
+  switch (type) {
+    case kQuantTypeQ8_0: f(std::integral_constant<int, kQuantTypeQ8_0>{}); break;
+    case kQuantTypeQ4_0: f(std::integral_constant<int, kQuantTypeQ4_0>{}); break;
+    case kQuantTypeQ4_1: f(std::integral_constant<int, kQuantTypeQ4_1>{}); break;
+    case kQuantTypeQ4_K: f(std::integral_constant<int, kQuantTypeQ4_K>{}); break;
+    case kQuantTypeQ6_K: f(std::integral_constant<int, kQuantTypeQ6_K>{}); break;
+    default: break;
+  }
+}
+
+}  // namespace
+}  // namespace detail
+}  // namespace cpu
+}  // namespace orca

@@ -1,0 +1,22 @@
+// The quantized panel kernels of each instruction path (quant_gemm_avx2.cpp,
+// quant_gemm_avx512.cpp), reached through plain function pointers so that AVX-512 code only ever
+// runs on CPUs that report it. Each returns the PanelFn of ggml type `type` (nullptr if unsupported).
+#pragma once
+#include <cstdint>
+
+#include "skinny_gemm_impl.h"
+
+namespace orca {
+namespace cpu {
+namespace detail {
+
+PanelFn<float, uint8_t> quant_panel_avx2(int type);
+PanelFn<float, uint8_t> quant_panel_avx512(int type);  // call only when cpu_has_avx512f()
+bool cpu_has_avx512f();
+
+// out[K] = row K of ggml type `type`, dequantized as every panel kernel sees it (baseline code).
+void dequant_row(int type, const uint8_t* row, int64_t k, float* out);
+
+}  // namespace detail
+}  // namespace cpu
+}  // namespace orca
