@@ -49,6 +49,13 @@ inline float half_to_float(const uint8_t* p) {
   return f;
 }
 
+// nib[i] = low nibble of qs[i], nib[16 + i] = its high nibble (i < 16). Unpacked as bytes first:
+// the float loops that follow then vectorize, where one loop writing both halves would not.
+inline void unpack_nibbles(const uint8_t* __restrict qs, uint8_t* __restrict nib) {
+  for (int i = 0; i < 16; ++i) nib[i] = qs[i] & 0x0f;
+  for (int i = 0; i < 16; ++i) nib[i + 16] = qs[i] >> 4;
+}
+
 // Q8_0 block (34 bytes): fp16 d, int8 q[32]; w = q * d.
 inline void dequant_q8_0(const uint8_t* __restrict blk, float* __restrict out) {  // out [32]
   const float d = half_to_float(blk);
@@ -61,20 +68,18 @@ inline void dequant_q8_0(const uint8_t* __restrict blk, float* __restrict out) {
 inline void dequant_q4_0(const uint8_t* __restrict blk, float* __restrict out) {  // out [32]
   const float d = half_to_float(blk);
   const uint8_t* qs = blk + 2;
-  for (int i = 0; i < 16; ++i) {
-    out[i] = d * static_cast<float>((qs[i] & 0x0f) - 8);
-    out[i + 16] = d * static_cast<float>((qs[i] >> 4) - 8);
-  }
+  uint8_t nib[32];
+  unpack_nibbles(qs, nib);
+  for (int i = 0; i < 32; ++i) out[i] = d * static_cast<float>(nib[i] - 8);
 }
 
 // Q4_1 block (20 bytes): fp16 d, fp16 m, qs[16] (nibbles as Q4_0); w = d * nib + m.
 inline void dequant_q4_1(const uint8_t* __restrict blk, float* __restrict out) {  // out [32]
   const float d = half_to_float(blk), m = half_to_float(blk + 2);
   const uint8_t* qs = blk + 4;
-  for (int i = 0; i < 16; ++i) {
-    out[i] = d * static_cast<float>(qs[i] & 0x0f) + m;
-    out[i + 16] = d * static_cast<float>(qs[i] >> 4) + m;
-  }
+  uint8_t nib[32];
+  unpack_nibbles(qs, nib);
+  for (int i = 0; i < 32; ++i) out[i] = d * static_cast<float>(nib[i]) + m;
 }
 
 // Q4_K block (144 bytes): fp16 d, fp16 dmin, scales[12], qs[128]. Sub-block s < 8 (elements
