@@ -100,6 +100,22 @@ def test_embedding_is_gguf_dequantization(qtype, dtype):
 
 
 @pytest.mark.parametrize("qtype", sorted(FORMATS))
+def test_every_fp16_scale_is_read_as_gguf_reads_it(qtype):
+    """Scales of every fp16 class -- subnormal, negative, zero, the largest finite -- widen exactly."""
+    rng = np.random.default_rng(qtype)
+    k = FORMATS[qtype][1]
+    specials = np.array([2.0 ** -24, -(2.0 ** -20), 3 * 2.0 ** -17, 0.0, -0.0, 65504.0, -1.5, 6.1e-5],
+                        dtype=np.float16).view(np.uint8).reshape(-1, 2)
+    qw = make_qweight(qtype, len(specials), k, seed=qtype)
+    offsets = {12: (0, 2), 14: (208,), 3: (0, 2)}.get(qtype, (0,))
+    for row, scale in enumerate(specials):
+        for off in offsets:
+            qw[row, off:off + 2] = scale
+    got = _C.quant_embedding(torch.from_numpy(qw), qtype, k, torch.arange(len(specials)), torch.float32)
+    assert torch.equal(got, dequantized(qw, qtype))
+
+
+@pytest.mark.parametrize("qtype", sorted(FORMATS))
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("n_tokens", [1, 3, 17, 70])
 @pytest.mark.parametrize("bias,residual", [(False, False), (True, True), (True, False)])
