@@ -10,8 +10,13 @@
 //    (2048x2048, 8192x2048, 2048x8192) at T = 1, 4, 16, 64, 512, rotating over enough weight
 //    copies (>= 96 MiB) that weights come from memory, and prints GB/s of weight bytes read next
 //    to the streaming-read ceiling. `--quick` times T = 1 and 16 only.
+// 3. Side by side, the int8-activation design (quant_kernels.h: quant_linear_int8_activations) for
+//    Q8_0, Q4_0 and Q4_1: validated against a bound on its activation rounding, timed as "-int8act".
+//    It has no token tiling (every token re-reads the activations per weight row), so its large-T
+//    numbers understate what a tiled version would reach.
 #include <omp.h>
 
+#include <algorithm>
 #include <cmath>
 #include <cstdio>
 #include <cstring>
@@ -46,6 +51,10 @@ bench::Vec<uint8_t> random_qweight(const QuantFormat& f, int64_t rows, int64_t k
       case orca::cpu::kQuantTypeQ6_K: scale(blk + 208); break;
       case orca::cpu::kQuantTypeQ4_1:
       case orca::cpu::kQuantTypeQ4_K: scale(blk); scale(blk + 2); break;
+      case orca::cpu::kQuantTypeQ8_0:  // q in [-127, 127], as ggml's quantizer writes (the int8 design's sign
+        scale(blk);                    // trick cannot negate -128)
+        for (int i = 2; i < 34; ++i) blk[i] = blk[i] == 0x80 ? 0x81 : blk[i];
+        break;
       default: scale(blk); break;
     }
   }
@@ -147,6 +156,48 @@ bool check_case(const QuantFormat& f, int64_t Tn, int64_t K, int64_t N, uint64_t
   return true;
 }
 
+// The int8-activation design: each activation moves by at most half its block's step
+// (amax / 127 / 2) when rounded to int8, so |error| <= sum over blocks of amax_b / 254 * sum |w| in
+// the block, plus float32 accumulation.
+bool check_int8_activations(const QuantFormat& f, int64_t Tn, int64_t K, int64_t N, uint64_t seed) {
+  bench::Rng rng(seed);
+  const bench::Vec<uint8_t> w = random_qweight(f, N, K, rng);
+  const std::vector<double> wd = dequantized(f, w, N, K);
+  bench::Vec<float> x(Tn * K), out(Tn * N);
+  bench::fill_random(x, rng, -2.0f, 2.0f);
+  if (!orca::cpu::quant_linear_int8_activations(x.data(), w.data(), f.type, out.data(), Tn, K, N)) return true;
+  size_t bad = 0;
+  double worst = 0.0;
+  for (int64_t t = 0; t < Tn; ++t)
+    for (int64_t n = 0; n < N; ++n) {
+      double ref = 0.0, mass = 0.0, bound = 0.0;
+      for (int64_t b = 0; b < K / 32; ++b) {
+        double amax = 0.0, wabs = 0.0;
+        for (int64_t i = 32 * b; i < 32 * b + 32; ++i) {
+          const double xv = x[t * K + i], wv = wd[static_cast<size_t>(n * K + i)];
+          ref += xv * wv;
+          mass += std::fabs(xv * wv);
+          amax = std::max(amax, std::fabs(xv));
+          wabs += std::fabs(wv);
+        }
+        bound += amax / 254.0 * wabs * (1 + 1e-6);
+      }
+      const double err = std::fabs(out[t * N + n] - ref);
+      if (!(err <= bound + 1e-5 * (mass + bound))) ++bad;
+      worst = std::max(worst, err);
+    }
+  char name[160];
+  std::snprintf(name, sizeof name, "%s int8 activations <%s> T=%lld K=%lld N=%lld", f.name,
+                orca::cpu::quant_path_name(orca::cpu::quant_path()), static_cast<long long>(Tn),
+                static_cast<long long>(K), static_cast<long long>(N));
+  if (bad) {
+    std::printf("FAIL %s: %zu out of bound\n", name, bad);
+    return false;
+  }
+  std::printf("ok   %-84s max abs err %.2e\n", name, worst);
+  return true;
+}
+
 std::vector<QuantPath> runnable_paths() {
   std::vector<QuantPath> paths;
   for (QuantPath p : {QuantPath::kAvx2, QuantPath::kAvx512})
@@ -165,6 +216,7 @@ bool validate_all() {
       for (int64_t Tn : {int64_t{1}, int64_t{5}, int64_t{13}}) {
         ok &= check_case<float>(f, Tn, K, 38, ++seed);
         ok &= check_case<bf16>(f, Tn, K, 38, ++seed);
+        ok &= check_int8_activations(f, Tn, K, 38, ++seed);
       }
     }
   }
@@ -215,6 +267,18 @@ void perf(const bench::Ceilings& c, bool quick) {
           std::snprintf(name, sizeof name, "%s %s/%s T=%lld", f.name, l.name, orca::cpu::quant_path_name(p),
                         static_cast<long long>(Tn));
           bench::report(name, t, flops, w_bytes, c);
+          // The int8-activation design on the same weights, where the format has it.
+          if (!orca::cpu::quant_linear_int8_activations(x.data(), ws[0].data(), f.type, out.data(), Tn, l.k, l.n))
+            continue;
+          const bench::Timing t8 = bench::time_calls(
+              [&] {
+                orca::cpu::quant_linear_int8_activations(x.data(), ws[at].data(), f.type, out.data(), Tn, l.k, l.n);
+                at = (at + 1) % ws.size();
+              },
+              reps, 1);
+          std::snprintf(name, sizeof name, "%s %s/%s-int8act T=%lld", f.name, l.name, orca::cpu::quant_path_name(p),
+                        static_cast<long long>(Tn));
+          bench::report(name, t8, flops, w_bytes, c);
         }
       }
     }

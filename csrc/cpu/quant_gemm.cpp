@@ -2,7 +2,9 @@
 // the weight-streaming driver (skinny_gemm.cpp) with the panel kernel of the format and path.
 #include <omp.h>
 
+#include <algorithm>
 #include <atomic>
+#include <cmath>
 #include <cstdlib>
 #include <cstring>
 #include <stdexcept>
@@ -145,6 +147,41 @@ void quant_embedding(const uint8_t* qweight, int qtype, const int64_t* token_ids
     detail::dequant_row(qtype, qweight + token_ids[t] * rb, k, row);
     detail::store_row(row, out + t * k, k);
   }
+}
+
+bool quant_linear_int8_activations(const float* x, const uint8_t* qweight, int qtype, float* out, int64_t n_tokens,
+                                   int64_t k, int64_t n_out) {
+#if defined(__AVX2__)
+  if (qtype != kQuantTypeQ8_0 && qtype != kQuantTypeQ4_0 && qtype != kQuantTypeQ4_1) return false;
+  const int64_t n_blocks = k / 32;
+  int8_t* q = detail::thread_scratch<int8_t>(4, static_cast<size_t>(n_tokens * k));
+  float* d = detail::thread_scratch<float>(3, static_cast<size_t>(2 * n_tokens * n_blocks));
+  float* s = d + n_tokens * n_blocks;
+  for (int64_t t = 0; t < n_tokens; ++t)
+    for (int64_t b = 0; b < n_blocks; ++b) {  // as llama.cpp's quantize_row_q8_0: scale amax / 127
+      const float* xb = x + t * k + 32 * b;
+      float amax = 0.0f;
+      for (int i = 0; i < 32; ++i) amax = std::max(amax, std::fabs(xb[i]));
+      const float scale = amax / 127.0f, inv = scale != 0.0f ? 1.0f / scale : 0.0f;
+      int sum = 0;
+      for (int i = 0; i < 32; ++i) {
+        const int v = static_cast<int>(std::nearbyint(xb[i] * inv));
+        q[t * k + 32 * b + i] = static_cast<int8_t>(v);
+        sum += v;
+      }
+      d[t * n_blocks + b] = scale;
+      s[t * n_blocks + b] = scale * static_cast<float>(sum);
+    }
+  const int64_t rb = row_bytes(qtype, k);
+  if (quant_path() == QuantPath::kAvx512 && detail::cpu_has_avx512vnni())
+    detail::int8_act_linear_avx512vnni(q, d, s, qweight, qtype, rb, n_tokens, k, n_out, out);
+  else
+    detail::int8_act_linear_avx2(q, d, s, qweight, qtype, rb, n_tokens, k, n_out, out);
+  return true;
+#else
+  (void)x, (void)qweight, (void)qtype, (void)out, (void)n_tokens, (void)k, (void)n_out;
+  return false;
+#endif
 }
 
 template void quant_linear<float>(const float*, const uint8_t*, int, const float*, const float*, float*, int64_t,

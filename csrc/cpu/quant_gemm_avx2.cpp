@@ -3,6 +3,7 @@
 // the same order runs as scalar std::fma. See quant_blocks.h for the blocking.
 #include <cmath>
 #include <cstdint>
+#include <stdexcept>
 
 #include "quant_kernels.h"
 #include "quant_panels.h"
@@ -14,6 +15,9 @@
 #endif
 
 #include "quant_blocks.h"
+#ifdef ORCA_QUANT_AVX2
+#include "quant_int8_act.h"
+#endif
 
 namespace orca {
 namespace cpu {
@@ -65,6 +69,16 @@ using QuantBaselineOps = QuantScalarLanesOps;
 }  // namespace
 
 PanelFn<float, uint8_t> quant_panel_avx2(int type) { return quant_panel_for<QuantBaselineOps>(type); }
+
+void int8_act_linear_avx2(const int8_t* q, const float* d, const float* s, const uint8_t* w, int type,
+                          int64_t row_bytes, int64_t n_tokens, int64_t k, int64_t n_out, float* out) {
+#ifdef ORCA_QUANT_AVX2
+  int8_act_linear<false>(Int8Activations{q, d, s}, w, type, row_bytes, n_tokens, k, n_out, out);
+#else
+  (void)q, (void)d, (void)s, (void)w, (void)type, (void)row_bytes, (void)n_tokens, (void)k, (void)n_out, (void)out;
+  throw std::logic_error("the int8-activation kernels need AVX2");
+#endif
+}
 
 void dequant_row(int type, const uint8_t* row, int64_t k, float* out) {
   dispatch_quant_format(type, [&](auto f) {

@@ -12,8 +12,9 @@
 #include <immintrin.h>
 
 #pragma GCC push_options
-#pragma GCC target("avx512f,avx512bw,avx512vl,avx512dq")
+#pragma GCC target("avx512f,avx512bw,avx512vl,avx512dq,avx512vnni")
 #include "quant_blocks.h"
+#include "quant_int8_act.h"
 
 namespace orca {
 namespace cpu {
@@ -43,6 +44,11 @@ struct QuantAvx512Ops {
 
 PanelFn<float, uint8_t> quant_panel_avx512(int type) { return quant_panel_for<QuantAvx512Ops>(type); }
 
+void int8_act_linear_avx512vnni(const int8_t* q, const float* d, const float* s, const uint8_t* w, int type,
+                                int64_t row_bytes, int64_t n_tokens, int64_t k, int64_t n_out, float* out) {
+  int8_act_linear<true>(Int8Activations{q, d, s}, w, type, row_bytes, n_tokens, k, n_out, out);
+}
+
 }  // namespace detail
 }  // namespace cpu
 }  // namespace orca
@@ -56,6 +62,10 @@ bool cpu_has_avx512f() {
   return __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
          __builtin_cpu_supports("avx512vl") && __builtin_cpu_supports("avx512dq");
 }
+bool cpu_has_avx512vnni() {
+  __builtin_cpu_init();
+  return cpu_has_avx512f() && __builtin_cpu_supports("avx512vnni");
+}
 }  // namespace detail
 }  // namespace cpu
 }  // namespace orca
@@ -68,7 +78,12 @@ namespace orca {
 namespace cpu {
 namespace detail {
 PanelFn<float, uint8_t> quant_panel_avx512(int) { throw std::logic_error("the avx512 path exists only on x86-64"); }
+void int8_act_linear_avx512vnni(const int8_t*, const float*, const float*, const uint8_t*, int, int64_t, int64_t,
+                                int64_t, int64_t, float*) {
+  throw std::logic_error("the avx512 path exists only on x86-64");
+}
 bool cpu_has_avx512f() { return false; }
+bool cpu_has_avx512vnni() { return false; }
 }  // namespace detail
 }  // namespace cpu
 }  // namespace orca

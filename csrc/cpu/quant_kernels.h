@@ -86,5 +86,15 @@ void quant_embedding(const uint8_t* qweight,  // [V, row_bytes]
                      T* out,                    // [T, K]
                      int64_t n_tokens, int64_t k);
 
+// For bench_quant_gemm only: the int8-activation design of quant_linear (quant_int8_act.h) for
+// Q8_0, Q4_0 and Q4_1, float32 x, no bias: x rounded per 32-block to int8, integer block dot
+// products (VNNI on the avx512 path where the CPU has it, else AVX2). Returns false, computing
+// nothing, for other types or a CPU without AVX2.
+bool quant_linear_int8_activations(const float* x,              // [T, K]
+                                   const uint8_t* qweight,      // [N, row_bytes]
+                                   int qtype,
+                                   float* out,  // [T, N]
+                                   int64_t n_tokens, int64_t k, int64_t n_out);
+
 }  // namespace cpu
 }  // namespace orca
