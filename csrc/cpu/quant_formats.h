@@ -57,10 +57,10 @@ inline float half_to_float(const uint8_t* p) {
 #endif
 }
 
-// The 32-element formats are dequantized with explicit AVX2 code where the unit is compiled for
-// it: GCC vectorizes the plain loops below only partly (the nibble halves defeat it), and a
-// byte-wise staging buffer costs a store-forwarding stall per chunk. Both forms compute the same
-// values: integers widened exactly, then the same float32 operations in the same order.
+// Chunks are dequantized with explicit AVX2 code where the unit is compiled for it, with a plain
+// loop beside it for other targets: GCC vectorizes those loops only partly (the nibble halves and
+// per-chunk shifts defeat it). Both forms compute the same values: integers widened exactly, then
+// the same float32 operations in the same order.
 #if defined(__AVX2__)
 inline __m256 widen_u8(__m128i bytes) { return _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(bytes)); }  // low 8
 inline __m256 widen_i8(__m128i bytes) { return _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(bytes)); }  // low 8
@@ -141,7 +141,18 @@ inline void dequant_q4_k(const uint8_t* __restrict blk, int sub, float* __restri
   }
   const float dl = d * static_cast<float>(sc), ml = dmin * static_cast<float>(mn);
   const int shift = (sub & 1) * 4;
+#if defined(__AVX2__)
+  const __m256i q = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(qs));
+  const __m256i nib = _mm256_and_si256(_mm256_srl_epi16(q, _mm_cvtsi32_si128(shift)), _mm256_set1_epi8(0x0f));
+  const __m256 dv = _mm256_set1_ps(dl), mv = _mm256_set1_ps(ml);
+  const __m128i halves[2] = {_mm256_castsi256_si128(nib), _mm256_extracti128_si256(nib, 1)};
+  for (int p = 0; p < 4; ++p) {  // a product, then a difference: two roundings, no FMA
+    const __m128i part = (p & 1) ? _mm_srli_si128(halves[p / 2], 8) : halves[p / 2];
+    _mm256_storeu_ps(out + 8 * p, _mm256_sub_ps(_mm256_mul_ps(dv, widen_u8(part)), mv));
+  }
+#else
   for (int i = 0; i < 32; ++i) out[i] = dl * static_cast<float>((qs[i] >> shift) & 0x0f) - ml;
+#endif
 }
 
 // Q6_K block (210 bytes): ql[128], qh[64], int8 scales[16], fp16 d. Chunk c < 8 (elements
@@ -156,10 +167,23 @@ inline void dequant_q6_k(const uint8_t* __restrict blk, int chunk, float* __rest
   const float d = half_to_float(blk + 208);
   const float d0 = d * static_cast<float>(sc[0]), d1 = d * static_cast<float>(sc[1]);
   const int lshift = (r / 2) * 4, hshift = 2 * r;
+#if defined(__AVX2__)
+  const __m256i l = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(ql));
+  const __m256i hb = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(qh));
+  const __m256i lo = _mm256_and_si256(_mm256_srl_epi16(l, _mm_cvtsi32_si128(lshift)), _mm256_set1_epi8(0x0f));
+  const __m256i hi = _mm256_and_si256(_mm256_srl_epi16(hb, _mm_cvtsi32_si128(hshift)), _mm256_set1_epi8(3));
+  const __m256i q = _mm256_sub_epi8(_mm256_or_si256(lo, _mm256_slli_epi16(hi, 4)), _mm256_set1_epi8(32));
+  const __m128i halves[2] = {_mm256_castsi256_si128(q), _mm256_extracti128_si256(q, 1)};
+  for (int p = 0; p < 4; ++p) {  // elements 8p .. 8p+7; the first 16 take d0, the rest d1
+    const __m128i part = (p & 1) ? _mm_srli_si128(halves[p / 2], 8) : halves[p / 2];
+    _mm256_storeu_ps(out + 8 * p, _mm256_mul_ps(_mm256_set1_ps(p < 2 ? d0 : d1), widen_i8(part)));
+  }
+#else
   for (int i = 0; i < 32; ++i) {
     const int q = (((ql[i] >> lshift) & 0x0f) | (((qh[i] >> hshift) & 3) << 4)) - 32;
     out[i] = (i < 16 ? d0 : d1) * static_cast<float>(q);
   }
+#endif
 }
 
 // Chunk `chunk` (elements 32*chunk .. 32*chunk+31) of a row in format F.
