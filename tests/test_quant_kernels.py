@@ -276,7 +276,7 @@ _X = torch.randn(3, 64)
     (lambda: _C.quant_linear(_X, _QW[0], 2, 64), "qweight must be 2-D"),
     (lambda: _C.quant_linear(torch.randn(3, 32), _QW, 2, 64), "x has 32 columns but k is 64"),
     (lambda: _C.quant_linear(_X.double(), _QW, 2, 64), "only float32 and bfloat16"),
-    (lambda: _C.quant_linear(_X, _QW, 2, 64, torch.randn(5)), "bias has 5 elements"),
+    (lambda: _C.quant_linear(_X, _QW, 2, 64, torch.randn(5)), "bias has 5 elements but qweight has 6 rows"),
     (lambda: _C.quant_linear(_X, _QW, 2, 64, torch.randn(6).bfloat16()), "bias has dtype"),
     (lambda: _C.quant_linear(_X, _QW, 2, 64, None, torch.randn(3, 5)), "residual has shape"),
     (lambda: _C.quant_linear_silu_mul(_X, _QW[:5], 2, 64), "qweight has 5 rows"),

@@ -420,7 +420,7 @@ at::Tensor check_quant_weight(const at::Tensor& qweight, int64_t qtype, int64_t 
   return qweight.contiguous();
 }
 
-// x [T, k] against qweight's device; an optional [n] vector in x's dtype (bias).
+// x [T, k] on qweight's device.
 void check_quant_input(const at::Tensor& x, const at::Tensor& qweight, int64_t k) {
   checks::rank(x, 2, "x", "[T, K]");
   TORCH_CHECK_VALUE(x.size(1) == k, "x has ", x.size(1), " columns but k is ", k);
@@ -428,13 +428,13 @@ void check_quant_input(const at::Tensor& x, const at::Tensor& qweight, int64_t k
   checks::same_device(x, qweight, "x", "qweight");
 }
 
-std::optional<at::Tensor> check_quant_vector(const at::Tensor& x, const std::optional<at::Tensor>& v, int64_t n,
-                                             const char* name, const char* what) {
+// The optional bias: [n] in x's dtype, on x's device; returned contiguous.
+std::optional<at::Tensor> check_quant_bias(const at::Tensor& x, const std::optional<at::Tensor>& v, int64_t n) {
   if (!v.has_value() || !v->defined()) return std::nullopt;
-  checks::rank(*v, 1, name, "[N]");
-  TORCH_CHECK_VALUE(v->size(0) == n, name, " has ", v->size(0), " elements but ", what, " ", n);
-  checks::same_dtype(x, *v, "x", name);
-  checks::same_device(x, *v, "x", name);
+  checks::rank(*v, 1, "bias", "[N]");
+  TORCH_CHECK_VALUE(v->size(0) == n, "bias has ", v->size(0), " elements but qweight has ", n, " rows");
+  checks::same_dtype(x, *v, "x", "bias");
+  checks::same_device(x, *v, "x", "bias");
   return v->contiguous();
 }
 
@@ -447,7 +447,7 @@ at::Tensor quant_linear(const at::Tensor& x_in, const at::Tensor& qweight_in, in
   const at::Tensor qweight = check_quant_weight(qweight_in, qtype, k, "[N, row_bytes]");
   check_quant_input(x_in, qweight, k);
   const int64_t n_out = qweight.size(0);
-  const std::optional<at::Tensor> bias = check_quant_vector(x_in, bias_in, n_out, "bias", "qweight has rows:");
+  const std::optional<at::Tensor> bias = check_quant_bias(x_in, bias_in, n_out);
   std::optional<at::Tensor> residual;
   if (residual_in.has_value() && residual_in->defined()) {
     checks::rank(*residual_in, 2, "residual", "[T, N]");
@@ -472,7 +472,7 @@ at::Tensor quant_linear_silu_mul(const at::Tensor& x_in, const at::Tensor& qweig
   check_quant_input(x_in, qweight, k);
   const int64_t n_rows = qweight.size(0);
   TORCH_CHECK_VALUE(n_rows % 2 == 0, "qweight has ", n_rows, " rows; it must stack I gate rows on I up rows ([2*I, row_bytes])");
-  const std::optional<at::Tensor> bias = check_quant_vector(x_in, bias_in, n_rows, "bias", "qweight has rows:");
+  const std::optional<at::Tensor> bias = check_quant_bias(x_in, bias_in, n_rows);
   const at::Tensor x = x_in.contiguous();
 #ifdef ORCA_WITH_CUDA
   if (x.is_cuda()) return cuda_ops::quant_linear_silu_mul(x, qweight, qtype, k, bias);
@@ -491,7 +491,7 @@ at::Tensor quant_rmsnorm_qkv(const at::Tensor& x_in, const at::Tensor& norm_weig
   TORCH_CHECK_VALUE(norm_weight_in.size(0) == k, "norm_weight has ", norm_weight_in.size(0), " elements but k is ", k);
   checks::same_dtype(x_in, norm_weight_in, "x", "norm_weight");
   checks::same_device(x_in, norm_weight_in, "x", "norm_weight");
-  const std::optional<at::Tensor> bias = check_quant_vector(x_in, bias_in, qweight.size(0), "bias", "qweight has rows:");
+  const std::optional<at::Tensor> bias = check_quant_bias(x_in, bias_in, qweight.size(0));
   checks::eps(eps);
   const at::Tensor x = x_in.contiguous(), norm_weight = norm_weight_in.contiguous();
 #ifdef ORCA_WITH_CUDA
