@@ -136,6 +136,16 @@ def test_quant_linear(quant_path, qtype, dtype, n_tokens, bias, residual):
 
 
 @pytest.mark.parametrize("qtype", sorted(FORMATS))
+def test_every_path_reads_the_weights_as_gguf(quant_path, qtype):
+    """Unit activation rows pick single weights out of the product (every other term is +0), so
+    quant_linear(I) is the path's own dequantization: gguf's, bit for bit."""
+    k, n = K_FOR[qtype], 21
+    qw = make_qweight(qtype, n, k, seed=5 * qtype)
+    got = _C.quant_linear(torch.eye(k), torch.from_numpy(qw), qtype, k)
+    assert torch.equal(got, dequantized(qw, qtype).T)
+
+
+@pytest.mark.parametrize("qtype", sorted(FORMATS))
 def test_avx2_path_equals_linear_on_dequantized_weights(qtype):
     """On the avx2 path the quantized product is the float32 linear's arithmetic, bit for bit."""
     before = _C.cpu_quant_path()

@@ -74,10 +74,22 @@ inline void load_nibbles(const uint8_t* qs, __m128i& lo, __m128i& hi) {
 }
 #endif
 
+// The AVX-512 unit (quant_gemm_avx512.cpp, compiled for it by a target pragma, which defines no
+// feature macros) sets ORCA_QUANT_DEQUANT_512: its chunks are widened 16 elements at a time.
+#if defined(ORCA_QUANT_DEQUANT_512)
+inline __m512 widen16_u8(__m128i bytes) { return _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(bytes)); }
+inline __m512 widen16_i8(__m128i bytes) { return _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(bytes)); }
+#endif
+
 // Q8_0 block (34 bytes): fp16 d, int8 q[32]; w = q * d.
 inline void dequant_q8_0(const uint8_t* __restrict blk, float* __restrict out) {  // out [32]
   const float d = half_to_float(blk);
-#if defined(__AVX2__)
+#if defined(ORCA_QUANT_DEQUANT_512)
+  for (int i = 0; i < 32; i += 16) {
+    const __m128i q = _mm_loadu_si128(reinterpret_cast<const __m128i*>(blk + 2 + i));
+    _mm512_storeu_ps(out + i, _mm512_mul_ps(widen16_i8(q), _mm512_set1_ps(d)));
+  }
+#elif defined(__AVX2__)
   const __m256 dv = _mm256_set1_ps(d);
   for (int i = 0; i < 32; i += 8) {
     const __m128i q = _mm_loadl_epi64(reinterpret_cast<const __m128i*>(blk + 2 + i));
@@ -94,7 +106,13 @@ inline void dequant_q8_0(const uint8_t* __restrict blk, float* __restrict out) {
 inline void dequant_q4_0(const uint8_t* __restrict blk, float* __restrict out) {  // out [32]
   const float d = half_to_float(blk);
   const uint8_t* qs = blk + 2;
-#if defined(__AVX2__)
+#if defined(ORCA_QUANT_DEQUANT_512)
+  __m128i lo, hi;
+  load_nibbles(qs, lo, hi);
+  const __m512 dv = _mm512_set1_ps(d), eight = _mm512_set1_ps(8.0f);
+  _mm512_storeu_ps(out, _mm512_mul_ps(dv, _mm512_sub_ps(widen16_u8(lo), eight)));
+  _mm512_storeu_ps(out + 16, _mm512_mul_ps(dv, _mm512_sub_ps(widen16_u8(hi), eight)));
+#elif defined(__AVX2__)
   __m128i lo, hi;
   load_nibbles(qs, lo, hi);
   const __m256 dv = _mm256_set1_ps(d), eight = _mm256_set1_ps(8.0f);
@@ -111,7 +129,13 @@ inline void dequant_q4_0(const uint8_t* __restrict blk, float* __restrict out) {
 inline void dequant_q4_1(const uint8_t* __restrict blk, float* __restrict out) {  // out [32]
   const float d = half_to_float(blk), m = half_to_float(blk + 2);
   const uint8_t* qs = blk + 4;
-#if defined(__AVX2__)
+#if defined(ORCA_QUANT_DEQUANT_512)
+  __m128i lo, hi;
+  load_nibbles(qs, lo, hi);
+  const __m512 dv = _mm512_set1_ps(d), mv = _mm512_set1_ps(m);
+  _mm512_storeu_ps(out, _mm512_add_ps(_mm512_mul_ps(dv, widen16_u8(lo)), mv));
+  _mm512_storeu_ps(out + 16, _mm512_add_ps(_mm512_mul_ps(dv, widen16_u8(hi)), mv));
+#elif defined(__AVX2__)
   __m128i lo, hi;
   load_nibbles(qs, lo, hi);
   const __m256 dv = _mm256_set1_ps(d), mv = _mm256_set1_ps(m);
@@ -144,12 +168,18 @@ inline void dequant_q4_k(const uint8_t* __restrict blk, int sub, float* __restri
 #if defined(__AVX2__)
   const __m256i q = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(qs));
   const __m256i nib = _mm256_and_si256(_mm256_srl_epi16(q, _mm_cvtsi32_si128(shift)), _mm256_set1_epi8(0x0f));
-  const __m256 dv = _mm256_set1_ps(dl), mv = _mm256_set1_ps(ml);
   const __m128i halves[2] = {_mm256_castsi256_si128(nib), _mm256_extracti128_si256(nib, 1)};
+#if defined(ORCA_QUANT_DEQUANT_512)
+  const __m512 dv = _mm512_set1_ps(dl), mv = _mm512_set1_ps(ml);
+  for (int p = 0; p < 2; ++p)  // a product, then a difference: two roundings, no FMA
+    _mm512_storeu_ps(out + 16 * p, _mm512_sub_ps(_mm512_mul_ps(dv, widen16_u8(halves[p])), mv));
+#else
+  const __m256 dv = _mm256_set1_ps(dl), mv = _mm256_set1_ps(ml);
   for (int p = 0; p < 4; ++p) {  // a product, then a difference: two roundings, no FMA
     const __m128i part = (p & 1) ? _mm_srli_si128(halves[p / 2], 8) : halves[p / 2];
     _mm256_storeu_ps(out + 8 * p, _mm256_sub_ps(_mm256_mul_ps(dv, widen_u8(part)), mv));
   }
+#endif
 #else
   for (int i = 0; i < 32; ++i) out[i] = dl * static_cast<float>((qs[i] >> shift) & 0x0f) - ml;
 #endif
@@ -174,10 +204,15 @@ inline void dequant_q6_k(const uint8_t* __restrict blk, int chunk, float* __rest
   const __m256i hi = _mm256_and_si256(_mm256_srl_epi16(hb, _mm_cvtsi32_si128(hshift)), _mm256_set1_epi8(3));
   const __m256i q = _mm256_sub_epi8(_mm256_or_si256(lo, _mm256_slli_epi16(hi, 4)), _mm256_set1_epi8(32));
   const __m128i halves[2] = {_mm256_castsi256_si128(q), _mm256_extracti128_si256(q, 1)};
+#if defined(ORCA_QUANT_DEQUANT_512)
+  _mm512_storeu_ps(out, _mm512_mul_ps(_mm512_set1_ps(d0), widen16_i8(halves[0])));
+  _mm512_storeu_ps(out + 16, _mm512_mul_ps(_mm512_set1_ps(d1), widen16_i8(halves[1])));
+#else
   for (int p = 0; p < 4; ++p) {  // elements 8p .. 8p+7; the first 16 take d0, the rest d1
     const __m128i part = (p & 1) ? _mm_srli_si128(halves[p / 2], 8) : halves[p / 2];
     _mm256_storeu_ps(out + 8 * p, _mm256_mul_ps(_mm256_set1_ps(p < 2 ? d0 : d1), widen_i8(part)));
   }
+#endif
 #else
   for (int i = 0; i < 32; ++i) {
     const int q = (((ql[i] >> lshift) & 0x0f) | (((qh[i] >> hshift) & 3) << 4)) - 32;

@@ -13,6 +13,10 @@
 
 #pragma GCC push_options
 #pragma GCC target("avx512f,avx512bw,avx512vl,avx512dq,avx512vnni")
+#define ORCA_QUANT_DEQUANT_512 1  // quant_formats.h: widen chunks 16 elements at a time
+// GCC 12's own avx512fintrin.h trips -Wmaybe-uninitialized (its _mm512_undefined operands).
+#pragma GCC diagnostic push
+#pragma GCC diagnostic ignored "-Wmaybe-uninitialized"
 #include "quant_blocks.h"
 #include "quant_int8_act.h"
 
@@ -52,6 +56,7 @@ void int8_act_linear_avx512vnni(const int8_t* q, const float* d, const float* s,
 }  // namespace detail
 }  // namespace cpu
 }  // namespace orca
+#pragma GCC diagnostic pop
 #pragma GCC pop_options
 
 namespace orca {
