@@ -9,7 +9,7 @@
 //    (576x576, 1536x576 up, 576x1536 down, 49152x576 lm_head) and a Llama-3.2-1B-shaped one
 //    (2048x2048, 8192x2048, 2048x8192) at T = 1, 4, 16, 64, 512, rotating over enough weight
 //    copies (>= 96 MiB) that weights come from memory, and prints GB/s of weight bytes read next
-//    to the streaming-read ceiling. `--quick` times T = 1 and 16 only.
+//    to the streaming-read ceiling (arguments at main() narrow the T and the layers).
 // 3. Side by side, the int8-activation design (quant_kernels.h: quant_linear_int8_activations) for
 //    Q8_0, Q4_0 and Q4_1: validated against a bound on its activation rounding, timed as "-int8act".
 //    It has no token tiling (every token re-reads the activations per weight row), so its large-T
@@ -19,6 +19,7 @@
 #include <algorithm>
 #include <cmath>
 #include <cstdio>
+#include <cstdlib>
 #include <cstring>
 #include <vector>
 
@@ -230,21 +231,20 @@ struct Layer {
   int64_t n, k;  // weight [n, k]
 };
 
-void perf(const bench::Ceilings& c, bool quick) {
+void perf(const bench::Ceilings& c, const std::vector<int64_t>& tokens, const char* only) {
   const Layer layers[] = {
       {"smollm2 qkv/o 576x576", 576, 576},       {"smollm2 up 1536x576", 1536, 576},
       {"smollm2 down 576x1536", 576, 1536},      {"smollm2 lm_head 49152x576", 49152, 576},
       {"llama1b o 2048x2048", 2048, 2048},       {"llama1b up 8192x2048", 8192, 2048},
       {"llama1b down 2048x8192", 2048, 8192},
   };
-  std::vector<int64_t> tokens = {1, 4, 16, 64, 512};
-  if (quick) tokens = {1, 16};
   bench::Rng rng(42);
   for (QuantPath p : runnable_paths()) {
     orca::cpu::set_quant_path(p);
     for (int type : orca::cpu::kQuantTypes) {
       const QuantFormat& f = *orca::cpu::quant_format(type);
       for (const Layer& l : layers) {
+        if (only != nullptr && std::strstr(l.name, only) == nullptr) continue;
         const int64_t row_bytes = l.k / f.block_elems * f.block_bytes;
         const double w_bytes = static_cast<double>(l.n * row_bytes);
         const int64_t copies = std::max<int64_t>(1, static_cast<int64_t>(std::ceil((96.0 * (1 << 20)) / w_bytes)));
@@ -287,8 +287,25 @@ void perf(const bench::Ceilings& c, bool quick) {
 
 }  // namespace
 
+// Arguments: [--validate-only] or any of --quick (T = 1 and 16), --tokens=1,4,64 and
+// --layers=NAME (only the layers whose name contains NAME, e.g. smollm2 or llama1b).
 int main(int argc, char** argv) {
   const bool ok = validate_all();
-  const bool quick = argc > 1 && std::strcmp(argv[argc - 1], "--quick") == 0;
-  return bench::finish_main(argc, argv, ok, [quick](const bench::Ceilings& c) { perf(c, quick); });
+  std::vector<int64_t> tokens = {1, 4, 16, 64, 512};
+  const char* only = nullptr;
+  for (int i = 1; i < argc; ++i) {
+    if (std::strcmp(argv[i], "--quick") == 0) tokens = {1, 16};
+    if (std::strncmp(argv[i], "--tokens=", 9) == 0) {
+      tokens.clear();
+      for (const char* p = argv[i] + 9; *p != '\0';) {
+        char* end = nullptr;
+        const long long v = std::strtoll(p, &end, 10);
+        if (end == p || v < 1 || v > 4096) break;
+        tokens.push_back(v);
+        p = *end == ',' ? end + 1 : end;
+      }
+    }
+    if (std::strncmp(argv[i], "--layers=", 9) == 0) only = argv[i] + 9;
+  }
+  return bench::finish_main(argc, argv, ok, [&](const bench::Ceilings& c) { perf(c, tokens, only); });
 }
