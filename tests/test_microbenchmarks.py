@@ -12,7 +12,7 @@ import pytest
 ROOT = Path(__file__).resolve().parent.parent
 # One per kernel, the same names as bench/cpu/*.cpp (and bench/cuda/*.cu).
 NAMES = ["bench_rms_norm", "bench_rmsnorm_qkv", "bench_skinny_gemm", "bench_slab_write", "bench_slab_move",
-         "bench_ragged_attention", "bench_row_argmax"]
+         "bench_ragged_attention", "bench_row_argmax", "bench_quant_gemm"]
 
 
 def find_executable(name: str) -> Path | None:

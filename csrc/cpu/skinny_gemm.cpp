@@ -150,8 +150,8 @@ inline int64_t token_tile_rows(int64_t ld, size_t elem_bytes) {
 }
 
 template <typename T, typename XT, typename WT>
-void run_panels(const XT* x, int64_t ldx, PanelFn<XT, WT> panel_fn, const WT* w, const T* bias, const T* residual,
-                T* out, int64_t n_tokens, int64_t k, int64_t n_rows, Epilogue epilogue) {
+void run_panels(const XT* x, int64_t ldx, PanelFn<XT, WT> panel_fn, const WT* w, int64_t w_stride, const T* bias,
+                const T* residual, T* out, int64_t n_tokens, int64_t k, int64_t n_rows, Epilogue epilogue) {
   const bool silu = epilogue == Epilogue::kSiluMul;
   const int64_t n_out = silu ? n_rows / 2 : n_rows;  // outputs per token
   const int64_t per_panel = silu ? kPanelRows / 2 : kPanelRows;
@@ -188,9 +188,9 @@ void run_panels(const XT* x, int64_t ldx, PanelFn<XT, WT> panel_fn, const WT* w,
           for (int64_t s = 0; s < per_panel && o_begin + s * stream_len + i < o_end; ++s)
             idx[ng++] = o_begin + s * stream_len + i;
           const WT* rows[kPanelRows];
-          for (int64_t s = 0; s < per_panel; ++s) rows[s] = w + idx[std::min(s, ng - 1)] * k;
+          for (int64_t s = 0; s < per_panel; ++s) rows[s] = w + idx[std::min(s, ng - 1)] * w_stride;
           if (silu)
-            for (int64_t s = 0; s < per_panel; ++s) rows[per_panel + s] = rows[s] + n_out * k;
+            for (int64_t s = 0; s < per_panel; ++s) rows[per_panel + s] = rows[s] + n_out * w_stride;
           panel_fn(x + t0 * ldx, ldx, tb, rows, k, c);
           if (silu)
             stage_gate_up(c, tb, idx, ng, bias, n_out, o_begin, gate, up, range);
@@ -211,19 +211,32 @@ void stream_weights(const Activations& a, const T* w, const T* bias, const T* re
                     int64_t k, int64_t n_rows, Epilogue epilogue) {
   if (n_tokens <= 0 || n_rows <= 0) return;
   if constexpr (std::is_same<T, float>::value) {
-    run_panels<T, float, float>(static_cast<const float*>(a.rows), a.ld, &panel_avx2, w, bias, residual, out,
+    run_panels<T, float, float>(static_cast<const float*>(a.rows), a.ld, &panel_avx2, w, k, bias, residual, out,
                                 n_tokens, k, n_rows, epilogue);
   } else if (!a.bf16_rows) {
-    run_panels<T, float, bf16>(static_cast<const float*>(a.rows), a.ld, &panel_avx2, w, bias, residual, out,
+    run_panels<T, float, bf16>(static_cast<const float*>(a.rows), a.ld, &panel_avx2, w, k, bias, residual, out,
                                n_tokens, k, n_rows, epilogue);
   } else {
     const PanelFn<bf16, bf16> fn =
         bf16_path() == Bf16Path::kAvx512Bf16 ? &panel_avx512bf16 : &panel_avx512bf16_emulated;
-    run_panels<T, bf16, bf16>(static_cast<const bf16*>(a.rows), a.ld, fn, w, bias, residual, out, n_tokens, k,
+    run_panels<T, bf16, bf16>(static_cast<const bf16*>(a.rows), a.ld, fn, w, k, bias, residual, out, n_tokens, k,
                               n_rows, epilogue);
   }
 }
 
+template <typename T>
+void stream_quant_weights(const Activations& a, const uint8_t* w, int64_t row_bytes, PanelFn<float, uint8_t> panel_fn,
+                          const T* bias, const T* residual, T* out, int64_t n_tokens, int64_t k, int64_t n_rows,
+                          Epilogue epilogue) {
+  if (n_tokens <= 0 || n_rows <= 0) return;
+  run_panels<T, float, uint8_t>(static_cast<const float*>(a.rows), a.ld, panel_fn, w, row_bytes, bias, residual, out,
+                                n_tokens, k, n_rows, epilogue);
+}
+
+template void stream_quant_weights<float>(const Activations&, const uint8_t*, int64_t, PanelFn<float, uint8_t>,
+                                          const float*, const float*, float*, int64_t, int64_t, int64_t, Epilogue);
+template void stream_quant_weights<bf16>(const Activations&, const uint8_t*, int64_t, PanelFn<float, uint8_t>,
+                                         const bf16*, const bf16*, bf16*, int64_t, int64_t, int64_t, Epilogue);
 template void stream_weights<float>(const Activations&, const float*, const float*, const float*, float*, int64_t,
                                     int64_t, int64_t, Epilogue);
 template void stream_weights<bf16>(const Activations&, const bf16*, const bf16*, const bf16*, bf16*, int64_t,

@@ -90,6 +90,13 @@ template <typename T>
 void stream_weights(const Activations& a, const T* w, const T* bias, const T* residual, T* out,
                     int64_t n_tokens, int64_t k, int64_t n_rows, Epilogue epilogue);
 
+// stream_weights over weight rows in a ggml block format (quant_kernels.h): row r starts at
+// w + r * row_bytes, panel_fn dequantizes while it multiplies, and a holds float32 rows.
+template <typename T>
+void stream_quant_weights(const Activations& a, const uint8_t* w, int64_t row_bytes,
+                          PanelFn<float, uint8_t> panel_fn, const T* bias, const T* residual, T* out,
+                          int64_t n_tokens, int64_t k, int64_t n_rows, Epilogue epilogue);
+
 }  // namespace detail
 }  // namespace cpu
 }  // namespace orca

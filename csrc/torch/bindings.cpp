@@ -109,6 +109,28 @@ PYBIND11_MODULE(_C, m) {
         py::arg("gate_up_bias") = py::none(), py::arg("batch_invariant") = false,
         "linear_silu_mul(x[T,K], gate_up_weight[2I,K], gate_up_bias[2I] or None, batch_invariant=False) -> [T,I] "
         "= silu(gate) * up");
+  // Quantized weights in ggml block formats (docs/DESIGN.md section 4).
+  m.def("quant_linear", &orca::quant_linear, py::arg("x"), py::arg("qweight"), py::arg("qtype"), py::arg("k"),
+        py::arg("bias") = py::none(), py::arg("residual") = py::none(), py::arg("batch_invariant") = false,
+        "quant_linear(x[T,K], qweight[N,row_bytes] uint8, qtype, k, bias[N] or None, residual[T,N] or None, "
+        "batch_invariant=False) -> [T,N] = x W^T + bias + residual, W in ggml type qtype (quant_types())");
+  m.def("quant_linear_silu_mul", &orca::quant_linear_silu_mul, py::arg("x"), py::arg("qweight"), py::arg("qtype"),
+        py::arg("k"), py::arg("bias") = py::none(), py::arg("batch_invariant") = false,
+        "quant_linear_silu_mul(x[T,K], qweight[2I,row_bytes] uint8, qtype, k, bias[2I] or None, "
+        "batch_invariant=False) -> [T,I] = silu(gate) * up");
+  m.def("quant_rmsnorm_qkv", &orca::quant_rmsnorm_qkv, py::arg("x"), py::arg("norm_weight"), py::arg("qweight"),
+        py::arg("qtype"), py::arg("k"), py::arg("bias"), py::arg("eps"), py::arg("batch_invariant") = false,
+        "quant_rmsnorm_qkv(x[T,K], norm_weight[K], qweight[N,row_bytes] uint8, qtype, k, bias[N] or None, eps, "
+        "batch_invariant=False) -> [T,N] = quant_linear(rms_norm(x) * norm_weight, qweight, bias)");
+  m.def("quant_embedding", &orca::quant_embedding, py::arg("qweight"), py::arg("qtype"), py::arg("k"),
+        py::arg("token_ids"), py::arg("dtype"),
+        "quant_embedding(qweight[V,row_bytes] uint8, qtype, k, token_ids[T] int64, dtype) -> [T,K]: the "
+        "dequantized rows");
+  m.def("quant_types", &orca::quant_types, "The ggml type ids the quant_* ops accept.");
+  m.def("cpu_quant_path", &orca::cpu_ops::quant_path, "The instruction path of the CPU quantized kernels.");
+  m.def("set_cpu_quant_path", &orca::cpu_ops::set_quant_path, py::arg("path"),
+        "avx2, or avx512 where the CPU has AVX-512F (they round differently).");
+  m.def("cpu_quant_paths", &orca::cpu_ops::quant_paths, "The quantized paths this CPU can run.");
   m.def("slab_move", &orca::slab_move, py::arg("pools"), py::arg("moves"),
         "slab_move(pools[P,S,...], moves[M,3] int64 CPU): for each (src, dst, n) in order, rows [src, src+n) "
         "of every pool go to [dst, dst+n) as if through a temporary (slab compaction)");

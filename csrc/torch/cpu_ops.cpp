@@ -13,6 +13,7 @@
 #include <vector>
 
 #include "cpu/cpu_kernels.h"
+#include "cpu/quant_kernels.h"
 
 namespace orca::cpu_ops {
 namespace {
@@ -236,6 +237,89 @@ void slab_move(at::Tensor& pools, const at::Tensor& moves) {
   if (n_pools == 0 || n_slots == 0) return;
   const int64_t row_bytes = pools.numel() / (n_pools * n_slots) * static_cast<int64_t>(pools.element_size());
   cpu::slab_move(pools.data_ptr(), n_pools, n_slots, row_bytes, moves.data_ptr<int64_t>(), moves.size(0));
+}
+
+// ---- quantized weights ------------------------------------------------------------------------
+
+namespace {
+constexpr cpu::QuantPath kQuantPaths[] = {cpu::QuantPath::kAvx2, cpu::QuantPath::kAvx512};
+}  // namespace
+
+at::Tensor quant_linear(const at::Tensor& x, const at::Tensor& qweight, int64_t qtype, int64_t k,
+                        const std::optional<at::Tensor>& bias, const std::optional<at::Tensor>& residual) {
+  const int64_t n_tokens = x.size(0), n_out = qweight.size(0);
+  at::Tensor out = at::empty({n_tokens, n_out}, x.options());
+  if (n_tokens == 0 || n_out == 0) return out;
+  dispatch_float(x.scalar_type(), [&](auto tag) {
+    using T = decltype(tag);
+    cpu::quant_linear<T>(ptr<T>(x), ptr<uint8_t>(qweight), static_cast<int>(qtype),
+                         bias.has_value() ? ptr<T>(*bias) : nullptr, residual.has_value() ? ptr<T>(*residual) : nullptr,
+                         ptr<T>(out), n_tokens, k, n_out);
+  });
+  return out;
+}
+
+at::Tensor quant_linear_silu_mul(const at::Tensor& x, const at::Tensor& qweight, int64_t qtype, int64_t k,
+                                 const std::optional<at::Tensor>& bias) {
+  const int64_t n_tokens = x.size(0), n_inter = qweight.size(0) / 2;
+  at::Tensor out = at::empty({n_tokens, n_inter}, x.options());
+  if (n_tokens == 0 || n_inter == 0) return out;
+  dispatch_float(x.scalar_type(), [&](auto tag) {
+    using T = decltype(tag);
+    cpu::quant_linear_silu_mul<T>(ptr<T>(x), ptr<uint8_t>(qweight), static_cast<int>(qtype),
+                                  bias.has_value() ? ptr<T>(*bias) : nullptr, ptr<T>(out), n_tokens, k, n_inter);
+  });
+  return out;
+}
+
+at::Tensor quant_rmsnorm_qkv(const at::Tensor& x, const at::Tensor& norm_weight, const at::Tensor& qweight,
+                             int64_t qtype, int64_t k, const std::optional<at::Tensor>& bias, double eps) {
+  const int64_t n_tokens = x.size(0), n_out = qweight.size(0);
+  at::Tensor out = at::empty({n_tokens, n_out}, x.options());
+  if (n_tokens == 0 || n_out == 0) return out;
+  dispatch_float(x.scalar_type(), [&](auto tag) {
+    using T = decltype(tag);
+    cpu::quant_rmsnorm_qkv<T>(ptr<T>(x), ptr<T>(norm_weight), ptr<uint8_t>(qweight), static_cast<int>(qtype),
+                              bias.has_value() ? ptr<T>(*bias) : nullptr, ptr<T>(out), n_tokens, k, n_out,
+                              static_cast<float>(eps));
+  });
+  return out;
+}
+
+at::Tensor quant_embedding(const at::Tensor& qweight, int64_t qtype, int64_t k, const at::Tensor& token_ids,
+                           at::ScalarType dtype) {
+  const int64_t n_rows = qweight.size(0);
+  const std::vector<int64_t> ids = index_values(token_ids);
+  for (size_t t = 0; t < ids.size(); ++t)
+    TORCH_CHECK_VALUE(ids[t] >= 0 && ids[t] < n_rows, "token_ids[", t, "] = ", ids[t], " is outside the ", n_rows,
+                      " rows of qweight");
+  const int64_t n_tokens = static_cast<int64_t>(ids.size());
+  at::Tensor out = at::empty({n_tokens, k}, qweight.options().dtype(dtype));
+  if (n_tokens == 0) return out;
+  dispatch_float(dtype, [&](auto tag) {
+    using T = decltype(tag);
+    cpu::quant_embedding<T>(ptr<uint8_t>(qweight), static_cast<int>(qtype), ids.data(), ptr<T>(out), n_tokens, k);
+  });
+  return out;
+}
+
+std::string quant_path() { return cpu::quant_path_name(cpu::quant_path()); }
+
+void set_quant_path(const std::string& name) {
+  for (cpu::QuantPath p : kQuantPaths) {
+    if (name != cpu::quant_path_name(p)) continue;
+    TORCH_CHECK_VALUE(cpu::quant_path_supported(p), "this CPU cannot run the quantized path ", name);
+    cpu::set_quant_path(p);
+    return;
+  }
+  TORCH_CHECK_VALUE(false, "unknown quantized path \"", name.substr(0, 32), "\"; expected avx2 or avx512");
+}
+
+std::vector<std::string> quant_paths() {
+  std::vector<std::string> names;
+  for (cpu::QuantPath p : kQuantPaths)
+    if (cpu::quant_path_supported(p)) names.emplace_back(cpu::quant_path_name(p));
+  return names;
 }
 
 }  // namespace orca::cpu_ops

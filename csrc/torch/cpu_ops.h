@@ -65,6 +65,36 @@ at::Tensor linear_silu_mul(const at::Tensor& x,                            // [T
                            const std::optional<at::Tensor>& gate_up_bias,  // [2I]; -> [T, I]
                            bool batch_invariant);
 
+// The quantized ops (csrc/cpu/quant_kernels.h). ops.cpp has checked qtype, k and row_bytes.
+at::Tensor quant_linear(const at::Tensor& x,                        // [T, K]
+                        const at::Tensor& qweight,                  // [N, row_bytes] uint8
+                        int64_t qtype, int64_t k,
+                        const std::optional<at::Tensor>& bias,      // [N]
+                        const std::optional<at::Tensor>& residual);  // [T, N]; -> [T, N]
+
+at::Tensor quant_linear_silu_mul(const at::Tensor& x,                    // [T, K]
+                                 const at::Tensor& qweight,              // [2I, row_bytes] uint8
+                                 int64_t qtype, int64_t k,
+                                 const std::optional<at::Tensor>& bias);  // [2I]; -> [T, I]
+
+at::Tensor quant_rmsnorm_qkv(const at::Tensor& x,                    // [T, K]
+                             const at::Tensor& norm_weight,          // [K]
+                             const at::Tensor& qweight,              // [N, row_bytes] uint8
+                             int64_t qtype, int64_t k,
+                             const std::optional<at::Tensor>& bias,  // [N]
+                             double eps);                            // -> [T, N]
+
+// Checks every id against [0, V) before reading (a ValueError names the bad id).
+at::Tensor quant_embedding(const at::Tensor& qweight,    // [V, row_bytes] uint8
+                           int64_t qtype, int64_t k,
+                           const at::Tensor& token_ids,  // [T] int32 or int64
+                           at::ScalarType dtype);        // float32 or bfloat16; -> [T, K]
+
+// The instruction path of the quantized kernels: "avx2" or "avx512"; quant_paths(): those this CPU runs.
+std::string quant_path();
+void set_quant_path(const std::string& name);
+std::vector<std::string> quant_paths();
+
 // rmsnorm_qkv, linear and linear_silu_mul run our weight-streaming kernels (csrc/cpu/skinny_gemm.*,
 // whose reduction order does not depend on T) for up to this many tokens, and ATen's GEMM
 // (oneDNN) above it. Default: no crossover, every T on our kernels, so a token's outputs never

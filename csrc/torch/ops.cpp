@@ -6,9 +6,12 @@
 #include <c10/util/Exception.h>
 
 #include <cmath>
+#include <iterator>
+#include <string>
 #include <utility>
 
 #include "checks.h"
+#include "cpu/quant_kernels.h"
 #include "cpu_ops.h"
 #ifdef ORCA_WITH_CUDA
 #include "cuda_ops.h"
@@ -390,5 +393,131 @@ at::Tensor linear_silu_mul(const at::Tensor& x_in, const at::Tensor& gate_up_wei
   }
   return cpu_ops::linear_silu_mul(x_in.contiguous(), gate_up_weight_in.contiguous(), bias, batch_invariant);
 }
+
+// ---- quantized weights ------------------------------------------------------------------------
+
+namespace {
+
+// qweight [N, row_bytes] uint8 holding rows of k elements in ggml type qtype; returns it contiguous.
+at::Tensor check_quant_weight(const at::Tensor& qweight, int64_t qtype, int64_t k, const char* layout) {
+  const cpu::QuantFormat* f = (qtype >= 0 && qtype <= 1024) ? cpu::quant_format(static_cast<int>(qtype)) : nullptr;
+  if (f == nullptr) {
+    std::string ids;
+    for (int t : cpu::kQuantTypes) {
+      const cpu::QuantFormat* g = cpu::quant_format(t);
+      ids += (ids.empty() ? "" : ", ") + std::to_string(t) + " (" + g->name + ")";
+    }
+    TORCH_CHECK_VALUE(false, "qtype ", qtype, " is not a supported ggml type; supported: ", ids);
+  }
+  TORCH_CHECK_VALUE(k >= 1 && k <= (int64_t{1} << 30) && k % f->block_elems == 0, "k must be a positive multiple of ",
+                    f->block_elems, " (the ", f->name, " block size) up to 2^30, got ", k);
+  checks::rank(qweight, 2, "qweight", layout);
+  TORCH_CHECK_VALUE(qweight.scalar_type() == at::kByte, "qweight has dtype ", qweight.scalar_type(),
+                    " but must be uint8 (raw ", f->name, " blocks)");
+  const int64_t row_bytes = k / f->block_elems * f->block_bytes;
+  TORCH_CHECK_VALUE(qweight.size(1) == row_bytes, "qweight rows are ", qweight.size(1), " bytes but k = ", k, " in ",
+                    f->name, " needs ", row_bytes, " (", k / f->block_elems, " blocks of ", f->block_bytes, " bytes)");
+  return qweight.contiguous();
+}
+
+// x [T, k] on qweight's device.
+void check_quant_input(const at::Tensor& x, const at::Tensor& qweight, int64_t k) {
+  checks::rank(x, 2, "x", "[T, K]");
+  TORCH_CHECK_VALUE(x.size(1) == k, "x has ", x.size(1), " columns but k is ", k);
+  checks::float_dtype(x, "x");
+  checks::same_device(x, qweight, "x", "qweight");
+}
+
+// The optional bias: [n] in x's dtype, on x's device; returned contiguous.
+std::optional<at::Tensor> check_quant_bias(const at::Tensor& x, const std::optional<at::Tensor>& v, int64_t n) {
+  if (!v.has_value() || !v->defined()) return std::nullopt;
+  checks::rank(*v, 1, "bias", "[N]");
+  TORCH_CHECK_VALUE(v->size(0) == n, "bias has ", v->size(0), " elements but qweight has ", n, " rows");
+  checks::same_dtype(x, *v, "x", "bias");
+  checks::same_device(x, *v, "x", "bias");
+  return v->contiguous();
+}
+
+}  // namespace
+
+at::Tensor quant_linear(const at::Tensor& x_in, const at::Tensor& qweight_in, int64_t qtype, int64_t k,
+                        const std::optional<at::Tensor>& bias_in, const std::optional<at::Tensor>& residual_in,
+                        bool batch_invariant) {
+  (void)batch_invariant;  // CPU: invariant at every T; CUDA: the kernel's own contract
+  const at::Tensor qweight = check_quant_weight(qweight_in, qtype, k, "[N, row_bytes]");
+  check_quant_input(x_in, qweight, k);
+  const int64_t n_out = qweight.size(0);
+  const std::optional<at::Tensor> bias = check_quant_bias(x_in, bias_in, n_out);
+  std::optional<at::Tensor> residual;
+  if (residual_in.has_value() && residual_in->defined()) {
+    checks::rank(*residual_in, 2, "residual", "[T, N]");
+    TORCH_CHECK_VALUE(residual_in->size(0) == x_in.size(0) && residual_in->size(1) == n_out, "residual has shape ",
+                      checks::shape_str(*residual_in), " but the output is [", x_in.size(0), ", ", n_out, "]");
+    checks::same_dtype(x_in, *residual_in, "x", "residual");
+    checks::same_device(x_in, *residual_in, "x", "residual");
+    residual = residual_in->contiguous();
+  }
+  const at::Tensor x = x_in.contiguous();
+#ifdef ORCA_WITH_CUDA
+  if (x.is_cuda()) return cuda_ops::quant_linear(x, qweight, qtype, k, bias, residual);
+#endif
+  TORCH_CHECK(x.is_cpu(), "x is a CUDA tensor but orca_ext._C was built without CUDA support");
+  return cpu_ops::quant_linear(x, qweight, qtype, k, bias, residual);
+}
+
+at::Tensor quant_linear_silu_mul(const at::Tensor& x_in, const at::Tensor& qweight_in, int64_t qtype, int64_t k,
+                                 const std::optional<at::Tensor>& bias_in, bool batch_invariant) {
+  (void)batch_invariant;
+  const at::Tensor qweight = check_quant_weight(qweight_in, qtype, k, "[2*I, row_bytes]");
+  check_quant_input(x_in, qweight, k);
+  const int64_t n_rows = qweight.size(0);
+  TORCH_CHECK_VALUE(n_rows % 2 == 0, "qweight has ", n_rows, " rows; it must stack I gate rows on I up rows ([2*I, row_bytes])");
+  const std::optional<at::Tensor> bias = check_quant_bias(x_in, bias_in, n_rows);
+  const at::Tensor x = x_in.contiguous();
+#ifdef ORCA_WITH_CUDA
+  if (x.is_cuda()) return cuda_ops::quant_linear_silu_mul(x, qweight, qtype, k, bias);
+#endif
+  TORCH_CHECK(x.is_cpu(), "x is a CUDA tensor but orca_ext._C was built without CUDA support");
+  return cpu_ops::quant_linear_silu_mul(x, qweight, qtype, k, bias);
+}
+
+at::Tensor quant_rmsnorm_qkv(const at::Tensor& x_in, const at::Tensor& norm_weight_in, const at::Tensor& qweight_in,
+                             int64_t qtype, int64_t k, const std::optional<at::Tensor>& bias_in, double eps,
+                             bool batch_invariant) {
+  (void)batch_invariant;
+  const at::Tensor qweight = check_quant_weight(qweight_in, qtype, k, "[N, row_bytes]");
+  check_quant_input(x_in, qweight, k);
+  checks::rank(norm_weight_in, 1, "norm_weight", "[K]");
+  TORCH_CHECK_VALUE(norm_weight_in.size(0) == k, "norm_weight has ", norm_weight_in.size(0), " elements but k is ", k);
+  checks::same_dtype(x_in, norm_weight_in, "x", "norm_weight");
+  checks::same_device(x_in, norm_weight_in, "x", "norm_weight");
+  const std::optional<at::Tensor> bias = check_quant_bias(x_in, bias_in, qweight.size(0));
+  checks::eps(eps);
+  const at::Tensor x = x_in.contiguous(), norm_weight = norm_weight_in.contiguous();
+#ifdef ORCA_WITH_CUDA
+  if (x.is_cuda())
+    return cuda_ops::quant_linear(cuda_ops::rms_norm(x, norm_weight, eps), qweight, qtype, k, bias, std::nullopt);
+#endif
+  TORCH_CHECK(x.is_cpu(), "x is a CUDA tensor but orca_ext._C was built without CUDA support");
+  return cpu_ops::quant_rmsnorm_qkv(x, norm_weight, qweight, qtype, k, bias, eps);
+}
+
+at::Tensor quant_embedding(const at::Tensor& qweight_in, int64_t qtype, int64_t k, const at::Tensor& token_ids_in,
+                           at::ScalarType dtype) {
+  const at::Tensor qweight = check_quant_weight(qweight_in, qtype, k, "[V, row_bytes]");
+  checks::index_tensor(token_ids_in, "token_ids");
+  checks::same_device(qweight, token_ids_in, "qweight", "token_ids");
+  const bool cuda = qweight.is_cuda();
+  TORCH_CHECK_VALUE(dtype == at::kFloat || dtype == at::kBFloat16 || (cuda && dtype == at::kHalf), "dtype ", dtype,
+                    " is not supported on ", qweight.device().type(),
+                    cuda ? " (float32, float16, bfloat16)" : " (float32, bfloat16)");
+#ifdef ORCA_WITH_CUDA
+  if (cuda) return cuda_ops::quant_embedding(qweight, qtype, k, token_ids_in.to(at::kLong).contiguous(), dtype);
+#endif
+  TORCH_CHECK(qweight.is_cpu(), "qweight is a CUDA tensor but orca_ext._C was built without CUDA support");
+  return cpu_ops::quant_embedding(qweight, qtype, k, token_ids_in.contiguous(), dtype);
+}
+
+std::vector<int64_t> quant_types() { return std::vector<int64_t>(std::begin(cpu::kQuantTypes), std::end(cpu::kQuantTypes)); }
 
 }  // namespace orca

@@ -11,6 +11,7 @@
 #include <memory>
 #include <optional>
 #include <tuple>
+#include <vector>
 
 namespace orca {
 
@@ -112,6 +113,43 @@ at::Tensor linear_silu_mul(const at::Tensor& x,                            // [T
                            const at::Tensor& gate_up_weight,               // [2I, K]
                            const std::optional<at::Tensor>& gate_up_bias,  // [2I] or None; -> [T, I]
                            bool batch_invariant);
+
+// ---- Quantized weights (ggml block formats, kept as a GGUF stores them) -------------------------
+// qweight is uint8 [N, row_bytes], each row K / block_elems blocks of ggml type `qtype` (the formats
+// and kernel contract: docs/DESIGN.md section 4; supported ids: quant_types()). CPU: the
+// weight-streaming kernels of csrc/cpu/quant_kernels.h, batch-invariant at every T (so
+// batch_invariant changes nothing there); CUDA: cuda_ops::quant_*.
+at::Tensor quant_linear(const at::Tensor& x,                        // [T, K]
+                        const at::Tensor& qweight,                  // [N, row_bytes] uint8
+                        int64_t qtype, int64_t k,
+                        const std::optional<at::Tensor>& bias,      // [N] or None
+                        const std::optional<at::Tensor>& residual,  // [T, N] or None; -> [T, N]
+                        bool batch_invariant);
+
+// silu(gate) * up of the fused gate_up projection: qweight holds I gate rows, then I up rows.
+at::Tensor quant_linear_silu_mul(const at::Tensor& x,                    // [T, K]
+                                 const at::Tensor& qweight,              // [2I, row_bytes] uint8
+                                 int64_t qtype, int64_t k,
+                                 const std::optional<at::Tensor>& bias,  // [2I] or None; -> [T, I]
+                                 bool batch_invariant);
+
+// quant_linear(rms_norm(x) * norm_weight, qweight, bias): the fused norm + projection (QKV, and the
+// final norm + lm_head). CUDA: rms_norm, then quant_linear.
+at::Tensor quant_rmsnorm_qkv(const at::Tensor& x,                    // [T, K]
+                             const at::Tensor& norm_weight,          // [K]
+                             const at::Tensor& qweight,              // [N, row_bytes] uint8
+                             int64_t qtype, int64_t k,
+                             const std::optional<at::Tensor>& bias,  // [N] or None
+                             double eps, bool batch_invariant);      // -> [T, N]
+
+// Rows token_ids of the dequantized [V, K] table, in `dtype`. CPU: every id is checked against [0, V).
+at::Tensor quant_embedding(const at::Tensor& qweight,    // [V, row_bytes] uint8
+                           int64_t qtype, int64_t k,
+                           const at::Tensor& token_ids,  // [T] int64 (or int32)
+                           at::ScalarType dtype);        // -> [T, K]
+
+// The ggml type ids the quantized ops accept, ascending.
+std::vector<int64_t> quant_types();
 
 // Slab compaction: for each row (src, dst, n) of `moves`, in order, rows [src, src+n) of every
 // pool are copied to [dst, dst+n) as if through a temporary. Any dtype; moves stay on the CPU.

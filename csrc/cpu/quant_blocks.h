@@ -1,0 +1,97 @@
+// The register-blocked panel kernels over quantized weight rows (quant_kernels.h), written once
+// over an instruction-set policy `Ops` (as skinny_gemm_blocks.h):
+//
+//   using Acc, X, W;                   accumulator, activation and weight registers (float32)
+//   static constexpr int kStep;        k elements one dot() consumes (8 or 16)
+//   static constexpr int kRows;        activation rows per block when there are many tokens
+//   Acc zero();  X load_x(const float*);  W load_w(const float*);  Acc dot(Acc, X, W);  float hsum(Acc);
+//
+// Per 32-element chunk, each of the block's weight rows is dequantized (quant_formats.h) into a
+// 32-float buffer that stays in L1 (and mostly in registers), then every activation row of the
+// block consumes it kStep elements at a time. Each output's accumulator takes its k range in
+// kStep steps from k = 0 upwards, then one hsum, whatever the block shape: the blocking (chosen
+// from T) never changes a result.
+//
+// Like skinny_gemm_blocks.h, everything is local to the including translation unit, compiled for
+// its instruction set.
+#pragma once
+#include <cstdint>
+
+#include "quant_formats.h"
+#include "skinny_gemm_blocks.h"  // hsum8_tree
+#include "skinny_gemm_impl.h"
+
+namespace orca {
+namespace cpu {
+namespace detail {
+namespace {
+
+// c[m * ldc + j] = dot(x row m, dequantized w[j]) for m < MB, j < NB; K = 32 * n_chunks.
+template <class Ops, int F, int MB, int NB>
+inline void quant_dot_block(const float* __restrict x, int64_t ldx, const uint8_t* const* w, int64_t n_chunks,
+                            float* __restrict c, int64_t ldc) {
+  typename Ops::Acc acc[MB][NB];
+#pragma GCC unroll 8
+  for (int m = 0; m < MB; ++m)
+#pragma GCC unroll 8
+    for (int j = 0; j < NB; ++j) acc[m][j] = Ops::zero();
+  alignas(64) float wt[NB][kChunk];
+  for (int64_t ch = 0; ch < n_chunks; ++ch) {
+#pragma GCC unroll 8
+    for (int j = 0; j < NB; ++j) dequant_chunk<F>(w[j], ch, wt[j]);
+    const float* xc = x + ch * kChunk;
+#pragma GCC unroll 4
+    for (int s = 0; s < kChunk; s += Ops::kStep) {
+      typename Ops::X xv[MB];
+#pragma GCC unroll 8
+      for (int m = 0; m < MB; ++m) xv[m] = Ops::load_x(xc + m * ldx + s);
+#pragma GCC unroll 8
+      for (int j = 0; j < NB; ++j) {
+        const typename Ops::W wv = Ops::load_w(wt[j] + s);
+#pragma GCC unroll 8
+        for (int m = 0; m < MB; ++m) acc[m][j] = Ops::dot(acc[m][j], xv[m], wv);
+      }
+    }
+  }
+#pragma GCC unroll 8
+  for (int m = 0; m < MB; ++m)
+#pragma GCC unroll 8
+    for (int j = 0; j < NB; ++j) c[m * ldc + j] = Ops::hsum(acc[m][j]);
+}
+
+// One panel (PanelFn<float, uint8_t>): a single token streams all 8 rows at once; more tokens
+// take the rows 4 at a time in blocks of kRows tokens, so each dequantized chunk serves kRows tokens.
+template <class Ops, int F>
+inline void quant_panel(const float* x, int64_t ldx, int64_t M, const uint8_t* const* w, int64_t K, float* c) {
+  constexpr int R = kPanelRows;
+  static_assert(R == 8, "the blocks below cover 8 weight rows");
+  const int64_t n_chunks = K / kChunk;
+  if (M == 1) {
+    quant_dot_block<Ops, F, 1, 8>(x, ldx, w, n_chunks, c, R);
+    return;
+  }
+  for (int h = 0; h < R; h += 4) {
+    int64_t m = 0;
+    for (; m + Ops::kRows <= M; m += Ops::kRows)
+      quant_dot_block<Ops, F, Ops::kRows, 4>(x + m * ldx, ldx, w + h, n_chunks, c + m * R + h, R);
+    switch (M - m) {
+      case 1: quant_dot_block<Ops, F, 1, 4>(x + m * ldx, ldx, w + h, n_chunks, c + m * R + h, R); break;
+      case 2: quant_dot_block<Ops, F, 2, 4>(x + m * ldx, ldx, w + h, n_chunks, c + m * R + h, R); break;
+      case 3: quant_dot_block<Ops, F, 3, 4>(x + m * ldx, ldx, w + h, n_chunks, c + m * R + h, R); break;
+      default: break;
+    }
+  }
+}
+
+// The panel function of ggml type `type` for policy Ops, or nullptr.
+template <class Ops>
+inline PanelFn<float, uint8_t> quant_panel_for(int type) {
+  PanelFn<float, uint8_t> fn = nullptr;
+  dispatch_quant_format(type, [&](auto f) { fn = &quant_panel<Ops, decltype(f)::value>; });
+  return fn;
+}
+
+}  // namespace
+}  // namespace detail
+}  // namespace cpu
+}  // namespace orca

@@ -1,0 +1,255 @@
+// The ggml block formats of quantized weights, exactly as a GGUF file stores them, and their
+// dequantization, one 32-element chunk at a time (every format's blocks split into 32-element
+// chunks: Q8_0/Q4_0/Q4_1 blocks are one chunk, Q4_K/Q6_K blocks eight).
+//
+// A weight row of K elements is K / block_elems consecutive blocks (row_bytes = K / block_elems *
+// block_bytes). Dequantization repeats the float32 arithmetic of gguf.quants.dequantize operation
+// for operation (fp16 scales widened exactly, then the same products and sums, each rounded on
+// its own): the files that include this header are compiled with -ffp-contract=off, so no product
+// is fused into an FMA. Every path therefore sees the same float32 weights, bit for bit.
+//
+// Everything here sits in an anonymous namespace: each translation unit (one per instruction set)
+// compiles its own copy for its own target, and none leaks into another through the linker.
+#pragma once
+#include <cstdint>
+#include <cstring>
+#include <type_traits>
+
+#if defined(__AVX2__) || defined(__F16C__)
+#include <immintrin.h>
+#endif
+
+#include "quant_kernels.h"
+
+namespace orca {
+namespace cpu {
+namespace detail {
+namespace {
+
+constexpr int kChunk = 32;  // elements per dequantization chunk
+
+// IEEE half -> float, exact for every value (subnormals, infinities, NaN).
+inline float half_to_float(const uint8_t* p) {
+  uint16_t h;
+  std::memcpy(&h, p, sizeof h);
+#if defined(__F16C__)
+  return _cvtsh_ss(h);  // vcvtph2ps: exact
+#else
+  const uint32_t sign = static_cast<uint32_t>(h & 0x8000u) << 16;
+  uint32_t exp = (h >> 10) & 0x1fu, man = h & 0x3ffu, bits;
+  if (exp == 0x1fu) {
+    bits = sign | 0x7f800000u | (man << 13);
+  } else if (exp != 0) {
+    bits = sign | ((exp + 112u) << 23) | (man << 13);
+  } else if (man == 0) {
+    bits = sign;
+  } else {  // subnormal: normalise
+    int e = -1;
+    do {
+      man <<= 1;
+      ++e;
+    } while ((man & 0x400u) == 0);
+    bits = sign | ((112u - static_cast<uint32_t>(e)) << 23) | ((man & 0x3ffu) << 13);
+  }
+  float f;
+  std::memcpy(&f, &bits, sizeof f);
+  return f;
+#endif
+}
+
+// Chunks are dequantized with explicit AVX2 code where the unit is compiled for it, with a plain
+// loop beside it for other targets: GCC vectorizes those loops only partly (the nibble halves and
+// per-chunk shifts defeat it). Both forms compute the same values: integers widened exactly, then
+// the same float32 operations in the same order.
+#if defined(__AVX2__)
+inline __m256 widen_u8(__m128i bytes) { return _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(bytes)); }  // low 8
+inline __m256 widen_i8(__m128i bytes) { return _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(bytes)); }  // low 8
+
+// lo = low nibbles of qs[0..16) (elements 0..15), hi = high nibbles (elements 16..31).
+inline void load_nibbles(const uint8_t* qs, __m128i& lo, __m128i& hi) {
+  const __m128i q = _mm_loadu_si128(reinterpret_cast<const __m128i*>(qs));
+  const __m128i mask = _mm_set1_epi8(0x0f);
+  lo = _mm_and_si128(q, mask);
+  hi = _mm_and_si128(_mm_srli_epi16(q, 4), mask);
+}
+#endif
+
+// The AVX-512 unit (quant_gemm_avx512.cpp, compiled for it by a target pragma, which defines no
+// feature macros) sets ORCA_QUANT_DEQUANT_512: its chunks are widened 16 elements at a time.
+#if defined(ORCA_QUANT_DEQUANT_512)
+inline __m512 widen16_u8(__m128i bytes) { return _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(bytes)); }
+inline __m512 widen16_i8(__m128i bytes) { return _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(bytes)); }
+#endif
+
+// Q8_0 block (34 bytes): fp16 d, int8 q[32]; w = q * d.
+inline void dequant_q8_0(const uint8_t* __restrict blk, float* __restrict out) {  // out [32]
+  const float d = half_to_float(blk);
+#if defined(ORCA_QUANT_DEQUANT_512)
+  for (int i = 0; i < 32; i += 16) {
+    const __m128i q = _mm_loadu_si128(reinterpret_cast<const __m128i*>(blk + 2 + i));
+    _mm512_storeu_ps(out + i, _mm512_mul_ps(widen16_i8(q), _mm512_set1_ps(d)));
+  }
+#elif defined(__AVX2__)
+  const __m256 dv = _mm256_set1_ps(d);
+  for (int i = 0; i < 32; i += 8) {
+    const __m128i q = _mm_loadl_epi64(reinterpret_cast<const __m128i*>(blk + 2 + i));
+    _mm256_storeu_ps(out + i, _mm256_mul_ps(widen_i8(q), dv));
+  }
+#else
+  const int8_t* q = reinterpret_cast<const int8_t*>(blk + 2);
+  for (int i = 0; i < 32; ++i) out[i] = static_cast<float>(q[i]) * d;
+#endif
+}
+
+// Q4_0 block (18 bytes): fp16 d, qs[16]; element i < 16 is the low nibble of qs[i], element
+// 16 + i its high nibble; w = d * (nib - 8).
+inline void dequant_q4_0(const uint8_t* __restrict blk, float* __restrict out) {  // out [32]
+  const float d = half_to_float(blk);
+  const uint8_t* qs = blk + 2;
+#if defined(ORCA_QUANT_DEQUANT_512)
+  __m128i lo, hi;
+  load_nibbles(qs, lo, hi);
+  const __m512 dv = _mm512_set1_ps(d), eight = _mm512_set1_ps(8.0f);
+  _mm512_storeu_ps(out, _mm512_mul_ps(dv, _mm512_sub_ps(widen16_u8(lo), eight)));
+  _mm512_storeu_ps(out + 16, _mm512_mul_ps(dv, _mm512_sub_ps(widen16_u8(hi), eight)));
+#elif defined(__AVX2__)
+  __m128i lo, hi;
+  load_nibbles(qs, lo, hi);
+  const __m256 dv = _mm256_set1_ps(d), eight = _mm256_set1_ps(8.0f);
+  const __m128i parts[4] = {lo, _mm_srli_si128(lo, 8), hi, _mm_srli_si128(hi, 8)};
+  for (int p = 0; p < 4; ++p)  // nib - 8 is exact in float32
+    _mm256_storeu_ps(out + 8 * p, _mm256_mul_ps(dv, _mm256_sub_ps(widen_u8(parts[p]), eight)));
+#else
+  for (int i = 0; i < 16; ++i) out[i] = d * static_cast<float>((qs[i] & 0x0f) - 8);
+  for (int i = 0; i < 16; ++i) out[i + 16] = d * static_cast<float>((qs[i] >> 4) - 8);
+#endif
+}
+
+// Q4_1 block (20 bytes): fp16 d, fp16 m, qs[16] (nibbles as Q4_0); w = d * nib + m.
+inline void dequant_q4_1(const uint8_t* __restrict blk, float* __restrict out) {  // out [32]
+  const float d = half_to_float(blk), m = half_to_float(blk + 2);
+  const uint8_t* qs = blk + 4;
+#if defined(ORCA_QUANT_DEQUANT_512)
+  __m128i lo, hi;
+  load_nibbles(qs, lo, hi);
+  const __m512 dv = _mm512_set1_ps(d), mv = _mm512_set1_ps(m);
+  _mm512_storeu_ps(out, _mm512_add_ps(_mm512_mul_ps(dv, widen16_u8(lo)), mv));
+  _mm512_storeu_ps(out + 16, _mm512_add_ps(_mm512_mul_ps(dv, widen16_u8(hi)), mv));
+#elif defined(__AVX2__)
+  __m128i lo, hi;
+  load_nibbles(qs, lo, hi);
+  const __m256 dv = _mm256_set1_ps(d), mv = _mm256_set1_ps(m);
+  const __m128i parts[4] = {lo, _mm_srli_si128(lo, 8), hi, _mm_srli_si128(hi, 8)};
+  for (int p = 0; p < 4; ++p)  // a product, then a sum: two roundings, no FMA
+    _mm256_storeu_ps(out + 8 * p, _mm256_add_ps(_mm256_mul_ps(dv, widen_u8(parts[p])), mv));
+#else
+  for (int i = 0; i < 16; ++i) out[i] = d * static_cast<float>(qs[i] & 0x0f) + m;
+  for (int i = 0; i < 16; ++i) out[i + 16] = d * static_cast<float>(qs[i] >> 4) + m;
+#endif
+}
+
+// Q4_K block (144 bytes): fp16 d, fp16 dmin, scales[12], qs[128]. Sub-block s < 8 (elements
+// 32s .. 32s+31) has a 6-bit scale sc and min mn packed in scales[] (ggml's get_scale_min_k4) and
+// reads the low (s even) or high (s odd) nibbles of qs[32 * (s / 2) ..]; w = (d*sc) * nib - dmin*mn.
+inline void dequant_q4_k(const uint8_t* __restrict blk, int sub, float* __restrict out) {  // out [32]
+  const float d = half_to_float(blk), dmin = half_to_float(blk + 2);
+  const uint8_t* s = blk + 4;
+  const uint8_t* qs = blk + 16 + 32 * (sub / 2);
+  int sc, mn;
+  if (sub < 4) {
+    sc = s[sub] & 63;
+    mn = s[sub + 4] & 63;
+  } else {
+    sc = (s[sub + 4] & 0x0f) | ((s[sub - 4] >> 6) << 4);
+    mn = (s[sub + 4] >> 4) | ((s[sub] >> 6) << 4);
+  }
+  const float dl = d * static_cast<float>(sc), ml = dmin * static_cast<float>(mn);
+  const int shift = (sub & 1) * 4;
+#if defined(__AVX2__)
+  const __m256i q = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(qs));
+  const __m256i nib = _mm256_and_si256(_mm256_srl_epi16(q, _mm_cvtsi32_si128(shift)), _mm256_set1_epi8(0x0f));
+  const __m128i halves[2] = {_mm256_castsi256_si128(nib), _mm256_extracti128_si256(nib, 1)};
+  // 256-bit on the avx512 path too: the 512-bit form measured 1.35x slower at T = 1
+  // (bench_quant_gemm, one thread, 576x576 and 2048x2048).
+  const __m256 dv = _mm256_set1_ps(dl), mv = _mm256_set1_ps(ml);
+  for (int p = 0; p < 4; ++p) {  // a product, then a difference: two roundings, no FMA
+    const __m128i part = (p & 1) ? _mm_srli_si128(halves[p / 2], 8) : halves[p / 2];
+    _mm256_storeu_ps(out + 8 * p, _mm256_sub_ps(_mm256_mul_ps(dv, widen_u8(part)), mv));
+  }
+#else
+  for (int i = 0; i < 32; ++i) out[i] = dl * static_cast<float>((qs[i] >> shift) & 0x0f) - ml;
+#endif
+}
+
+// Q6_K block (210 bytes): ql[128], qh[64], int8 scales[16], fp16 d. Chunk c < 8 (elements
+// 32c .. 32c+31) lies in half h = c / 4, quarter r = c % 4: element i takes the low (r < 2) or high
+// nibble of ql[64h + 32(r % 2) + i] and bits 2r, 2r+1 of qh[32h + i] as bits 4, 5; q = that - 32;
+// w = (d * scales[8h + 2r + i / 16]) * q.
+inline void dequant_q6_k(const uint8_t* __restrict blk, int chunk, float* __restrict out) {  // out [32]
+  const int h = chunk / 4, r = chunk % 4;
+  const uint8_t* ql = blk + 64 * h + 32 * (r % 2);
+  const uint8_t* qh = blk + 128 + 32 * h;
+  const int8_t* sc = reinterpret_cast<const int8_t*>(blk + 192) + 8 * h + 2 * r;
+  const float d = half_to_float(blk + 208);
+  const float d0 = d * static_cast<float>(sc[0]), d1 = d * static_cast<float>(sc[1]);
+  const int lshift = (r / 2) * 4, hshift = 2 * r;
+#if defined(__AVX2__)
+  const __m256i l = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(ql));
+  const __m256i hb = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(qh));
+  const __m256i lo = _mm256_and_si256(_mm256_srl_epi16(l, _mm_cvtsi32_si128(lshift)), _mm256_set1_epi8(0x0f));
+  const __m256i hi = _mm256_and_si256(_mm256_srl_epi16(hb, _mm_cvtsi32_si128(hshift)), _mm256_set1_epi8(3));
+  const __m256i q = _mm256_sub_epi8(_mm256_or_si256(lo, _mm256_slli_epi16(hi, 4)), _mm256_set1_epi8(32));
+  const __m128i halves[2] = {_mm256_castsi256_si128(q), _mm256_extracti128_si256(q, 1)};
+#if defined(ORCA_QUANT_DEQUANT_512)
+  _mm512_storeu_ps(out, _mm512_mul_ps(_mm512_set1_ps(d0), widen16_i8(halves[0])));
+  _mm512_storeu_ps(out + 16, _mm512_mul_ps(_mm512_set1_ps(d1), widen16_i8(halves[1])));
+#else
+  for (int p = 0; p < 4; ++p) {  // elements 8p .. 8p+7; the first 16 take d0, the rest d1
+    const __m128i part = (p & 1) ? _mm_srli_si128(halves[p / 2], 8) : halves[p / 2];
+    _mm256_storeu_ps(out + 8 * p, _mm256_mul_ps(_mm256_set1_ps(p < 2 ? d0 : d1), widen_i8(part)));
+  }
+#endif
+#else
+  for (int i = 0; i < 32; ++i) {
+    const int q = (((ql[i] >> lshift) & 0x0f) | (((qh[i] >> hshift) & 3) << 4)) - 32;
+    out[i] = (i < 16 ? d0 : d1) * static_cast<float>(q);
+  }
+#endif
+}
+
+// Chunk `chunk` (elements 32*chunk .. 32*chunk+31) of a row in format F.
+template <int F>
+inline void dequant_chunk(const uint8_t* __restrict row, int64_t chunk, float* __restrict out) {  // out [32]
+  constexpr int kQ4_0 = kQuantTypeQ4_0, kQ4_1 = kQuantTypeQ4_1, kQ8_0 = kQuantTypeQ8_0, kQ4_K = kQuantTypeQ4_K,
+                kQ6_K = kQuantTypeQ6_K;
+  if constexpr (F == kQ8_0) {
+    dequant_q8_0(row + chunk * 34, out);
+  } else if constexpr (F == kQ4_0) {
+    dequant_q4_0(row + chunk * 18, out);
+  } else if constexpr (F == kQ4_1) {
+    dequant_q4_1(row + chunk * 20, out);
+  } else if constexpr (F == kQ4_K) {
+    dequant_q4_k(row + (chunk / 8) * 144, static_cast<int>(chunk % 8), out);
+  } else {
+    static_assert(F == kQ6_K, "unknown format");
+    dequant_q6_k(row + (chunk / 8) * 210, static_cast<int>(chunk % 8), out);
+  }
+}
+
+// Calls f(std::integral_constant<int, F>{}) for the runtime type id (one of kQuantFormats).
+template <typename Fn>
+inline void dispatch_quant_format(int type, Fn&& f) {
+  switch (type) {
+    case kQuantTypeQ8_0: f(std::integral_constant<int, kQuantTypeQ8_0>{}); break;
+    case kQuantTypeQ4_0: f(std::integral_constant<int, kQuantTypeQ4_0>{}); break;
+    case kQuantTypeQ4_1: f(std::integral_constant<int, kQuantTypeQ4_1>{}); break;
+    case kQuantTypeQ4_K: f(std::integral_constant<int, kQuantTypeQ4_K>{}); break;
+    case kQuantTypeQ6_K: f(std::integral_constant<int, kQuantTypeQ6_K>{}); break;
+    default: break;
+  }
+}
+
+}  // namespace
+}  // namespace detail
+}  // namespace cpu
+}  // namespace orca
