@@ -116,8 +116,9 @@ def assert_within(actual: torch.Tensor, expected: torch.Tensor, bound: torch.Ten
 @pytest.mark.parametrize("qtype", FORMATS, ids=lambda q: q.name)
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
 @pytest.mark.parametrize("n_tokens", TOKENS)
-@pytest.mark.parametrize("n_rows,extras", [(77, False), (40, True)])
-def test_quant_linear_matches_float64_on_gguf_dequantized_blocks(qtype, dtype, n_tokens, n_rows, extras):
+def test_quant_linear_matches_float64_on_gguf_dequantized_blocks(qtype, dtype, n_tokens):
+    extras = n_tokens % 2 == 1  # bias and residual at odd T
+    n_rows = 40 if extras else 77
     case = Case(qtype, n_tokens, n_rows, dtype, seed_of("linear", qtype, dtype, n_tokens, n_rows))
     bias, residual = (case.bias, case.residual) if extras else (None, None)
     out = _C.quant_linear(case.dev(case.x), case.qweight, int(qtype), case.k, bias=case.dev(bias),
@@ -133,8 +134,9 @@ def test_quant_linear_matches_float64_on_gguf_dequantized_blocks(qtype, dtype, n
 @pytest.mark.parametrize("qtype", FORMATS, ids=lambda q: q.name)
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
 @pytest.mark.parametrize("n_tokens", TOKENS)
-@pytest.mark.parametrize("n_inter,with_bias", [(45, False), (16, True)])
-def test_quant_linear_silu_mul_matches_float64(qtype, dtype, n_tokens, n_inter, with_bias):
+def test_quant_linear_silu_mul_matches_float64(qtype, dtype, n_tokens):
+    with_bias = n_tokens % 2 == 0  # a bias at even T
+    n_inter = 16 if with_bias else 45
     case = Case(qtype, n_tokens, 2 * n_inter, dtype, seed_of("silu", qtype, dtype, n_tokens, n_inter))
     bias = case.bias if with_bias else None
     out = _C.quant_linear_silu_mul(case.dev(case.x), case.qweight, int(qtype), case.k, bias=case.dev(bias))
