@@ -15,14 +15,14 @@ from __future__ import annotations
 
 import zlib
 
+import gguf.quants as gguf_quants  # a dependency of orca_ext: missing, it must fail, not skip
 import numpy as np
 import pytest
 import torch
+from gguf import GGML_QUANT_SIZES, GGMLQuantizationType as Q
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 _C = pytest.importorskip("orca_ext._C")
-gguf_quants = pytest.importorskip("gguf.quants")
-from gguf import GGML_QUANT_SIZES, GGMLQuantizationType as Q  # noqa: E402
 
 DEV = "cuda"
 FORMATS = [Q.Q8_0, Q.Q4_0, Q.Q4_1, Q.Q4_K, Q.Q6_K]
