@@ -4,6 +4,10 @@ ggml layouts), for every format the kernels serve: random valid blocks (every qu
 scales), awkward sizes (N not a multiple of the 32-row tile, K an odd number of blocks, T = 1, 3,
 8, 17, 300), bf16, fp16 and float32 activations; batch invariance bit for bit; misaligned views.
 
+The block decoding (csrc/cuda/quant/quant_blocks.cuh) is also checked without a GPU: its host side,
+built by nvcc with the device's wide-load path switched on, against gguf bit for bit, from every
+byte alignment.
+
 Tolerances are error bounds, not guesses. The kernels dequantize in float32 exactly as gguf does,
 round each weight once to the activation type for the tensor cores (relative error <= u = 2^-8
 bf16, 2^-11 fp16, plus 2^-25 absolute below fp16's normal range), accumulate in float32 and round
@@ -13,7 +17,11 @@ exact. Each bound below is that with a 2x margin.
 """
 from __future__ import annotations
 
+import os
+import shutil
+import subprocess
 import zlib
+from pathlib import Path
 
 import gguf.quants as gguf_quants  # a dependency of orca_ext: missing, it must fail, not skip
 import numpy as np
@@ -21,8 +29,12 @@ import pytest
 import torch
 from gguf import GGML_QUANT_SIZES, GGMLQuantizationType as Q
 
-pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
-_C = pytest.importorskip("orca_ext._C")
+try:
+    from orca_ext import _C
+except ImportError:  # the GPU tests then fail on _C; the host decoding test does not need it
+    _C = None
+
+needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 
 DEV = "cuda"
 FORMATS = [Q.Q8_0, Q.Q4_0, Q.Q4_1, Q.Q4_K, Q.Q6_K]
@@ -113,6 +125,7 @@ def assert_within(actual: torch.Tensor, expected: torch.Tensor, bound: torch.Ten
 
 
 # ---- quant_linear ------------------------------------------------------------------------------------
+@needs_cuda
 @pytest.mark.parametrize("qtype", FORMATS, ids=lambda q: q.name)
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
 @pytest.mark.parametrize("n_tokens", TOKENS)
@@ -131,6 +144,7 @@ def test_quant_linear_matches_float64_on_gguf_dequantized_blocks(qtype, dtype, n
     assert_within(out, ref, case.bound(scale, ref), f"quant_linear {qtype.name} {dtype} T={n_tokens}")
 
 
+@needs_cuda
 @pytest.mark.parametrize("qtype", FORMATS, ids=lambda q: q.name)
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
 @pytest.mark.parametrize("n_tokens", TOKENS)
@@ -156,6 +170,7 @@ def test_quant_linear_silu_mul_matches_float64(qtype, dtype, n_tokens):
     assert_within(out, ref, bound, f"quant_linear_silu_mul {qtype.name} {dtype} T={n_tokens}")
 
 
+@needs_cuda
 @pytest.mark.parametrize("qtype", [Q.Q4_K, Q.Q8_0], ids=lambda q: q.name)
 def test_quant_linear_on_llama_sized_rows(qtype):
     """A K of 2048 (many chunks) and N = 300 (ten row tiles, the last one partial)."""
@@ -166,6 +181,7 @@ def test_quant_linear_on_llama_sized_rows(qtype):
 
 
 # ---- batch invariance ----------------------------------------------------------------------------------
+@needs_cuda
 @pytest.mark.parametrize("qtype", FORMATS, ids=lambda q: q.name)
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
 def test_a_tokens_output_does_not_depend_on_its_batch(qtype, dtype):
@@ -192,6 +208,7 @@ def test_a_tokens_output_does_not_depend_on_its_batch(qtype, dtype):
 
 
 # ---- views that start anywhere -------------------------------------------------------------------------
+@needs_cuda
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
 def test_misaligned_activations_and_weight_rows(dtype):
     """x starting 2 bytes past an allocation and a weight that is a row slice (rows of 19 * 34 bytes
@@ -212,6 +229,7 @@ def test_misaligned_activations_and_weight_rows(dtype):
 
 
 # ---- quant_embedding -------------------------------------------------------------------------------------
+@needs_cuda
 @pytest.mark.parametrize("qtype", FORMATS, ids=lambda q: q.name)
 def test_quant_embedding_is_gguf_dequantize_rounded_once(qtype):
     """float32 rows are bit for bit gguf.quants.dequantize's; fp16 / bf16 rows are those rounded once."""
@@ -224,3 +242,83 @@ def test_quant_embedding_is_gguf_dequantize_rounded_once(qtype):
         out = _C.quant_embedding(torch.from_numpy(raw).to(DEV), int(qtype), k, ids.to(DEV), dtype)
         assert out.shape == (len(ids), k) and out.dtype == dtype
         assert torch.equal(out.cpu(), table[ids].to(dtype)), f"quant_embedding {qtype.name} {dtype}"
+
+
+# ---- the block decoding, on the host (no GPU needed) ------------------------------------------------------
+ROOT = Path(__file__).resolve().parents[2]
+DECODE_DRIVER = r"""
+#include <cstdio>
+#include <cstdlib>
+#include <vector>
+#include "cuda/quant/quant_blocks.cuh"
+using namespace orca::kernels::quant;
+// decode QTYPE ROWS K IN OUT: float32 rows of IN (raw blocks) into OUT, decoding from each of the 16
+// byte alignments of the buffer; exit status 3 when two alignments disagree.
+int main(int argc, char** argv) {
+  const int qtype = std::atoi(argv[1]);
+  const long rows = std::atol(argv[2]), k = std::atol(argv[3]);
+  std::FILE* f = std::fopen(argv[4], "rb");
+  std::vector<unsigned char> in;
+  for (int c; (c = std::fgetc(f)) != EOF;) in.push_back(static_cast<unsigned char>(c));
+  std::fclose(f);
+  std::vector<float> first(rows * k), out(rows * k);
+  std::vector<unsigned char> buf(in.size() + 32);
+  for (int shift = 0; shift < 16; ++shift) {
+    unsigned char* base = buf.data() + ((16 - (reinterpret_cast<uintptr_t>(buf.data()) & 15)) & 15) + shift;
+    std::copy(in.begin(), in.end(), base);
+    const bool known = visit_format(qtype, [&](auto fmt) {
+      using F = decltype(fmt);
+      const long row_bytes = k / F::kBlockElems * F::kBlockBytes;
+      for (long r = 0; r < rows; ++r)
+        for (long c = 0; c < k; c += 8) {
+          float w[8];
+          F::dequant(F::load(base + r * row_bytes, c), w);
+          for (int e = 0; e < 8; ++e) out[r * k + c + e] = w[e];
+        }
+    });
+    if (!known) return 2;
+    if (shift == 0) first = out;
+    else if (out != first) return 3;
+  }
+  f = std::fopen(argv[5], "wb");
+  std::fwrite(first.data(), sizeof(float), first.size(), f);
+  std::fclose(f);
+  return 0;
+}
+"""
+
+
+def find_nvcc() -> str | None:
+    cuda_home = os.environ.get("CUDA_HOME", "/usr/local/cuda")
+    for candidate in (shutil.which("nvcc"), os.path.join(cuda_home, "bin", "nvcc")):
+        if candidate and os.access(candidate, os.X_OK):
+            return candidate
+    return None
+
+
+@pytest.fixture(scope="module")
+def decoder(tmp_path_factory) -> Path:
+    nvcc = find_nvcc()
+    if nvcc is None:
+        pytest.skip("needs nvcc to build the host side of quant_blocks.cuh")
+    folder = tmp_path_factory.mktemp("quant_decode")
+    (folder / "decode.cu").write_text(DECODE_DRIVER)
+    # ORCA_QUANT_HOST_WIDE_LOADS: the host takes the device's 8-, 4- and 2-byte load paths too.
+    subprocess.run([nvcc, "-std=c++17", "-O1", "-DORCA_QUANT_HOST_WIDE_LOADS", f"-I{ROOT / 'csrc'}",
+                    str(folder / "decode.cu"), "-o", str(folder / "decode")],
+                   check=True, capture_output=True, timeout=300)
+    return folder / "decode"
+
+
+@pytest.mark.parametrize("qtype", FORMATS, ids=lambda q: q.name)
+def test_block_decoding_is_gguf_dequantize_bit_for_bit_at_every_alignment(decoder, qtype, tmp_path):
+    rng = np.random.default_rng(seed_of("decode", qtype))
+    rows, k = 5, awkward_k(qtype)
+    raw = random_blocks(qtype, rows, k, rng)
+    raw.tofile(tmp_path / "blocks.bin")
+    proc = subprocess.run([str(decoder), str(int(qtype)), str(rows), str(k), str(tmp_path / "blocks.bin"),
+                           str(tmp_path / "rows.bin")], capture_output=True, timeout=60)
+    assert proc.returncode == 0, f"decode exited with {proc.returncode} (3: the alignments disagree)"
+    ours = np.fromfile(tmp_path / "rows.bin", dtype=np.float32).reshape(rows, k)
+    want = gguf_quants.dequantize(raw, qtype).astype(np.float32)
+    assert np.array_equal(ours.view(np.uint32), want.view(np.uint32)), f"{qtype.name} decodes differently from gguf"

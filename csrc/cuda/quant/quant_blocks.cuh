@@ -5,8 +5,8 @@
 // kernels dequantize: a group never straddles a block or a scale, so it needs one scale (and one
 // min) and 8 quants. Reading is split in two steps so that a kernel can issue the loads of the
 // next chunk before it computes on the current one:
-//   Fmt::Group g = Fmt::load(row, k);  // global loads only (byte-granular: blocks of 18, 34 or
-//                                     // 210 bytes leave rows at any even address)
+//   Fmt::Group g = Fmt::load(row, k);  // global loads only (as wide as the address allows: blocks
+//                                     // of 18, 34 or 210 bytes leave rows at any even address)
 //   Fmt::dequant(g, w);               // registers only: w[0..7] in float32
 // The float arithmetic is that of gguf.quants.dequantize (numpy float32, no fused multiply-add:
 // the explicit _rn intrinsics keep nvcc from contracting), so a float32 dequantization is bit for
@@ -66,8 +66,27 @@ ORCA_QUANT_HD float add_rn(float a, float b) {
 }
 
 ORCA_QUANT_HD uint16_t load_u16(const uint8_t* p) { return static_cast<uint16_t>(p[0] | (p[1] << 8)); }
-// 8 consecutive bytes, little-endian, as two words (byte loads: any alignment).
+// 8 consecutive bytes, little-endian, as two words, with the widest loads the address allows:
+// one 8-byte load (Q4_K quants in rows whose start is 16-byte aligned), 4- or 2-byte loads (the
+// blocks of 18, 34 and 210 bytes keep only 2-byte alignment), bytes otherwise.
 ORCA_QUANT_HD void load8(const uint8_t* p, uint32_t& lo, uint32_t& hi) {
+#if defined(__CUDA_ARCH__) || defined(ORCA_QUANT_HOST_WIDE_LOADS)
+  const uintptr_t a = reinterpret_cast<uintptr_t>(p);
+  if ((a & 7) == 0) {
+    const uint2 v = *reinterpret_cast<const uint2*>(p);
+    lo = v.x, hi = v.y;
+    return;
+  }
+  if ((a & 3) == 0) {
+    lo = reinterpret_cast<const uint32_t*>(p)[0], hi = reinterpret_cast<const uint32_t*>(p)[1];
+    return;
+  }
+  if ((a & 1) == 0) {
+    const uint16_t* h = reinterpret_cast<const uint16_t*>(p);
+    lo = uint32_t(h[0]) | uint32_t(h[1]) << 16, hi = uint32_t(h[2]) | uint32_t(h[3]) << 16;
+    return;
+  }
+#endif
   lo = uint32_t(p[0]) | uint32_t(p[1]) << 8 | uint32_t(p[2]) << 16 | uint32_t(p[3]) << 24;
   hi = uint32_t(p[4]) | uint32_t(p[5]) << 8 | uint32_t(p[6]) << 16 | uint32_t(p[7]) << 24;
 }
