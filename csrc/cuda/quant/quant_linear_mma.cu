@@ -18,7 +18,7 @@
 // Why one tensor-core kernel at every T rather than a CUDA-core GEMV for decode: a GEMV's float
 // FMAs cannot reproduce the mma's rounding, so a switch between the two at some T would break
 // batch invariance. At T = 1 the mma wastes 15 of its 16 rows, which costs nothing that matters:
-// decode is bound by the weight read. Why not dequantize into a scratch and call cuBLAS for
+// at decode the time goes to fetching and dequantizing the weight, not to the mma. Why not dequantize into a scratch and call cuBLAS for
 // prefill: cuBLAS chooses its kernel (and reduction order) from the shape, i.e. from T, and the
 // scratch would cost a write and a read of a bf16 copy of every weight.
 #include <atomic>
