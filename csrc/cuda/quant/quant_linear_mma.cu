@@ -4,16 +4,17 @@
 //   or silu(gate) * up of the rows n and I + n.
 //
 // Each block owns 32 weight rows (or 16 gate + 16 up rows) and one tile of 16 * MT tokens. Per
-// 256-column K chunk: x goes global -> shared by cp.async, the weight's quantized bytes are loaded
+// K chunk (512 columns at decode, else 256; see Smem): x goes global -> shared by cp.async, the weight's quantized bytes are loaded
 // into registers one chunk ahead (quant_blocks.cuh), dequantized to the activation type and stored
 // into a shared tile, and the 8 warps run mma.sync m16n8k16 on it: warp w owns columns
-// [32w, 32w + 32) of every chunk (two k16 steps), the same split at every T. The 8 partial sums of
+// [32w, 32w + 32) of every 256-column slice (two k16 steps), the same split at every T. The 8 partial sums of
 // an output are added in shared memory in warp order.
 //
-// Batch invariance: an output's arithmetic is fixed by K alone (the chunking, the warp split, the
-// k16 steps, the order of the final sum); T only picks MT and the number of token tiles, and an
-// mma computes each row of its tile on its own. So a token's result is bit for bit the same at any
-// T and in any batch, with no switch to another kernel at any size.
+// Batch invariance: an output's arithmetic is fixed by K alone (the warp split, the sequence of
+// k16 steps, the order of the final sum); T only picks MT (and with it the chunk size, which
+// changes no step) and the number of token tiles, and an mma computes each row of its tile on its
+// own. So a token's result is bit for bit the same at any T and in any batch, with no switch to
+// another kernel at any size.
 //
 // Why one tensor-core kernel at every T rather than a CUDA-core GEMV for decode: a GEMV's float
 // FMAs cannot reproduce the mma's rounding, so a switch between the two at some T would break
@@ -34,12 +35,17 @@ using namespace orca::kernels::detail;
 
 constexpr int kThreads = 256;        // 8 warps
 constexpr int kRowsW = 32;           // weight rows per block
-constexpr int kKC = 256;             // K chunk: 8 warps x 32 columns
-constexpr int kLD = kKC + 8;         // padded shared row (elements): 528 bytes, conflict-free ldmatrix
-constexpr int kGroupsPerThread = kRowsW * kKC / 8 / kThreads;  // 8-element weight groups: 4
 
+// Per MT: the K chunk (columns per pipeline stage) and the shared tiles. Decode (MT = 1) takes
+// 512-column chunks, twice the weight bytes in flight per thread and half the serial chunk steps;
+// the larger token tiles take 256 to stay within shared memory. Within a chunk warp w always owns
+// the columns 32w .. 32w + 31 of each 256-column slice, so both chunkings give every output the
+// same sequence of k16 mma steps.
 template <int MT>
 struct Smem {
+  static constexpr int kKC = MT == 1 ? 512 : 256;
+  static constexpr int kLD = kKC + 8;  // padded shared row (elements): an odd multiple of 16 bytes, conflict-free ldmatrix
+  static constexpr int kGroups = kRowsW * kKC / 8 / kThreads;  // 8-element weight groups per thread: 8 or 4
   static constexpr int kRowsX = 16 * MT;
   static constexpr int kXElems = kRowsX * kLD;
   static constexpr int kWElems = kRowsW * kLD;
@@ -60,7 +66,7 @@ __global__ void __launch_bounds__(kThreads)
                             T* __restrict__ out,              // [T, n_out]
                             int n_tokens, int k_dim, int n_out, int64_t row_bytes) {
   using S = Smem<MT>;
-  constexpr int R = S::kRowsX;
+  constexpr int R = S::kRowsX, kKC = S::kKC, kLD = S::kLD, kGroupsPerThread = S::kGroups;
   extern __shared__ __align__(16) unsigned char smem_raw[];
   T* smem = reinterpret_cast<T*>(smem_raw);
   T* sx_base = smem;                   // [2][R][kLD]
@@ -150,8 +156,11 @@ __global__ void __launch_bounds__(kThreads)
     const T* sx = sx_base + cur * S::kXElems;
     const T* sw = sw_base + cur * S::kWElems;
 #pragma unroll
-    for (int step = 0; step < 2; ++step) {
-      const int kcol = warp * 32 + step * 16;
+    for (int step = 0; step < kKC / 128; ++step) {
+      const int kcol = (step >> 1) * 256 + warp * 32 + (step & 1) * 16;
+      // Steps wholly past K (K is a multiple of 32) are skipped, so that every chunking runs the
+      // same steps; kcol grows with step, and the condition is uniform over the warp.
+      if (chunk * kKC + kcol >= k_dim) break;
       uint32_t b[2][4];
 #pragma unroll
       for (int np = 0; np < 2; ++np)
