@@ -139,7 +139,7 @@ EOF
 # --build DIR --target cuda_benchmarks: one copy of the benchmark stub per benchmark.
 if [ "${1:-}" = "--build" ] && [[ " $* " == *" cuda_benchmarks "* ]]; then
   mkdir -p "$2/bench/cuda"
-  for b in bench_ceiling bench_rms_norm bench_slab_write bench_slab_move bench_rmsnorm_qkv bench_ragged_attention; do
+  for b in bench_ceiling bench_rms_norm bench_slab_write bench_slab_move bench_rmsnorm_qkv bench_ragged_attention quant_gemm_bench; do
     cp "$(dirname "$0")/bench" "$2/bench/cuda/$b"
   done
 fi
@@ -266,7 +266,7 @@ if want micro || want memcheck; then
   run_step bench_build 90 "$CMAKE" --build "$BUILD_DIR" --target cuda_benchmarks -j "$MAX_JOBS"
 fi
 if want micro; then
-  for b in bench_ceiling bench_rms_norm bench_slab_write bench_slab_move bench_rmsnorm_qkv bench_ragged_attention; do
+  for b in bench_ceiling bench_rms_norm bench_slab_write bench_slab_move bench_rmsnorm_qkv bench_ragged_attention quant_gemm_bench; do
     exe="$(bench_exe "$b")"
     if [ -z "$exe" ]; then log "missing $BUILD_DIR/bench/cuda/$b"; record "micro_$b" missing 0; continue; fi
     cap=30; [ "$b" = bench_ragged_attention ] && cap=60  # it sweeps items_per_sm x decode_stages

@@ -21,7 +21,7 @@ SCRIPT = ROOT / "bench" / "device_check.sh"
 ALL_FILES = {"device_check.log", "steps.tsv", "preflight.txt", "pytest.xml", "microbench.jsonl",
              "gpu_reference.json", "gpu_engine.json", "summary.json"}
 BENCHES = ("bench_ceiling", "bench_rms_norm", "bench_slab_write", "bench_slab_move", "bench_rmsnorm_qkv",
-           "bench_ragged_attention")
+           "bench_ragged_attention", "quant_gemm_bench")
 MEMCHECKED = ("bench_slab_write", "bench_slab_move", "bench_ragged_attention")
 ALL_STEPS = ({"build", "tests", "bench_build", "reference", "graphs", "engine"}
              | {f"micro_{b}" for b in BENCHES} | {f"memcheck_{b}" for b in MEMCHECKED})

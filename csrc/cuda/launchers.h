@@ -164,4 +164,47 @@ cudaError_t slab_move(void* pools,             // [P, S, row_bytes]
                       const int64_t* moves,    // [M, 3] (src, dst, n), host memory
                       int64_t n_moves, void* scratch, size_t scratch_bytes, cudaStream_t stream);
 
+// ---- quantized weights (GGUF blocks): quant_linear, quant_linear_silu_mul, quant_embedding ------
+// A weight [N, K] is N rows of K / QK blocks in llama.cpp's ggml layout, exactly as a GGUF stores
+// them: qtype is the ggml type id, Q4_0 (2), Q4_1 (3), Q8_0 (8), Q4_K (12) or Q6_K (14); K must be
+// a multiple of the block's QK (32, or 256 for the K-quants); row r starts at r * row_bytes with
+// row_bytes = K / QK * block_bytes (any alignment). Blocks are dequantized in registers and never
+// written out. Accumulation is float32 with one rounding at the end. Batch-invariant at every T: a
+// token's result does not depend on T or on the other tokens (fixed reduction order per output;
+// fp16/bf16 run one tensor-core kernel at every T, float32 a CUDA-core one). Details:
+// csrc/cuda/quant/quant_linear_mma.cu and docs/DESIGN.md section 4.
+
+// QK (elements per block) and bytes per block of a ggml type id; 0 for a type not served here.
+int64_t quant_block_elems(int64_t qtype);
+int64_t quant_block_bytes(int64_t qtype);
+
+// True when quant_linear / quant_linear_silu_mul accept these activations: fp16/bf16 need x
+// 16-byte aligned (cp.async); float32 has no requirement.
+bool quant_linear_supported(DType dtype, const void* x);
+
+// out = x deq(W)^T + bias + residual, the two optional terms added before the one rounding.
+cudaError_t quant_linear(DType dtype, int64_t qtype,
+                         const void* x,         // [T, K]
+                         const void* qweight,   // [N, row_bytes] uint8
+                         const void* bias,      // [N] or nullptr
+                         const void* residual,  // [T, N] or nullptr
+                         void* out,             // [T, N]
+                         int64_t n_tokens, int64_t k, int64_t n_out, cudaStream_t stream);
+
+// out = silu(gate) * up with gate = x deq(W[:I])^T + bias[:I], up = x deq(W[I:])^T + bias[I:].
+cudaError_t quant_linear_silu_mul(DType dtype, int64_t qtype,
+                                  const void* x,        // [T, K]
+                                  const void* qweight,  // [2I, row_bytes] uint8: gate rows, then up rows
+                                  const void* bias,     // [2I] or nullptr
+                                  void* out,            // [T, I]
+                                  int64_t n_tokens, int64_t k, int64_t n_inter, cudaStream_t stream);
+
+// out[t] = deq(qweight[token_ids[t]]) in float32, rounded once to dtype (float32: bit for bit
+// gguf.quants.dequantize). A token id outside [0, V) gives a row of zeros.
+cudaError_t quant_embedding(DType dtype, int64_t qtype,
+                            const void* qweight,       // [V, row_bytes] uint8
+                            const int64_t* token_ids,  // [T]
+                            void* out,                 // [T, K]
+                            int64_t n_tokens, int64_t n_rows /* V */, int64_t k, cudaStream_t stream);
+
 }  // namespace orca::kernels

@@ -56,4 +56,19 @@ at::Tensor ragged_attention_with_plan(const at::Tensor& q,        // [T, Hq, D]
                                       const RaggedAttentionPlan& plan,
                                       double scale);              // -> [T, Hq, D]
 
+// ---- quantized weights (GGUF blocks; cuda_quant_ops.cpp) -----------------------------------------
+// qtype is the ggml type id; ops.cpp has checked it, K against the block size and row_bytes, and
+// the shapes, dtypes and devices. Batch-invariant at every T (launchers.h, quant section).
+at::Tensor quant_linear(const at::Tensor& x,                         // [T, K]
+                        const at::Tensor& qweight,                   // [N, row_bytes] uint8
+                        int64_t qtype, int64_t k,
+                        const std::optional<at::Tensor>& bias,       // [N]
+                        const std::optional<at::Tensor>& residual);  // [T, N] -> [T, N]
+at::Tensor quant_linear_silu_mul(const at::Tensor& x, const at::Tensor& qweight,  // [2I, row_bytes]
+                                 int64_t qtype, int64_t k,
+                                 const std::optional<at::Tensor>& bias);  // [2I] -> [T, I]
+at::Tensor quant_embedding(const at::Tensor& qweight, int64_t qtype, int64_t k,
+                           const at::Tensor& token_ids,              // [T] int64
+                           at::ScalarType dtype);                    // -> [T, K]
+
 }  // namespace orca::cuda_ops
