@@ -49,6 +49,9 @@ class ScheduledBatch:
     # Selected requests whose inputs the model cannot take (token id, position or slot out of
     # range): already failed, left out of the forward, and completed with the batch.
     dropped: list = dataclasses.field(default_factory=list)
+    # Logits rows per request (Request.logit_rows); None: one each, as every batch without a
+    # prompt-logprobs request has.
+    logit_rows: Optional[list] = None
 
 
 class Engine:
@@ -237,7 +240,9 @@ class Engine:
             self.records.append(IterationRecord(index, tuple(r.request_id for r in reqs), n_prefill,
                                                 n_decode, self.scheduler.n_rsrv,
                                                 chunk_sizes=tuple(len(new_ids) for new_ids, _, _ in inputs)))
-        return ScheduledBatch(index, reqs, inputs, record, dropped)
+        rows = [r.logit_rows for r in reqs]
+        return ScheduledBatch(index, reqs, inputs, record, dropped,
+                              logit_rows=None if all(n == 1 for n in rows) else rows)
 
     def _record_completion(self, batch: ScheduledBatch, future: BatchFuture) -> None:
         if batch.record >= 0:
@@ -269,6 +274,8 @@ class Engine:
                 self._end(req, "error", _forward_failed(result))
             else:
                 req.num_cached += len(batch.inputs[i][0])
+                if result.prompt_logprobs is not None and result.prompt_logprobs[i] is not None:
+                    req.prompt_logprobs.extend(result.prompt_logprobs[i])
                 if req.num_cached == len(req.prompt_token_ids):
                     self.num_prompt_tokens += req.num_cached
                 elif req.prompt_remaining:
@@ -276,7 +283,11 @@ class Engine:
                 err = result.errors[i]
                 if err is not None:
                     self._end(req, "error", err)
+                elif req.params.max_tokens == 0:  # a scored prompt: nothing to generate
+                    self._end(req, "length")
                 else:
+                    if result.logprobs is not None and req.logprobs is not None:
+                        req.logprobs.append(result.logprobs[i])
                     try:
                         self._append_token(req, result.tokens[i])
                     except Exception as exc:  # e.g. a detokenizer error: only this request fails
