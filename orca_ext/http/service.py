@@ -32,6 +32,7 @@ from ..validation import text_prompt_ids
 from . import protocol
 from .errors import APIError, bad_request
 from .guards import bearer_ok
+from .logprob_fields import TokenTexts, chat_logprobs, completion_logprobs
 from .metrics import Metrics
 from .prompt_workers import DEFAULT_PROMPT_JOBS_PER_CLIENT, DEFAULT_PROMPT_THREADS, PromptWorkers
 from .rejections import RejectionBudget
@@ -120,6 +121,7 @@ class Service:
         self.prompt_workers = PromptWorkers(prompt_threads, prompt_jobs_per_client)
         encoder = server.prompt_encoder
         self.chat = ChatPromptEncoder(server.tokenizer, encoder) if encoder is not None else None
+        self._token_texts: TokenTexts | None = None
 
     def model_card(self) -> dict:
         return protocol.model_card(self.model_name, self.created, self.server.max_model_len,
@@ -238,6 +240,55 @@ class Service:
         limit = min(self.server.max_model_len, self.server.n_slots)
         return max(1, min(self.default_max_tokens, limit - prompt_len))
 
+    # -- logprobs and echo ----------------------------------------------------------------------
+
+    @property
+    def token_texts(self) -> TokenTexts:
+        """Single-token texts for logprobs (made on first use: it copies the tokenizer)."""
+        if self._token_texts is None:
+            self._token_texts = TokenTexts(self.server.tokenizer)
+        return self._token_texts
+
+    def echo_text(self, body: protocol.CompletionRequest, out: Any) -> str:
+        """The prompt as completions' echo shows it: the client's text, or its token ids decoded."""
+        return body.prompt if isinstance(body.prompt, str) else self.token_texts.text(out.prompt_token_ids)
+
+    def completion_choice_logprobs(self, body: protocol.CompletionRequest, out: Any, *, start: int = 0,
+                                   prompt: bool = False, text_offset: int = 0) -> dict | None:
+        """Completions' logprobs of the generated tokens from index `start` (and before them the
+        prompt's, when `prompt`), or None when the request did not ask for logprobs."""
+        if body.logprobs is None:
+            return None
+        entries: list = list(out.logprobs[start:]) if out.logprobs is not None else []
+        ids: list[int] = list(out.token_ids[start:])
+        if prompt and out.prompt_logprobs is not None:
+            entries = list(out.prompt_logprobs) + entries
+            ids = list(out.prompt_token_ids) + ids
+        return completion_logprobs(entries, ids, self.token_texts, text_offset)
+
+    def chat_choice_logprobs(self, body: protocol.ChatCompletionRequest, out: Any, start: int = 0) -> dict | None:
+        """Chat's logprobs of the generated tokens from index `start`, or None when not asked."""
+        if not body.logprobs or out.logprobs is None:
+            return None
+        return chat_logprobs(out.logprobs[start:], self.token_texts)
+
+    def completion_json(self, rid: str, created: int, body: protocol.CompletionRequest, out: Any) -> dict:
+        """The non-streaming completions response of a finished request."""
+        prefix = self.echo_text(body, out) if body.echo else ""
+        result = protocol.completion_body(rid, created, self.model_name, prefix + out.text, out.finish_reason,
+                                          protocol.usage(len(out.prompt_token_ids), len(out.token_ids)),
+                                          chunk=False)
+        result["choices"][0]["logprobs"] = self.completion_choice_logprobs(
+            body, out, prompt=bool(body.echo), text_offset=0)
+        return result
+
+    def chat_json(self, rid: str, created: int, body: protocol.ChatCompletionRequest, out: Any) -> dict:
+        """The non-streaming chat response of a finished request."""
+        result = protocol.chat_body(rid, created, self.model_name, out.text, out.finish_reason,
+                                    protocol.usage(len(out.prompt_token_ids), len(out.token_ids)))
+        result["choices"][0]["logprobs"] = self.chat_choice_logprobs(body, out)
+        return result
+
     # -- engine ---------------------------------------------------------------------------------
 
     async def submit(self, adm: Admission, prompt: str | list[int], body: protocol._SamplingFields,
@@ -246,7 +297,7 @@ class Service:
         InvalidRequestError (app.py reports it in the endpoint's field names). A text prompt is
         encoded first, on a prompt thread within `client`'s share."""
         try:
-            params = SamplingParams(**body.sampling_kwargs(max_tokens))
+            params = SamplingParams(**body.sampling_kwargs(max_tokens), **body.logits_kwargs())
             encoder = self.server.prompt_encoder
             if isinstance(prompt, str) and encoder is not None:
                 prompt = await self.prompt_workers.run(client, text_prompt_ids, encoder, prompt)

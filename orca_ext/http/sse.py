@@ -89,13 +89,24 @@ def _ended_early(adm: Admission, out: Any) -> str | None:
 async def completion_events(adm: Admission, body: protocol.CompletionRequest, created: int) -> AsyncIterator[str]:
     model, rid, with_usage = adm.service.model_name, adm.rid, body.include_usage
     usage_field = {"usage": None} if with_usage else {}
+    svc = adm.service
+    echo_pending = bool(body.echo)   # the first chunk carries the prompt (and its logprobs)
+    sent_tokens = 0                  # generated tokens whose logprobs were sent
+    offset = 0                       # text_offset of the next token
     async for delta, out in _deltas(adm):
         if (error := _ended_early(adm, out)) is not None:
             yield error
             return
-        if delta or out.finished:
-            chunk = protocol.completion_body(rid, created, model, delta,
+        if delta or out.finished or echo_pending:
+            text = svc.echo_text(body, out) + delta if echo_pending else delta
+            chunk = protocol.completion_body(rid, created, model, text,
                                              out.finish_reason if out.finished else None, None, chunk=True)
+            logprobs = svc.completion_choice_logprobs(body, out, start=sent_tokens, prompt=echo_pending,
+                                                      text_offset=offset)
+            if logprobs is not None:
+                chunk["choices"][0]["logprobs"] = logprobs
+                offset += sum(len(t) for t in logprobs["tokens"])
+            sent_tokens, echo_pending = len(out.token_ids), False
             yield event({**chunk, **usage_field})
         if out.finished and with_usage:
             yield event({"id": rid, "object": "text_completion", "created": created, "model": model,
@@ -106,16 +117,27 @@ async def chat_events(adm: Admission, body: protocol.ChatCompletionRequest, crea
     model, rid, with_usage = adm.service.model_name, adm.rid, body.include_usage
     yield event(protocol.chat_chunk(rid, created, model, {"role": "assistant", "content": ""}, None,
                                     with_usage_field=with_usage))
+    svc = adm.service
+    sent_tokens = 0  # generated tokens whose logprobs were sent
+
+    def with_logprobs(chunk: dict, out: Any) -> dict:
+        nonlocal sent_tokens
+        logprobs = svc.chat_choice_logprobs(body, out, sent_tokens)
+        if logprobs is not None and logprobs["content"]:
+            chunk["choices"][0]["logprobs"] = logprobs
+        sent_tokens = len(out.token_ids)
+        return chunk
+
     async for delta, out in _deltas(adm):
         if (error := _ended_early(adm, out)) is not None:
             yield error
             return
         if delta:
-            yield event(protocol.chat_chunk(rid, created, model, {"content": delta}, None,
-                                            with_usage_field=with_usage))
+            yield event(with_logprobs(protocol.chat_chunk(rid, created, model, {"content": delta}, None,
+                                                          with_usage_field=with_usage), out))
         if out.finished:
-            yield event(protocol.chat_chunk(rid, created, model, {}, out.finish_reason,
-                                            with_usage_field=with_usage))
+            yield event(with_logprobs(protocol.chat_chunk(rid, created, model, {}, out.finish_reason,
+                                                          with_usage_field=with_usage), out))
             if with_usage:
                 yield event(protocol.chat_chunk(rid, created, model, None, None, protocol.usage(
                     len(out.prompt_token_ids), len(out.token_ids)), with_usage_field=True))
