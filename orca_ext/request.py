@@ -103,6 +103,10 @@ class Request:
         self.generator = None              # per-request torch.Generator, made on first sampled step
         self.version = 0                   # bumped whenever a new snapshot is available
         self.stop_matcher = params.stop_matcher()  # streaming stop-string search (None: no stops)
+        # A sibling of an earlier request with the same prompt (n > 1): the engine holds it back
+        # until that request's prompt is cached, then copies the prompt's KV rows instead of
+        # prefilling them again (Engine._fork). Cleared once used.
+        self.fork_of: Optional["Request"] = None
         self.logprobs: Optional[list[TokenLogprob]] = [] if params.logprobs is not None else None
         self.prompt_logprobs: Optional[list[Optional[TokenLogprob]]] = (
             [None] if params.prompt_logprobs is not None else None)

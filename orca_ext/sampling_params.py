@@ -7,6 +7,7 @@ immutable values, so that params can be shared between requests. The batched sam
 """
 from __future__ import annotations
 
+import dataclasses
 import math
 import numbers
 import operator
@@ -153,6 +154,14 @@ class SamplingParams:
     def stop_matcher(self) -> Optional[StopMatcher]:
         """A fresh streaming matcher of the stop strings (None without stop strings)."""
         return StopMatcher(self._stop_automaton) if self._stop_automaton is not None else None
+
+    def for_sequence(self, index: int) -> "SamplingParams":
+        """The params of sequence `index` of a request with n > 1 sequences: the same, except the
+        seed, which is seed + index (mod 2**64, the generator's seed), so that sequence i of a
+        seeded request is reproducible alone, and sequence 0 is the single-sequence request."""
+        if self.seed is None or index == 0:
+            return self
+        return dataclasses.replace(self, seed=(self.seed + index) % (1 << 64))
 
     @property
     def controls_logits(self) -> bool:
