@@ -59,3 +59,85 @@ def test_aborts_leave_the_siblings_correct(server):
     assert [o.finish_reason for o in outs[:2]] == ["abort", "abort"]
     assert [o.token_ids for o in outs[2:]] == [ref, ref]
     assert server.stats()["running"] == 0
+
+
+# -- over HTTP ------------------------------------------------------------------------------------
+
+def _call(server, fn):
+    import asyncio
+
+    import httpx
+    import openai
+
+    from orca_ext.http import create_app
+
+    app = create_app(server, model_name="m", max_queue=8)
+
+    async def go():
+        async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://app") as c:
+            client = openai.AsyncOpenAI(base_url="http://app/v1", api_key="none", http_client=c, max_retries=0)
+            return await fn(client)
+    return asyncio.run(go())
+
+
+def test_http_n_choices_match_single_runs_streamed_or_not(server):
+    """n=4 with logprobs: 4 choices whose tokens and logprobs are the single-sequence runs of
+    seeds seed + i, streamed or not."""
+    prompt = list(range(3000, 3030))
+    kw = dict(model="m", prompt=prompt, max_tokens=5, temperature=0.8, seed=77, logprobs=2,
+              extra_body={"ignore_eos": True})
+
+    async def fn(client):
+        plain = await client.completions.create(n=N, **kw)
+        chunks = [c async for c in await client.completions.create(n=N, stream=True, **kw)]
+        singles = [await client.completions.create(**{**kw, "seed": 77 + i}) for i in range(N)]
+        return plain, chunks, singles
+
+    plain, chunks, singles = _call(server, fn)
+    assert [c.index for c in plain.choices] == list(range(N))
+    assert plain.usage.completion_tokens == 5 * N
+    for choice, single in zip(plain.choices, singles):
+        assert choice.text == single.choices[0].text
+        assert choice.logprobs.token_logprobs == pytest.approx(single.choices[0].logprobs.token_logprobs, abs=1e-5)
+        streamed = [c.choices[0] for c in chunks if c.choices and c.choices[0].index == choice.index]
+        assert "".join(c.text for c in streamed) == choice.text
+        assert [v for c in streamed if c.logprobs for v in c.logprobs.token_logprobs] == \
+            pytest.approx(choice.logprobs.token_logprobs, abs=1e-6)
+
+
+def test_http_chat_n_and_best_of(server):
+    async def fn(client):
+        chat = await client.chat.completions.create(
+            model="m", messages=[{"role": "user", "content": "hi"}], n=3, max_tokens=4, temperature=1.0, seed=5,
+            logprobs=True)
+        best = await client.completions.create(model="m", prompt=list(range(10, 30)), n=2, best_of=5,
+                                               max_tokens=4, temperature=1.0, seed=9,
+                                               extra_body={"ignore_eos": True})
+        every = await client.completions.create(model="m", prompt=list(range(10, 30)), n=5, max_tokens=4,
+                                                temperature=1.0, seed=9, logprobs=0,
+                                                extra_body={"ignore_eos": True})
+        return chat, best, every
+
+    chat, best, every = _call(server, fn)
+    assert [c.index for c in chat.choices] == [0, 1, 2]
+    assert all(len(c.logprobs.content) == len(chat.choices[0].logprobs.content) for c in chat.choices)
+    # best_of=5, n=2: the two of the five sequences (the same seeds as n=5) of highest total logprob.
+    totals = [sum(c.logprobs.token_logprobs) for c in every.choices]
+    top2 = sorted(sorted(range(5), key=lambda i: -totals[i])[:2])
+    assert [c.text for c in best.choices] == [every.choices[i].text for i in top2]
+    assert best.choices[0].logprobs is None  # not asked for
+    assert best.usage.completion_tokens == 4 * 5
+
+
+@pytest.mark.parametrize("body, param", [
+    ({"n": 0}, "n"), ({"n": 17}, "n"), ({"best_of": 17}, "best_of"), ({"n": 3, "best_of": 2}, "best_of"),
+    ({"n": 1, "best_of": 2, "stream": True}, "best_of"),
+])
+def test_http_n_bounds(server, body, param):
+    async def fn(client):
+        with pytest.raises(Exception) as info:
+            await client.completions.create(model="m", prompt="hi", **body)
+        return info.value
+
+    err = _call(server, fn)
+    assert err.status_code == 400 and err.body["param"] == param

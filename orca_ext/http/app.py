@@ -271,7 +271,7 @@ async def _run_completion(svc: Service, request: Request, body: protocol.Complet
     created = protocol.now()
     return await _respond(
         svc, request, body, adm, lambda: sse.completion_events(adm, body, created),
-        lambda out: svc.completion_json(adm.rid, created, body, out))
+        lambda out: svc.completion_json(adm, created, body))
 
 
 async def _run_chat(svc: Service, request: Request, body: protocol.ChatCompletionRequest,
@@ -284,4 +284,4 @@ async def _run_chat(svc: Service, request: Request, body: protocol.ChatCompletio
     created = protocol.now()
     return await _respond(
         svc, request, body, adm, lambda: sse.chat_events(adm, body, created),
-        lambda out: svc.chat_json(adm.rid, created, body, out))
+        lambda out: svc.chat_json(adm, created, body))

@@ -71,8 +71,8 @@ class _SamplingFields(_Strict):
 
     def check_unsupported(self) -> None:
         """400 for options the engine does not implement, naming the field."""
-        if self.n is not None and self.n != 1:
-            raise bad_request(f"n must be 1 (got {self.n}): one choice per request is supported", "n")
+        if self.n is not None and not 1 <= self.n <= MAX_SEQUENCES:
+            raise bad_request(f"n must be an integer in [1, {MAX_SEQUENCES}], got {self.n}", "n")
         if self.stream_options is not None and not self.stream:
             raise bad_request("stream_options is only allowed when stream is true", "stream_options")
 
@@ -91,6 +91,16 @@ class _SamplingFields(_Strict):
             stop_token_ids=tuple(self.stop_token_ids or ()),
             ignore_eos=bool(self.ignore_eos),
         )
+
+    @property
+    def num_sequences(self) -> int:
+        """Sequences generated for this request: n (best_of when larger)."""
+        return self.n or 1
+
+    @property
+    def ranks_sequences(self) -> bool:
+        """Whether more sequences are generated than returned (best_of > n)."""
+        return False
 
     def logits_kwargs(self) -> dict[str, Any]:
         """Keyword arguments for orca_ext.SamplingParams: penalties, logit_bias, min_tokens and
@@ -122,6 +132,9 @@ class _SamplingFields(_Strict):
 # Completions' logprobs limit (OpenAI's); chat allows sampling_params.MAX_LOGPROBS (20).
 MAX_COMPLETION_LOGPROBS = 5
 MAX_LOGIT_BIAS_KEY_CHARS = 20
+# n and best_of: sequences per request. Each is a request of its own in the engine (sharing one
+# prefill), so this bounds how much of the batch one HTTP request can take.
+MAX_SEQUENCES = 16
 
 
 def logit_bias_ids(bias: dict[str, float] | None) -> dict[int, float]:
@@ -167,13 +180,25 @@ class CompletionRequest(_SamplingFields):
             kwargs["prompt_logprobs"] = self.logprobs or 0
         return kwargs
 
+    @property
+    def num_sequences(self) -> int:
+        return max(self.n or 1, self.best_of or 1)
+
+    @property
+    def ranks_sequences(self) -> bool:
+        return self.num_sequences > (self.n or 1)
+
     def check_unsupported(self) -> None:
         super().check_unsupported()
         if self.logprobs is not None and not 0 <= self.logprobs <= MAX_COMPLETION_LOGPROBS:
             raise bad_request(f"logprobs must be an integer in [0, {MAX_COMPLETION_LOGPROBS}], got {self.logprobs}",
                               "logprobs")
-        if self.best_of not in (None, 1):
-            raise bad_request(f"best_of must be 1 (got {self.best_of})", "best_of")
+        if self.best_of is not None and not (self.n or 1) <= self.best_of <= MAX_SEQUENCES:
+            raise bad_request(f"best_of must be an integer in [n, {MAX_SEQUENCES}] (n = {self.n or 1}), "
+                              f"got {self.best_of}", "best_of")
+        if self.ranks_sequences and self.stream:
+            raise bad_request("best_of > n cannot be streamed (the best sequences are known only at the end)",
+                              "best_of")
         if self.suffix:
             raise bad_request("suffix is not supported", "suffix")
 

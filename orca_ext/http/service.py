@@ -18,6 +18,7 @@ period, then aborts the rest, which end with an in-band error event (streams, se
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import logging
 from typing import Any, Callable
 
@@ -70,6 +71,10 @@ class Admission:
         self.finished = False
         self.shutdown = False   # ended by the server's drain, not by the client or the engine
         self._closed = False
+        # Engine request ids of its sequences (n / best_of > 1: rid, rid-1, rid-2, ...), and
+        # their final outputs in that order once collected.
+        self.seq_rids: list[str] = [rid]
+        self.outputs: list[Any] = []
 
     def close(self) -> None:
         if self._closed:
@@ -81,17 +86,18 @@ class Admission:
         if self.submitted and not self.finished:
             # The client is gone (or we failed): free the slab now, not when max_tokens is reached.
             server = self.service.server
-            try:
-                aborted = server.abort(self.rid)
-                self.service.metrics.observe_rejected(self.endpoint, "shutdown" if self.shutdown else "abort")
-                logger.info("request %s aborted (client disconnected or failed; was live: %s)", self.rid, aborted)
-                # Collect the final output so the server releases the id now instead of keeping
-                # an undelivered output around (abort() finishes the request synchronously).
-                server.result(self.rid, timeout=0)
-            except (KeyError, TimeoutError):
-                pass
-            except Exception:  # cleanup runs in finally blocks: never mask the original error
-                logger.exception("request %s: abort failed", self.rid)
+            self.service.metrics.observe_rejected(self.endpoint, "shutdown" if self.shutdown else "abort")
+            for rid in self.seq_rids:
+                try:
+                    aborted = server.abort(rid)
+                    logger.info("request %s aborted (client disconnected or failed; was live: %s)", rid, aborted)
+                    # Collect the final output so the server releases the id now instead of keeping
+                    # an undelivered output around (abort() finishes the request synchronously).
+                    server.result(rid, timeout=0)
+                except (KeyError, TimeoutError):
+                    pass
+                except Exception:  # cleanup runs in finally blocks: never mask the original error
+                    logger.exception("request %s: abort failed", rid)
 
 
 class Service:
@@ -216,7 +222,8 @@ class Service:
         """End one admitted request because the server is going away."""
         adm.shutdown = True
         if adm.submitted:
-            self.server.abort(adm.rid)
+            for rid in adm.seq_rids:
+                self.server.abort(rid)
 
     def observe_finished(self, adm: Admission, out: Any) -> None:
         if out.finish_reason == "abort" and adm.shutdown:
@@ -272,21 +279,48 @@ class Service:
             return None
         return chat_logprobs(out.logprobs[start:], self.token_texts)
 
-    def completion_json(self, rid: str, created: int, body: protocol.CompletionRequest, out: Any) -> dict:
-        """The non-streaming completions response of a finished request."""
-        prefix = self.echo_text(body, out) if body.echo else ""
-        result = protocol.completion_body(rid, created, self.model_name, prefix + out.text, out.finish_reason,
-                                          protocol.usage(len(out.prompt_token_ids), len(out.token_ids)),
+    @staticmethod
+    def chosen(adm: Admission, body: protocol._SamplingFields) -> list:
+        """The outputs that become choices: all n, or with best_of > n the n of highest cumulative
+        logprob (ties: the lower sequence index first)."""
+        outs = adm.outputs
+        n = body.n or 1
+        if len(outs) > n:
+            ranked = sorted(range(len(outs)), key=lambda i: (-sum(e.logprob for e in outs[i].logprobs), i))
+            outs = [outs[i] for i in sorted(ranked[:n])]
+        return outs
+
+    @staticmethod
+    def usage_of(adm: Admission) -> dict:
+        """Usage over every sequence generated (best_of's extra ones included, as OpenAI bills)."""
+        first = adm.outputs[0]
+        return protocol.usage(len(first.prompt_token_ids), sum(len(o.token_ids) for o in adm.outputs))
+
+    def completion_json(self, adm: Admission, created: int, body: protocol.CompletionRequest) -> dict:
+        """The non-streaming completions response of a finished request: one choice per sequence."""
+        choices = []
+        for index, out in enumerate(self.chosen(adm, body)):
+            prefix = self.echo_text(body, out) if body.echo else ""
+            choice = protocol.completion_body(adm.rid, created, self.model_name, prefix + out.text,
+                                              out.finish_reason, None, chunk=True)["choices"][0]
+            choice.update(index=index, logprobs=self.completion_choice_logprobs(
+                body, out, prompt=bool(body.echo), text_offset=0))
+            choices.append(choice)
+        result = protocol.completion_body(adm.rid, created, self.model_name, "", None, self.usage_of(adm),
                                           chunk=False)
-        result["choices"][0]["logprobs"] = self.completion_choice_logprobs(
-            body, out, prompt=bool(body.echo), text_offset=0)
+        result["choices"] = choices
         return result
 
-    def chat_json(self, rid: str, created: int, body: protocol.ChatCompletionRequest, out: Any) -> dict:
-        """The non-streaming chat response of a finished request."""
-        result = protocol.chat_body(rid, created, self.model_name, out.text, out.finish_reason,
-                                    protocol.usage(len(out.prompt_token_ids), len(out.token_ids)))
-        result["choices"][0]["logprobs"] = self.chat_choice_logprobs(body, out)
+    def chat_json(self, adm: Admission, created: int, body: protocol.ChatCompletionRequest) -> dict:
+        """The non-streaming chat response of a finished request: one choice per sequence."""
+        choices = []
+        for index, out in enumerate(self.chosen(adm, body)):
+            choice = protocol.chat_body(adm.rid, created, self.model_name, out.text, out.finish_reason,
+                                        None)["choices"][0]
+            choice.update(index=index, logprobs=self.chat_choice_logprobs(body, out))
+            choices.append(choice)
+        result = protocol.chat_body(adm.rid, created, self.model_name, "", None, self.usage_of(adm))
+        result["choices"] = choices
         return result
 
     # -- engine ---------------------------------------------------------------------------------
@@ -301,8 +335,19 @@ class Service:
             encoder = self.server.prompt_encoder
             if isinstance(prompt, str) and encoder is not None:
                 prompt = await self.prompt_workers.run(client, text_prompt_ids, encoder, prompt)
+            count = body.num_sequences
+            if count > 1 and body.ranks_sequences:
+                # best_of > n ranks the sequences by their cumulative logprob.
+                params = dataclasses.replace(params, logprobs=params.logprobs or 0)
             await asyncio.to_thread(self.server.submit, prompt, params, request_id=adm.rid,
                                     client=client)
+            adm.submitted = True
+            for i in range(1, count):
+                rid = f"{adm.rid}-{i}"
+                adm.seq_rids.append(rid)
+                # `prompt` is token ids by now: the siblings reuse the first sequence's and its prefill.
+                await asyncio.to_thread(self.server.submit, prompt, params.for_sequence(i), request_id=rid,
+                                        client=client, share_prefill_with=adm.rid)
         except EngineDeadError as exc:
             raise APIError(503, str(exc), code="engine_dead") from exc
         except ServerClosedError as exc:
@@ -315,29 +360,34 @@ class Service:
     async def collect(self, adm: Admission, request: Request) -> Any:
         """The final output, or None when the client disconnected first (the caller's
         admission.close() then aborts the request)."""
-        stream = self.server.stream_async(adm.rid)
+        streams = [self.server.stream_async(rid) for rid in adm.seq_rids]
 
-        async def last() -> Any:
+        async def last(stream) -> Any:
             final = None
             async for out in stream:
                 final = out
             return final
 
-        result_task = asyncio.ensure_future(last())
+        result_task = asyncio.ensure_future(asyncio.gather(*(last(st) for st in streams)))
         watch_task = asyncio.ensure_future(_wait_disconnect(request))
         try:
             done, _ = await asyncio.wait({result_task, watch_task}, return_when=asyncio.FIRST_COMPLETED)
             if result_task not in done:
                 logger.info("request %s: client disconnected before the result", adm.rid)
                 return None
-            final = result_task.result()
+            finals = result_task.result()
         finally:
             watch_task.cancel()
             if not result_task.done():
                 result_task.cancel()
-        if final is not None and final.finished:
-            adm.finished = True
-            self.observe_finished(adm, final)
+        adm.outputs = list(finals)
+        if any(out is None or not out.finished for out in finals):
+            return None if finals[0] is None else finals[0]
+        adm.finished = True
+        # The response stands or falls with its worst sequence: an error, else an abort.
+        final = next((o for o in finals if o.finish_reason == "error"),
+                     next((o for o in finals if o.finish_reason == "abort"), finals[0]))
+        self.observe_finished(adm, final)
         return final
 
 
