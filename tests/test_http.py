@@ -301,9 +301,9 @@ BAD_COMPLETIONS = [
     ({"prompt": "hi", "max_tokens": "5"}, 400, "max_tokens"),
     ({"prompt": "hi", "temperature": "hot"}, 400, "temperature"),
     ({"prompt": "hi", "stream": "yes"}, 400, "stream"),
-    ({"prompt": "hi", "n": 2}, 400, "n"),
+    ({"prompt": "hi", "n": 17}, 400, "n"),
     ({"prompt": "hi", "logprobs": 6}, 400, "logprobs"),
-    ({"prompt": "hi", "best_of": 3}, 400, "best_of"),
+    ({"prompt": "hi", "best_of": 17}, 400, "best_of"),
     ({"prompt": "hi", "stop": 5}, 400, "stop"),
     ({"prompt": "hi", "seed": 1.5}, 400, "seed"),
     ({"prompt": [1, True]}, 400, "prompt"),
@@ -339,7 +339,7 @@ BAD_CHATS = [
      400, "messages.0.content"),
     ({"messages": HI, "logprobs": True, "top_logprobs": 21}, 400, "top_logprobs"),
     ({"messages": HI, "top_logprobs": 2}, 400, "top_logprobs"),
-    ({"messages": HI, "n": 3}, 400, "n"),
+    ({"messages": HI, "n": 17}, 400, "n"),
     ({"messages": HI, "tools": []}, 400, "tools"),
     ({"messages": "hi"}, 400, "messages"),
     # Refused by the engine's checks, reported under the chat endpoint's field names: the
@@ -396,7 +396,7 @@ def test_bad_inputs_never_reach_the_engine(server, client, model_name):
         _check_error(c.get(server.url("/v1/nothing-here")), 404, None)
     # The openai client turns these into its typed errors.
     with pytest.raises(openai.BadRequestError) as info:
-        client.completions.create(model=model_name, prompt="hi", n=2)
+        client.completions.create(model=model_name, prompt="hi", n=17)
     assert info.value.body["param"] == "n"
     with pytest.raises(openai.BadRequestError) as info:
         client.chat.completions.create(model=model_name, messages=[{"role": "user", "content": "hi"}],
