@@ -141,3 +141,22 @@ def test_http_n_bounds(server, body, param):
 
     err = _call(server, fn)
     assert err.status_code == 400 and err.body["param"] == param
+
+
+def test_parallel_workers_share_prefill_and_refuse_logprobs_alone(tiny_model_dir):
+    """Two pipeline stages: n siblings equal the single-process runs of their seeds (forked or, with
+    a batch in flight, prefilled alone); a request asking for logprobs fails alone, with a message
+    that says why, and its batch-mates finish."""
+    model_dir = tiny_model_dir("llama")
+    prompt = list(range(500, 530))
+    params = SamplingParams(max_tokens=5, temperature=0.9, seed=41, ignore_eos=True)
+    with Server(str(model_dir), device="cpu", dtype="float32", n_slots=800, max_batch_size=4,
+                pipeline_parallel_size=2) as server:
+        rids = submit_n(server, prompt, params)
+        bad = server.submit(prompt, SamplingParams(max_tokens=3, logprobs=1))
+        outs = [server.result(r, timeout=300) for r in rids]
+        refused = server.result(bad, timeout=300)
+    assert refused.finish_reason == "error" and "not supported with tensor or pipeline" in refused.error
+    with Server(str(model_dir), device="cpu", dtype="float32", n_slots=800, max_batch_size=4) as local:
+        want = [local.generate(prompt, params.for_sequence(i))[0].token_ids for i in range(N)]
+    assert [o.token_ids for o in outs] == want

@@ -83,6 +83,16 @@ class SamplingRow:
     def greedy(self) -> bool:
         return self.temperature < GREEDY_TEMPERATURE  # the rule of SamplingParams.greedy
 
+    # Not carried to the workers (sampling_row refuses a request that asks for them): the
+    # sampler reads them as off.
+    @property
+    def logprobs(self) -> None:
+        return None
+
+    @property
+    def controls_logits(self) -> bool:
+        return False
+
 
 def sampling_row(seq_id: int, params, emits_token: bool, vocab_size: int) -> SamplingRow:
     """One request's SamplingRow, clamped once, before anything is packed, the way the
