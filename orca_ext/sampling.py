@@ -8,6 +8,10 @@ Client-supplied numbers are hostile: SamplingParams validates every field, and t
 value to what its float32/int64 tensors can hold (top_k to the vocabulary, temperature to the
 float32 range), so no accepted value can raise inside the batched sampler. Should a row still fail
 there, only that row's request fails: the batch is re-run row by row to find it.
+
+Rows that ask for penalties, logit_bias or min_tokens get them first, in one batched pass
+(logits_controls.py); every later step reads the controlled logits. Rows that ask for logprobs
+get them of the distribution they drew from (logprobs.py), in one more batched pass.
 """
 from __future__ import annotations
 
