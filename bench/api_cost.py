@@ -12,6 +12,12 @@ of wall time (best of --repeats runs):
     n4_shared     the same 4 sequences per prompt as n=4 siblings (one prefill, copied KV rows)
 The first two pairs give the cost of a feature (1 - on/off); the last pair the gain of sharing
 the prefill, which grows with the prompt length.
+
+    python bench/api_cost.py --sampler          # the sampler alone: ms per call, on and off
+
+times one Sampler call over [requests, vocab] random logits per feature (median of 50), the part
+of an iteration the features add to; it resolves costs that a loaded machine's end-to-end noise
+hides.
 """
 from __future__ import annotations
 
@@ -36,6 +42,42 @@ def run_case(server: Server, prompts: list[list[int]], params: list[SamplingPara
     return sum(len(o.token_ids) for o in outs) / elapsed
 
 
+def sampler_cost(batch: int, vocab: int, history: int) -> dict:
+    """Median ms of one Sampler call per feature over random [batch, vocab] logits, each request
+    with `history` generated tokens."""
+    import statistics
+
+    import torch
+
+    from orca_ext.request import Request
+    from orca_ext.sampling import Sampler
+
+    rng = random.Random(0)
+    base = dict(max_tokens=history + 16, temperature=1.0, seed=1)
+    variants = {
+        "base": SamplingParams(**base),
+        "logprobs5": SamplingParams(**base, logprobs=5),
+        "penalties": SamplingParams(**base, presence_penalty=0.5, frequency_penalty=0.5, repetition_penalty=1.2,
+                                    logit_bias={i: 1.0 for i in range(0, 1000, 10)}),
+    }
+    logits = torch.randn(batch, vocab)
+    sampler = Sampler()
+    out = {}
+    for name, params in variants.items():
+        reqs = []
+        for i in range(batch):
+            r = Request(f"{name}{i}", [rng.randrange(vocab) for _ in range(256)], params)
+            r.output_token_ids = [rng.randrange(vocab) for _ in range(history)]
+            reqs.append(r)
+        times = []
+        for _ in range(50):
+            t = time.perf_counter()
+            sampler(logits, reqs)
+            times.append(time.perf_counter() - t)
+        out[name] = round(1000 * statistics.median(times), 2)
+    return out
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--model", default=None, help="HF folder (default: the embedded default model)")
@@ -44,7 +86,12 @@ def main() -> None:
     ap.add_argument("--prompt-len", type=int, default=256)
     ap.add_argument("--repeats", type=int, default=2)
     ap.add_argument("--device", default="auto")
+    ap.add_argument("--sampler", action="store_true", help="time the sampler alone (see above)")
     args = ap.parse_args()
+    if args.sampler:
+        print(json.dumps({"batch": args.requests, "sampler_ms": sampler_cost(args.requests, 49152, args.max_tokens)},
+                         indent=2))
+        return
     rng = random.Random(0)
     n = args.requests
     with Server(args.model, device=args.device, max_batch_size=n,

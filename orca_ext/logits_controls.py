@@ -9,8 +9,9 @@ Applied to the raw logits of the rows whose params ask for any of them, in this 
     min_tokens            stop tokens (EOS unless ignore_eos, stop_token_ids) -> -inf while
                           fewer than min_tokens tokens were generated
 Temperature, top-k and top-p then work on the result, and reported logprobs are of it. Each
-control is one or two tensor ops over all the controlled rows; the per-row work in Python is only
-flattening each row's token lists into one index list. A row whose controls fail is given -inf
+control is a sparse gather/scatter over all the controlled rows' affected entries (never a pass
+over [rows, vocab]); the per-row work in Python is only flattening each row's token lists into
+one index list. A row whose controls fail is given -inf
 logits and an error, so only its request fails.
 """
 from __future__ import annotations
@@ -29,53 +30,67 @@ def apply_controls(logits: torch.Tensor, requests: Sequence, errors: list[Option
         return logits
     out = logits.clone()
     try:
-        index = torch.tensor(rows, device=logits.device)
-        out[index] = controlled(logits[index], [requests[i] for i in rows])
+        apply_to_rows(out, rows, [requests[i] for i in rows])
     except Exception:
+        out.copy_(logits)
         for i in rows:  # find the failing row: only its request fails
             try:
-                out[i:i + 1] = controlled(logits[i:i + 1], [requests[i]])
+                apply_to_rows(out, [i], [requests[i]])
             except Exception as exc:
                 out[i] = float("-inf")
                 errors[i] = f"logits controls failed: {type(exc).__name__}: {exc}"
     return out
 
 
-def _flat(lists: Sequence[Sequence[int]], device) -> tuple[torch.Tensor, torch.Tensor]:
-    """(row index, token id) int64 tensors of the entries of `lists`, list i giving row i."""
+def _flat(rows: Sequence[int], lists: Sequence[Sequence[int]], vocab: int, device) -> tuple[torch.Tensor, torch.Tensor]:
+    """(flat index row * vocab + token id, position in `rows`) int64 tensors of the entries of
+    `lists`, list j belonging to row rows[j]. An id outside [0, vocab) raises."""
     lengths = torch.tensor([len(x) for x in lists], dtype=torch.int64)
     ids = torch.tensor(list(itertools.chain.from_iterable(lists)), dtype=torch.int64)
-    rows = torch.repeat_interleave(torch.arange(len(lists)), lengths)
-    return rows.to(device), ids.to(device)
+    if ids.numel() and (int(ids.min()) < 0 or int(ids.max()) >= vocab):
+        raise IndexError(f"token id outside the vocabulary [0, {vocab})")
+    owner = torch.repeat_interleave(torch.arange(len(lists)), lengths)
+    flat = torch.tensor(rows, dtype=torch.int64)[owner] * vocab + ids
+    return flat.to(device), owner.to(device)
 
 
-def controlled(x: torch.Tensor, requests: Sequence) -> torch.Tensor:
-    """x [S, V] float32, one row per request -> [S, V] with every request's controls applied."""
-    x = x.clone()
+def apply_to_rows(x: torch.Tensor, rows: Sequence[int], requests: Sequence) -> None:
+    """Apply each request's controls to its row of x [B, V] float32, in place. Every control
+    touches only the entries of the tokens it concerns (sparse gathers and scatters over the flat
+    view), never a whole [rows, V] pass."""
+    vocab = x.shape[1]
+    flat_x = x.view(-1)
     device = x.device
     params = [r.params for r in requests]
     if any(p.logit_bias for p in params):
-        rows, ids = _flat([[t for t, _ in p.logit_bias] for p in params], device)
+        flat, _ = _flat(rows, [[t for t, _ in p.logit_bias] for p in params], vocab, device)
         values = torch.tensor([v for p in params for _, v in p.logit_bias], dtype=x.dtype, device=device)
-        x.index_put_((rows, ids), values, accumulate=True)
+        flat_x.index_put_((flat,), values, accumulate=True)
     if any(p.repetition_penalty != 1.0 for p in params):
-        rows, ids = _flat([r.prompt_token_ids + r.output_token_ids if r.params.repetition_penalty != 1.0 else ()
-                           for r in requests], device)
-        seen = torch.zeros_like(x, dtype=torch.bool)
-        seen[rows, ids] = True
-        penalty = torch.tensor([p.repetition_penalty for p in params], dtype=x.dtype, device=device).unsqueeze(1)
-        x = torch.where(seen, torch.where(x > 0, x / penalty, x * penalty), x)
+        flat, owner = _flat(rows, [r.prompt_token_ids + r.output_token_ids if r.params.repetition_penalty != 1.0
+                                   else () for r in requests], vocab, device)
+        flat, first = _unique(flat)
+        penalty = torch.tensor([p.repetition_penalty for p in params], dtype=x.dtype, device=device)[owner[first]]
+        values = flat_x[flat]
+        flat_x[flat] = torch.where(values > 0, values / penalty, values * penalty)
     if any(p.frequency_penalty != 0.0 or p.presence_penalty != 0.0 for p in params):
-        rows, ids = _flat([r.output_token_ids if r.params.frequency_penalty or r.params.presence_penalty else ()
-                           for r in requests], device)
-        counts = torch.zeros_like(x)
-        counts.index_put_((rows, ids), torch.ones_like(ids, dtype=x.dtype), accumulate=True)
-        freq = torch.tensor([p.frequency_penalty for p in params], dtype=x.dtype, device=device).unsqueeze(1)
-        pres = torch.tensor([p.presence_penalty for p in params], dtype=x.dtype, device=device).unsqueeze(1)
-        x = x - freq * counts - pres * (counts > 0).to(x.dtype)
+        flat, owner = _flat(rows, [r.output_token_ids if r.params.frequency_penalty or r.params.presence_penalty
+                                   else () for r in requests], vocab, device)
+        flat, first, counts = _unique(flat, counts=True)
+        owner = owner[first]
+        freq = torch.tensor([p.frequency_penalty for p in params], dtype=x.dtype, device=device)[owner]
+        pres = torch.tensor([p.presence_penalty for p in params], dtype=x.dtype, device=device)[owner]
+        flat_x[flat] -= freq * counts.to(x.dtype) + pres
     early = [sorted(r.stop_token_ids) if len(r.output_token_ids) < r.params.min_tokens else ()
              for r in requests]
     if any(early):
-        rows, ids = _flat(early, device)
-        x[rows, ids] = float("-inf")
-    return x
+        flat, _ = _flat(rows, early, vocab, device)
+        flat_x[flat] = float("-inf")
+
+
+def _unique(flat: torch.Tensor, counts: bool = False):
+    """The distinct values of flat, the position of one occurrence of each, and (with counts)
+    how often each occurs."""
+    values, inverse, n = torch.unique(flat, return_inverse=True, return_counts=True)
+    first = torch.empty_like(values).scatter_(0, inverse, torch.arange(flat.numel(), device=flat.device))
+    return (values, first, n) if counts else (values, first)
