@@ -144,22 +144,30 @@ class Sampler:
 
     @staticmethod
     def _logprobs(logits, requests, wanted, tokens, errors, drawn) -> list[Optional[TokenLogprob]]:
-        """TokenLogprobs of the rows in `wanted` (batched; a failure fails only those rows)."""
+        """TokenLogprobs of the rows in `wanted`, batched; should that fail, row by row, so that
+        only a failing row's request fails."""
         out: list[Optional[TokenLogprob]] = [None] * len(requests)
-        rows = [i for i in wanted if tokens[i] is not None]
-        if not rows:
-            return out
-        try:
+
+        def fill(rows: list[int]) -> None:
             processed = torch.stack([drawn[i] if i in drawn else logits[i] for i in rows])
             chosen = torch.tensor([tokens[i] for i in rows], device=logits.device)
             k = max(requests[i].params.logprobs for i in rows)
             for i, entry in zip(rows, token_logprobs(processed, chosen, k)):
                 keep = requests[i].params.logprobs
                 out[i] = entry if keep == k else TokenLogprob(entry.token_id, entry.logprob, entry.top[:keep])
-        except Exception as exc:
+
+        rows = [i for i in wanted if tokens[i] is not None]
+        if not rows:
+            return out
+        try:
+            fill(rows)
+        except Exception:
             for i in rows:
-                tokens[i] = None
-                errors[i] = f"logprobs failed: {type(exc).__name__}: {exc}"
+                try:
+                    fill([i])
+                except Exception as exc:
+                    tokens[i] = None
+                    errors[i] = f"logprobs failed: {type(exc).__name__}: {exc}"
         return out
 
     def _sample_rows(self, logits, best, requests, rows, tokens, errors, drawn) -> None:

@@ -131,3 +131,28 @@ def test_logprobs_bounds(kwargs, field):
     with pytest.raises(InvalidRequestError) as info:
         SamplingParams(**kwargs)
     assert info.value.param == field and field in str(info.value)
+
+
+def test_a_failing_logprobs_row_fails_alone(monkeypatch):
+    """Should the logprobs of one row fail, only its request fails; its batch-mates keep their
+    tokens and logprobs."""
+    import orca_ext.sampling as sampling
+    from orca_ext.request import Request
+    from orca_ext.sampling import Sampler
+
+    real = sampling.token_logprobs
+
+    def failing_for_seven(logits, chosen, k):
+        if k == 7:
+            raise RuntimeError("no logprobs for 7")
+        return real(logits, chosen, k)
+
+    monkeypatch.setattr(sampling, "token_logprobs", failing_for_seven)
+    logits = torch.randn(3, 53)
+    reqs = [Request(f"r{k}", [1, 2], SamplingParams(logprobs=k)) for k in (1, 7, 2)]
+    result = Sampler()(logits, reqs)
+    assert result.tokens[1] is None and "no logprobs for 7" in result.errors[1]
+    for i, k in ((0, 1), (2, 2)):
+        assert result.errors[i] is None and result.tokens[i] == logits[i].argmax().item()
+        assert result.logprobs[i].logprob == pytest.approx(logits[i].log_softmax(-1).max().item(), abs=1e-5)
+        assert len(result.logprobs[i].top) == k
