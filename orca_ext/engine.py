@@ -33,7 +33,7 @@ from typing import Callable, Optional
 
 from .executor import BatchFuture, Executor
 from .models.batch import count_tokens
-from .request import IterationRecord, Request
+from .request import IterationRecord, Request, RequestState
 
 log = logging.getLogger(__name__)
 
@@ -49,6 +49,9 @@ class ScheduledBatch:
     # Selected requests whose inputs the model cannot take (token id, position or slot out of
     # range): already failed, left out of the forward, and completed with the batch.
     dropped: list = dataclasses.field(default_factory=list)
+    # Logits rows per request (Request.logit_rows); None: one each, as every batch without a
+    # prompt-logprobs request has.
+    logit_rows: Optional[list] = None
 
 
 class Engine:
@@ -83,13 +86,48 @@ class Engine:
         # Launched batches not yet postprocessed, oldest first. How many batches are in flight
         # is the scheduler's count (n_scheduled); this only holds their futures.
         self._inflight: deque = deque()   # (ScheduledBatch, BatchFuture)
+        # Siblings waiting for their fork_of request's prompt to be cached: parent -> [siblings].
+        self._held: dict = {}
+        self.num_forked_tokens = 0        # prompt tokens copied instead of prefilled
         self.step = self.step_with_batch_queue if scheduler.n_workers > 1 else self.step_one
 
     # -- requests ----------------------------------------------------------------------------
     def add_request(self, req: Request) -> None:
         with self.lock:
-            self.scheduler.add(req)
+            parent = req.fork_of
+            if parent is not None and not parent.finished and parent.prompt_remaining:
+                self._held.setdefault(parent, []).append(req)  # enters the pool with _release_held
+            else:
+                self.scheduler.add(req)
             self.signal()
+
+    def _release_held(self, parent: Request) -> None:
+        """parent's prompt is cached (or it ended): its held siblings join the pool."""
+        for sibling in self._held.pop(parent, ()):
+            if not sibling.finished:
+                self.scheduler.add(sibling)
+
+    def _fork(self, reqs: list) -> None:
+        """Newly admitted siblings copy their parent's cached prompt KV into their own slabs
+        instead of prefilling it: all but the prompt's last token, which each sibling runs
+        itself, so that its first token is drawn from its own logits row with its own
+        generator. Only with no batch in flight (executor.move_slabs' rule); a sibling whose
+        parent has left the pool prefills in full."""
+        if self._inflight:
+            return
+        moves = []
+        for r in reqs:
+            parent, r.fork_of = r.fork_of, None
+            n = len(r.prompt_token_ids) - 1
+            if (parent is None or r.num_cached or n < 1 or parent.slab_start < 0
+                    or parent.state is RequestState.RELEASED or parent.num_cached < n
+                    or parent.prompt_token_ids != r.prompt_token_ids):
+                continue
+            moves.append((parent.slab_start, r.slab_start, n))
+            r.num_cached = n
+            self.num_forked_tokens += n
+        if moves:
+            self.executor.move_slabs(moves)
 
     def abort_request(self, req: Request, reason: str = "abort", error: Optional[str] = None) -> bool:
         """End a request that has not finished. Its slab is returned now, or when its running
@@ -98,6 +136,10 @@ class Engine:
             if req.finished:
                 return False
             self._end(req, reason, error)
+            parent = req.fork_of
+            if parent is not None and req in self._held.get(parent, ()):
+                self._held[parent].remove(req)  # never entered the pool
+                return True
             self.scheduler.remove(req)
             self.signal()  # its slab may let a waiting request in
             return True
@@ -107,7 +149,8 @@ class Engine:
         unexpected loop error). Only call when no batch is executing: in-flight results are
         dropped."""
         changed = []
-        for req in list(self.scheduler.pool):
+        held, self._held = self._held, {}  # first, so that no parent's end lets them in
+        for req in [r for siblings in held.values() for r in siblings] + list(self.scheduler.pool):
             if not req.finished:
                 self._end(req, reason, error)
                 changed.append(req)
@@ -217,6 +260,8 @@ class Engine:
         reqs = self.scheduler.schedule()
         if not reqs:
             return None
+        if any(r.fork_of is not None for r in reqs):
+            self._fork(reqs)
         index = self.num_iterations
         self.num_iterations += 1
         inputs = [(*r.next_inputs(), r.slab_start) for r in reqs]
@@ -237,7 +282,9 @@ class Engine:
             self.records.append(IterationRecord(index, tuple(r.request_id for r in reqs), n_prefill,
                                                 n_decode, self.scheduler.n_rsrv,
                                                 chunk_sizes=tuple(len(new_ids) for new_ids, _, _ in inputs)))
-        return ScheduledBatch(index, reqs, inputs, record, dropped)
+        rows = [r.logit_rows for r in reqs]
+        return ScheduledBatch(index, reqs, inputs, record, dropped,
+                              logit_rows=None if all(n == 1 for n in rows) else rows)
 
     def _record_completion(self, batch: ScheduledBatch, future: BatchFuture) -> None:
         if batch.record >= 0:
@@ -269,6 +316,8 @@ class Engine:
                 self._end(req, "error", _forward_failed(result))
             else:
                 req.num_cached += len(batch.inputs[i][0])
+                if result.prompt_logprobs is not None and result.prompt_logprobs[i] is not None:
+                    req.prompt_logprobs.extend(result.prompt_logprobs[i])
                 if req.num_cached == len(req.prompt_token_ids):
                     self.num_prompt_tokens += req.num_cached
                 elif req.prompt_remaining:
@@ -276,13 +325,19 @@ class Engine:
                 err = result.errors[i]
                 if err is not None:
                     self._end(req, "error", err)
+                elif req.params.max_tokens == 0:  # a scored prompt: nothing to generate
+                    self._end(req, "length")
                 else:
+                    if result.logprobs is not None and req.logprobs is not None:
+                        req.logprobs.append(result.logprobs[i])
                     try:
                         self._append_token(req, result.tokens[i])
                     except Exception as exc:  # e.g. a detokenizer error: only this request fails
                         log.exception("request %r failed in postprocessing", req.request_id)
                         self._end(req, "error", f"{type(exc).__name__}: {exc}")
             changed.append(req)
+            if self._held and req in self._held and (req.finished or not req.prompt_remaining):
+                self._release_held(req)
         self.scheduler.complete(batch.requests + batch.dropped)
         return changed
 
@@ -305,6 +360,8 @@ class Engine:
             req.mark_finished(reason, error)
             self.num_finished += 1
             self.executor.request_finished(req)
+            if req in self._held:
+                self._release_held(req)
 
     # -- per-request postprocessing --------------------------------------------------------------
     def _append_token(self, req: Request, token: int) -> None:

@@ -20,6 +20,7 @@ from typing import Optional, Protocol, Sequence, Union, runtime_checkable
 import torch
 
 from . import ops
+from .logprobs import split_logits
 from .models.batch import ForwardBatch
 from .sampling import Sampler, SampleResult
 
@@ -122,9 +123,11 @@ class LocalExecutor:
         future = BatchFuture()
         try:
             with torch.inference_mode():
-                fb = ForwardBatch.build(batch.inputs, self.model.device)
-                logits = self.model.forward(fb)
+                fb = ForwardBatch.build(batch.inputs, self.model.device, batch.logit_rows)
+                logits, prompt_logprobs = split_logits(self.model.forward(fb), fb.logit_rows,
+                                                       batch.requests, batch.inputs)
                 result = self.sampler(logits, batch.requests)
+                result.prompt_logprobs = prompt_logprobs
         except Exception as exc:  # one bad batch must not kill the loop
             log.exception("iteration %d failed; failing its %d requests", batch.index, len(batch.requests))
             result = exc

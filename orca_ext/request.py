@@ -26,6 +26,18 @@ class RequestState(enum.Enum):
 
 
 @dataclass(frozen=True)
+class TokenLogprob:
+    """The log probability of one token, and the `top` most likely tokens at its position as
+    (token id, logprob) pairs, most likely first. Generated tokens: of the distribution the
+    sampler drew from (after penalties, logit_bias, temperature, top-k and top-p; -inf for a
+    token those filtered out). Prompt tokens: of the model's raw distribution."""
+
+    token_id: int
+    logprob: float
+    top: tuple[tuple[int, float], ...] = ()
+
+
+@dataclass(frozen=True)
 class RequestOutput:
     """One snapshot of a request. `text` is the full text so far (not a delta)."""
 
@@ -39,6 +51,11 @@ class RequestOutput:
     arrival_time: float = 0.0
     first_token_time: Optional[float] = None
     finish_time: Optional[float] = None
+    # One entry per token_ids entry when params.logprobs is set, else None.
+    logprobs: Optional[list[TokenLogprob]] = None
+    # One entry per prompt token when params.prompt_logprobs is set (the first is None: nothing
+    # predicts it), else None. Filled as the prompt's chunks are computed.
+    prompt_logprobs: Optional[list[Optional[TokenLogprob]]] = None
 
 
 @dataclass(frozen=True)
@@ -86,6 +103,13 @@ class Request:
         self.generator = None              # per-request torch.Generator, made on first sampled step
         self.version = 0                   # bumped whenever a new snapshot is available
         self.stop_matcher = params.stop_matcher()  # streaming stop-string search (None: no stops)
+        # A sibling of an earlier request with the same prompt (n > 1): the engine holds it back
+        # until that request's prompt is cached, then copies the prompt's KV rows instead of
+        # prefilling them again (Engine._fork). Cleared once used.
+        self.fork_of: Optional["Request"] = None
+        self.logprobs: Optional[list[TokenLogprob]] = [] if params.logprobs is not None else None
+        self.prompt_logprobs: Optional[list[Optional[TokenLogprob]]] = (
+            [None] if params.prompt_logprobs is not None else None)
 
     # -- Algorithm 1 accessors -------------------------------------------------------------
     @property
@@ -108,6 +132,14 @@ class Request:
         samples its next token: False only for a prompt chunk that is not the prompt's last."""
         remaining = self.prompt_remaining
         return remaining == 0 or self.num_scheduled == 0 or self.num_scheduled >= remaining
+
+    @property
+    def logit_rows(self) -> int:
+        """Logits rows its scheduled input needs: one per new token of a prompt chunk when it asks
+        for prompt logprobs (row p predicts token p + 1), else one, its last token's."""
+        if self.params.prompt_logprobs is None or not self.prompt_remaining:
+            return 1
+        return len(self.next_inputs()[0])
 
     def next_inputs(self) -> tuple[list[int], int]:
         """(new token ids, start position) for this request's next iteration: while the prompt
@@ -141,6 +173,8 @@ class Request:
             arrival_time=self.arrival_time,
             first_token_time=self.first_token_time,
             finish_time=self.finish_time,
+            logprobs=None if self.logprobs is None else list(self.logprobs),
+            prompt_logprobs=None if self.prompt_logprobs is None else list(self.prompt_logprobs),
         )
 
     def __repr__(self) -> str:  # pragma: no cover - debugging aid

@@ -8,6 +8,10 @@ Client-supplied numbers are hostile: SamplingParams validates every field, and t
 value to what its float32/int64 tensors can hold (top_k to the vocabulary, temperature to the
 float32 range), so no accepted value can raise inside the batched sampler. Should a row still fail
 there, only that row's request fails: the batch is re-run row by row to find it.
+
+Rows that ask for penalties, logit_bias or min_tokens get them first, in one batched pass
+(logits_controls.py); every later step reads the controlled logits. Rows that ask for logprobs
+get them of the distribution they drew from (logprobs.py), in one more batched pass.
 """
 from __future__ import annotations
 
@@ -18,8 +22,11 @@ import torch
 
 from . import ops
 # SamplingParams and its limits: orca_ext.sampling is their public import path too.
-from .sampling_params import (GREEDY_TEMPERATURE, MAX_SEED, MAX_STOP_STRING_CHARS, MAX_STOP_STRINGS,  # noqa: F401
-                              MAX_STOP_TOKEN_IDS, MIN_SEED, SamplingParams)
+from .logits_controls import apply_controls
+from .logprobs import token_logprobs
+from .request import TokenLogprob
+from .sampling_params import (GREEDY_TEMPERATURE, MAX_LOGPROBS, MAX_SEED, MAX_STOP_STRING_CHARS,  # noqa: F401
+                              MAX_STOP_STRINGS, MAX_STOP_TOKEN_IDS, MIN_SEED, SamplingParams)
 
 _FLOAT32_MAX = float(torch.finfo(torch.float32).max)
 
@@ -28,13 +35,20 @@ NON_FINITE_LOGITS = "non-finite logits (NaN or Inf) in the model output"
 
 class SampleResult:
     """Per-row outcome of one sampling call: a token id, or an error message for that row only.
-    Both are None for a row that emits no token (a prompt chunk that is not the last)."""
+    Both are None for a row that emits no token (a prompt chunk that is not the last).
+    `logprobs[i]`: the sampled token's TokenLogprob for a row whose params ask for logprobs
+    (None elsewhere; the list is None when no row asks). `prompt_logprobs[i]`: the TokenLogprobs
+    of the prompt tokens this row's chunk predicts, for a row that asks for prompt logprobs."""
 
-    __slots__ = ("tokens", "errors")
+    __slots__ = ("tokens", "errors", "logprobs", "prompt_logprobs")
 
-    def __init__(self, tokens: list[Optional[int]], errors: list[Optional[str]]):
+    def __init__(self, tokens: list[Optional[int]], errors: list[Optional[str]],
+                 logprobs: Optional[list[Optional[TokenLogprob]]] = None,
+                 prompt_logprobs: Optional[list[Optional[list[TokenLogprob]]]] = None):
         self.tokens = tokens
         self.errors = errors
+        self.logprobs = logprobs
+        self.prompt_logprobs = prompt_logprobs
 
 
 def _generator_for(request, device: torch.device) -> Optional[torch.Generator]:
@@ -79,6 +93,11 @@ class Sampler:
         if logits.dim() != 2 or logits.shape[0] != n:
             raise ValueError(f"logits must be [B={n}, vocab], got {tuple(logits.shape)}")
         logits = logits.float()
+        errors: list[Optional[str]] = [None] * n
+        if any(req.params.controls_logits for req in requests):
+            # Penalties, logit_bias and min_tokens change the logits every later step reads
+            # (greedy argmax, sampling, logprobs): a failing row gets -inf logits and its error.
+            logits = apply_controls(logits, requests, errors)
         # One pass over [B, V] gives the greedy tokens and the health check: the max propagates
         # NaN and +inf, so a row whose max is not finite is unusable (an all -inf row is caught
         # too). On the CPU one kernel call does it (ops.row_argmax says why).
@@ -90,7 +109,6 @@ class Sampler:
             ids, maxima = torch.stack([greedy_tok.double(), best.double()]).tolist()
             tokens = [int(t) for t in ids]
         finite = [math.isfinite(m) for m in maxima]
-        errors: list[Optional[str]] = [None] * n
         sampled: list[int] = []
         for i, req in enumerate(requests):
             if not getattr(req, "emits_token", True):
@@ -98,26 +116,61 @@ class Sampler:
                 # so a seeded request samples the same stream however its prompt was split.
                 # (Parallel workers' rows carry the same flag, SamplingRow.emits_token.)
                 tokens[i] = None
+            elif errors[i] is not None:
+                tokens[i] = None
             elif not finite[i]:
                 tokens[i] = None
                 errors[i] = NON_FINITE_LOGITS
             elif not req.params.greedy:
                 sampled.append(i)
+        # Rows that report logprobs, and the processed logits each drew from: greedy rows' are
+        # the (controlled) logits themselves, sampled rows' are filled in by _sample_rows.
+        wanted = [i for i in range(n) if tokens[i] is not None and requests[i].params.logprobs is not None]
+        drawn: dict[int, torch.Tensor] = {}
         if sampled:
             try:
-                self._sample_rows(logits, best, requests, sampled, tokens, errors)
+                self._sample_rows(logits, best, requests, sampled, tokens, errors, drawn)
             except Exception:
                 # Some row's values broke the batched path: redo the rows one at a time so that
                 # only the request that causes the failure fails.
                 for i in sampled:
                     try:
-                        self._sample_rows(logits, best, requests, [i], tokens, errors)
+                        self._sample_rows(logits, best, requests, [i], tokens, errors, drawn)
                     except Exception as exc:
                         tokens[i] = None
                         errors[i] = f"sampling failed: {type(exc).__name__}: {exc}"
-        return SampleResult(tokens, errors)
+        logprobs = self._logprobs(logits, requests, wanted, tokens, errors, drawn) if wanted else None
+        return SampleResult(tokens, errors, logprobs)
 
-    def _sample_rows(self, logits, best, requests, rows, tokens, errors) -> None:
+    @staticmethod
+    def _logprobs(logits, requests, wanted, tokens, errors, drawn) -> list[Optional[TokenLogprob]]:
+        """TokenLogprobs of the rows in `wanted`, batched; should that fail, row by row, so that
+        only a failing row's request fails."""
+        out: list[Optional[TokenLogprob]] = [None] * len(requests)
+
+        def fill(rows: list[int]) -> None:
+            processed = torch.stack([drawn[i] if i in drawn else logits[i] for i in rows])
+            chosen = torch.tensor([tokens[i] for i in rows], device=logits.device)
+            k = max(requests[i].params.logprobs for i in rows)
+            for i, entry in zip(rows, token_logprobs(processed, chosen, k)):
+                keep = requests[i].params.logprobs
+                out[i] = entry if keep == k else TokenLogprob(entry.token_id, entry.logprob, entry.top[:keep])
+
+        rows = [i for i in wanted if tokens[i] is not None]
+        if not rows:
+            return out
+        try:
+            fill(rows)
+        except Exception:
+            for i in rows:
+                try:
+                    fill([i])
+                except Exception as exc:
+                    tokens[i] = None
+                    errors[i] = f"logprobs failed: {type(exc).__name__}: {exc}"
+        return out
+
+    def _sample_rows(self, logits, best, requests, rows, tokens, errors, drawn) -> None:
         device = logits.device
         vocab = logits.shape[-1]
         params = [requests[i].params for i in rows]
@@ -135,6 +188,9 @@ class Sampler:
             top_k = torch.tensor([min(p.top_k, vocab) for p in params], device=device, dtype=torch.int64)
             top_p = torch.tensor([p.top_p for p in params], device=device, dtype=torch.float32)
             sub = filter_logits(sub, top_k, top_p)
+        for j, i in enumerate(rows):
+            if requests[i].params.logprobs is not None:
+                drawn[i] = sub[j]  # the distribution row i draws from, as logits
         probs = sub.softmax(dim=-1)
         # Exponential-race sampling: argmax(p / E) with E ~ Exp(1) draws from p. Each row's noise
         # comes from its own generator, so batch-mates never shift a seeded request's stream.

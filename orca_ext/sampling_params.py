@@ -7,11 +7,12 @@ immutable values, so that params can be shared between requests. The batched sam
 """
 from __future__ import annotations
 
+import dataclasses
 import math
 import numbers
 import operator
 from dataclasses import dataclass
-from typing import Optional, Sequence
+from typing import Mapping, Optional, Sequence
 
 import torch
 
@@ -32,6 +33,17 @@ MAX_STOP_TOKEN_IDS = 1024
 # request's generator is seeded with the seed modulo 2**64.
 MIN_SEED = -(1 << 63)
 MAX_SEED = (1 << 64) - 1
+# Log probabilities: the most alternatives per token (OpenAI's chat limit; completions allow 5,
+# checked by the HTTP layer). Each costs a top-k over the vocabulary and a few bytes per token.
+MAX_LOGPROBS = 20
+# Penalties: OpenAI's range for presence/frequency; repetition (a divisor of positive logits and
+# a factor of negative ones) within a range whose extremes keep float32 logits finite.
+MAX_ABS_PENALTY = 2.0
+MIN_REPETITION_PENALTY = 0.01
+MAX_REPETITION_PENALTY = 100.0
+# logit_bias: OpenAI's value range; the entry count bounds the per-row scatter and the request size.
+MAX_LOGIT_BIAS_ENTRIES = 1024
+MAX_ABS_LOGIT_BIAS = 100.0
 
 
 def _is_int(x) -> bool:
@@ -55,11 +67,24 @@ class SamplingParams:
     stop: Sequence[str] = ()
     stop_token_ids: Sequence[int] = ()
     ignore_eos: bool = False
+    # Log probabilities (None: off). logprobs: of each generated token, with that many most likely
+    # alternatives; prompt_logprobs: of each prompt token (the first has none), likewise.
+    logprobs: Optional[int] = None
+    prompt_logprobs: Optional[int] = None
+    # Logits controls (0 / 1.0 / empty: off), applied before temperature, top-k and top-p.
+    presence_penalty: float = 0.0      # subtracted once from every token generated so far
+    frequency_penalty: float = 0.0     # subtracted per occurrence in the generated tokens
+    repetition_penalty: float = 1.0    # divides (>0) or multiplies (<0) the logits of prompt and generated tokens
+    logit_bias: Mapping[int, float] = ()   # token id -> added to its logit
+    min_tokens: int = 0                # stop tokens (EOS, stop_token_ids) are masked before this many tokens
 
     def __post_init__(self) -> None:
-        if not _is_int(self.max_tokens) or self.max_tokens < 1:
-            raise InvalidRequestError(f"max_tokens must be an integer >= 1, got {self.max_tokens!r}",
-                                      param="max_tokens")
+        prompt_logprobs = _check_logprobs(self.prompt_logprobs, "prompt_logprobs")
+        # max_tokens 0 scores a prompt without generating (completions' echo with logprobs).
+        low = 0 if prompt_logprobs is not None else 1
+        if not _is_int(self.max_tokens) or self.max_tokens < low:
+            raise InvalidRequestError(f"max_tokens must be an integer >= 1 (0 only with prompt_logprobs), "
+                                      f"got {self.max_tokens!r}", param="max_tokens")
         if not _is_real(self.temperature) or not math.isfinite(self.temperature) or self.temperature < 0:
             raise InvalidRequestError(
                 f"temperature must be a finite number >= 0, got {self.temperature!r}", param="temperature")
@@ -90,7 +115,31 @@ class SamplingParams:
                                           param="stop_token_ids")
         if not isinstance(self.ignore_eos, bool):
             raise InvalidRequestError(f"ignore_eos must be a bool, got {self.ignore_eos!r}", param="ignore_eos")
+        logprobs = _check_logprobs(self.logprobs, "logprobs")
+        for name in ("presence_penalty", "frequency_penalty"):
+            value = getattr(self, name)
+            if not _is_real(value) or not -MAX_ABS_PENALTY <= value <= MAX_ABS_PENALTY:
+                raise InvalidRequestError(f"{name} must be a number in [-{MAX_ABS_PENALTY:g}, "
+                                          f"{MAX_ABS_PENALTY:g}], got {_short(value)}", param=name)
+            object.__setattr__(self, name, float(value))
+        if not _is_real(self.repetition_penalty) \
+                or not MIN_REPETITION_PENALTY <= self.repetition_penalty <= MAX_REPETITION_PENALTY:
+            raise InvalidRequestError(f"repetition_penalty must be a number in [{MIN_REPETITION_PENALTY:g}, "
+                                      f"{MAX_REPETITION_PENALTY:g}] (1 disables it), got "
+                                      f"{_short(self.repetition_penalty)}", param="repetition_penalty")
+        if not _is_int(self.min_tokens) or self.min_tokens < 0:
+            raise InvalidRequestError(f"min_tokens must be an integer >= 0, got {_short(self.min_tokens)}",
+                                      param="min_tokens")
+        if self.min_tokens > self.max_tokens:
+            raise InvalidRequestError(f"min_tokens ({self.min_tokens}) must not exceed max_tokens "
+                                      f"({self.max_tokens})", param="min_tokens")
+        logit_bias = _check_logit_bias(self.logit_bias)
         # Normalise to plain immutable values so params can be shared between requests.
+        object.__setattr__(self, "logprobs", logprobs)
+        object.__setattr__(self, "prompt_logprobs", prompt_logprobs)
+        object.__setattr__(self, "repetition_penalty", float(self.repetition_penalty))
+        object.__setattr__(self, "min_tokens", int(self.min_tokens))
+        object.__setattr__(self, "logit_bias", logit_bias)
         object.__setattr__(self, "max_tokens", int(self.max_tokens))
         object.__setattr__(self, "temperature", float(self.temperature))
         object.__setattr__(self, "top_k", int(self.top_k))
@@ -106,6 +155,20 @@ class SamplingParams:
         """A fresh streaming matcher of the stop strings (None without stop strings)."""
         return StopMatcher(self._stop_automaton) if self._stop_automaton is not None else None
 
+    def for_sequence(self, index: int) -> "SamplingParams":
+        """The params of sequence `index` of a request with n > 1 sequences: the same, except the
+        seed, which is seed + index (mod 2**64, the generator's seed), so that sequence i of a
+        seeded request is reproducible alone, and sequence 0 is the single-sequence request."""
+        if self.seed is None or index == 0:
+            return self
+        return dataclasses.replace(self, seed=(self.seed + index) % (1 << 64))
+
+    @property
+    def controls_logits(self) -> bool:
+        """Whether any penalty, logit_bias or min_tokens changes this request's logits."""
+        return (self.presence_penalty != 0.0 or self.frequency_penalty != 0.0
+                or self.repetition_penalty != 1.0 or bool(self.logit_bias) or self.min_tokens > 0)
+
     @property
     def greedy(self) -> bool:
         """Temperature 0, or below GREEDY_TEMPERATURE (too small to sample from safely)."""
@@ -116,6 +179,46 @@ def _short(value, limit: int = 60) -> str:
     """repr() of a client value, cut so that an error message stays one short line."""
     text = repr(value)
     return text if len(text) <= limit else text[:limit] + f"... ({len(text)} chars)"
+
+
+def _check_logprobs(value, name: str) -> Optional[int]:
+    """None, or a number of alternatives in [0, MAX_LOGPROBS]."""
+    if value is None:
+        return None
+    if not _is_int(value) or not 0 <= value <= MAX_LOGPROBS:
+        raise InvalidRequestError(f"{name} must be an integer in [0, {MAX_LOGPROBS}] or None, got {_short(value)}",
+                                  param=name)
+    return int(value)
+
+
+def _check_logit_bias(bias) -> tuple:
+    """The bias as a tuple of (token id, value) pairs sorted by id, within MAX_LOGIT_BIAS_ENTRIES
+    entries of ids >= 0 (the server checks them against its vocabulary) and values in
+    [-MAX_ABS_LOGIT_BIAS, MAX_ABS_LOGIT_BIAS]."""
+    if bias is None:
+        return ()
+    try:
+        items = list(bias.items()) if isinstance(bias, Mapping) else list(bias)
+    except TypeError:
+        raise InvalidRequestError(f"logit_bias must map token ids to numbers, got {_short(bias)}",
+                                  param="logit_bias") from None
+    if len(items) > MAX_LOGIT_BIAS_ENTRIES:
+        raise InvalidRequestError(f"logit_bias has {len(items)} entries; at most {MAX_LOGIT_BIAS_ENTRIES} "
+                                  f"are allowed", param="logit_bias")
+    out = {}
+    for item in items:
+        if not (isinstance(item, tuple) and len(item) == 2):
+            raise InvalidRequestError(f"logit_bias must map token ids to numbers, got {_short(bias)}",
+                                      param="logit_bias")
+        tok, value = item
+        if not _is_int(tok) or tok < 0:
+            raise InvalidRequestError(f"logit_bias keys must be token ids (integers >= 0), got {_short(tok)}",
+                                      param="logit_bias")
+        if not _is_real(value) or not -MAX_ABS_LOGIT_BIAS <= value <= MAX_ABS_LOGIT_BIAS:
+            raise InvalidRequestError(f"logit_bias[{int(tok)}] must be a number in [-{MAX_ABS_LOGIT_BIAS:g}, "
+                                      f"{MAX_ABS_LOGIT_BIAS:g}], got {_short(value)}", param="logit_bias")
+        out[int(tok)] = float(value)
+    return tuple(sorted(out.items()))
 
 
 def _check_seed(seed) -> Optional[int]:

@@ -164,9 +164,12 @@ class Server:
 
     # -- submission -------------------------------------------------------------------------------
     def submit(self, prompt: Prompt, params: Optional[SamplingParams] = None, *,
-               request_id: Optional[str] = None, client: Optional[str] = None) -> str:
+               request_id: Optional[str] = None, client: Optional[str] = None,
+               share_prefill_with: Optional[str] = None) -> str:
         """Queue a request; returns its id. Invalid input raises InvalidRequestError here.
-        `client` keys fair admission (an API key's identity or an address; None: anonymous)."""
+        `client` keys fair admission (an API key's identity or an address; None: anonymous).
+        `share_prefill_with`: the id of a live request with the same prompt (n > 1): this one
+        waits until that prompt is cached and copies its KV instead of prefilling it again."""
         if self._closed:
             raise ServerClosedError("the server is shut down; no new requests are accepted")
         self._check_engine()
@@ -191,6 +194,10 @@ class Server:
             if request_id is None:
                 request_id = self._outputs.unused_id()
             req = Request(request_id, prompt_ids, params, detok, self.eos_token_ids, client)
+            if share_prefill_with is not None:
+                parent = self._outputs.find(share_prefill_with)
+                if parent is not None and parent.prompt_token_ids == prompt_ids:
+                    req.fork_of = parent
             self._outputs.add(req)  # raises if the id is in use
             self._engine.add_request(req)
         return request_id

@@ -123,6 +123,10 @@ class RequestValidator:
                 raise InvalidRequestError(
                     f"stop_token_ids[{i}] = {t} is outside the vocabulary [0, {self.vocab_size})",
                     param="stop_token_ids")
+        for t, _ in params.logit_bias:
+            if t >= self.vocab_size:
+                raise InvalidRequestError(f"logit_bias key {t} is outside the vocabulary [0, {self.vocab_size})",
+                                          param="logit_bias")
         if params.stop and self.encoder is None:
             raise InvalidRequestError("stop: stop strings need a tokenizer, and this model has none",
                                       param="stop")

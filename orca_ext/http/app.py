@@ -291,9 +291,7 @@ async def _run_completion(svc: Service, request: Request, body: protocol.Complet
     created = protocol.now()
     return await _respond(
         svc, request, body, adm, lambda: sse.completion_events(adm, body, created),
-        lambda out: protocol.completion_body(
-            adm.rid, created, svc.model_name, out.text, out.finish_reason,
-            protocol.usage(len(out.prompt_token_ids), len(out.token_ids)), chunk=False))
+        lambda out: svc.completion_json(adm, created, body))
 
 
 async def _run_chat(svc: Service, request: Request, body: protocol.ChatCompletionRequest,
@@ -306,6 +304,4 @@ async def _run_chat(svc: Service, request: Request, body: protocol.ChatCompletio
     created = protocol.now()
     return await _respond(
         svc, request, body, adm, lambda: sse.chat_events(adm, body, created),
-        lambda out: protocol.chat_body(
-            adm.rid, created, svc.model_name, out.text, out.finish_reason,
-            protocol.usage(len(out.prompt_token_ids), len(out.token_ids))))
+        lambda out: svc.chat_json(adm, created, body))

@@ -14,6 +14,7 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
+from ..sampling_params import MAX_LOGPROBS
 from .errors import bad_request
 
 # Completions' max_tokens default is OpenAI's (16). Chat has no fixed default in OpenAI (the rest
@@ -52,6 +53,10 @@ class _SamplingFields(_Strict):
     top_k: int | None = None
     ignore_eos: bool | None = False
     stop_token_ids: list[int] | None = None
+    # Extensions (vLLM's names): repetition_penalty (1 = off), min_tokens (stop tokens are masked
+    # until this many tokens were generated).
+    repetition_penalty: float | None = None
+    min_tokens: int | None = None
 
     @field_validator("stop", mode="before")
     @classmethod
@@ -66,16 +71,10 @@ class _SamplingFields(_Strict):
 
     def check_unsupported(self) -> None:
         """400 for options the engine does not implement, naming the field."""
-        if self.n is not None and self.n != 1:
-            raise bad_request(f"n must be 1 (got {self.n}): one choice per request is supported", "n")
+        if self.n is not None and not 1 <= self.n <= MAX_SEQUENCES:
+            raise bad_request(f"n must be an integer in [1, {MAX_SEQUENCES}], got {self.n}", "n")
         if self.stream_options is not None and not self.stream:
             raise bad_request("stream_options is only allowed when stream is true", "stream_options")
-        for name in ("presence_penalty", "frequency_penalty"):
-            value = getattr(self, name)
-            if value not in (None, 0.0):
-                raise bad_request(f"{name} is not supported (only 0)", name)
-        if self.logit_bias:
-            raise bad_request("logit_bias is not supported", "logit_bias")
 
     def sampling_kwargs(self, max_tokens: int) -> dict[str, Any]:
         """Keyword arguments for orca_ext.SamplingParams."""
@@ -94,6 +93,32 @@ class _SamplingFields(_Strict):
         )
 
     @property
+    def num_sequences(self) -> int:
+        """Sequences generated for this request: n (best_of when larger)."""
+        return self.n or 1
+
+    @property
+    def ranks_sequences(self) -> bool:
+        """Whether more sequences are generated than returned (best_of > n)."""
+        return False
+
+    def logits_kwargs(self) -> dict[str, Any]:
+        """Keyword arguments for orca_ext.SamplingParams: penalties, logit_bias, min_tokens and
+        logprobs (SamplingParams checks their ranges)."""
+        kwargs: dict[str, Any] = dict(
+            presence_penalty=self.presence_penalty or 0.0,
+            frequency_penalty=self.frequency_penalty or 0.0,
+            repetition_penalty=1.0 if self.repetition_penalty is None else self.repetition_penalty,
+            min_tokens=self.min_tokens or 0,
+            logit_bias=logit_bias_ids(self.logit_bias),
+        )
+        kwargs.update(self.logprobs_kwargs())
+        return kwargs
+
+    def logprobs_kwargs(self) -> dict[str, Any]:
+        return {}
+
+    @property
     def include_usage(self) -> bool:
         return bool(self.stream_options and self.stream_options.include_usage)
 
@@ -102,6 +127,27 @@ class _SamplingFields(_Strict):
         """Engine field name -> this request's field name, where they differ (errors.py reports
         the engine's rejections under the client's names). Completions use the engine's names."""
         return {}
+
+
+# Completions' logprobs limit (OpenAI's); chat allows sampling_params.MAX_LOGPROBS (20).
+MAX_COMPLETION_LOGPROBS = 5
+MAX_LOGIT_BIAS_KEY_CHARS = 20
+# n and best_of: sequences per request. Each is a request of its own in the engine (sharing one
+# prefill), so this bounds how much of the batch one HTTP request can take.
+MAX_SEQUENCES = 16
+
+
+def logit_bias_ids(bias: dict[str, float] | None) -> dict[int, float]:
+    """logit_bias with its JSON string keys as token ids; a key that is not an integer is a 400."""
+    if not bias:
+        return {}
+    out = {}
+    for key, value in bias.items():
+        text = key.strip()
+        if len(text) > MAX_LOGIT_BIAS_KEY_CHARS or not text.lstrip("-").isdigit():
+            raise bad_request(f"logit_bias keys must be token ids (integers), got {key[:40]!r}", "logit_bias")
+        out[int(text)] = value
+    return out
 
 
 class CompletionRequest(_SamplingFields):
@@ -127,14 +173,32 @@ class CompletionRequest(_SamplingFields):
             raise ValueError(f"prompt: a batch of {len(v)} prompts is not supported; send one prompt per request")
         raise ValueError("prompt must be a string or a list of token ids")
 
+    def logprobs_kwargs(self) -> dict[str, Any]:
+        # echo reports the prompt's logprobs too; max_tokens 0 with echo scores the prompt alone.
+        kwargs: dict[str, Any] = {"logprobs": self.logprobs}
+        if self.echo and (self.logprobs is not None or self.max_tokens == 0):
+            kwargs["prompt_logprobs"] = self.logprobs or 0
+        return kwargs
+
+    @property
+    def num_sequences(self) -> int:
+        return max(self.n or 1, self.best_of or 1)
+
+    @property
+    def ranks_sequences(self) -> bool:
+        return self.num_sequences > (self.n or 1)
+
     def check_unsupported(self) -> None:
         super().check_unsupported()
-        if self.logprobs is not None:
-            raise bad_request("logprobs are not supported by this server", "logprobs")
-        if self.echo:
-            raise bad_request("echo is not supported", "echo")
-        if self.best_of not in (None, 1):
-            raise bad_request(f"best_of must be 1 (got {self.best_of})", "best_of")
+        if self.logprobs is not None and not 0 <= self.logprobs <= MAX_COMPLETION_LOGPROBS:
+            raise bad_request(f"logprobs must be an integer in [0, {MAX_COMPLETION_LOGPROBS}], got {self.logprobs}",
+                              "logprobs")
+        if self.best_of is not None and not (self.n or 1) <= self.best_of <= MAX_SEQUENCES:
+            raise bad_request(f"best_of must be an integer in [n, {MAX_SEQUENCES}] (n = {self.n or 1}), "
+                              f"got {self.best_of}", "best_of")
+        if self.ranks_sequences and self.stream:
+            raise bad_request("best_of > n cannot be streamed (the best sequences are known only at the end)",
+                              "best_of")
         if self.suffix:
             raise bad_request("suffix is not supported", "suffix")
 
@@ -168,12 +232,18 @@ class ChatCompletionRequest(_SamplingFields):
     logprobs: bool | None = None
     top_logprobs: int | None = None
 
+    def logprobs_kwargs(self) -> dict[str, Any]:
+        if not self.logprobs:
+            return {}
+        return {"logprobs": self.top_logprobs or 0}
+
     def check_unsupported(self) -> None:
         super().check_unsupported()
-        if self.logprobs:
-            raise bad_request("logprobs are not supported by this server", "logprobs")
-        if self.top_logprobs is not None:
-            raise bad_request("top_logprobs is not supported by this server", "top_logprobs")
+        if self.top_logprobs is not None and not self.logprobs:
+            raise bad_request("top_logprobs needs logprobs: true", "top_logprobs")
+        if self.top_logprobs is not None and not 0 <= self.top_logprobs <= MAX_LOGPROBS:
+            raise bad_request(f"top_logprobs must be an integer in [0, {MAX_LOGPROBS}], got {self.top_logprobs}",
+                              "top_logprobs")
         if self.max_tokens is not None and self.max_completion_tokens is not None \
                 and self.max_tokens != self.max_completion_tokens:
             raise bad_request("give max_completion_tokens or max_tokens, not two different values",

@@ -18,6 +18,7 @@ period, then aborts the rest, which end with an in-band error event (streams, se
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import logging
 from typing import Any, Callable
 
@@ -32,6 +33,7 @@ from ..validation import text_prompt_ids
 from . import protocol
 from .errors import APIError, bad_request
 from .guards import bearer_ok
+from .logprob_fields import TokenTexts, chat_logprobs, completion_logprobs
 from .metrics import Metrics
 from .prompt_workers import DEFAULT_PROMPT_JOBS_PER_CLIENT, DEFAULT_PROMPT_THREADS, PromptWorkers
 from .rejections import RejectionBudget
@@ -69,6 +71,10 @@ class Admission:
         self.finished = False
         self.shutdown = False   # ended by the server's drain, not by the client or the engine
         self._closed = False
+        # Engine request ids of its sequences (n / best_of > 1: rid, rid-1, rid-2, ...), and
+        # their final outputs in that order once collected.
+        self.seq_rids: list[str] = [rid]
+        self.outputs: list[Any] = []
 
     def close(self) -> None:
         if self._closed:
@@ -80,17 +86,18 @@ class Admission:
         if self.submitted and not self.finished:
             # The client is gone (or we failed): free the slab now, not when max_tokens is reached.
             server = self.service.server
-            try:
-                aborted = server.abort(self.rid)
-                self.service.metrics.observe_rejected(self.endpoint, "shutdown" if self.shutdown else "abort")
-                logger.info("request %s aborted (client disconnected or failed; was live: %s)", self.rid, aborted)
-                # Collect the final output so the server releases the id now instead of keeping
-                # an undelivered output around (abort() finishes the request synchronously).
-                server.result(self.rid, timeout=0)
-            except (KeyError, TimeoutError):
-                pass
-            except Exception:  # cleanup runs in finally blocks: never mask the original error
-                logger.exception("request %s: abort failed", self.rid)
+            self.service.metrics.observe_rejected(self.endpoint, "shutdown" if self.shutdown else "abort")
+            for rid in self.seq_rids:
+                try:
+                    aborted = server.abort(rid)
+                    logger.info("request %s aborted (client disconnected or failed; was live: %s)", rid, aborted)
+                    # Collect the final output so the server releases the id now instead of keeping
+                    # an undelivered output around (abort() finishes the request synchronously).
+                    server.result(rid, timeout=0)
+                except (KeyError, TimeoutError):
+                    pass
+                except Exception:  # cleanup runs in finally blocks: never mask the original error
+                    logger.exception("request %s: abort failed", rid)
 
 
 class Service:
@@ -120,6 +127,7 @@ class Service:
         self.prompt_workers = PromptWorkers(prompt_threads, prompt_jobs_per_client)
         encoder = server.prompt_encoder
         self.chat = ChatPromptEncoder(server.tokenizer, encoder) if encoder is not None else None
+        self._token_texts: TokenTexts | None = None
 
     def model_card(self) -> dict:
         return protocol.model_card(self.model_name, self.created, self.server.max_model_len,
@@ -214,7 +222,8 @@ class Service:
         """End one admitted request because the server is going away."""
         adm.shutdown = True
         if adm.submitted:
-            self.server.abort(adm.rid)
+            for rid in adm.seq_rids:
+                self.server.abort(rid)
 
     def observe_finished(self, adm: Admission, out: Any) -> None:
         if out.finish_reason == "abort" and adm.shutdown:
@@ -238,6 +247,82 @@ class Service:
         limit = min(self.server.max_model_len, self.server.n_slots)
         return max(1, min(self.default_max_tokens, limit - prompt_len))
 
+    # -- logprobs and echo ----------------------------------------------------------------------
+
+    @property
+    def token_texts(self) -> TokenTexts:
+        """Single-token texts for logprobs (made on first use: it copies the tokenizer)."""
+        if self._token_texts is None:
+            self._token_texts = TokenTexts(self.server.tokenizer)
+        return self._token_texts
+
+    def echo_text(self, body: protocol.CompletionRequest, out: Any) -> str:
+        """The prompt as completions' echo shows it: the client's text, or its token ids decoded."""
+        return body.prompt if isinstance(body.prompt, str) else self.token_texts.text(out.prompt_token_ids)
+
+    def completion_choice_logprobs(self, body: protocol.CompletionRequest, out: Any, *, start: int = 0,
+                                   prompt: bool = False, text_offset: int = 0) -> dict | None:
+        """Completions' logprobs of the generated tokens from index `start` (and before them the
+        prompt's, when `prompt`), or None when the request did not ask for logprobs."""
+        if body.logprobs is None:
+            return None
+        entries: list = list(out.logprobs[start:]) if out.logprobs is not None else []
+        ids: list[int] = list(out.token_ids[start:])
+        if prompt and out.prompt_logprobs is not None:
+            entries = list(out.prompt_logprobs) + entries
+            ids = list(out.prompt_token_ids) + ids
+        return completion_logprobs(entries, ids, self.token_texts, text_offset)
+
+    def chat_choice_logprobs(self, body: protocol.ChatCompletionRequest, out: Any, start: int = 0) -> dict | None:
+        """Chat's logprobs of the generated tokens from index `start`, or None when not asked."""
+        if not body.logprobs or out.logprobs is None:
+            return None
+        return chat_logprobs(out.logprobs[start:], self.token_texts)
+
+    @staticmethod
+    def chosen(adm: Admission, body: protocol._SamplingFields) -> list:
+        """The outputs that become choices: all n, or with best_of > n the n of highest cumulative
+        logprob (ties: the lower sequence index first)."""
+        outs = adm.outputs
+        n = body.n or 1
+        if len(outs) > n:
+            ranked = sorted(range(len(outs)), key=lambda i: (-sum(e.logprob for e in outs[i].logprobs), i))
+            outs = [outs[i] for i in sorted(ranked[:n])]
+        return outs
+
+    @staticmethod
+    def usage_of(adm: Admission) -> dict:
+        """Usage over every sequence generated (best_of's extra ones included, as OpenAI bills)."""
+        first = adm.outputs[0]
+        return protocol.usage(len(first.prompt_token_ids), sum(len(o.token_ids) for o in adm.outputs))
+
+    def completion_json(self, adm: Admission, created: int, body: protocol.CompletionRequest) -> dict:
+        """The non-streaming completions response of a finished request: one choice per sequence."""
+        choices = []
+        for index, out in enumerate(self.chosen(adm, body)):
+            prefix = self.echo_text(body, out) if body.echo else ""
+            choice = protocol.completion_body(adm.rid, created, self.model_name, prefix + out.text,
+                                              out.finish_reason, None, chunk=True)["choices"][0]
+            choice.update(index=index, logprobs=self.completion_choice_logprobs(
+                body, out, prompt=bool(body.echo), text_offset=0))
+            choices.append(choice)
+        result = protocol.completion_body(adm.rid, created, self.model_name, "", None, self.usage_of(adm),
+                                          chunk=False)
+        result["choices"] = choices
+        return result
+
+    def chat_json(self, adm: Admission, created: int, body: protocol.ChatCompletionRequest) -> dict:
+        """The non-streaming chat response of a finished request: one choice per sequence."""
+        choices = []
+        for index, out in enumerate(self.chosen(adm, body)):
+            choice = protocol.chat_body(adm.rid, created, self.model_name, out.text, out.finish_reason,
+                                        None)["choices"][0]
+            choice.update(index=index, logprobs=self.chat_choice_logprobs(body, out))
+            choices.append(choice)
+        result = protocol.chat_body(adm.rid, created, self.model_name, "", None, self.usage_of(adm))
+        result["choices"] = choices
+        return result
+
     # -- engine ---------------------------------------------------------------------------------
 
     async def submit(self, adm: Admission, prompt: str | list[int], body: protocol._SamplingFields,
@@ -246,12 +331,23 @@ class Service:
         InvalidRequestError (app.py reports it in the endpoint's field names). A text prompt is
         encoded first, on a prompt thread within `client`'s share."""
         try:
-            params = SamplingParams(**body.sampling_kwargs(max_tokens))
+            params = SamplingParams(**body.sampling_kwargs(max_tokens), **body.logits_kwargs())
             encoder = self.server.prompt_encoder
             if isinstance(prompt, str) and encoder is not None:
                 prompt = await self.prompt_workers.run(client, text_prompt_ids, encoder, prompt)
+            count = body.num_sequences
+            if count > 1 and body.ranks_sequences:
+                # best_of > n ranks the sequences by their cumulative logprob.
+                params = dataclasses.replace(params, logprobs=params.logprobs or 0)
             await asyncio.to_thread(self.server.submit, prompt, params, request_id=adm.rid,
                                     client=client)
+            adm.submitted = True
+            for i in range(1, count):
+                rid = f"{adm.rid}-{i}"
+                adm.seq_rids.append(rid)
+                # `prompt` is token ids by now: the siblings reuse the first sequence's and its prefill.
+                await asyncio.to_thread(self.server.submit, prompt, params.for_sequence(i), request_id=rid,
+                                        client=client, share_prefill_with=adm.rid)
         except EngineDeadError as exc:
             raise APIError(503, str(exc), code="engine_dead") from exc
         except ServerClosedError as exc:
@@ -264,29 +360,34 @@ class Service:
     async def collect(self, adm: Admission, request: Request) -> Any:
         """The final output, or None when the client disconnected first (the caller's
         admission.close() then aborts the request)."""
-        stream = self.server.stream_async(adm.rid)
+        streams = [self.server.stream_async(rid) for rid in adm.seq_rids]
 
-        async def last() -> Any:
+        async def last(stream) -> Any:
             final = None
             async for out in stream:
                 final = out
             return final
 
-        result_task = asyncio.ensure_future(last())
+        result_task = asyncio.ensure_future(asyncio.gather(*(last(st) for st in streams)))
         watch_task = asyncio.ensure_future(_wait_disconnect(request))
         try:
             done, _ = await asyncio.wait({result_task, watch_task}, return_when=asyncio.FIRST_COMPLETED)
             if result_task not in done:
                 logger.info("request %s: client disconnected before the result", adm.rid)
                 return None
-            final = result_task.result()
+            finals = result_task.result()
         finally:
             watch_task.cancel()
             if not result_task.done():
                 result_task.cancel()
-        if final is not None and final.finished:
-            adm.finished = True
-            self.observe_finished(adm, final)
+        adm.outputs = list(finals)
+        if any(out is None or not out.finished for out in finals):
+            return None if finals[0] is None else finals[0]
+        adm.finished = True
+        # The response stands or falls with its worst sequence: an error, else an abort.
+        final = next((o for o in finals if o.finish_reason == "error"),
+                     next((o for o in finals if o.finish_reason == "abort"), finals[0]))
+        self.observe_finished(adm, final)
         return final
 
 

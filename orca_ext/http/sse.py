@@ -9,6 +9,7 @@ server's drain at shutdown, is reported in-band as an error event in OpenAI's sh
 
 from __future__ import annotations
 
+import asyncio
 import json
 import logging
 from typing import Any, AsyncIterator, Callable
@@ -60,21 +61,61 @@ async def _with_done(adm: Admission, events: AsyncIterator[str]) -> AsyncIterato
         adm.close()
 
 
-async def _deltas(adm: Admission) -> AsyncIterator[tuple[str, Any]]:
-    """(new text, snapshot) for every snapshot of the request; marks the admission finished."""
-    svc = adm.service
+async def _sequence_deltas(adm: Admission, rid: str) -> AsyncIterator[tuple[str, Any]]:
+    """(new text, snapshot) for every snapshot of one sequence of the request."""
     sent = ""
-    async for out in svc.server.stream_async(adm.rid):
+    async for out in adm.service.server.stream_async(rid):
         text = out.text
         if text.startswith(sent):
             delta, sent = text[len(sent):], text
         else:  # the engine promises never to take text back; keep what the client has
-            logger.warning("request %s: engine text is not an extension of what was streamed", adm.rid)
+            logger.warning("request %s: engine text is not an extension of what was streamed", rid)
             delta = ""
-        if out.finished:
-            adm.finished = True
-            svc.observe_finished(adm, out)
         yield delta, out
+
+
+async def _deltas(adm: Admission) -> AsyncIterator[tuple[int, str, Any]]:
+    """(choice index, new text, snapshot) for every snapshot of each of the request's sequences,
+    as they come; marks the admission finished when all are."""
+    svc = adm.service
+    rids = adm.seq_rids
+    if len(rids) == 1:
+        async for delta, out in _sequence_deltas(adm, rids[0]):
+            if out.finished:
+                adm.finished = True
+                svc.observe_finished(adm, out)
+            yield 0, delta, out
+        return
+    queue: asyncio.Queue = asyncio.Queue()
+
+    async def pump(index: int, rid: str) -> None:
+        try:
+            async for delta, out in _sequence_deltas(adm, rid):
+                await queue.put((index, delta, out, None))
+        except BaseException as exc:  # handed to the consumer, which re-raises it
+            await queue.put((index, None, None, exc))
+        else:
+            await queue.put((index, None, None, None))
+
+    tasks = [asyncio.ensure_future(pump(i, rid)) for i, rid in enumerate(rids)]
+    open_streams, finished = len(rids), 0
+    try:
+        while open_streams:
+            index, delta, out, exc = await queue.get()
+            if exc is not None:
+                raise exc
+            if out is None:
+                open_streams -= 1
+                continue
+            if out.finished:
+                finished += 1
+                if finished == len(rids):
+                    adm.finished = True
+                    svc.observe_finished(adm, out)
+            yield index, delta, out
+    finally:
+        for t in tasks:
+            t.cancel()
 
 
 def _ended_early(adm: Admission, out: Any) -> str | None:
@@ -89,33 +130,65 @@ def _ended_early(adm: Admission, out: Any) -> str | None:
 async def completion_events(adm: Admission, body: protocol.CompletionRequest, created: int) -> AsyncIterator[str]:
     model, rid, with_usage = adm.service.model_name, adm.rid, body.include_usage
     usage_field = {"usage": None} if with_usage else {}
-    async for delta, out in _deltas(adm):
+    svc = adm.service
+    n = len(adm.seq_rids)
+    echo_pending = [bool(body.echo)] * n   # a choice's first chunk carries the prompt (and its logprobs)
+    sent_tokens = [0] * n                  # generated tokens whose logprobs were sent
+    offset = [0] * n                       # text_offset of the next token
+    generated = [0] * n
+    async for i, delta, out in _deltas(adm):
         if (error := _ended_early(adm, out)) is not None:
             yield error
             return
-        if delta or out.finished:
-            chunk = protocol.completion_body(rid, created, model, delta,
+        if delta or out.finished or echo_pending[i]:
+            text = svc.echo_text(body, out) + delta if echo_pending[i] else delta
+            chunk = protocol.completion_body(rid, created, model, text,
                                              out.finish_reason if out.finished else None, None, chunk=True)
+            chunk["choices"][0]["index"] = i
+            logprobs = svc.completion_choice_logprobs(body, out, start=sent_tokens[i], prompt=echo_pending[i],
+                                                      text_offset=offset[i])
+            if logprobs is not None:
+                chunk["choices"][0]["logprobs"] = logprobs
+                offset[i] += sum(len(t) for t in logprobs["tokens"])
+            sent_tokens[i], echo_pending[i] = len(out.token_ids), False
             yield event({**chunk, **usage_field})
-        if out.finished and with_usage:
+        generated[i] = len(out.token_ids)
+        if adm.finished and with_usage:
             yield event({"id": rid, "object": "text_completion", "created": created, "model": model,
-                         "choices": [], "usage": protocol.usage(len(out.prompt_token_ids), len(out.token_ids))})
+                         "choices": [], "usage": protocol.usage(len(out.prompt_token_ids), sum(generated))})
 
 
 async def chat_events(adm: Admission, body: protocol.ChatCompletionRequest, created: int) -> AsyncIterator[str]:
     model, rid, with_usage = adm.service.model_name, adm.rid, body.include_usage
-    yield event(protocol.chat_chunk(rid, created, model, {"role": "assistant", "content": ""}, None,
-                                    with_usage_field=with_usage))
-    async for delta, out in _deltas(adm):
+    svc = adm.service
+    n = len(adm.seq_rids)
+    for i in range(n):
+        first = protocol.chat_chunk(rid, created, model, {"role": "assistant", "content": ""}, None,
+                                    with_usage_field=with_usage)
+        first["choices"][0]["index"] = i
+        yield event(first)
+    sent_tokens = [0] * n  # generated tokens whose logprobs were sent
+    generated = [0] * n
+
+    def choice(i: int, chunk: dict, out: Any) -> dict:
+        chunk["choices"][0]["index"] = i
+        logprobs = svc.chat_choice_logprobs(body, out, sent_tokens[i])
+        if logprobs is not None and logprobs["content"]:
+            chunk["choices"][0]["logprobs"] = logprobs
+        sent_tokens[i] = len(out.token_ids)
+        return chunk
+
+    async for i, delta, out in _deltas(adm):
         if (error := _ended_early(adm, out)) is not None:
             yield error
             return
         if delta:
-            yield event(protocol.chat_chunk(rid, created, model, {"content": delta}, None,
-                                            with_usage_field=with_usage))
+            yield event(choice(i, protocol.chat_chunk(rid, created, model, {"content": delta}, None,
+                                                      with_usage_field=with_usage), out))
+        generated[i] = len(out.token_ids)
         if out.finished:
-            yield event(protocol.chat_chunk(rid, created, model, {}, out.finish_reason,
-                                            with_usage_field=with_usage))
-            if with_usage:
-                yield event(protocol.chat_chunk(rid, created, model, None, None, protocol.usage(
-                    len(out.prompt_token_ids), len(out.token_ids)), with_usage_field=True))
+            yield event(choice(i, protocol.chat_chunk(rid, created, model, {}, out.finish_reason,
+                                                      with_usage_field=with_usage), out))
+        if adm.finished and with_usage:
+            yield event(protocol.chat_chunk(rid, created, model, None, None, protocol.usage(
+                len(out.prompt_token_ids), sum(generated)), with_usage_field=True))

@@ -11,7 +11,7 @@ iteration is far cheaper than per-request tensor ops.
 from __future__ import annotations
 
 import dataclasses
-from typing import Sequence
+from typing import Optional, Sequence
 
 import torch
 
@@ -42,12 +42,15 @@ class ForwardBatch:
     q_len: torch.Tensor          # [B] int32: number of new tokens of request b
     kv_start: torch.Tensor       # [B] int32: first KV slot of request b (its slab start)
     kv_len: torch.Tensor         # [B] int32: context length of request b after this iteration
-    logits_index: torch.Tensor   # [B] int64: flat row of each request's last token
+    logits_index: torch.Tensor   # [R] int64: flat rows whose logits the forward returns (see logit_rows)
     num_prefill_tokens: int      # see count_tokens: tokens that are not one-token decodes
     num_decode_tokens: int       # requests decoding one token over a cached context
     max_position: int            # largest position in the batch (checked against the rope tables)
     max_slot: int                # largest KV slot written (checked against the pool size)
     max_token_id: int            # largest token id (checked against the vocabulary)
+    # Logits rows per request: its last n tokens' (R = sum). None: one each, its last token's
+    # (R = B), which is every batch whose requests want no prompt logprobs.
+    logit_rows: Optional[tuple[int, ...]] = None
 
     @property
     def batch_size(self) -> int:
@@ -59,12 +62,21 @@ class ForwardBatch:
 
     @classmethod
     def build(cls, requests: Sequence[tuple[Sequence[int], int, int]],
-              device: torch.device | str = "cpu") -> "ForwardBatch":
+              device: torch.device | str = "cpu",
+              logit_rows: Optional[Sequence[int]] = None) -> "ForwardBatch":
         """requests: one `(new_token_ids, start_pos, slab_start)` per request.
 
         start_pos is the number of the request's tokens already in the KV cache; its new tokens
         take positions start_pos, start_pos+1, ... and slots slab_start + position.
+        logit_rows: per request, how many of its last tokens' logits the forward returns (1 to
+        its number of new tokens); None gives one each.
         """
+        if logit_rows is not None:
+            logit_rows = tuple(int(n) for n in logit_rows)
+            if len(logit_rows) != len(requests):
+                raise ValueError(f"ForwardBatch.build: {len(logit_rows)} logit_rows for {len(requests)} requests")
+            if all(n == 1 for n in logit_rows):
+                logit_rows = None
         if not requests:
             raise ValueError("ForwardBatch.build: requests is empty; a batch needs at least one request")
         tokens: list[int] = []
@@ -91,11 +103,17 @@ class ForwardBatch:
             q_len.append(n)
             kv_start.append(slab_start)
             kv_len.append(end)
-            logits_index.append(len(tokens) - 1)
+            if logit_rows is None:
+                logits_index.append(len(tokens) - 1)
+            else:
+                if not 1 <= logit_rows[i] <= n:
+                    raise ValueError(f"ForwardBatch.build: request {i} asks for {logit_rows[i]} logits rows "
+                                     f"of its {n} new tokens")
+                logits_index.extend(range(len(tokens) - logit_rows[i], len(tokens)))
             max_position = max(max_position, end - 1)
             max_slot = max(max_slot, slab_start + end - 1)
 
-        t, b = len(tokens), len(q_start)
+        t, b, r = len(tokens), len(q_start), len(logits_index)
         n_prefill, n_decode = count_tokens(requests)
         if min(tokens) < 0:
             raise ValueError(f"ForwardBatch.build: token id {min(tokens)} is negative")
@@ -111,7 +129,7 @@ class ForwardBatch:
         int_dev = int_host.to(device, non_blocking=True)
         return cls(
             token_ids=long_dev[0:t], positions=long_dev[t:2 * t], slots=long_dev[2 * t:3 * t],
-            logits_index=long_dev[3 * t:3 * t + b],
+            logits_index=long_dev[3 * t:3 * t + r], logit_rows=logit_rows,
             q_start=int_dev[0:b], q_len=int_dev[b:2 * b], kv_start=int_dev[2 * b:3 * b],
             kv_len=int_dev[3 * b:4 * b],
             num_prefill_tokens=n_prefill, num_decode_tokens=n_decode,

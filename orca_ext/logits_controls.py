@@ -1,0 +1,96 @@
+"""Penalties, logit_bias and min_tokens: per-request changes to the logits, batched.
+
+Applied to the raw logits of the rows whose params ask for any of them, in this order:
+    logit_bias            logits[t] += bias[t]
+    repetition_penalty    for every token t of the prompt or the output so far: logits[t] / r
+                          if logits[t] > 0, else logits[t] * r (r > 1 discourages repeats)
+    frequency_penalty     logits[t] -= f * (times t occurs in the output so far)
+    presence_penalty      logits[t] -= p * (1 if t occurs in the output so far)
+    min_tokens            stop tokens (EOS unless ignore_eos, stop_token_ids) -> -inf while
+                          fewer than min_tokens tokens were generated
+Temperature, top-k and top-p then work on the result, and reported logprobs are of it. Each
+control is a sparse gather/scatter over all the controlled rows' affected entries (never a pass
+over [rows, vocab]); the per-row work in Python is only flattening each row's token lists into
+one index list. A row whose controls fail is given -inf
+logits and an error, so only its request fails.
+"""
+from __future__ import annotations
+
+import itertools
+from typing import Optional, Sequence
+
+import torch
+
+
+def apply_controls(logits: torch.Tensor, requests: Sequence, errors: list[Optional[str]]) -> torch.Tensor:
+    """logits [B, V] float32 -> a copy with each controlled row's controls applied. `errors[i]`
+    is set for a row whose controls failed."""
+    rows = [i for i, r in enumerate(requests) if r.params.controls_logits and getattr(r, "emits_token", True)]
+    if not rows:
+        return logits
+    out = logits.clone()
+    try:
+        apply_to_rows(out, rows, [requests[i] for i in rows])
+    except Exception:
+        out.copy_(logits)
+        for i in rows:  # find the failing row: only its request fails
+            try:
+                apply_to_rows(out, [i], [requests[i]])
+            except Exception as exc:
+                out[i] = float("-inf")
+                errors[i] = f"logits controls failed: {type(exc).__name__}: {exc}"
+    return out
+
+
+def _flat(rows: Sequence[int], lists: Sequence[Sequence[int]], vocab: int, device) -> tuple[torch.Tensor, torch.Tensor]:
+    """(flat index row * vocab + token id, position in `rows`) int64 tensors of the entries of
+    `lists`, list j belonging to row rows[j]. An id outside [0, vocab) raises."""
+    lengths = torch.tensor([len(x) for x in lists], dtype=torch.int64)
+    ids = torch.tensor(list(itertools.chain.from_iterable(lists)), dtype=torch.int64)
+    if ids.numel() and (int(ids.min()) < 0 or int(ids.max()) >= vocab):
+        raise IndexError(f"token id outside the vocabulary [0, {vocab})")
+    owner = torch.repeat_interleave(torch.arange(len(lists)), lengths)
+    flat = torch.tensor(rows, dtype=torch.int64)[owner] * vocab + ids
+    return flat.to(device), owner.to(device)
+
+
+def apply_to_rows(x: torch.Tensor, rows: Sequence[int], requests: Sequence) -> None:
+    """Apply each request's controls to its row of x [B, V] float32, in place. Every control
+    touches only the entries of the tokens it concerns (sparse gathers and scatters over the flat
+    view), never a whole [rows, V] pass."""
+    vocab = x.shape[1]
+    flat_x = x.view(-1)
+    device = x.device
+    params = [r.params for r in requests]
+    if any(p.logit_bias for p in params):
+        flat, _ = _flat(rows, [[t for t, _ in p.logit_bias] for p in params], vocab, device)
+        values = torch.tensor([v for p in params for _, v in p.logit_bias], dtype=x.dtype, device=device)
+        flat_x.index_put_((flat,), values, accumulate=True)
+    if any(p.repetition_penalty != 1.0 for p in params):
+        flat, owner = _flat(rows, [r.prompt_token_ids + r.output_token_ids if r.params.repetition_penalty != 1.0
+                                   else () for r in requests], vocab, device)
+        flat, first = _unique(flat)
+        penalty = torch.tensor([p.repetition_penalty for p in params], dtype=x.dtype, device=device)[owner[first]]
+        values = flat_x[flat]
+        flat_x[flat] = torch.where(values > 0, values / penalty, values * penalty)
+    if any(p.frequency_penalty != 0.0 or p.presence_penalty != 0.0 for p in params):
+        flat, owner = _flat(rows, [r.output_token_ids if r.params.frequency_penalty or r.params.presence_penalty
+                                   else () for r in requests], vocab, device)
+        flat, first, counts = _unique(flat, counts=True)
+        owner = owner[first]
+        freq = torch.tensor([p.frequency_penalty for p in params], dtype=x.dtype, device=device)[owner]
+        pres = torch.tensor([p.presence_penalty for p in params], dtype=x.dtype, device=device)[owner]
+        flat_x[flat] -= freq * counts.to(x.dtype) + pres
+    early = [sorted(r.stop_token_ids) if len(r.output_token_ids) < r.params.min_tokens else ()
+             for r in requests]
+    if any(early):
+        flat, _ = _flat(rows, early, vocab, device)
+        flat_x[flat] = float("-inf")
+
+
+def _unique(flat: torch.Tensor, counts: bool = False):
+    """The distinct values of flat, the position of one occurrence of each, and (with counts)
+    how often each occurs."""
+    values, inverse, n = torch.unique(flat, return_inverse=True, return_counts=True)
+    first = torch.empty_like(values).scatter_(0, inverse, torch.arange(flat.numel(), device=flat.device))
+    return (values, first, n) if counts else (values, first)

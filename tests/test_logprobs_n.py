@@ -1,0 +1,162 @@
+"""Several sequences of one prompt (n > 1): one prefill, per-sequence seeds.
+
+Siblings submitted with share_prefill_with wait until the first sequence's prompt is cached and
+copy its KV rows instead of prefilling them; each then runs only the prompt's last token, so its
+first token is drawn from its own logits with its own generator. Sequence i of a seeded request
+(params.for_sequence(i): seed + i) must equal a single-sequence run with that seed, tokens and
+logprobs, and the iteration records must show one prefill of the prompt.
+"""
+from __future__ import annotations
+
+import pytest
+
+from orca_ext import SamplingParams, Server
+
+N = 4
+
+
+@pytest.fixture(scope="module")
+def server(tiny_model_dir):
+    with Server(str(tiny_model_dir("llama")), device="cpu", dtype="float32", n_slots=1024, max_batch_size=6,
+                max_num_batched_tokens=16, record_iterations=True) as s:
+        yield s
+
+
+def submit_n(server, prompt, params, n=N):
+    first = server.submit(prompt, params.for_sequence(0))
+    return [first] + [server.submit(prompt, params.for_sequence(i), share_prefill_with=first) for i in range(1, n)]
+
+
+@pytest.mark.parametrize("prompt_len", [2, 23, 40])
+def test_siblings_equal_single_runs_of_their_seeds(server, prompt_len):
+    prompt = list(range(1000, 1000 + prompt_len))
+    params = SamplingParams(max_tokens=6, temperature=0.9, top_k=50, seed=2**64 - 2, logprobs=3, ignore_eos=True)
+    forked_before = server._engine.num_forked_tokens
+    records_before = len(server.iterations())
+    rids = submit_n(server, prompt, params)
+    outs = [server.result(r, timeout=300) for r in rids]
+    assert server._engine.num_forked_tokens - forked_before == (N - 1) * (prompt_len - 1)
+    prefilled = sum(r.num_prefill_tokens for r in server.iterations()[records_before:])
+    # One prefill: each sibling's run of the prompt's last token over the copied rows is a decode.
+    assert prefilled == prompt_len
+    assert len({tuple(o.token_ids) for o in outs}) > 1  # the seeds differ
+    for i, out in enumerate(outs):
+        alone = server.generate(prompt, SamplingParams(max_tokens=6, temperature=0.9, top_k=50,
+                                                       seed=(2**64 - 2 + i) % 2**64, logprobs=3,
+                                                       ignore_eos=True))[0]
+        assert out.token_ids == alone.token_ids, i
+        assert [e.logprob for e in out.logprobs] == pytest.approx([e.logprob for e in alone.logprobs], abs=1e-5)
+
+
+def test_aborts_leave_the_siblings_correct(server):
+    prompt = list(range(2000, 2050))
+    params = SamplingParams(max_tokens=4, ignore_eos=True)
+    ref = server.generate(prompt, params)[0].token_ids
+    rids = submit_n(server, prompt, params)
+    server.abort(rids[1])          # a held sibling: never enters the pool
+    server.abort(rids[0])          # the parent, before its prompt is cached: the rest prefill alone
+    outs = [server.result(r, timeout=300) for r in rids]
+    assert [o.finish_reason for o in outs[:2]] == ["abort", "abort"]
+    assert [o.token_ids for o in outs[2:]] == [ref, ref]
+    assert server.stats()["running"] == 0
+
+
+# -- over HTTP ------------------------------------------------------------------------------------
+
+def _call(server, fn):
+    import asyncio
+
+    import httpx
+    import openai
+
+    from orca_ext.http import create_app
+
+    app = create_app(server, model_name="m", max_queue=8)
+
+    async def go():
+        async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://app") as c:
+            client = openai.AsyncOpenAI(base_url="http://app/v1", api_key="none", http_client=c, max_retries=0)
+            return await fn(client)
+    return asyncio.run(go())
+
+
+def test_http_n_choices_match_single_runs_streamed_or_not(server):
+    """n=4 with logprobs: 4 choices whose tokens and logprobs are the single-sequence runs of
+    seeds seed + i, streamed or not."""
+    prompt = list(range(3000, 3030))
+    kw = dict(model="m", prompt=prompt, max_tokens=5, temperature=0.8, seed=77, logprobs=2,
+              extra_body={"ignore_eos": True})
+
+    async def fn(client):
+        plain = await client.completions.create(n=N, **kw)
+        chunks = [c async for c in await client.completions.create(n=N, stream=True, **kw)]
+        singles = [await client.completions.create(**{**kw, "seed": 77 + i}) for i in range(N)]
+        return plain, chunks, singles
+
+    plain, chunks, singles = _call(server, fn)
+    assert [c.index for c in plain.choices] == list(range(N))
+    assert plain.usage.completion_tokens == 5 * N
+    for choice, single in zip(plain.choices, singles):
+        assert choice.text == single.choices[0].text
+        assert choice.logprobs.token_logprobs == pytest.approx(single.choices[0].logprobs.token_logprobs, abs=1e-5)
+        streamed = [c.choices[0] for c in chunks if c.choices and c.choices[0].index == choice.index]
+        assert "".join(c.text for c in streamed) == choice.text
+        assert [v for c in streamed if c.logprobs for v in c.logprobs.token_logprobs] == \
+            pytest.approx(choice.logprobs.token_logprobs, abs=1e-6)
+
+
+def test_http_chat_n_and_best_of(server):
+    async def fn(client):
+        chat = await client.chat.completions.create(
+            model="m", messages=[{"role": "user", "content": "hi"}], n=3, max_tokens=4, temperature=1.0, seed=5,
+            logprobs=True)
+        best = await client.completions.create(model="m", prompt=list(range(10, 30)), n=2, best_of=5,
+                                               max_tokens=4, temperature=1.0, seed=9,
+                                               extra_body={"ignore_eos": True})
+        every = await client.completions.create(model="m", prompt=list(range(10, 30)), n=5, max_tokens=4,
+                                                temperature=1.0, seed=9, logprobs=0,
+                                                extra_body={"ignore_eos": True})
+        return chat, best, every
+
+    chat, best, every = _call(server, fn)
+    assert [c.index for c in chat.choices] == [0, 1, 2]
+    assert all(len(c.logprobs.content) == len(chat.choices[0].logprobs.content) for c in chat.choices)
+    # best_of=5, n=2: the two of the five sequences (the same seeds as n=5) of highest total logprob.
+    totals = [sum(c.logprobs.token_logprobs) for c in every.choices]
+    top2 = sorted(sorted(range(5), key=lambda i: -totals[i])[:2])
+    assert [c.text for c in best.choices] == [every.choices[i].text for i in top2]
+    assert best.choices[0].logprobs is None  # not asked for
+    assert best.usage.completion_tokens == 4 * 5
+
+
+@pytest.mark.parametrize("body, param", [
+    ({"n": 0}, "n"), ({"n": 17}, "n"), ({"best_of": 17}, "best_of"), ({"n": 3, "best_of": 2}, "best_of"),
+    ({"n": 1, "best_of": 2, "stream": True}, "best_of"),
+])
+def test_http_n_bounds(server, body, param):
+    async def fn(client):
+        with pytest.raises(Exception) as info:
+            await client.completions.create(model="m", prompt="hi", **body)
+        return info.value
+
+    err = _call(server, fn)
+    assert err.status_code == 400 and err.body["param"] == param
+
+
+def test_parallel_workers_share_prefill_and_refuse_logprobs_alone(tiny_model_dir):
+    """Two pipeline stages: n siblings equal the single-process runs of their seeds (forked or, with
+    a batch in flight, prefilled alone); a request asking for logprobs fails alone, with a message
+    that says why, and its batch-mates finish."""
+    model_dir = tiny_model_dir("llama")
+    prompt = list(range(500, 530))
+    params = SamplingParams(max_tokens=5, temperature=0.9, seed=41, ignore_eos=True)
+    with Server(str(model_dir), device="cpu", dtype="float32", n_slots=800, max_batch_size=4,
+                pipeline_parallel_size=2) as server:
+        rids = submit_n(server, prompt, params)
+        bad = server.submit(prompt, SamplingParams(max_tokens=3, logprobs=1))
+        outs = [server.result(r, timeout=300) for r in rids]
+        refused = server.result(bad, timeout=300)
+    assert refused.finish_reason == "error" and "not supported with tensor or pipeline" in refused.error
+    with Server(str(model_dir), device="cpu", dtype="float32", n_slots=800, max_batch_size=4) as local:
+        want = [local.generate(prompt, params.for_sequence(i))[0].token_ids for i in range(N)]
+    assert [o.token_ids for o in outs] == want
