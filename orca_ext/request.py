@@ -86,6 +86,9 @@ class Request:
         self.generator = None              # per-request torch.Generator, made on first sampled step
         self.version = 0                   # bumped whenever a new snapshot is available
         self.stop_matcher = params.stop_matcher()  # streaming stop-string search (None: no stops)
+        # Its position in its output grammar (guided decoding; None: unconstrained), advanced by
+        # the sampler with each token it samples.
+        self.guided = params.guided.matcher() if params.guided is not None else None
 
     # -- Algorithm 1 accessors -------------------------------------------------------------
     @property

@@ -17,6 +17,7 @@ from typing import Optional, Sequence
 import torch
 
 from . import ops
+from .guided import masks as guided_masks
 # SamplingParams and its limits: orca_ext.sampling is their public import path too.
 from .sampling_params import (GREEDY_TEMPERATURE, MAX_SEED, MAX_STOP_STRING_CHARS, MAX_STOP_STRINGS,  # noqa: F401
                               MAX_STOP_TOKEN_IDS, MIN_SEED, SamplingParams)
@@ -79,6 +80,9 @@ class Sampler:
         if logits.dim() != 2 or logits.shape[0] != n:
             raise ValueError(f"logits must be [B={n}, vocab], got {tuple(logits.shape)}")
         logits = logits.float()
+        # Guided rows: disallowed tokens -> -inf before anything is drawn (guided/masks.py).
+        guided = guided_masks.guided_rows(requests)
+        guided_errors = guided_masks.apply_token_masks(logits, guided)
         # One pass over [B, V] gives the greedy tokens and the health check: the max propagates
         # NaN and +inf, so a row whose max is not finite is unusable (an all -inf row is caught
         # too). On the CPU one kernel call does it (ops.row_argmax says why).
@@ -98,6 +102,9 @@ class Sampler:
                 # so a seeded request samples the same stream however its prompt was split.
                 # (Parallel workers' rows carry the same flag, SamplingRow.emits_token.)
                 tokens[i] = None
+            elif i in guided_errors:
+                tokens[i] = None
+                errors[i] = guided_errors[i]
             elif not finite[i]:
                 tokens[i] = None
                 errors[i] = NON_FINITE_LOGITS
@@ -115,6 +122,9 @@ class Sampler:
                     except Exception as exc:
                         tokens[i] = None
                         errors[i] = f"sampling failed: {type(exc).__name__}: {exc}"
+        for i, err in guided_masks.accept_tokens(guided, tokens).items():
+            tokens[i] = None
+            errors[i] = err
         return SampleResult(tokens, errors)
 
     def _sample_rows(self, logits, best, requests, rows, tokens, errors) -> None:

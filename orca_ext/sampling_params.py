@@ -17,6 +17,7 @@ import torch
 
 from .detokenizer import StopAutomaton, StopMatcher
 from .errors import InvalidRequestError
+from .guided.matcher import CompiledGrammar
 
 # Temperatures below this are greedy. Dividing logits by a temperature near float32's smallest
 # normal (~1e-38) overflows to inf/NaN; long before that, at 1e-5, a sampled draw is already an
@@ -55,6 +56,8 @@ class SamplingParams:
     stop: Sequence[str] = ()
     stop_token_ids: Sequence[int] = ()
     ignore_eos: bool = False
+    # The grammar the output must follow (orca_ext.guided; compile it with GrammarCompiler).
+    guided: Optional["CompiledGrammar"] = None
 
     def __post_init__(self) -> None:
         if not _is_int(self.max_tokens) or self.max_tokens < 1:
@@ -90,6 +93,9 @@ class SamplingParams:
                                           param="stop_token_ids")
         if not isinstance(self.ignore_eos, bool):
             raise InvalidRequestError(f"ignore_eos must be a bool, got {self.ignore_eos!r}", param="ignore_eos")
+        if self.guided is not None and not isinstance(self.guided, CompiledGrammar):
+            raise InvalidRequestError(f"guided must be a CompiledGrammar or None, got {type(self.guided).__name__}",
+                                      param="guided")
         # Normalise to plain immutable values so params can be shared between requests.
         object.__setattr__(self, "max_tokens", int(self.max_tokens))
         object.__setattr__(self, "temperature", float(self.temperature))
