@@ -15,7 +15,7 @@ from typing import Any, AsyncIterator, Callable
 
 from fastapi.responses import StreamingResponse
 
-from . import protocol
+from . import protocol, tool_calls
 from .errors import engine_error, internal_error, shutdown_error
 from .service import Admission
 
@@ -106,16 +106,16 @@ async def chat_events(adm: Admission, body: protocol.ChatCompletionRequest, crea
     model, rid, with_usage = adm.service.model_name, adm.rid, body.include_usage
     yield event(protocol.chat_chunk(rid, created, model, {"role": "assistant", "content": ""}, None,
                                     with_usage_field=with_usage))
+    calls = tool_calls.delta_stream(body)  # None: no tool calls to parse out of the text
     async for delta, out in _deltas(adm):
         if (error := _ended_early(adm, out)) is not None:
             yield error
             return
-        if delta:
-            yield event(protocol.chat_chunk(rid, created, model, {"content": delta}, None,
-                                            with_usage_field=with_usage))
+        for d in (calls.feed(delta, out.finished) if calls is not None else [{"content": delta}] if delta else []):
+            yield event(protocol.chat_chunk(rid, created, model, d, None, with_usage_field=with_usage))
         if out.finished:
-            yield event(protocol.chat_chunk(rid, created, model, {}, out.finish_reason,
-                                            with_usage_field=with_usage))
+            reason = out.finish_reason if calls is None else tool_calls.finish_reason(out.finish_reason, calls.calls > 0)
+            yield event(protocol.chat_chunk(rid, created, model, {}, reason, with_usage_field=with_usage))
             if with_usage:
                 yield event(protocol.chat_chunk(rid, created, model, None, None, protocol.usage(
                     len(out.prompt_token_ids), len(out.token_ids)), with_usage_field=True))
