@@ -2,8 +2,8 @@
 
 `apply_token_masks(logits [B, V], rows)` writes each guided row's allowed tokens into one int32
 bitmask [R, ceil(V_tok / 32)] (llguidance computes each row's mask in native code), unpacks it
-to a [R, V] boolean mask on the logits' device and sets every disallowed logit to -inf, in
-place, with one masked_fill. Ids the tokenizer does not have (a model vocabulary padded past the
+to a [R, V] additive bias (0 or -inf) and adds it to those rows of the logits in place, with one
+index_add_. Ids the tokenizer does not have (a model vocabulary padded past the
 tokenizer's) are never allowed. `accept_tokens` then advances each row's matcher past the token
 sampled for it. A row whose grammar fails fails only its own request: both functions return an
 error per row and leave the others untouched.
@@ -17,6 +17,7 @@ import torch
 from .matcher import GuidedMatcher
 
 _BITS = torch.arange(32, dtype=torch.int32)
+_FLOAT32_MAX = float(torch.finfo(torch.float32).max)
 
 
 def guided_rows(requests: Sequence) -> list[tuple[int, GuidedMatcher]]:
@@ -40,18 +41,20 @@ def apply_token_masks(logits: torch.Tensor, rows: Sequence[tuple[int, GuidedMatc
         err = matcher.fill_mask(base + j * words * 4, (matcher.vocab_size + 31) // 32 * 4)
         if err is not None:
             errors[i] = err
-    # [R, W] int32 -> [R, W * 32] bool (bit b of word w is token 32 w + b), cut or padded to V.
-    allowed = ((bitmask.unsqueeze(-1) >> _BITS) & 1).bool().reshape(len(rows), words * 32)
-    if allowed.shape[1] >= vocab:
-        allowed = allowed[:, :vocab]
-    else:
-        allowed = torch.nn.functional.pad(allowed, (0, vocab - allowed.shape[1]), value=False)
     keep = [j for j, (i, _) in enumerate(rows) if i not in errors]
     if not keep:
         return errors
+    # [R, W] int32 -> [R, W * 32] additive bias (bit b of word w is token 32 w + b): 0 where
+    # allowed, -inf where not ((bit - 1) * FLT_MAX * FLT_MAX; no NaN on either side). An add is
+    # several times faster on the CPU than a masked_fill with a bool mask of the same shape.
+    bias = ((bitmask[keep].unsqueeze(-1) >> _BITS) & 1).to(torch.float32)
+    bias = bias.sub_(1).mul_(_FLOAT32_MAX).mul_(_FLOAT32_MAX).reshape(len(keep), words * 32)
+    if bias.shape[1] >= vocab:
+        bias = bias[:, :vocab]
+    else:
+        bias = torch.nn.functional.pad(bias, (0, vocab - bias.shape[1]), value=float("-inf"))
     index = torch.tensor([rows[j][0] for j in keep], device=logits.device)
-    allowed = allowed[keep].to(logits.device, non_blocking=True)
-    logits[index] = logits[index].masked_fill(~allowed, float("-inf"))
+    logits.index_add_(0, index, bias.to(logits.device, non_blocking=True))
     return errors
 
 

@@ -10,12 +10,12 @@ temperature/top_p ranges) are checked by the engine's ``Server.submit`` and mapp
 from __future__ import annotations
 
 import time
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
 from ..guided import GuidedSpec, choice_spec, json_object_spec, json_schema_spec, regex_spec
-from ..guided.tools import check_tools, tool_call_spec
+from ..guided.tools import MAX_TOOLS, check_tools, tool_call_spec
 from .errors import bad_request
 
 # Completions' max_tokens default is OpenAI's (16). Chat has no fixed default in OpenAI (the rest
@@ -250,7 +250,7 @@ class ChatCompletionRequest(_SamplingFields, _GuidedFields):
     max_completion_tokens: int | None = None
     logprobs: bool | None = None
     top_logprobs: int | None = None
-    tools: list[ToolDef] | None = None
+    tools: Annotated[list[ToolDef], Field(min_length=1, max_length=MAX_TOOLS)] | None = None
     tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
     parallel_tool_calls: bool | None = None
 
