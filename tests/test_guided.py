@@ -171,3 +171,37 @@ def test_params_refuse_a_non_grammar():
     with pytest.raises(InvalidRequestError) as err:
         SamplingParams(guided='{"type": "object"}')
     assert err.value.param == "guided"
+
+
+class _Failing:
+    """A matcher whose grammar fails at the mask or at the token (as llguidance's does when a
+    step runs over its budget)."""
+
+    vocab_size = 64
+
+    def __init__(self, at: str) -> None:
+        self.at = at
+
+    def fill_mask(self, ptr, nbytes):
+        import ctypes
+
+        ctypes.memset(ptr, 0xFF, nbytes)  # every token allowed
+        return "guided decoding failed: step budget" if self.at == "mask" else None
+
+    def accept(self, token):
+        return "guided decoding failed: refused" if self.at == "accept" else None
+
+
+@pytest.mark.parametrize("at", ["mask", "accept"])
+def test_a_failing_grammar_fails_only_its_row(at):
+    from orca_ext.sampling import Sampler
+
+    reqs = [Request(f"r{i}", [1], SamplingParams(temperature=1.0 if i % 2 else 0.0, seed=i)) for i in range(4)]
+    reqs[2].guided = _Failing(at)
+    logits = torch.randn(4, 64, generator=torch.Generator().manual_seed(0))
+    out = Sampler()(logits.clone(), reqs)
+    assert out.tokens[2] is None and "guided decoding failed" in out.errors[2]
+    ref = Sampler()(logits.clone(), [Request(f"r{i}", [1], SamplingParams(temperature=1.0 if i % 2 else 0.0, seed=i))
+                                     for i in range(4)])
+    for i in (0, 1, 3):
+        assert out.errors[i] is None and out.tokens[i] == ref.tokens[i]
