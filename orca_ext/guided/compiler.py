@@ -124,6 +124,11 @@ class GrammarCompiler:
             return InvalidRequestError(f"{spec.field}: {_short(str(exc))}", param=spec.field)
         # Builds the lexer (llguidance drops the GIL meanwhile); errors leave it in an error state.
         matcher = llguidance.LLMatcher(tokenizer, grammar, log_level=0, limits=parser_limits())
+        if not matcher.is_error():
+            # The first mask builds the lexer states of the start (up to tens of ms for a large
+            # schema); computed here, on this thread, every request's copy starts from them and
+            # the engine thread never pays for it.
+            matcher.compute_bitmask()
         elapsed = time.perf_counter() - start
         if matcher.is_error():
             return InvalidRequestError(f"{spec.field} is not a usable constraint: {_short(matcher.get_error())}",
