@@ -205,3 +205,26 @@ def test_a_failing_grammar_fails_only_its_row(at):
                                      for i in range(4)])
     for i in (0, 1, 3):
         assert out.errors[i] is None and out.tokens[i] == ref.tokens[i]
+
+
+def test_concurrent_compiles_of_one_schema_share_one_run(compiler):
+    from concurrent.futures import ThreadPoolExecutor
+
+    schema = {"type": "object", "properties": {"shared": {"type": "integer"}}, "required": ["shared"]}
+    before = compiler.compiles
+    with ThreadPoolExecutor(4) as pool:
+        got = list(pool.map(lambda _: compiler.compile(json_schema_spec(schema, "guided_json")), range(8)))
+    assert all(g is got[0] for g in got)
+    assert compiler.compiles == before + 1
+
+
+def test_a_compiler_bug_does_not_leave_waiters_hanging(compiler, monkeypatch):
+    spec = regex_spec("[a-z]+bug", "guided_regex")
+
+    def broken():
+        raise RuntimeError("boom")
+
+    monkeypatch.setattr(spec.__class__, "grammar", lambda self: broken())
+    for _ in range(2):  # not cached: each call runs (and fails) again, none waits forever
+        with pytest.raises(RuntimeError):
+            compiler.compile(spec)

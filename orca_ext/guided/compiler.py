@@ -99,7 +99,13 @@ class GrammarCompiler:
                     owner = False
         if hit is None:
             if owner:
-                hit = self._run(spec)
+                try:
+                    hit = self._run(spec)
+                except BaseException as exc:  # a bug, not the client's constraint: not cached
+                    with self._lock:
+                        del self._running[key]
+                    running.set_exception(exc)
+                    raise
                 with self._lock:
                     self._cache[key] = hit
                     while len(self._cache) > self.cache_size:
@@ -116,7 +122,8 @@ class GrammarCompiler:
         import llguidance
 
         tokenizer = self.tokenizer()
-        self.compiles += 1
+        with self._lock:
+            self.compiles += 1
         start = time.perf_counter()
         try:
             grammar = spec.grammar()
