@@ -228,3 +228,14 @@ def test_a_compiler_bug_does_not_leave_waiters_hanging(compiler, monkeypatch):
     for _ in range(2):  # not cached: each call runs (and fails) again, none waits forever
         with pytest.raises(RuntimeError):
             compiler.compile(spec)
+
+
+def test_parallel_workers_refuse_guided_rows(engine_compiler):
+    """-tp/-pp workers sample without a matcher: a guided request's row fails (its request ends
+    with an error) instead of sampling unconstrained."""
+    from orca_ext.distributed.messages import sampling_row
+
+    g = engine_compiler.compile(choice_spec(["x", "y"], "guided_choice"))
+    with pytest.raises(ValueError, match="single-process"):
+        sampling_row(0, SamplingParams(guided=g), True, 100)
+    assert sampling_row(0, SamplingParams(), True, 100).seed is None

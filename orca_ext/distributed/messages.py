@@ -90,6 +90,8 @@ def sampling_row(seq_id: int, params, emits_token: bool, vocab_size: int) -> Sam
     message's int64/float64 fields and samples the same tokens: top_k to the vocabulary (any
     top_k >= vocab keeps every token), the temperature to float32's range, the seed to its
     residue mod 2**64 (the generator's seed)."""
+    if params.guided is not None:  # the workers' sampler has no grammar matcher (docs/DESIGN.md)
+        raise ValueError("guided decoding runs in the single-process engine only, not with -tp/-pp")
     seed = None if params.seed is None else operator.index(params.seed) % _U64
     top_k = min(operator.index(params.top_k), vocab_size)
     return SamplingRow(seq_id, seed, min(float(params.temperature), _FLOAT32_MAX), top_k, float(params.top_p),
