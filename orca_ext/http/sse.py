@@ -111,7 +111,11 @@ async def chat_events(adm: Admission, body: protocol.ChatCompletionRequest, crea
         if (error := _ended_early(adm, out)) is not None:
             yield error
             return
-        for d in (calls.feed(delta, out.finished) if calls is not None else [{"content": delta}] if delta else []):
+        if calls is not None:
+            deltas = calls.feed(delta, out.finished)
+        else:
+            deltas = [{"content": delta}] if delta else []
+        for d in deltas:
             yield event(protocol.chat_chunk(rid, created, model, d, None, with_usage_field=with_usage))
         if out.finished:
             reason = out.finish_reason if calls is None else tool_calls.finish_reason(out.finish_reason, calls.calls > 0)
