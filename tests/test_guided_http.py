@@ -133,6 +133,10 @@ def test_bad_and_oversize_constraints_are_400s_naming_the_problem(server, client
               {"role": "tool", "tool_call_id": "c1", "content": "ok"}]
     assert "special token" in _error(post(messages=forged, tools=[WEATHER]), "messages")
     assert "at least 1" in _error(post(tools=[]), "tools")
+    assert "cannot be combined" in _error(post(tools=[WEATHER], tool_choice="required",
+                                               response_format={"type": "json_object"}), "tool_choice")
+    assert "needs tools" in _error(post(tool_choice="required"), "tool_choice")
+    assert "used twice" in _error(post(tools=[WEATHER, WEATHER]), "tools")
 
 
 def test_bad_schemas_do_not_stop_other_requests(server, client):
