@@ -18,7 +18,7 @@ from pydantic import BaseModel, Field
 from http_utils import ServerProcess
 from tool_models import make_tool_model
 
-N_PARSE = 12
+N_PARSE = 8
 
 
 class Person(BaseModel):
