@@ -46,6 +46,9 @@ requests are sent back to back):
   chat_template_flood  chat requests of 30,000 one-character messages, back to back (rejected)
   chat_template_paced  the same, one request every 1-2 s
   oversize_head      a 100 KiB header in one send, on 2 connections back to back
+  schema_worst_case  accepted: guided_json schemas near the bounds (~24 KiB, 31 JSON levels, 300
+                     regex-constrained properties), a new one each request so no cache helps
+  schema_invalid     rejected: a new invalid schema (an unbalanced regex) each request
 
 kv_hog and long_prompt_hog are legal requests from one client: what stops them is the server's admission
 policy (`--admission fair`, `--max-kv-per-client`), not a limit. Run them under both policies:
@@ -203,6 +206,29 @@ async def _raw_loop(client, url, payload: bytes, statuses: Counter) -> None:
             r = await client.post(url, content=payload, headers=headers)
             statuses[r.status_code] += 1
         except httpx.HTTPError as exc:  # e.g. the server closed the connection mid-upload
+            statuses[type(exc).__name__] += 1
+
+
+def _worst_schema(k: int) -> dict:
+    """A legal JSON schema near the guided bounds (32 KiB, 32 levels), different for every `k` so
+    that the server's grammar cache never helps: regex-heavy properties and a deep nesting."""
+    props = {f"p{k}_{i}": {"type": "string", "pattern": f"^(a|b|c{i % 7})*[x-z]{{1,{20 + i % 13}}}(q|r|s{k % 97})+$"}
+             for i in range(300)}
+    deep: dict = {"type": "integer"}
+    for _ in range(14):  # 2 JSON levels each (object, properties): 31 of the 32 allowed
+        deep = {"type": "object", "properties": {"d": deep}, "required": ["d"]}
+    return {"type": "object", "properties": {**props, "deep": deep}, "required": ["deep"]}
+
+
+async def _fresh_loop(client, url, make_body: Callable[[int], dict], statuses: Counter) -> None:
+    """_raw_loop with a new body for every request."""
+    k = 0
+    while True:
+        k += 1
+        try:
+            r = await client.post(url, json=make_body(k))
+            statuses[r.status_code] += 1
+        except httpx.HTTPError as exc:
             statuses[type(exc).__name__] += 1
 
 
@@ -416,6 +442,11 @@ def attacks(model: str, port: int, n_slots: int = 0, long_prompt_words: int = 12
         "chat_template_flood": lambda c, u, s: _raw_loop(c, chat_url(u), chat_flood_body, s),
         "chat_template_paced": lambda c, u, s: _paced_raw_loop(c, chat_url(u), chat_flood_body, s, (1.0, 2.0)),
         "oversize_head": lambda c, u, s: _oversize_head(port, s),
+        "schema_worst_case": lambda c, u, s: _fresh_loop(
+            c, u, lambda k: _body(model, ignore_eos=False, guided_json=_worst_schema(k)), s),
+        "schema_invalid": lambda c, u, s: _fresh_loop(
+            c, u, lambda k: _body(model, guided_json={"type": "object", "properties": {
+                f"p{k}": {"type": "string", "pattern": "(" * 200}}}), s),
     }
 
 

@@ -16,9 +16,15 @@ special-token strings this gives exactly the ids of encoding the rendered text, 
 once at start-up on a probe conversation. A template that changes content (it trims it, or
 renders it depending on what it holds) or a tokenizer that fails that probe encodes the rendered
 text instead, and refuses content holding a special-token string with a 400.
+
+Tools (OpenAI's `tools`, and the `tool_calls` / `tool_call_id` of assistant and tool messages) are
+passed to the template, which renders them its own way. Their text is rendered into the skeleton,
+so a special-token string inside it is refused with a 400 (param "tools" or "messages"), and
+their characters count against `max_chars` with the contents'.
 """
 from __future__ import annotations
 
+import json
 import logging
 import re
 import secrets
@@ -36,6 +42,11 @@ _PROBE = ({"role": "system", "content": "You answer briefly."},
           {"role": "user", "content": "Hello, world! What is 1 + 1?\n"},
           {"role": "assistant", "content": " Two. "},
           {"role": "user", "content": "And\tnow  "})
+
+
+def _tool_text(value) -> str:
+    """The text of tools or tool calls as a template sees it (for limits and special tokens)."""
+    return json.dumps(value, ensure_ascii=False) if value else ""
 
 
 def special_token_ids(tokenizer: Any) -> dict[str, int]:
@@ -66,9 +77,10 @@ class ChatPromptEncoder:
         self.keeps_text = has_template and self._special_re is not None and self._probe_keeps_text()
 
     # -- limits ------------------------------------------------------------------------------------
-    def check(self, messages: Sequence[dict]) -> None:
+    def check(self, messages: Sequence[dict], tools: Optional[Sequence[dict]] = None) -> None:
         """InvalidRequestError (param "messages") when the messages cannot fit: too many of them,
-        or too many characters. Costs one len() per message; nothing is rendered."""
+        or too many characters (tools and tool calls included). Costs one len() per message and
+        one JSON dump of the tools; nothing is rendered."""
         if self.max_messages is not None and len(messages) > self.max_messages:
             raise InvalidRequestError(
                 f"messages has {len(messages)} messages; at most {self.max_messages} can fit max_model_len "
@@ -77,19 +89,24 @@ class ChatPromptEncoder:
         chars = 0
         for m in messages:
             chars += len(m["content"])
+            if m.get("tool_calls"):
+                chars += len(_tool_text(m["tool_calls"]))
+        if tools:
+            chars += len(_tool_text(tools))
         self.encoder.check_length(chars, FIELD)
 
     # -- encoding ----------------------------------------------------------------------------------
-    def ids(self, messages: Sequence[dict]) -> list[int]:
+    def ids(self, messages: Sequence[dict], tools: Optional[Sequence[dict]] = None) -> list[int]:
         """Token ids of the rendered chat (with the generation prompt); InvalidRequestError
         (param "messages") for messages that cannot fit or that the template rejects."""
-        self.check(messages)
+        self.check(messages, tools)
         for m in messages:
             check_text(m["content"], FIELD)
-        rendered = self.render(messages)
+        self._check_tool_text(messages, tools)
+        rendered = self.render(messages, tools)
         if self._special_re is None:
             return self.encoder.encode(rendered, field=FIELD, add_special_tokens=False)
-        parts = self._parts(messages, rendered) if self.keeps_text else None
+        parts = self._parts(messages, rendered, tools) if self.keeps_text else None
         if parts is not None:
             return self.encoder.encode_parts(parts, field=FIELD, add_special_tokens=False,
                                              split_special_tokens=True)
@@ -101,9 +118,12 @@ class ChatPromptEncoder:
                     f"model's chat template cannot keep as text", param=FIELD)
         return self.encoder.encode(rendered, field=FIELD, add_special_tokens=False)
 
-    def render(self, messages: Sequence[dict]) -> str:
+    def render(self, messages: Sequence[dict], tools: Optional[Sequence[dict]] = None) -> str:
         """The template's text; its refusals (bad roles, "roles must alternate") are the client's."""
         try:
+            if tools or any(len(m) > 2 for m in messages):  # tools, tool_calls or tool_call_id
+                return self.tokenizer.apply_chat_template(list(messages), tools=list(tools) if tools else None,
+                                                          tokenize=False, add_generation_prompt=True)
             return apply_chat_template(self.tokenizer, messages)
         except (ValueError, TypeError, KeyError) as exc:
             raise InvalidRequestError(f"messages: the chat template rejected them: {exc}", param=FIELD) from exc
@@ -113,12 +133,29 @@ class ChatPromptEncoder:
                                           param=FIELD) from exc
             raise
 
-    def _parts(self, messages: Sequence[dict], rendered: str) -> Optional[list[Part]]:
+    def _check_tool_text(self, messages: Sequence[dict], tools: Optional[Sequence[dict]]) -> None:
+        """Tool definitions and tool calls are rendered into the skeleton, where a special-token
+        string would become a control token: such text is refused."""
+        check_text(_tool_text(tools), "tools")
+        for m in messages:
+            check_text(_tool_text(m.get("tool_calls")), FIELD)
+        if self._special_re is None:
+            return
+        if tools and (found := self._special_re.search(_tool_text(tools))):
+            raise InvalidRequestError(f"tools hold the special token {found.group()!r}", param="tools")
+        for i, m in enumerate(messages):
+            text = _tool_text(m.get("tool_calls") or ()) + str(m.get("tool_call_id") or "")
+            if found := self._special_re.search(text):
+                raise InvalidRequestError(f"messages[{i}] holds the special token {found.group()!r} in its "
+                                          f"tool calls", param=FIELD)
+
+    def _parts(self, messages: Sequence[dict], rendered: str,
+               tools: Optional[Sequence[dict]] = None) -> Optional[list[Part]]:
         """The rendered chat as text parts and the ids of the template's own special tokens, or
         None when the template does not insert every content verbatim, exactly once."""
         nonce = secrets.token_hex(8)
         marks = [f"\ue000{nonce}:{i}\ue001" for i in range(len(messages))]
-        skeleton = self.render([{**m, "content": mark} for m, mark in zip(messages, marks)])
+        skeleton = self.render([{**m, "content": mark} for m, mark in zip(messages, marks)], tools)
         pieces = re.split(f"\ue000{nonce}:(\\d+)\ue001", skeleton)
         # pieces alternates: skeleton text, content index, skeleton text, ...
         used = [int(k) for k in pieces[1::2]]

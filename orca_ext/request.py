@@ -110,6 +110,9 @@ class Request:
         self.logprobs: Optional[list[TokenLogprob]] = [] if params.logprobs is not None else None
         self.prompt_logprobs: Optional[list[Optional[TokenLogprob]]] = (
             [None] if params.prompt_logprobs is not None else None)
+        # Its position in its output grammar (guided decoding; None: unconstrained), advanced by
+        # the sampler with each token it samples.
+        self.guided = params.guided.matcher() if params.guided is not None else None
 
     # -- Algorithm 1 accessors -------------------------------------------------------------
     @property

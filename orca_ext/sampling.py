@@ -21,6 +21,7 @@ from typing import Optional, Sequence
 import torch
 
 from . import ops
+from .guided import masks as guided_masks
 # SamplingParams and its limits: orca_ext.sampling is their public import path too.
 from .logits_controls import apply_controls
 from .logprobs import token_logprobs
@@ -98,6 +99,10 @@ class Sampler:
             # Penalties, logit_bias and min_tokens change the logits every later step reads
             # (greedy argmax, sampling, logprobs): a failing row gets -inf logits and its error.
             logits = apply_controls(logits, requests, errors)
+        # Guided rows: disallowed tokens -> -inf before anything is drawn (guided/masks.py), after
+        # the controls, so that no logit_bias can bring back a token the grammar forbids.
+        guided = guided_masks.guided_rows(requests)
+        guided_errors = guided_masks.apply_token_masks(logits, guided)
         # One pass over [B, V] gives the greedy tokens and the health check: the max propagates
         # NaN and +inf, so a row whose max is not finite is unusable (an all -inf row is caught
         # too). On the CPU one kernel call does it (ops.row_argmax says why).
@@ -118,6 +123,9 @@ class Sampler:
                 tokens[i] = None
             elif errors[i] is not None:
                 tokens[i] = None
+            elif i in guided_errors:
+                tokens[i] = None
+                errors[i] = guided_errors[i]
             elif not finite[i]:
                 tokens[i] = None
                 errors[i] = NON_FINITE_LOGITS
@@ -139,6 +147,10 @@ class Sampler:
                     except Exception as exc:
                         tokens[i] = None
                         errors[i] = f"sampling failed: {type(exc).__name__}: {exc}"
+        for i, err in guided_masks.accept_tokens(guided, tokens).items():
+            tokens[i] = None
+            errors[i] = err
+        wanted = [i for i in wanted if tokens[i] is not None]
         logprobs = self._logprobs(logits, requests, wanted, tokens, errors, drawn) if wanted else None
         return SampleResult(tokens, errors, logprobs)
 

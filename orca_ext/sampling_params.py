@@ -18,6 +18,7 @@ import torch
 
 from .detokenizer import StopAutomaton, StopMatcher
 from .errors import InvalidRequestError
+from .guided.matcher import CompiledGrammar
 
 # Temperatures below this are greedy. Dividing logits by a temperature near float32's smallest
 # normal (~1e-38) overflows to inf/NaN; long before that, at 1e-5, a sampled draw is already an
@@ -77,6 +78,8 @@ class SamplingParams:
     repetition_penalty: float = 1.0    # divides (>0) or multiplies (<0) the logits of prompt and generated tokens
     logit_bias: Mapping[int, float] = ()   # token id -> added to its logit
     min_tokens: int = 0                # stop tokens (EOS, stop_token_ids) are masked before this many tokens
+    # The grammar the output must follow (orca_ext.guided; compile it with GrammarCompiler).
+    guided: Optional["CompiledGrammar"] = None
 
     def __post_init__(self) -> None:
         prompt_logprobs = _check_logprobs(self.prompt_logprobs, "prompt_logprobs")
@@ -134,6 +137,9 @@ class SamplingParams:
             raise InvalidRequestError(f"min_tokens ({self.min_tokens}) must not exceed max_tokens "
                                       f"({self.max_tokens})", param="min_tokens")
         logit_bias = _check_logit_bias(self.logit_bias)
+        if self.guided is not None and not isinstance(self.guided, CompiledGrammar):
+            raise InvalidRequestError(f"guided must be a CompiledGrammar or None, got {type(self.guided).__name__}",
+                                      param="guided")
         # Normalise to plain immutable values so params can be shared between requests.
         object.__setattr__(self, "logprobs", logprobs)
         object.__setattr__(self, "prompt_logprobs", prompt_logprobs)

@@ -99,11 +99,13 @@ def sampling_row(seq_id: int, params, emits_token: bool, vocab_size: int) -> Sam
     single-process sampler clamps at use, so that any value SamplingParams accepts fits the
     message's int64/float64 fields and samples the same tokens: top_k to the vocabulary (any
     top_k >= vocab keeps every token), the temperature to float32's range, the seed to its
-    residue mod 2**64 (the generator's seed). Logprobs and logits controls are not carried to
-    the workers: a request that asks for them fails (alone) with a message that says so."""
+    residue mod 2**64 (the generator's seed). Logprobs, logits controls and grammars are not
+    carried to the workers: a request that asks for them fails (alone) with a message that says so."""
     if params.logprobs is not None or params.prompt_logprobs is not None or params.controls_logits:
         raise ValueError("logprobs, prompt_logprobs, penalties, logit_bias and min_tokens are not "
                          "supported with tensor or pipeline parallel workers")
+    if params.guided is not None:  # the workers' sampler has no grammar matcher (docs/DESIGN.md)
+        raise ValueError("guided decoding runs in the single-process engine only, not with -tp/-pp")
     seed = None if params.seed is None else operator.index(params.seed) % _U64
     top_k = min(operator.index(params.top_k), vocab_size)
     return SamplingRow(seq_id, seed, min(float(params.temperature), _FLOAT32_MAX), top_k, float(params.top_p),

@@ -150,6 +150,7 @@ class _Row:
     iteration samples its next token (not for a prompt chunk other than the last)."""
 
     __slots__ = ("params", "generator", "emits_token")
+    guided = None  # guided decoding runs in the single-process engine only (docs/DESIGN.md)
 
     def __init__(self, params, generator):
         self.params = params

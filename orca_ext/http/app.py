@@ -42,7 +42,7 @@ from starlette.requests import ClientDisconnect
 
 from ..errors import InvalidRequestError
 from ..server import Server
-from . import protocol, sse
+from . import protocol, sse, tool_calls
 from .buckets import ClientBuckets
 from .clients import ClientKeys, client_key
 from .errors import APIError, bad_request, engine_error, internal_error, request_rejected, shutdown_error
@@ -296,7 +296,7 @@ async def _run_completion(svc: Service, request: Request, body: protocol.Complet
 
 async def _run_chat(svc: Service, request: Request, body: protocol.ChatCompletionRequest,
                     adm: Admission) -> Response:
-    prompt_ids = await svc.chat_prompt_ids(client_key(request), body.message_dicts())
+    prompt_ids = await svc.chat_prompt_ids(client_key(request), body.message_dicts(), body.tool_dicts())
     max_tokens = body.requested_max_tokens
     if max_tokens is None:
         max_tokens = svc.chat_default_max_tokens(len(prompt_ids))
@@ -304,4 +304,4 @@ async def _run_chat(svc: Service, request: Request, body: protocol.ChatCompletio
     created = protocol.now()
     return await _respond(
         svc, request, body, adm, lambda: sse.chat_events(adm, body, created),
-        lambda out: svc.chat_json(adm, created, body))
+        lambda out: tool_calls.with_tool_calls(body, svc.chat_json(adm, created, body)))

@@ -10,10 +10,12 @@ temperature/top_p ranges) are checked by the engine's ``Server.submit`` and mapp
 from __future__ import annotations
 
 import time
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
+from ..guided import GuidedSpec, choice_spec, json_object_spec, json_schema_spec, regex_spec
+from ..guided.tools import MAX_TOOLS, check_tools, tool_call_spec
 from ..sampling_params import MAX_LOGPROBS
 from .errors import bad_request
 
@@ -150,7 +152,54 @@ def logit_bias_ids(bias: dict[str, float] | None) -> dict[int, float]:
     return out
 
 
-class CompletionRequest(_SamplingFields):
+class ResponseJsonSchema(_Strict):
+    name: str = Field(max_length=64)
+    description: str | None = None
+    schema_: Any = Field(default=None, alias="schema")
+    strict: bool | None = None
+
+
+class ResponseFormat(_Strict):
+    type: Literal["text", "json_object", "json_schema"]
+    json_schema: ResponseJsonSchema | None = None
+
+
+class _GuidedFields(_Strict):
+    """Structured outputs: OpenAI's response_format and vLLM's guided_* extensions (at most one
+    of them). Their bounds are orca_ext.guided's (spec.py); compiling happens in service.py."""
+
+    response_format: ResponseFormat | None = None
+    guided_json: Any = None
+    guided_regex: str | None = None
+    guided_choice: list[str] | None = None
+
+    def guided_spec(self) -> GuidedSpec | None:
+        """The output constraint, or None; InvalidRequestError naming the field when it is
+        malformed or over its bounds, or when two are given."""
+        given = [name for name in ("guided_json", "guided_regex", "guided_choice")
+                 if getattr(self, name) is not None]
+        fmt = self.response_format
+        if fmt is not None and fmt.type != "text":
+            given.append("response_format")
+        if len(given) > 1:
+            raise bad_request(f"give at most one of {', '.join(given)}", given[1])
+        if not given:
+            return None
+        field = given[0]
+        if field == "guided_json":
+            return json_schema_spec(self.guided_json, field)
+        if field == "guided_regex":
+            return regex_spec(self.guided_regex, field)
+        if field == "guided_choice":
+            return choice_spec(self.guided_choice, field)
+        if fmt.type == "json_object":
+            return json_object_spec(field)
+        if fmt.json_schema is None or fmt.json_schema.schema_ is None:
+            raise bad_request('response_format of type "json_schema" needs json_schema.schema', field)
+        return json_schema_spec(fmt.json_schema.schema_, field)
+
+
+class CompletionRequest(_SamplingFields, _GuidedFields):
     prompt: Any
     logprobs: int | None = None
     echo: bool | None = False
@@ -203,10 +252,23 @@ class CompletionRequest(_SamplingFields):
             raise bad_request("suffix is not supported", "suffix")
 
 
+class FunctionCall(_Strict):
+    name: str = Field(max_length=64)
+    arguments: str
+
+
+class MessageToolCall(_Strict):
+    id: str = Field(max_length=128)
+    type: Literal["function"] = "function"
+    function: FunctionCall
+
+
 class ChatMessage(_Strict):
-    role: Literal["system", "developer", "user", "assistant"]
+    role: Literal["system", "developer", "user", "assistant", "tool"]
     content: Any = None
     name: str | None = None
+    tool_calls: list[MessageToolCall] | None = None   # assistant: the calls it made
+    tool_call_id: str | None = Field(default=None, max_length=128)  # tool: the call it answers
 
     @field_validator("content", mode="before")
     @classmethod
@@ -226,11 +288,64 @@ class ChatMessage(_Strict):
         raise ValueError("content must be a string or a list of text parts")
 
 
-class ChatCompletionRequest(_SamplingFields):
+class FunctionDef(_Strict):
+    name: str = Field(pattern=r"^[A-Za-z0-9_.-]{1,64}$")
+    description: str | None = None
+    parameters: dict[str, Any] | None = None
+    strict: bool | None = None
+
+
+class ToolDef(_Strict):
+    type: Literal["function"]
+    function: FunctionDef
+
+
+class NamedFunction(_Strict):
+    name: str = Field(max_length=64)
+
+
+class NamedToolChoice(_Strict):
+    type: Literal["function"]
+    function: NamedFunction
+
+
+class ChatCompletionRequest(_SamplingFields, _GuidedFields):
     messages: list[ChatMessage] = Field(min_length=1)
     max_completion_tokens: int | None = None
     logprobs: bool | None = None
     top_logprobs: int | None = None
+    tools: Annotated[list[ToolDef], Field(min_length=1, max_length=MAX_TOOLS)] | None = None
+    tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
+    parallel_tool_calls: bool | None = None
+
+    def tool_dicts(self) -> list[dict] | None:
+        """The tools as the chat template takes them (None: no tools)."""
+        if not self.tools:
+            return None
+        tools = [t.model_dump(exclude_none=True) for t in self.tools]
+        check_tools(tools)
+        return tools
+
+    @property
+    def parses_tool_calls(self) -> bool:
+        """Whether the output is parsed into tool_calls (tools given, tool_choice not "none")."""
+        return bool(self.tools) and self.tool_choice != "none"
+
+    def guided_spec(self) -> GuidedSpec | None:
+        """Structured outputs, or the grammar of a forced tool call (tool_choice "required" or a
+        named function); not both."""
+        choice = self.tool_choice
+        if choice is not None and choice != "none" and not self.tools:
+            raise bad_request("tool_choice needs tools", "tool_choice")
+        forced = None
+        if self.tools and choice not in (None, "auto", "none"):
+            named = choice if isinstance(choice, str) else choice.model_dump()
+            forced = tool_call_spec(self.tool_dicts(), named, parallel=self.parallel_tool_calls is not False)
+        own = super().guided_spec()
+        if forced is not None and own is not None:
+            raise bad_request(f"tool_choice {choice if isinstance(choice, str) else 'naming a function'} "
+                              f"cannot be combined with {own.field}", "tool_choice")
+        return forced or own
 
     def logprobs_kwargs(self) -> dict[str, Any]:
         if not self.logprobs:
@@ -263,8 +378,16 @@ class ChatCompletionRequest(_SamplingFields):
         # spellings the client sent.
         return {"prompt": "messages", "max_tokens": self.max_tokens_field}
 
-    def message_dicts(self) -> list[dict[str, str]]:
-        return [{"role": m.role, "content": m.content} for m in self.messages]
+    def message_dicts(self) -> list[dict[str, Any]]:
+        dicts: list[dict[str, Any]] = []
+        for m in self.messages:
+            d: dict[str, Any] = {"role": m.role, "content": m.content or ""}  # absent (None): ""
+            if m.tool_calls:
+                d["tool_calls"] = [c.model_dump() for c in m.tool_calls]
+            if m.tool_call_id is not None:
+                d["tool_call_id"] = m.tool_call_id
+            dicts.append(d)
+        return dicts
 
 
 # ---------------------------------------------------------------------------------------------

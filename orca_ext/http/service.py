@@ -26,7 +26,8 @@ from fastapi import Request
 from pydantic import ValidationError
 
 from ..chat_prompt import ChatPromptEncoder
-from ..errors import EngineDeadError, ServerClosedError
+from ..errors import EngineDeadError, InvalidRequestError, ServerClosedError
+from ..guided import CompiledGrammar, GrammarCompiler, llg_tokenizer
 from ..sampling import SamplingParams
 from ..server import Server
 from ..validation import text_prompt_ids
@@ -40,6 +41,8 @@ from .rejections import RejectionBudget
 from .settings import DEFAULT_BODY_TIMEOUT
 
 logger = logging.getLogger(__name__)
+
+GRAMMAR_THREADS = 2
 
 
 def validation_error(exc: ValidationError) -> APIError:
@@ -125,6 +128,12 @@ class Service:
         self.cutting = False     # the grace period is over: whatever is still admitted is aborted
         self.metrics = Metrics(server.stats)
         self.prompt_workers = PromptWorkers(prompt_threads, prompt_jobs_per_client)
+        # Structured outputs: grammars compile on threads of their own, shared fairly between clients
+        # like the prompt threads, so a slow schema delays neither prompts nor the engine.
+        self.grammar_workers = PromptWorkers(GRAMMAR_THREADS, 1)
+        self.grammars = (GrammarCompiler(lambda: llg_tokenizer(server.tokenizer, server.eos_token_ids,
+                                                               server.vocab_size))
+                         if server.tokenizer is not None else None)
         encoder = server.prompt_encoder
         self.chat = ChatPromptEncoder(server.tokenizer, encoder) if encoder is not None else None
         self._token_texts: TokenTexts | None = None
@@ -233,15 +242,16 @@ class Service:
 
     # -- prompts --------------------------------------------------------------------------------
 
-    async def chat_prompt_ids(self, client: str, messages: list[dict[str, str]]) -> list[int]:
+    async def chat_prompt_ids(self, client: str, messages: list[dict[str, Any]],
+                              tools: list[dict] | None = None) -> list[int]:
         """Token ids of the rendered chat; InvalidRequestError (param "messages") for messages
         over the limits (checked here, before any rendering), refused by the template, not valid
         Unicode or too long to fit. Rendered and encoded on a prompt thread, within `client`'s
         share."""
         if self.chat is None:
             raise APIError(500, "chat completions need a tokenizer and this server has none")
-        self.chat.check(messages)
-        return await self.prompt_workers.run(client, self.chat.ids, messages)
+        self.chat.check(messages, tools)
+        return await self.prompt_workers.run(client, self.chat.ids, messages, tools)
 
     def chat_default_max_tokens(self, prompt_len: int) -> int:
         limit = min(self.server.max_model_len, self.server.n_slots)
@@ -331,7 +341,8 @@ class Service:
         InvalidRequestError (app.py reports it in the endpoint's field names). A text prompt is
         encoded first, on a prompt thread within `client`'s share."""
         try:
-            params = SamplingParams(**body.sampling_kwargs(max_tokens), **body.logits_kwargs())
+            guided = await self.guided_grammar(body, client)
+            params = SamplingParams(**body.sampling_kwargs(max_tokens), **body.logits_kwargs(), guided=guided)
             encoder = self.server.prompt_encoder
             if isinstance(prompt, str) and encoder is not None:
                 prompt = await self.prompt_workers.run(client, text_prompt_ids, encoder, prompt)
@@ -356,6 +367,21 @@ class Service:
         adm.submitted = True
         if self.cutting:  # admitted before the drain began, submitted after its grace period
             self.cut(adm)
+
+    async def guided_grammar(self, body: Any, client: str) -> CompiledGrammar | None:
+        """The compiled output grammar of the request (None: unconstrained), compiled on a grammar
+        thread within `client`'s share; InvalidRequestError naming the field for a constraint
+        that is malformed, over its bounds or too slow to compile."""
+        spec = body.guided_spec()
+        if spec is None:
+            return None
+        if self.server.tensor_parallel_size > 1 or self.server.pipeline_parallel_size > 1:
+            raise InvalidRequestError(f"{spec.field}: guided decoding runs in the single-process engine only; "
+                                      "this server runs with tensor or pipeline parallelism", param=spec.field)
+        if self.grammars is None:
+            raise InvalidRequestError(f"{spec.field}: guided decoding needs a tokenizer and this server has none",
+                                      param=spec.field)
+        return await self.grammar_workers.run(client, self.grammars.compile, spec)
 
     async def collect(self, adm: Admission, request: Request) -> Any:
         """The final output, or None when the client disconnected first (the caller's

@@ -16,7 +16,7 @@ from typing import Any, AsyncIterator, Callable
 
 from fastapi.responses import StreamingResponse
 
-from . import protocol
+from . import protocol, tool_calls
 from .errors import engine_error, internal_error, shutdown_error
 from .service import Admission
 
@@ -169,6 +169,7 @@ async def chat_events(adm: Admission, body: protocol.ChatCompletionRequest, crea
         yield event(first)
     sent_tokens = [0] * n  # generated tokens whose logprobs were sent
     generated = [0] * n
+    calls = [tool_calls.delta_stream(body) for _ in range(n)]  # None: no tool calls to parse out
 
     def choice(i: int, chunk: dict, out: Any) -> dict:
         chunk["choices"][0]["index"] = i
@@ -182,12 +183,15 @@ async def chat_events(adm: Admission, body: protocol.ChatCompletionRequest, crea
         if (error := _ended_early(adm, out)) is not None:
             yield error
             return
-        if delta:
-            yield event(choice(i, protocol.chat_chunk(rid, created, model, {"content": delta}, None,
-                                                      with_usage_field=with_usage), out))
+        parser = calls[i]
+        deltas = parser.feed(delta, out.finished) if parser is not None else ([{"content": delta}] if delta else [])
+        for d in deltas:
+            yield event(choice(i, protocol.chat_chunk(rid, created, model, d, None, with_usage_field=with_usage), out))
         generated[i] = len(out.token_ids)
         if out.finished:
-            yield event(choice(i, protocol.chat_chunk(rid, created, model, {}, out.finish_reason,
+            reason = (out.finish_reason if parser is None
+                      else tool_calls.finish_reason(out.finish_reason, parser.calls > 0))
+            yield event(choice(i, protocol.chat_chunk(rid, created, model, {}, reason,
                                                       with_usage_field=with_usage), out))
         if adm.finished and with_usage:
             yield event(protocol.chat_chunk(rid, created, model, None, None, protocol.usage(
