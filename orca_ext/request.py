@@ -39,6 +39,7 @@ class RequestOutput:
     arrival_time: float = 0.0
     first_token_time: Optional[float] = None
     finish_time: Optional[float] = None
+    num_cached_tokens: int = 0  # prompt tokens whose KV came from the prefix cache (not computed)
 
 
 @dataclass(frozen=True)
@@ -74,6 +75,7 @@ class Request:
         self.slab_start = -1               # first KV slot of the slab; -1 = no slab
         self.output_token_ids: list[int] = []
         self.num_cached = 0                # tokens whose K/V are in the slab
+        self.num_prefix_hit = 0            # of them, prompt tokens copied from the prefix cache
         self.num_scheduled = 0             # new tokens in its current batch (set by the scheduler)
         self.first_token_time: Optional[float] = None
         self.finish_time: Optional[float] = None
@@ -101,6 +103,13 @@ class Request:
     def prompt_remaining(self) -> int:
         """Prompt tokens not yet in the KV cache (0 once the request is decoding)."""
         return max(0, len(self.prompt_token_ids) - self.num_cached)
+
+    @property
+    def may_use_prefix_cache(self) -> bool:
+        """Whether admission may start this request from cached KV rows of its prompt prefix.
+        A request that needs something computed at every prompt position (prompt
+        log-probabilities) must say False here: a hit skips those positions' forward."""
+        return True
 
     @property
     def emits_token(self) -> bool:
@@ -141,6 +150,7 @@ class Request:
             arrival_time=self.arrival_time,
             first_token_time=self.first_token_time,
             finish_time=self.finish_time,
+            num_cached_tokens=self.num_prefix_hit,
         )
 
     def __repr__(self) -> str:  # pragma: no cover - debugging aid
