@@ -286,3 +286,44 @@ def test_server_reports_the_cache_and_can_switch_it_off():
             assert pc["entries"] == 1 and pc["cached_tokens"] == 42 and pc["cached_bytes"] == 42 * 8
         else:
             assert st["prefix_cache"] is None and outs[1].num_cached_tokens == 0
+
+
+def test_openai_usage_and_metrics_report_cached_tokens(make_server):
+    """Through the HTTP app and the openai client: the second identical prompt reports its
+    cached prompt tokens in usage.prompt_tokens_details, streamed or not; /metrics counts them."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    import asyncio
+
+    import httpx
+    import openai
+
+    from orca_ext.http import create_app
+
+    server = make_server(n_slots=400, max_model_len=200)
+    app = create_app(server, model_name="m", max_queue=4, public_metrics=True, metrics_interval=0)
+    prompt = list(range(1, 41))
+
+    async def calls():
+        transport = httpx.ASGITransport(app=app)
+        async with httpx.AsyncClient(transport=transport, base_url="http://app") as http:
+            client = openai.AsyncOpenAI(base_url="http://app/v1", api_key="none", max_retries=0, http_client=http)
+            return await requests(client, http)
+
+    async def requests(client, http):
+        first = await client.completions.create(model="m", prompt=prompt, max_tokens=3, temperature=0)
+        second = await client.completions.create(model="m", prompt=prompt, max_tokens=3, temperature=0)
+        stream = await client.completions.create(model="m", prompt=prompt, max_tokens=3, temperature=0,
+                                                 stream=True, stream_options={"include_usage": True})
+        usage = [c.usage async for c in stream if c.usage is not None]
+        metrics = await http.get("/metrics")
+        return first, second, usage, metrics.text
+
+    first, second, streamed, metrics = asyncio.run(calls())
+    assert first.usage.prompt_tokens_details.cached_tokens == 0
+    assert second.usage.prompt_tokens_details.cached_tokens == 39  # all but the last prompt token
+    assert streamed[-1].prompt_tokens_details.cached_tokens == 39
+    assert second.choices[0].text == first.choices[0].text
+    values = {s.name: s.value for f in text_string_to_metric_families(metrics) for s in f.samples}
+    assert values["orca_prefix_cache_hit_tokens_total"] == 78 and values["orca_prefix_cache_lookups_total"] == 3
+    assert values["orca_prefix_cache_entries"] == 1

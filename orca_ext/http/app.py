@@ -273,7 +273,7 @@ async def _run_completion(svc: Service, request: Request, body: protocol.Complet
         svc, request, body, adm, lambda: sse.completion_events(adm, body, created),
         lambda out: protocol.completion_body(
             adm.rid, created, svc.model_name, out.text, out.finish_reason,
-            protocol.usage(len(out.prompt_token_ids), len(out.token_ids)), chunk=False))
+            protocol.usage(len(out.prompt_token_ids), len(out.token_ids), out.num_cached_tokens), chunk=False))
 
 
 async def _run_chat(svc: Service, request: Request, body: protocol.ChatCompletionRequest,
@@ -288,4 +288,4 @@ async def _run_chat(svc: Service, request: Request, body: protocol.ChatCompletio
         svc, request, body, adm, lambda: sse.chat_events(adm, body, created),
         lambda out: protocol.chat_body(
             adm.rid, created, svc.model_name, out.text, out.finish_reason,
-            protocol.usage(len(out.prompt_token_ids), len(out.token_ids))))
+            protocol.usage(len(out.prompt_token_ids), len(out.token_ids), out.num_cached_tokens)))

@@ -99,7 +99,8 @@ async def completion_events(adm: Admission, body: protocol.CompletionRequest, cr
             yield event({**chunk, **usage_field})
         if out.finished and with_usage:
             yield event({"id": rid, "object": "text_completion", "created": created, "model": model,
-                         "choices": [], "usage": protocol.usage(len(out.prompt_token_ids), len(out.token_ids))})
+                         "choices": [], "usage": protocol.usage(len(out.prompt_token_ids), len(out.token_ids),
+                                                                 out.num_cached_tokens)})
 
 
 async def chat_events(adm: Admission, body: protocol.ChatCompletionRequest, created: int) -> AsyncIterator[str]:
@@ -118,4 +119,4 @@ async def chat_events(adm: Admission, body: protocol.ChatCompletionRequest, crea
                                             with_usage_field=with_usage))
             if with_usage:
                 yield event(protocol.chat_chunk(rid, created, model, None, None, protocol.usage(
-                    len(out.prompt_token_ids), len(out.token_ids)), with_usage_field=True))
+                    len(out.prompt_token_ids), len(out.token_ids), out.num_cached_tokens), with_usage_field=True))
