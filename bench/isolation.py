@@ -35,6 +35,10 @@ requests are sent back to back):
                      few of the KV slots (each one legal), held open for the whole phase
   long_prompt_hog    accepted: one very long legal prompt (`--long-prompt-words` words, one token
                      asked) after another, so its chunked prefill runs the whole phase
+  cache_thrash       accepted: prompts of ~600 tokens, never the same twice, one token asked, back to
+                     back: each leaves a prefix cache entry no one will use, pushing out the entries
+                     of the victims' shared prompt (one client's entries hold at most an equal share
+                     of the slots; docs/DESIGN.md section 6, "Prefix caching")
   connection_holding 2,047 connections from eight clients (127.0.0.2 - .9): GET /health declaring a
                      1 GB body, POSTs the server answers 404 / 415 / 401 without reading their
                      (1 GB, declared) body, and idle connections that send nothing; each sends a
@@ -193,6 +197,14 @@ def _body(model: str, **extra: Any) -> dict:
 async def _accepted_loop(client, url, body, statuses: Counter) -> None:
     while True:
         res = await stream_completion(client, url, body)
+        statuses[res.status if not res.error or res.status != 200 else f"{res.status}+error"] += 1
+
+
+async def _cache_thrash(client, url, model: str, statuses: Counter, words: int = 600) -> None:
+    rng = random.Random(2)
+    while True:
+        prompt = " ".join(str(rng.randrange(10**6)) for _ in range(words // 3))  # ~3 tokens a number
+        res = await stream_completion(client, url, {**_body(model, max_tokens=1), "prompt": prompt})
         statuses[res.status if not res.error or res.status != 200 else f"{res.status}+error"] += 1
 
 
@@ -410,6 +422,7 @@ def attacks(model: str, port: int, n_slots: int = 0, long_prompt_words: int = 12
         "slow_headers": lambda c, u, s: _slow_headers(port, s),
         "kv_hog": lambda c, u, s: _kv_hog(c, u, model, n_slots, s),
         "long_prompt_hog": lambda c, u, s: _accepted_loop(c, u, long_prompt_body, s),
+        "cache_thrash": lambda c, u, s: _cache_thrash(c, u, model, s),
         "connection_holding": lambda c, u, s: _connection_holding(port, api_key, s),
         "shared_address": lambda c, u, s: _shared_address(port, api_key, u, s),
         "metrics_flood": lambda c, u, s: _metrics_flood(c, base_url(u), s),

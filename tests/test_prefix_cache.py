@@ -327,3 +327,26 @@ def test_openai_usage_and_metrics_report_cached_tokens(make_server):
     values = {s.name: s.value for f in text_string_to_metric_families(metrics) for s in f.samples}
     assert values["orca_prefix_cache_hit_tokens_total"] == 78 and values["orca_prefix_cache_lookups_total"] == 3
     assert values["orca_prefix_cache_entries"] == 1
+
+
+def test_fair_admission_charges_only_the_computed_prompt_tokens():
+    config = EngineConfig(max_batch_size=4, max_num_batched_tokens=16, admission="fair")
+    sched = make_scheduler(config, 300)
+    engine = Engine(LocalExecutor(FakeModel()), sched, prefix_cache=PrefixCache(300, 8))
+    charged = []
+    take = sched.shares.take
+
+    def spy(req, n_tokens):
+        n = take(req, n_tokens)
+        if req.prompt_remaining:
+            charged.append((req.request_id, n, req.num_cached))
+        return n
+
+    sched.shares.take = spy
+    prompt = list(range(1, 41))
+    for rid, client in (("a", "x"), ("b", "y")):
+        engine.add_request(Request(rid, prompt, SamplingParams(max_tokens=2, ignore_eos=True), client=client))
+        while engine.has_work():
+            engine.step()
+    assert [c for c in charged if c[0] == "a"] == [("a", 16, 0), ("a", 16, 16), ("a", 8, 32)]
+    assert [c for c in charged if c[0] == "b"] == [("b", 1, 39)]  # one token, at its position
