@@ -29,7 +29,7 @@ import dataclasses
 import hashlib
 from array import array
 from collections import OrderedDict
-from typing import Hashable, Optional, Sequence
+from typing import Any, Hashable, Optional, Sequence
 
 DEFAULT_BLOCK_SIZE = 16
 _ROOT = b"orca-prefix-root"
@@ -48,12 +48,17 @@ def block_keys(tokens: Sequence[int], block_size: int, n_blocks: Optional[int] =
 
 
 def common_prefix(a: Sequence[int], b: Sequence[int], start: int, stop: int) -> int:
-    """The largest n <= stop with a[start:n] == b[start:n] (n >= start)."""
-    n = start
-    stop = min(stop, len(a), len(b))
-    while n < stop and a[n] == b[n]:
-        n += 1
-    return n
+    """The largest n <= stop with a[start:n] == b[start:n] (n >= start). Binary search over
+    slice comparisons (prefix equality is monotone), so the token loop runs in C."""
+    a, b = list(a), list(b)
+    lo, hi = start, max(start, min(stop, len(a), len(b)))
+    while lo < hi:
+        mid = (lo + hi + 1) // 2
+        if a[lo:mid] == b[lo:mid]:
+            lo = mid
+        else:
+            hi = mid - 1
+    return lo
 
 
 @dataclasses.dataclass(eq=False)
@@ -73,10 +78,16 @@ class CacheEntry:
 
 @dataclasses.dataclass(frozen=True)
 class PrefixHit:
-    """The first `n_tokens` tokens of a prompt have their KV rows in `entry`."""
+    """The first `n_tokens` tokens of a prompt have their KV rows at the start of `source`'s
+    slab: a cache entry, or an admitted request that has computed them (its first num_cached
+    rows are final: its batches write only later rows)."""
 
-    entry: CacheEntry
+    source: Any  # CacheEntry or Request: anything with slab_start
     n_tokens: int
+
+    @property
+    def entry(self) -> Optional["CacheEntry"]:
+        return self.source if isinstance(self.source, CacheEntry) else None
 
 
 @dataclasses.dataclass
@@ -84,6 +95,7 @@ class PrefixCacheStats:
     lookups: int = 0            # admissions that consulted the index
     hits: int = 0               # of them, admissions that started from cached rows
     hit_tokens: int = 0         # prompt tokens taken from the cache instead of computed
+    live_hits: int = 0          # of the hits, those copied from a request still in the pool
     inserted: int = 0           # entries made from finished requests
     evictions: int = 0          # entries dropped to make room for an admission (LRU)
     superseded: int = 0         # entries dropped because a newer one holds all their tokens
@@ -145,7 +157,9 @@ class PrefixCache:
         if hit is not None and used:
             self.stats.hits += 1
             self.stats.hit_tokens += hit.n_tokens
-            if hit.entry in self.entries:
+            if hit.entry is None:
+                self.stats.live_hits += 1
+            elif hit.entry in self.entries:
                 self.entries.move_to_end(hit.entry)
 
     # -- insertion -------------------------------------------------------------------------------

@@ -22,7 +22,7 @@ from typing import Callable, Optional
 
 from .checks import check_positive_int
 from .fairness import FairShares
-from .prefix_cache import PrefixCache, PrefixHit
+from .prefix_cache import PrefixCache, PrefixHit, common_prefix
 from .request import RequestState
 
 log = logging.getLogger(__name__)
@@ -187,11 +187,25 @@ class _SchedulerBase:
 
     def _lookup(self, req) -> Optional[PrefixHit]:
         """The request's longest cached prompt prefix, leaving at least one prompt token to
-        compute (its logits give the first output token)."""
+        compute (its logits give the first output token): from a cache entry, or from an
+        admitted request that has computed it (requests that arrive together with the same
+        system prompt: the first computes it, the next ones copy it)."""
         if not req.may_use_prefix_cache:
             return None
         prompt = req.prompt_token_ids
-        return self.prefix_cache.lookup(prompt, len(prompt) - 1)
+        limit = len(prompt) - 1
+        hit = self.prefix_cache.lookup(prompt, limit)
+        best = hit.n_tokens if hit is not None else self.prefix_cache.block_size - 1
+        for other in self.pool:
+            if other.slab_start < 0 or other.num_cached <= best or other.prompt_token_ids[:1] != prompt[:1]:
+                continue
+            computed = other.prompt_token_ids
+            if other.num_cached > len(computed):
+                computed = computed + other.output_token_ids
+            n = common_prefix(computed, prompt, 0, min(limit, other.num_cached))
+            if n > best:
+                hit, best = PrefixHit(other, n), n
+        return hit
 
     def _start_from_cache(self, req, hit: Optional[PrefixHit]) -> None:
         """Fill the newly admitted slab's first rows from the hit: the request then prefills
@@ -199,7 +213,7 @@ class _SchedulerBase:
         self.prefix_cache.record_lookup(hit, used=hit is not None)
         if hit is None:
             return
-        src = hit.entry.slab_start
+        src = hit.source.slab_start
         if src != req.slab_start:
             self.slab_copier([(src, req.slab_start, hit.n_tokens)])
         req.num_cached = hit.n_tokens

@@ -214,6 +214,21 @@ def test_a_hit_prefills_only_the_rest_and_counts_only_that_against_the_budget():
     assert prefill.num_prefill_tokens == 3  # one iteration: the three new tokens, no recompute
 
 
+def test_requests_that_arrive_together_copy_the_prefix_the_first_computed():
+    engine = make_engine(500, budget=16, block_size=8)
+    system = toks(random.Random(3), 50)
+    reqs = [Request(f"r{i}", system + [100, i], SamplingParams(max_tokens=3, ignore_eos=True)) for i in range(3)]
+    for r in reqs:
+        engine.add_request(r)
+    while engine.has_work():
+        engine.step()
+    stats = engine.scheduler.prefix_cache.stats
+    assert reqs[0].num_prefix_hit == 0 and reqs[1].num_prefix_hit >= 40 and reqs[2].num_prefix_hit >= 40
+    assert stats.live_hits == 2 and stats.hits == 2
+    for r in reqs:
+        assert r.output_token_ids == fake_reference(r.prompt_token_ids, 3)
+
+
 def test_a_full_hit_still_computes_the_last_prompt_token():
     engine = make_engine(500, block_size=4)
     prompt = list(range(1, 21))
