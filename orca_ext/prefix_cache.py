@@ -14,7 +14,9 @@ collision can never hand out wrong rows).
 
 Memory policy: entries live only in slots that no admitted request reserves (`n_rsrv` does not
 count them) and are always evictable. The scheduler evicts least recently used entries whenever
-an admission cannot otherwise allocate its slab, so caching never delays an admission. An entry
+an admission cannot otherwise allocate its slab (the admitting client's own entries first, so a
+client takes others' entries only for slots its own requests reserve), so caching never delays
+an admission. An entry
 holds exactly its cached rows (the slab is cut to them when the request leaves). One request
 inserts at most one entry of its own tokens, and one client's entries hold at most an equal
 share of the slots between the clients that have entries (its own oldest go first), so a client
@@ -199,13 +201,17 @@ class PrefixCache:
                 and new.tokens[:old.num_cached] == old.tokens)
 
     # -- removal ---------------------------------------------------------------------------------
-    def evict_lru(self, keep: Optional[CacheEntry] = None) -> Optional[CacheEntry]:
-        """Drop the least recently used entry other than `keep`; returns it (None: none left)."""
-        for entry in self.entries:
-            if entry is not keep:
-                self._drop(entry)
-                self.stats.evictions += 1
-                return entry
+    def evict_lru(self, keep: Optional[CacheEntry] = None, client: Optional[Hashable] = None) -> Optional[CacheEntry]:
+        """Drop the least recently used entry other than `keep`, `client`'s own entries first
+        (an admission makes room from its own client's entries before anyone else's); returns
+        it (None: none left)."""
+        mine = self.slots_by_client.get(client, 0) > 0
+        for pass_mine in ((True, False) if mine else (False,)):
+            for entry in self.entries:
+                if entry is not keep and (not pass_mine or entry.client == client):
+                    self._drop(entry)
+                    self.stats.evictions += 1
+                    return entry
         return None
 
     def evict(self, entry: CacheEntry) -> None:

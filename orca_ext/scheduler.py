@@ -160,9 +160,10 @@ class _SchedulerBase:
         start = self.allocator.allocate(need)
         if cache is not None:
             # Cached rows live in slots nobody reserves: evict least recently used entries until
-            # the slab fits, the hit's own entry last, so caching never delays an admission.
+            # the slab fits (this client's own first, the hit's entry last), so caching never
+            # delays an admission.
             while start < 0:
-                victim = cache.evict_lru(keep=hit.entry if hit else None)
+                victim = cache.evict_lru(keep=hit.entry if hit else None, client=req.client)
                 if victim is None:
                     break
                 self.allocator.free(victim.slab_start)

@@ -365,3 +365,42 @@ def test_fair_admission_charges_only_the_computed_prompt_tokens():
             engine.step()
     assert [c for c in charged if c[0] == "a"] == [("a", 16, 0), ("a", 16, 16), ("a", 8, 32)]
     assert [c for c in charged if c[0] == "b"] == [("b", 1, 39)]  # one token, at its position
+
+
+def test_an_admission_evicts_its_own_clients_entries_before_anyone_elses():
+    cache = PrefixCache(1000, block_size=4)
+    cache.insert(0, [1] * 8, client="victim")
+    cache.insert(10, [2] * 8, client="thrasher")
+    cache.insert(20, [3] * 8, client="thrasher")
+    assert cache.evict_lru(client="thrasher").slab_start == 10
+    assert cache.evict_lru(client="thrasher").slab_start == 20
+    assert cache.evict_lru(client="thrasher").slab_start == 0  # only then the others', LRU
+    cache.insert(0, [1] * 8, client="victim")
+    assert cache.evict_lru(client="nobody").slab_start == 0
+
+
+def test_a_cache_thrashing_client_leaves_the_others_entries_alone():
+    """A client sending unique prompts back to back (each leaves an entry) never pushes out
+    another client's entry while its own entries can make room."""
+    n_slots = 150  # the victim's entry (42) + one of the thrasher's (61) leave too little for the next
+    sched = make_scheduler(EngineConfig(max_batch_size=4, max_num_batched_tokens=16), n_slots)
+    engine = Engine(LocalExecutor(FakeModel()), sched, prefix_cache=PrefixCache(n_slots, 8))
+    rng = random.Random(9)
+    system = toks(rng, 40)
+    victim = Request("v0", system + [1], SamplingParams(max_tokens=2, ignore_eos=True), client="victim")
+    engine.add_request(victim)
+    while engine.has_work():
+        engine.step()
+    for i in range(30):
+        r = Request(f"t{i}", toks(rng, 60), SamplingParams(max_tokens=2, ignore_eos=True), client="thrasher")
+        engine.add_request(r)
+        while engine.has_work():
+            engine.step()
+        held = sched.prefix_cache.slots_by_client
+        assert held.get("thrasher", 0) <= n_slots // 2 and held.get("victim") == 42
+    again = Request("v1", system + [2], SamplingParams(max_tokens=2, ignore_eos=True), client="victim")
+    engine.add_request(again)
+    while engine.has_work():
+        engine.step()
+    assert again.num_prefix_hit == 40 and again.output_token_ids == fake_reference(again.prompt_token_ids, 2)
+    assert sched.prefix_cache.stats.evictions >= 29
