@@ -404,3 +404,28 @@ def test_a_cache_thrashing_client_leaves_the_others_entries_alone():
         engine.step()
     assert again.num_prefix_hit == 40 and again.output_token_ids == fake_reference(again.prompt_token_ids, 2)
     assert sched.prefix_cache.stats.evictions >= 29
+
+
+def test_compaction_carries_cache_entries_with_their_rows():
+    engine = make_engine(300, budget=None, block_size=4)
+    sched = engine.scheduler
+    rng = random.Random(4)
+    prompts = [toks(rng, 20) for _ in range(3)]
+    for i, p in enumerate(prompts):
+        r = Request(f"r{i}", p, SamplingParams(max_tokens=2, ignore_eos=True))
+        engine.add_request(r)
+        while engine.has_work():
+            engine.step()
+    first = next(iter(sched.prefix_cache.entries))
+    sched.prefix_cache.evict(first)  # a hole before the other entries
+    sched.allocator.free(first.slab_start)
+    before = {e: e.slab_start for e in sched.prefix_cache.entries}
+    assert sched._compact() and sched.allocator.n_free_runs == 1
+    assert any(e.slab_start != start for e, start in before.items())
+    for e in sched.prefix_cache.entries:
+        assert engine.executor.model.cache[e.slab_start:e.slab_start + e.num_cached].tolist() == list(e.tokens)
+    again = Request("again", prompts[2] + [100], SamplingParams(max_tokens=2, ignore_eos=True))
+    engine.add_request(again)
+    while engine.has_work():
+        engine.step()
+    assert again.num_prefix_hit == 20 and again.output_token_ids == fake_reference(again.prompt_token_ids, 2)
