@@ -127,13 +127,11 @@ class PrefixCache:
         """Slots held by entries (each entry holds exactly its cached rows)."""
         return sum(self.slots_by_client.values())
 
-    def lru(self) -> Optional[CacheEntry]:
-        return next(iter(self.entries), None)
-
     # -- lookup --------------------------------------------------------------------------------
     def lookup(self, tokens: Sequence[int], limit: int) -> Optional[PrefixHit]:
         """The longest cached prefix of `tokens`, at most `limit` tokens (the caller keeps at
-        least one token to compute), or None. Bookkeeping of the result is `record_hit`'s."""
+        least one token to compute), or None. Counting it and refreshing its entry is
+        `record_lookup`'s, once the admission has used it."""
         bs = self.block_size
         holders, n_blocks = None, 0
         for key in block_keys(tokens, bs, max(0, limit) // bs):
@@ -145,8 +143,9 @@ class PrefixCache:
             return None
         matched = n_blocks * bs
         best: Optional[PrefixHit] = None
+        head = tuple(tokens[:matched])
         for entry in reversed(holders):  # most recently inserted first
-            if entry.tokens[:matched] != tuple(tokens[:matched]):
+            if entry.tokens[:matched] != head:
                 continue  # a digest collision: these rows are not this prompt's
             n = common_prefix(entry.tokens, tokens, matched, limit)
             if best is None or n > best.n_tokens:
