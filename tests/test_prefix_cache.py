@@ -130,8 +130,9 @@ def test_command_line_switches_it_off():
 
 
 # -- through the engine ---------------------------------------------------------------------------
-def make_engine(n_slots: int, *, budget=16, block_size=8, cache=True, max_bs=4):
-    sched = make_scheduler(EngineConfig(max_batch_size=max_bs, max_num_batched_tokens=budget), n_slots)
+def make_engine(n_slots: int, *, budget=16, block_size=8, cache=True, max_bs=4, policy="orca"):
+    config = EngineConfig(max_batch_size=max_bs, max_num_batched_tokens=budget, scheduler=policy)
+    sched = make_scheduler(config, n_slots)
     return Engine(LocalExecutor(FakeModel()), sched,
                   prefix_cache=PrefixCache(n_slots, block_size) if cache else None)
 
@@ -149,12 +150,12 @@ def check_no_admission_waits_on_the_cache(sched):
     sched._admit = checked
 
 
-@pytest.mark.parametrize("budget", [None, 16])
+@pytest.mark.parametrize("policy,budget", [("orca", None), ("orca", 16), ("static", None)])
 @pytest.mark.parametrize("seed", range(4))
-def test_random_shared_prefix_traffic_gives_every_request_its_own_tokens(seed, budget):
+def test_random_shared_prefix_traffic_gives_every_request_its_own_tokens(seed, policy, budget):
     rng = random.Random(seed)
     n_slots = rng.choice([120, 300])
-    engine = make_engine(n_slots, budget=budget, block_size=rng.choice([4, 8, 16]))
+    engine = make_engine(n_slots, budget=budget, block_size=rng.choice([4, 8, 16]), policy=policy)
     sched = engine.scheduler
     check_no_admission_waits_on_the_cache(sched)
     systems = [toks(rng, rng.randint(5, 40)) for _ in range(3)]
