@@ -35,7 +35,7 @@ requests are sent back to back):
                      few of the KV slots (each one legal), held open for the whole phase
   long_prompt_hog    accepted: one very long legal prompt (`--long-prompt-words` words, one token
                      asked) after another, so its chunked prefill runs the whole phase
-  cache_thrash       accepted: prompts of ~600 tokens, never the same twice, one token asked, back to
+  cache_thrash       accepted: prompts of ~100 tokens, never the same twice, one token asked, back to
                      back: each leaves a prefix cache entry no one will use, pushing out the entries
                      of the victims' shared prompt (one client's entries hold at most an equal share
                      of the slots; docs/DESIGN.md section 6, "Prefix caching")
@@ -200,10 +200,11 @@ async def _accepted_loop(client, url, body, statuses: Counter) -> None:
         statuses[res.status if not res.error or res.status != 200 else f"{res.status}+error"] += 1
 
 
-async def _cache_thrash(client, url, model: str, statuses: Counter, words: int = 600) -> None:
+async def _cache_thrash(client, url, model: str, statuses: Counter, words: int = 40) -> None:
     rng = random.Random(2)
-    while True:
-        prompt = " ".join(str(rng.randrange(10**6)) for _ in range(words // 3))  # ~3 tokens a number
+    letters = "abcdefghijklmnopqrstuvwxyz"
+    while True:  # ~100-token prompts never seen before: each leaves an entry nobody will hit
+        prompt = " ".join("".join(rng.choice(letters) for _ in range(5)) for _ in range(words))
         res = await stream_completion(client, url, {**_body(model, max_tokens=1), "prompt": prompt})
         statuses[res.status if not res.error or res.status != 200 else f"{res.status}+error"] += 1
 
