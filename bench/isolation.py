@@ -576,12 +576,16 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--api-key", default=DEFAULT_API_KEY,
                    help="the server's API key, sent by victims and attackers ('' for none; "
                         f"default {DEFAULT_API_KEY!r})")
+    p.add_argument("--prefix-caching", action=argparse.BooleanOptionalAction, default=True,
+                   help="the server's prefix cache (default on, as the server's own default)")
     args = p.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(message)s")
     logging.getLogger("httpx").setLevel(logging.WARNING)
     names = list(attacks("m", 0)) if args.attacks is None else args.attacks.split(",")
     serve_args = ["--max-queue", "100000", "--log-level", "warning", "--admission", args.admission,
                   "-tp", str(args.tensor_parallel_size)]
+    if not args.prefix_caching:
+        serve_args.append("--no-prefix-caching")
     if args.model:
         serve_args += ["--model", args.model]
     env = {"ORCA_EXT_KV_CACHE_MEMORY": "512MiB", **({"ORCA_EXT_API_KEY": args.api_key} if args.api_key else {})}
@@ -594,6 +598,7 @@ def main(argv: list[str] | None = None) -> int:
         result = asyncio.run(run(server, names, victims=args.victims, window=args.window, settle=args.settle,
                                  long_prompt_words=args.long_prompt_words, api_key=args.api_key))
     result.update({"admission": args.admission, "max_kv_per_client": args.max_kv_per_client,
+                   "prefix_caching": args.prefix_caching,
                    "tensor_parallel_size": args.tensor_parallel_size, "model": args.model or "default",
                    "commit": _commit(args.cwd), "cpu": _cpu_model(), "cores": os.cpu_count()})
     result.update({"label": args.label, "date": time.strftime("%Y-%m-%d %H:%M"), "machine": platform.processor()
