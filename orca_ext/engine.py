@@ -303,8 +303,10 @@ class Engine:
         log.debug("slab compaction moved %d slabs (%d with cached KV)", len(moves), len(rows))
 
     def _copy_cached_rows(self, rows: list) -> None:
-        """The scheduler's slab_copier: KV rows (src, dst, n) between a prefix cache entry and a
-        slab no launched batch uses yet; issued now, so they land before its first batch."""
+        """The scheduler's slab_copier: KV rows (src, dst, n) for the prefix cache (cached or
+        already computed rows into a newly admitted slab; a leaving request's rows into its
+        entry's slab). No launched batch writes those rows; issued now, so they land before any
+        batch launched later."""
         self.executor.move_slabs(rows)
         self.prefix_copied_bytes += sum(n for _, _, n in rows) * self.executor.kv_bytes_per_slot()
 

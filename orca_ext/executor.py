@@ -83,9 +83,9 @@ class Executor(Protocol):
         move, each as if through a temporary (ops.slab_move; the source keeps its rows unless
         the ranges overlap). The moves take effect after every batch launched before the call
         and before every batch launched after it, so they may be issued while batches are in
-        flight as long as no in-flight batch reads or writes the rows involved: slab compaction
-        (no batch in flight) and prefix cache copies (between slots no running request owns and
-        a new slab whose first batch is not launched yet)."""
+        flight as long as no in-flight batch writes the rows involved: slab compaction (no batch
+        in flight) and prefix cache copies (from a cache entry, or from rows a request has
+        already computed, into a slab whose first batch is not launched yet)."""
 
     def request_finished(self, req) -> None:
         """The request will never be launched again (its sampling state may go)."""
