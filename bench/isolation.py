@@ -35,6 +35,10 @@ requests are sent back to back):
                      few of the KV slots (each one legal), held open for the whole phase
   long_prompt_hog    accepted: one very long legal prompt (`--long-prompt-words` words, one token
                      asked) after another, so its chunked prefill runs the whole phase
+  cache_thrash       accepted: prompts of ~100 tokens, never the same twice, one token asked, back to
+                     back: each leaves a prefix cache entry no one will use, pushing out the entries
+                     of the victims' shared prompt (one client's entries hold at most an equal share
+                     of the slots; docs/DESIGN.md section 6, "Prefix caching")
   connection_holding 2,047 connections from eight clients (127.0.0.2 - .9): GET /health declaring a
                      1 GB body, POSTs the server answers 404 / 415 / 401 without reading their
                      (1 GB, declared) body, and idle connections that send nothing; each sends a
@@ -196,6 +200,15 @@ def _body(model: str, **extra: Any) -> dict:
 async def _accepted_loop(client, url, body, statuses: Counter) -> None:
     while True:
         res = await stream_completion(client, url, body)
+        statuses[res.status if not res.error or res.status != 200 else f"{res.status}+error"] += 1
+
+
+async def _cache_thrash(client, url, model: str, statuses: Counter, words: int = 40) -> None:
+    rng = random.Random(2)
+    letters = "abcdefghijklmnopqrstuvwxyz"
+    while True:  # ~100-token prompts never seen before: each leaves an entry nobody will hit
+        prompt = " ".join("".join(rng.choice(letters) for _ in range(5)) for _ in range(words))
+        res = await stream_completion(client, url, {**_body(model, max_tokens=1), "prompt": prompt})
         statuses[res.status if not res.error or res.status != 200 else f"{res.status}+error"] += 1
 
 
@@ -436,6 +449,7 @@ def attacks(model: str, port: int, n_slots: int = 0, long_prompt_words: int = 12
         "slow_headers": lambda c, u, s: _slow_headers(port, s),
         "kv_hog": lambda c, u, s: _kv_hog(c, u, model, n_slots, s),
         "long_prompt_hog": lambda c, u, s: _accepted_loop(c, u, long_prompt_body, s),
+        "cache_thrash": lambda c, u, s: _cache_thrash(c, u, model, s),
         "connection_holding": lambda c, u, s: _connection_holding(port, api_key, s),
         "shared_address": lambda c, u, s: _shared_address(port, api_key, u, s),
         "metrics_flood": lambda c, u, s: _metrics_flood(c, base_url(u), s),
@@ -593,12 +607,16 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--api-key", default=DEFAULT_API_KEY,
                    help="the server's API key, sent by victims and attackers ('' for none; "
                         f"default {DEFAULT_API_KEY!r})")
+    p.add_argument("--prefix-caching", action=argparse.BooleanOptionalAction, default=True,
+                   help="the server's prefix cache (default on, as the server's own default)")
     args = p.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(message)s")
     logging.getLogger("httpx").setLevel(logging.WARNING)
     names = list(attacks("m", 0)) if args.attacks is None else args.attacks.split(",")
     serve_args = ["--max-queue", "100000", "--log-level", "warning", "--admission", args.admission,
                   "-tp", str(args.tensor_parallel_size)]
+    if not args.prefix_caching:
+        serve_args.append("--no-prefix-caching")
     if args.model:
         serve_args += ["--model", args.model]
     env = {"ORCA_EXT_KV_CACHE_MEMORY": "512MiB", **({"ORCA_EXT_API_KEY": args.api_key} if args.api_key else {})}
@@ -611,6 +629,7 @@ def main(argv: list[str] | None = None) -> int:
         result = asyncio.run(run(server, names, victims=args.victims, window=args.window, settle=args.settle,
                                  long_prompt_words=args.long_prompt_words, api_key=args.api_key))
     result.update({"admission": args.admission, "max_kv_per_client": args.max_kv_per_client,
+                   "prefix_caching": args.prefix_caching,
                    "tensor_parallel_size": args.tensor_parallel_size, "model": args.model or "default",
                    "commit": _commit(args.cwd), "cpu": _cpu_model(), "cores": os.cpu_count()})
     result.update({"label": args.label, "date": time.strftime("%Y-%m-%d %H:%M"), "machine": platform.processor()

@@ -17,6 +17,7 @@ import torch
 
 from .checks import check_choice, check_positive_int
 from .fairness import ADMISSION_POLICIES
+from .prefix_cache import DEFAULT_BLOCK_SIZE
 from .resources import parse_bytes, requested_kv_bytes, resolve_device, resolve_dtype
 from .scheduler import SCHEDULERS
 
@@ -63,10 +64,12 @@ class EngineConfig:
     heartbeat_timeout: float = DEFAULT_HEARTBEAT_TIMEOUT_S    # parallel workers: silence that fails the server
     admission: str = "fcfs"                             # 'fcfs' (Algorithm 1) | 'fair' (per-client shares)
     max_kv_per_client: Optional[int] = None             # fair: a client's reserved KV slots (None: no cap)
+    prefix_caching: bool = True                         # reuse finished requests' KV for shared prompt prefixes
+    prefix_cache_block_size: int = DEFAULT_BLOCK_SIZE   # tokens per key of the prefix index
 
     def __post_init__(self) -> None:
         for name in ("max_batch_size", "max_undelivered_outputs", "tensor_parallel_size",
-                     "pipeline_parallel_size"):
+                     "pipeline_parallel_size", "prefix_cache_block_size"):
             check_positive_int(name, getattr(self, name))
         for name in ("n_slots", "max_model_len"):
             if getattr(self, name) is not None:
@@ -79,7 +82,7 @@ class EngineConfig:
             check_positive_int("max_kv_per_client", self.max_kv_per_client)
             if self.admission != "fair":
                 raise ValueError("max_kv_per_client needs admission='fair' (FCFS admits in arrival order only)")
-        for name in ("record_iterations", "enforce_eager", "slab_compaction"):
+        for name in ("record_iterations", "enforce_eager", "slab_compaction", "prefix_caching"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"{name} must be True or False, got {getattr(self, name)!r}")
         if self.batch_invariant is not None and not isinstance(self.batch_invariant, bool):

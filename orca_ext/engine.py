@@ -33,6 +33,7 @@ from typing import Callable, Optional
 
 from .executor import BatchFuture, Executor
 from .models.batch import count_tokens
+from .prefix_cache import PrefixCache
 from .request import IterationRecord, Request, RequestState
 
 log = logging.getLogger(__name__)
@@ -57,11 +58,14 @@ class ScheduledBatch:
 class Engine:
     def __init__(self, executor: Executor, scheduler, *, record_iterations: bool = False,
                  slab_compaction: bool = True, lock=None,
-                 publish: Optional[Callable[[list], None]] = None):
+                 publish: Optional[Callable[[list], None]] = None,
+                 prefix_cache: Optional[PrefixCache] = None):
         """`executor`: what runs the batches (executor.Executor). `slab_compaction`: let the
         scheduler slide live slabs together (executor.move_slabs, between batches). `lock`: the
         lock that guards the requests (an RLock; default: a new one). `publish(changed)` is called
-        under it with the requests whose output changed in a step."""
+        under it with the requests whose output changed in a step. `prefix_cache`: keep finished
+        requests' KV rows there and start new requests from them (None: no prefix caching); the
+        rows are copied with executor.move_slabs before the request's first batch."""
         if not isinstance(executor, Executor):
             raise TypeError(f"executor must implement orca_ext.executor.Executor, got {type(executor).__name__}")
         self.executor = executor
@@ -73,6 +77,9 @@ class Engine:
             # The scheduler calls it only while no batch is in flight (see its _compact), so no
             # executing batch ever reads or writes a slab that moves.
             scheduler.slab_mover = self._move_slabs
+        self.prefix_copied_bytes = 0
+        if prefix_cache is not None:
+            scheduler.attach_prefix_cache(prefix_cache, self._copy_cached_rows)
         self.record_iterations = record_iterations
         self.records: list[IterationRecord] = []
         self.num_iterations = 0
@@ -349,6 +356,14 @@ class Engine:
             self.executor.move_slabs(rows)
             self.compaction_moved_bytes += sum(n for _, _, n in rows) * self.executor.kv_bytes_per_slot()
         log.debug("slab compaction moved %d slabs (%d with cached KV)", len(moves), len(rows))
+
+    def _copy_cached_rows(self, rows: list) -> None:
+        """The scheduler's slab_copier: KV rows (src, dst, n) for the prefix cache (cached or
+        already computed rows into a newly admitted slab; a leaving request's rows into its
+        entry's slab). No launched batch writes those rows; issued now, so they land before any
+        batch launched later."""
+        self.executor.move_slabs(rows)
+        self.prefix_copied_bytes += sum(n for _, _, n in rows) * self.executor.kv_bytes_per_slot()
 
     @property
     def num_compactions(self) -> int:

@@ -81,7 +81,12 @@ class Executor(Protocol):
 
     def move_slabs(self, moves: Sequence[tuple[int, int, int]]) -> None:
         """Rows (src, dst, n): KV rows [src, src+n) of every pool go to [dst, dst+n), move after
-        move (ops.slab_move). Called only while no batch is in flight."""
+        move, each as if through a temporary (ops.slab_move; the source keeps its rows unless
+        the ranges overlap). The moves take effect after every batch launched before the call
+        and before every batch launched after it, so they may be issued while batches are in
+        flight as long as no in-flight batch writes the rows involved: slab compaction (no batch
+        in flight) and prefix cache copies (from a cache entry, or from rows a request has
+        already computed, into a slab whose first batch is not launched yet)."""
 
     def request_finished(self, req) -> None:
         """The request will never be launched again (its sampling state may go)."""

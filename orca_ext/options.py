@@ -65,6 +65,12 @@ def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--max-kv-per-client", type=_optional_int, default=_DEFAULTS.max_kv_per_client,
                    help="with --admission fair: KV slots one client's admitted requests may reserve; "
                         "its next request waits past it ('none': no cap, the default)")
+    g.add_argument("--prefix-caching", action=argparse.BooleanOptionalAction, default=_DEFAULTS.prefix_caching,
+                   help="keep finished requests' KV rows in free slots and start requests that share "
+                        "their prompt prefix from them (default on; evicted first when space is needed)")
+    g.add_argument("--prefix-cache-block-size", type=int, default=_DEFAULTS.prefix_cache_block_size,
+                   help=f"tokens per key of the prefix index (default {_DEFAULTS.prefix_cache_block_size}); "
+                        "a prompt shorter than one block is never cached")
 
 
 def _positive_int_or(*words: str):

@@ -56,6 +56,7 @@ class RequestOutput:
     # One entry per prompt token when params.prompt_logprobs is set (the first is None: nothing
     # predicts it), else None. Filled as the prompt's chunks are computed.
     prompt_logprobs: Optional[list[Optional[TokenLogprob]]] = None
+    num_cached_tokens: int = 0  # prompt tokens whose KV came from the prefix cache (not computed)
 
 
 @dataclass(frozen=True)
@@ -91,6 +92,7 @@ class Request:
         self.slab_start = -1               # first KV slot of the slab; -1 = no slab
         self.output_token_ids: list[int] = []
         self.num_cached = 0                # tokens whose K/V are in the slab
+        self.num_prefix_hit = 0            # of them, prompt tokens copied from the prefix cache
         self.num_scheduled = 0             # new tokens in its current batch (set by the scheduler)
         self.first_token_time: Optional[float] = None
         self.finish_time: Optional[float] = None
@@ -128,6 +130,13 @@ class Request:
     def prompt_remaining(self) -> int:
         """Prompt tokens not yet in the KV cache (0 once the request is decoding)."""
         return max(0, len(self.prompt_token_ids) - self.num_cached)
+
+    @property
+    def may_use_prefix_cache(self) -> bool:
+        """Whether admission may start this request from cached KV rows of its prompt prefix.
+        A request that needs something computed at every prompt position (prompt
+        log-probabilities) says False: a hit skips those positions' forward."""
+        return self.params.prompt_logprobs is None
 
     @property
     def emits_token(self) -> bool:
@@ -178,6 +187,7 @@ class Request:
             finish_time=self.finish_time,
             logprobs=None if self.logprobs is None else list(self.logprobs),
             prompt_logprobs=None if self.prompt_logprobs is None else list(self.prompt_logprobs),
+            num_cached_tokens=self.num_prefix_hit,
         )
 
     def __repr__(self) -> str:  # pragma: no cover - debugging aid

@@ -7,6 +7,9 @@ none), `finished` (bool), `prompt_remaining` (int), `client` (fair admission's k
 `num_scheduled` (int, written here); fair admission also reads `num_cached` (int, the position of
 the next prompt chunk). The engine marks requests finished; the scheduler owns state
 transitions, slabs, the reservation count and the count of batches in flight (`n_scheduled`).
+With a prefix cache attached (`attach_prefix_cache`, prefix_cache.py) it also owns the cache
+entries' slabs and reads `output_token_ids`, `finish_reason`, `may_use_prefix_cache` and
+writes `num_cached` and `num_prefix_hit` at admission.
 
 Per iteration: batch = s.schedule(); run it; s.complete(batch). Up to n_workers batches may be
 in flight; their requests are RUNNING and are not selected again until their batch completes.
@@ -19,6 +22,7 @@ from typing import Callable, Optional
 
 from .checks import check_positive_int
 from .fairness import FairShares
+from .prefix_cache import PrefixCache, PrefixHit, common_prefix
 from .request import RequestState
 
 log = logging.getLogger(__name__)
@@ -52,8 +56,13 @@ class _SchedulerBase:
         self.pool: list = []       # unfinished requests, arrival order
         self.n_rsrv = 0            # slots reserved by admitted requests
         self.n_scheduled = 0       # batches launched and not yet completed (owned here alone)
-        # slab_mover(moves) copies the KV rows of [(request, old_start, new_start)]; None: no compaction.
+        # slab_mover(moves) copies the KV rows of [(holder, old_start, new_start)]; None: no
+        # compaction. A holder is a request or a prefix cache entry: its first `num_cached` rows live.
         self.slab_mover: Optional[Callable[[list], None]] = None
+        # Prefix caching (attach_prefix_cache): the index of cached rows in slots no request
+        # reserves, and slab_copier(rows) for rows (src, dst, n) into a newly admitted slab.
+        self.prefix_cache: Optional[PrefixCache] = None
+        self.slab_copier: Optional[Callable[[list], None]] = None
         self.compaction_pending = False    # the head waits for in-flight batches before compacting
         self.num_compactions = 0
         self.num_fragmentation_stalls = 0  # selections where the head fit in total but not in one run
@@ -61,6 +70,15 @@ class _SchedulerBase:
     @staticmethod
     def _token_budget(config) -> Optional[int]:
         return None
+
+    def attach_prefix_cache(self, cache: PrefixCache, copier: Callable[[list], None]) -> None:
+        """Keep finished requests' KV rows in `cache` and start admitted requests from them.
+        `copier(rows)` copies KV rows (src, dst, n), ranges disjoint or overlapping as
+        ops.slab_move allows, ordered before any batch launched after the call."""
+        if cache.n_slots != self.n_slots:
+            raise ValueError(f"prefix cache sized for {cache.n_slots} slots, scheduler has {self.n_slots}")
+        self.prefix_cache = cache
+        self.slab_copier = copier
 
     # -- pool -------------------------------------------------------------------------------
     def add(self, req) -> None:
@@ -77,6 +95,12 @@ class _SchedulerBase:
     @property
     def num_waiting(self) -> int:
         return sum(1 for r in self.pool if r.state is RequestState.INITIATION)
+
+    @property
+    def slots_allocated(self) -> int:
+        """Slots in admitted requests' slabs (prefix cache entries' slots are not counted)."""
+        cached = self.prefix_cache.cached_slots if self.prefix_cache is not None else 0
+        return self.allocator.n_used - cached
 
     @property
     def num_running(self) -> int:
@@ -131,15 +155,70 @@ class _SchedulerBase:
         need = req.reservation
         if self.n_rsrv + need > self.n_slots:
             return False
+        cache = self.prefix_cache
+        hit = self._lookup(req) if cache is not None else None
         start = self.allocator.allocate(need)
+        if cache is not None:
+            # Cached rows live in slots nobody reserves: evict least recently used entries until
+            # the slab fits (this client's own first, the hit's entry last), so caching never
+            # delays an admission.
+            while start < 0:
+                victim = cache.evict_lru(keep=hit.entry if hit else None, client=req.client)
+                if victim is None:
+                    break
+                self.allocator.free(victim.slab_start)
+                start = self.allocator.allocate(need)
+            if start < 0 and hit is not None and hit.entry in cache.entries:
+                # Its rows stay intact in the freed slots until the copy below, which comes
+                # before anything else can write there (or the slab lands on them: no copy).
+                cache.evict(hit.entry)
+                self.allocator.free(hit.entry.slab_start)
+                start = self.allocator.allocate(need)
         if start < 0 and self._compact():  # enough slots in total but no contiguous run
+            hit = None  # compaction may have moved live slabs over a freed entry's rows
             start = self.allocator.allocate(need)
         if start < 0:  # wait, as FCFS requires
             self.num_fragmentation_stalls += 1
             return False
         req.slab_start = start
         self.n_rsrv += need
+        if cache is not None and req.may_use_prefix_cache:
+            self._start_from_cache(req, hit)
         return True
+
+    def _lookup(self, req) -> Optional[PrefixHit]:
+        """The request's longest cached prompt prefix, leaving at least one prompt token to
+        compute (its logits give the first output token): from a cache entry, or from an
+        admitted request that has computed it (requests that arrive together with the same
+        system prompt: the first computes it, the next ones copy it)."""
+        if not req.may_use_prefix_cache:
+            return None
+        prompt = req.prompt_token_ids
+        limit = len(prompt) - 1
+        hit = self.prefix_cache.lookup(prompt, limit)
+        best = hit.n_tokens if hit is not None else self.prefix_cache.block_size - 1
+        for other in self.pool:
+            if other.slab_start < 0 or other.num_cached <= best or other.prompt_token_ids[:1] != prompt[:1]:
+                continue
+            computed = other.prompt_token_ids
+            if other.num_cached > len(computed):
+                computed = computed + other.output_token_ids
+            n = common_prefix(computed, prompt, 0, min(limit, other.num_cached))
+            if n > best:
+                hit, best = PrefixHit(other, n), n
+        return hit
+
+    def _start_from_cache(self, req, hit: Optional[PrefixHit]) -> None:
+        """Fill the newly admitted slab's first rows from the hit: the request then prefills
+        only the rest, as a chunk at position hit.n_tokens."""
+        self.prefix_cache.record_lookup(hit, used=hit is not None)
+        if hit is None:
+            return
+        src = hit.source.slab_start
+        if src != req.slab_start:
+            self.slab_copier([(src, req.slab_start, hit.n_tokens)])
+        req.num_cached = hit.n_tokens
+        req.num_prefix_hit = hit.n_tokens
 
     def _compact(self) -> bool:
         """Slide every live slab toward slot 0 so that the free slots form one run; True when it
@@ -151,6 +230,8 @@ class _SchedulerBase:
             self.compaction_pending = True
             return False
         owner = {r.slab_start: r for r in self.pool if r.slab_start >= 0}
+        if self.prefix_cache is not None:
+            owner.update((e.slab_start, e) for e in self.prefix_cache.entries)
         moves = []
         for old, new, _ in self.allocator.compact():
             owner[old].slab_start = new
@@ -172,9 +253,31 @@ class _SchedulerBase:
         self.pool.remove(req)
         if req.slab_start >= 0:
             self.allocator.free(req.slab_start)
+            if self.prefix_cache is not None:
+                self._cache_rows(req)
             req.slab_start = -1
             self.n_rsrv -= req.reservation
         req.state = RequestState.RELEASED
+
+    def _cache_rows(self, req) -> None:
+        """Keep a leaving request's cached rows (prompt and generated tokens) as a prefix cache
+        entry, in a slab of exactly those rows carved from the one just freed (copied down when
+        the allocator places it elsewhere). Not after an error: its rows may be incomplete."""
+        cache = self.prefix_cache
+        tokens = (req.prompt_token_ids + req.output_token_ids)[:req.num_cached]
+        if req.finish_reason == "error" or not cache.worth_caching(tokens):
+            return
+        start = self.allocator.allocate(len(tokens))  # fits: the freed slab alone is larger
+        if start != req.slab_start:
+            self.slab_copier([(req.slab_start, start, len(tokens))])
+        for dropped in cache.insert(start, tokens, req.client):
+            self.allocator.free(dropped.slab_start)
+
+    def clear_prefix_cache(self) -> None:
+        """Free every cache entry's slab."""
+        if self.prefix_cache is not None:
+            for entry in self.prefix_cache.clear():
+                self.allocator.free(entry.slab_start)
 
 
 class OrcaScheduler(_SchedulerBase):

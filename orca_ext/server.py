@@ -31,6 +31,7 @@ from .errors import EngineDeadError, InvalidRequestError, ServerClosedError
 from .request import IterationRecord, Request, RequestOutput
 from .resources import default_kv_memory, plan_kv_cache
 from .sampling import SamplingParams
+from .prefix_cache import PrefixCache
 from .scheduler import make_scheduler
 from .executor_factory import is_model_object, make_executor
 from .validation import LockedTokenizer, Prompt, RequestValidator
@@ -91,10 +92,12 @@ class Server:
             self._plan_kv(executor, spec)
             lock = threading.RLock()
             self._outputs = OutputBroker(lock, config.max_undelivered_outputs)
+            prefix_cache = (PrefixCache(self.n_slots, config.prefix_cache_block_size)
+                            if config.prefix_caching else None)
             self._engine = Engine(executor, make_scheduler(config, self.n_slots, executor.n_workers),
                                   record_iterations=config.record_iterations,
                                   slab_compaction=config.slab_compaction, lock=lock,
-                                  publish=self._outputs.publish)
+                                  publish=self._outputs.publish, prefix_cache=prefix_cache)
         except BaseException:
             executor.shutdown()
             raise
@@ -292,7 +295,7 @@ class Server:
                 "n_slots": self.n_slots,
                 "slots_reserved": sched.n_rsrv,
                 "slots_used": eng.slots_used,
-                "slots_allocated": sched.allocator.n_used,
+                "slots_allocated": sched.slots_allocated,  # prefix cache entries: prefix_cache.cached_tokens
                 "max_model_len": self.max_model_len,
                 "max_batch_size": self.max_batch_size,
                 "scheduler": self.scheduler_policy,
@@ -314,6 +317,7 @@ class Server:
                 "batch_invariant": self.batch_invariant,
                 "compactions": eng.num_compactions,
                 "compaction_moved_bytes": eng.compaction_moved_bytes,
+                "prefix_cache": self._prefix_cache_stats(),
             }
 
     def health(self) -> Optional[str]:
@@ -322,6 +326,15 @@ class Server:
         if self._closed:
             return "server closed"
         return self._engine.executor.error
+
+    def _prefix_cache_stats(self) -> Optional[dict]:
+        """The prefix cache's counters (None when prefix caching is off); lock held."""
+        cache = self._engine.scheduler.prefix_cache
+        if cache is None:
+            return None
+        return {**dataclasses.asdict(cache.stats), "entries": len(cache),
+                "cached_tokens": cache.cached_slots, "cached_bytes": cache.cached_slots * self._bytes_per_slot,
+                "copied_bytes": self._engine.prefix_copied_bytes, "block_size": cache.block_size}
 
     def iterations(self) -> list[IterationRecord]:
         """Per-iteration records (only kept with record_iterations=True)."""

@@ -173,10 +173,11 @@ class DistributedExecutor:
                          self._on_silent, lambda: self._stopping or self._error is not None).start()
 
     def move_slabs(self, moves: Sequence[Sequence[int]]) -> None:
-        """Slab compaction: rows (src, dst, n) move KV rows [src, src+n) of every layer's K and V
-        pool to [dst, dst+n) in every worker, move after move (ops.slab_move). Workers handle
-        messages in order, so the move lands after every batch posted before it and before any
-        batch posted after it. Returns at once; a worker that fails to move fails the group."""
+        """Slab compaction and prefix cache copies: rows (src, dst, n) move KV rows [src, src+n)
+        of every layer's K and V pool to [dst, dst+n) in every worker, move after move
+        (ops.slab_move). Workers handle messages in order, so the move lands after every batch
+        posted before it and before any batch posted after it, with batches in flight too.
+        Returns at once; a worker that fails to move fails the group."""
         rows = self._check_moves(moves)
         if not rows or self._error is not None:  # a failed group runs nothing more: nothing to keep in step
             return

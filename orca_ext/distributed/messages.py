@@ -15,7 +15,8 @@ Driver -> every worker (TAG_DOWN):
             is not the last); floats travel as the bits of a float64, seeds as the two's
             complement of seed mod 2^64)
         free seq ids [n_free]   (finished requests: the sampler may drop their generators)
-    [OP_MOVE, M]                               slab compaction, only while no batch is in flight
+    [OP_MOVE, M]                               slab compaction (no batch in flight) and prefix
+                                               cache copies (into a slab no batch has used yet)
         + int64 [M * 3]: rows (src, dst, n) of ops.slab_move, applied to every layer's K and V
           pool before any later message
     [OP_LOGITS, batch index, T, B, 0]          a forward whose sampling worker returns the

@@ -15,8 +15,9 @@ Loop, one control message at a time, in the order the driver sent them (messages
               x = model.forward(batch, x)          (tensor-parallel all-reduces inside)
               not last stage: isend x to the next stage (never waits for the next stage to take it)
               last stage, tensor rank 0: sample, send the token ids to the driver
-    move:     ops.slab_move on this worker's KV pools (slab compaction; the driver sends it
-              only while no batch is in flight, and any later forward comes after it)
+    move:     ops.slab_move on this worker's KV pools (slab compaction, with no batch in
+              flight; prefix cache copies, into a slab no batch has used yet); every forward
+              sent before it has run here, and every later one sees the moved rows
     logits:   a forward whose sampling worker sends the logits instead of tokens (tests)
     stats / stop
 
@@ -264,9 +265,9 @@ class Worker:
                 self._forward(msg, logits_only=op == OP_LOGITS)
 
     def _move_slabs(self, moves: torch.Tensor) -> None:
-        """Slab compaction: the driver moved these slabs; their cached KV rows follow. Every
-        batch sent before the move has finished its forward here (messages are handled in
-        order), and every later one sees the rows at their new slots."""
+        """Slab compaction or prefix cache copies: KV rows go where the driver's slabs now are.
+        Every batch sent before the move has finished its forward here (messages are handled
+        in order), and every later one sees the rows at their new slots."""
         with self.clock.compute():
             try:
                 ops.slab_move(self.model.kv_pools, moves)

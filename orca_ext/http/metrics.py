@@ -44,6 +44,19 @@ _STAT_COUNTERS = {
     "compactions": ("kv_slab_compactions", "Slab compactions: live KV slabs slid together to admit the queue head."),
     "compaction_moved_bytes": ("kv_slab_compaction_moved_bytes", "KV bytes copied by slab compactions."),
 }
+# server.stats()["prefix_cache"] (absent when prefix caching is off): key -> (name, doc, is a counter).
+_PREFIX_CACHE = {
+    "lookups": ("prefix_cache_lookups", "Admissions that looked up their prompt in the prefix cache.", True),
+    "hits": ("prefix_cache_hits", "Admissions that started from cached KV rows.", True),
+    "hit_tokens": ("prefix_cache_hit_tokens", "Prompt tokens taken from the prefix cache instead of computed.", True),
+    "evictions": ("prefix_cache_evictions", "Prefix cache entries evicted (LRU) to make room for an admission.",
+                  True),
+    "share_evictions": ("prefix_cache_share_evictions",
+                        "Prefix cache entries dropped to keep their client within its share of the slots.", True),
+    "entries": ("prefix_cache_entries", "Prefix cache entries.", False),
+    "cached_tokens": ("prefix_cache_tokens", "KV slots held by prefix cache entries (always evictable).", False),
+    "cached_bytes": ("prefix_cache_bytes", "KV bytes held by prefix cache entries (always evictable).", False),
+}
 
 
 class _EngineCollector(Collector):
@@ -73,6 +86,7 @@ class _EngineCollector(Collector):
         except Exception:  # a closed server has no stats; the scrape still works
             logger.debug("server.stats() failed during scrape", exc_info=True)
             return
+        yield from _prefix_cache_metrics(stats.get("prefix_cache"))
         for key, value in stats.items():
             if isinstance(value, bool) or not isinstance(value, (int, float)):
                 continue
@@ -92,6 +106,12 @@ class _EngineCollector(Collector):
                 "Mean duration of one engine iteration since the previous scrape (busy time / iterations).",
                 value=iter_time,
             )
+
+
+def _prefix_cache_metrics(cache: dict | None) -> Iterable:
+    for key, (name, doc, counter) in _PREFIX_CACHE.items() if cache else ():
+        family = CounterMetricFamily if counter else GaugeMetricFamily
+        yield family(f"{PREFIX}_{name}", doc, value=cache[key])
 
 
 class Metrics:

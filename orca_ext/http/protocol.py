@@ -394,11 +394,13 @@ class ChatCompletionRequest(_SamplingFields, _GuidedFields):
 # Responses. Plain dict builders: the shapes are OpenAI's, and the openai client parses them.
 # ---------------------------------------------------------------------------------------------
 
-def usage(prompt_tokens: int, completion_tokens: int) -> dict[str, int]:
+def usage(prompt_tokens: int, completion_tokens: int, cached_tokens: int = 0) -> dict:
+    """OpenAI's usage block; cached_tokens: prompt tokens served from the prefix cache."""
     return {
         "prompt_tokens": prompt_tokens,
         "completion_tokens": completion_tokens,
         "total_tokens": prompt_tokens + completion_tokens,
+        "prompt_tokens_details": {"cached_tokens": cached_tokens},
     }
 
 

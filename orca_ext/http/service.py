@@ -302,9 +302,11 @@ class Service:
 
     @staticmethod
     def usage_of(adm: Admission) -> dict:
-        """Usage over every sequence generated (best_of's extra ones included, as OpenAI bills)."""
+        """Usage over every sequence generated (best_of's extra ones included, as OpenAI bills);
+        the cached prompt tokens are the first sequence's (its siblings share its prefill)."""
         first = adm.outputs[0]
-        return protocol.usage(len(first.prompt_token_ids), sum(len(o.token_ids) for o in adm.outputs))
+        return protocol.usage(len(first.prompt_token_ids), sum(len(o.token_ids) for o in adm.outputs),
+                              first.num_cached_tokens)
 
     def completion_json(self, adm: Admission, created: int, body: protocol.CompletionRequest) -> dict:
         """The non-streaming completions response of a finished request: one choice per sequence."""

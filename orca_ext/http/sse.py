@@ -155,7 +155,8 @@ async def completion_events(adm: Admission, body: protocol.CompletionRequest, cr
         generated[i] = len(out.token_ids)
         if adm.finished and with_usage:
             yield event({"id": rid, "object": "text_completion", "created": created, "model": model,
-                         "choices": [], "usage": protocol.usage(len(out.prompt_token_ids), sum(generated))})
+                         "choices": [], "usage": protocol.usage(len(out.prompt_token_ids), sum(generated),
+                                                                 out.num_cached_tokens)})
 
 
 async def chat_events(adm: Admission, body: protocol.ChatCompletionRequest, created: int) -> AsyncIterator[str]:
@@ -195,4 +196,4 @@ async def chat_events(adm: Admission, body: protocol.ChatCompletionRequest, crea
                                                       with_usage_field=with_usage), out))
         if adm.finished and with_usage:
             yield event(protocol.chat_chunk(rid, created, model, None, None, protocol.usage(
-                len(out.prompt_token_ids), sum(generated)), with_usage_field=True))
+                len(out.prompt_token_ids), sum(generated), out.num_cached_tokens), with_usage_field=True))
