@@ -53,6 +53,9 @@ requests are sent back to back):
   schema_worst_case  accepted: guided_json schemas near the bounds (~24 KiB, 31 JSON levels, 300
                      regex-constrained properties), a new one each request so no cache helps
   schema_invalid     rejected: a new invalid schema (an unbalanced regex) each request
+  logits_controls_max  accepted: the largest logit_bias map allowed (1,024 ids), every penalty
+                     on, top logprobs 5, temperature 1: the most work the batched sampler's logits
+                     controls and logprobs do for one row
 
 kv_hog and long_prompt_hog are legal requests from one client: what stops them is the server's admission
 policy (`--admission fair`, `--max-kv-per-client`), not a limit. Run them under both policies:
@@ -458,6 +461,10 @@ def attacks(model: str, port: int, n_slots: int = 0, long_prompt_words: int = 12
         "oversize_head": lambda c, u, s: _oversize_head(port, s),
         "schema_worst_case": lambda c, u, s: _fresh_loop(
             c, u, lambda k: _body(model, ignore_eos=False, guided_json=_worst_schema(k)), s),
+        "logits_controls_max": lambda c, u, s: _accepted_loop(c, u, _body(
+            model, temperature=1.0, logprobs=5, presence_penalty=2.0, frequency_penalty=-2.0,
+            repetition_penalty=1.3, min_tokens=16, logit_bias={str(i * 47 % 49152): (i % 201) - 100.0
+                                                               for i in range(1024)}), s),
         "schema_invalid": lambda c, u, s: _fresh_loop(
             c, u, lambda k: _body(model, guided_json={"type": "object", "properties": {
                 f"p{k}": {"type": "string", "pattern": "(" * 200}}}), s),
