@@ -30,6 +30,34 @@ def is_gguf(path: str | Path) -> bool:
     return str(path).lower().endswith(GGUF_SUFFIX)
 
 
+def _checked_reader_class():
+    """GGUFReader with each tensor's header checked before the reader maps it: the reader itself
+    fails on an unknown type or a truncated file with an error that names no tensor."""
+    import gguf
+
+    class CheckedReader(gguf.GGUFReader):
+        def _build_tensors(self, start_offs: int, fields) -> None:
+            size = len(self.data)
+            for field in fields:
+                _, name_data, _, dims, raw_dtype, offset = field.parts
+                name = bytes(name_data).decode("utf-8", "replace")
+                where = f"{Path(self.data.filename)}: tensor {name!r}"
+                try:
+                    qtype = gguf.GGMLQuantizationType(int(raw_dtype[0]))
+                except ValueError:
+                    raise ValueError(f"{where} has unknown ggml type {int(raw_dtype[0])}") from None
+                block, type_size = gguf.GGML_QUANT_SIZES[qtype]
+                if not len(dims) or int(dims[0]) % block:
+                    raise ValueError(f"{where}: its rows of {dims.tolist()[:1]} values are not whole "
+                                     f"{qtype.name} blocks of {block}")
+                end = int(start_offs + offset[0]) + int(np.prod(dims.astype(np.int64))) // block * type_size
+                if end > size:
+                    raise ValueError(f"{where} needs bytes up to {end} but the file has {size}; it is truncated")
+            super()._build_tensors(start_offs, fields)
+
+    return CheckedReader
+
+
 class GGUFFile:
     """Metadata fields and named tensors of one GGUF file."""
 
@@ -40,7 +68,11 @@ class GGUFFile:
         if not self.path.is_file():
             raise FileNotFoundError(f"GGUF file {self.path} does not exist")
         try:
-            self.reader = gguf.GGUFReader(str(self.path), "r")
+            self.reader = _checked_reader_class()(str(self.path), "r")
+        except ValueError as exc:
+            if str(exc).startswith(str(self.path)):  # ours: names the tensor already
+                raise
+            raise ValueError(f"{self.path}: not a readable GGUF file ({exc})") from exc
         except Exception as exc:  # the reader raises ValueError/KeyError/IndexError/... on bad input
             raise ValueError(f"{self.path}: not a readable GGUF file ({type(exc).__name__}: {exc})") from exc
         self.size = self.path.stat().st_size

@@ -31,7 +31,7 @@ from typing import Sequence
 import numpy as np
 import torch
 
-from ..quant.formats import FORMATS, QType
+from ..quant.formats import FORMATS, QUANTIZATION_MODES, QType
 from ..quant.weight import QuantizedStack, QuantizedWeight, stack_rows
 from ..resources import resolve_dtype
 from . import huge_pages
@@ -42,7 +42,6 @@ from .sharding import ShardSpec
 
 log = logging.getLogger(__name__)
 
-QUANTIZATION_MODES = ("auto", "none")
 _FLOAT_TYPES = (0, 1, 30)  # F32, F16, BF16
 
 Weight = torch.Tensor | QuantizedWeight | QuantizedStack
@@ -255,11 +254,58 @@ def _block_bytes(w) -> int:
 
 
 def load_gguf_tokenizer(path: str | Path):
-    """The tokenizer and chat template stored in the GGUF (transformers builds the tokenizer
-    from the tokenizer.ggml.* metadata)."""
+    """The tokenizer and chat template stored in the GGUF. transformers builds the tokenizer from
+    the tokenizer.ggml.* metadata, which takes seconds for a 50k vocabulary, so the result is
+    kept as an ordinary tokenizer folder in the cache (tokenizer_cache_folder) and read from there
+    next time."""
     path = Path(path)
     if not path.is_file():
         raise FileNotFoundError(f"GGUF file {path} does not exist")
+    from transformers import AutoTokenizer
+
+    cached = tokenizer_cache_folder(path)
+    if (cached / "tokenizer_config.json").is_file():
+        try:
+            return AutoTokenizer.from_pretrained(str(cached))
+        except Exception as exc:  # a damaged cache entry is rebuilt
+            log.warning("rebuilding the cached tokenizer %s: %s", cached, exc)
+    tokenizer = _build_gguf_tokenizer(path)
+    _save_atomically(tokenizer, cached)
+    return tokenizer
+
+
+def tokenizer_cache_folder(path: Path) -> Path:
+    """`<cache>/gguf_tokenizers/<file name>-<bytes>-<mtime ns>`: a changed file gets a new entry."""
+    from ..default_model import cache_root
+
+    st = path.stat()
+    return cache_root() / "gguf_tokenizers" / f"{path.name}-{st.st_size}-{st.st_mtime_ns}"
+
+
+def _save_atomically(tokenizer, folder: Path) -> None:
+    """Write into a temporary sibling and rename it into place (a concurrent writer's copy wins);
+    a cache that cannot be written only costs the next start the build again."""
+    import shutil
+    import tempfile
+
+    try:
+        folder.parent.mkdir(parents=True, exist_ok=True)
+        tmp = Path(tempfile.mkdtemp(prefix=f".{folder.name}.tmp-", dir=folder.parent))
+    except OSError as exc:
+        log.warning("cannot cache the GGUF tokenizer under %s: %s", folder.parent, exc)
+        return
+    try:
+        tokenizer.save_pretrained(str(tmp))
+        tmp.chmod(0o755)
+        tmp.rename(folder)
+    except OSError as exc:
+        if not folder.is_dir():
+            log.warning("cannot cache the GGUF tokenizer at %s: %s", folder, exc)
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+
+
+def _build_gguf_tokenizer(path: Path):
     from transformers import AutoTokenizer
 
     try:

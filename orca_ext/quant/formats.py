@@ -27,6 +27,11 @@ import enum
 import torch
 
 
+# EngineConfig.quantization: "auto" serves quantized GGUF matrices as their blocks, "none"
+# dequantizes them to the activation dtype at load.
+QUANTIZATION_MODES = ("auto", "none")
+
+
 class QType(enum.IntEnum):
     """ggml type ids (GGMLQuantizationType) of the fast formats."""
 
