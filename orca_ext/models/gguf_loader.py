@@ -263,6 +263,8 @@ def load_gguf_tokenizer(path: str | Path):
         raise FileNotFoundError(f"GGUF file {path} does not exist")
     from transformers import AutoTokenizer
 
+    if GGUFFile(path).field("tokenizer.ggml.model", None) is None:
+        raise FileNotFoundError(f"{path} has no tokenizer (no tokenizer.ggml.* metadata)")
     cached = tokenizer_cache_folder(path)
     if (cached / "tokenizer_config.json").is_file():
         try:

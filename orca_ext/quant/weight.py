@@ -124,6 +124,8 @@ Quantized = (QuantizedWeight, QuantizedStack)   # isinstance() target of the ops
 def stack_rows(parts: list[QuantizedWeight]) -> QuantizedWeight | QuantizedStack:
     """One fused matrix of row blocks: a single QuantizedWeight when all parts share a format
     (their rows concatenated), else a QuantizedStack of runs of equal format."""
+    if len({p.k for p in parts}) != 1:
+        raise ValueError(f"the parts of a fused matrix must share k, got {sorted({p.k for p in parts})}")
     runs: list[list[QuantizedWeight]] = []
     for p in parts:
         if runs and runs[-1][0].qtype == p.qtype:
@@ -132,6 +134,4 @@ def stack_rows(parts: list[QuantizedWeight]) -> QuantizedWeight | QuantizedStack
             runs.append([p])
     merged = [r[0] if len(r) == 1 else QuantizedWeight(r[0].qtype, torch.cat([p.data for p in r], dim=0),
                                                        sum(p.n for p in r), r[0].k) for r in runs]
-    if merged[0].k != parts[-1].k or any(p.k != merged[0].k for p in parts):
-        raise ValueError(f"the parts of a fused matrix must share k, got {sorted({p.k for p in parts})}")
     return merged[0] if len(merged) == 1 else QuantizedStack(tuple(merged))
