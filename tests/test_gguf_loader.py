@@ -212,3 +212,66 @@ def test_default_model_as_q4_1_generates_the_float32_text(default_model_dir):
     with Server(str(default_model_dir), device="cpu", n_slots=256) as server:
         floats = [o.text for o in server.generate(prompts, params)]
     assert blocks == floats
+
+
+# -- parallel shards ------------------------------------------------------------------------------
+
+def _shards(path, tp: int, pp: int = 1):
+    from orca_ext.models.sharding import make_shard
+
+    spec = ModelSpec.from_pretrained(path)
+    return spec, [load_model(path, spec=spec, shard=make_shard(spec, tp, pp, rank, stage))
+                  for stage in range(pp) for rank in range(tp)]
+
+
+def test_tensor_parallel_shards_keep_blocks_on_block_boundaries(tmp_path):
+    path = tmp_path / "m.gguf"
+    write_gguf(path, "llama", lambda n: T.Q4_0, hidden_size=128, intermediate_size=256,
+               num_attention_heads=4, num_key_value_heads=2)
+    whole = load_model(path)
+    spec, ranks = _shards(path, tp=2)
+    for rank, model in enumerate(ranks):
+        for name, width in (("o_weight", spec.q_size // 2), ("down_weight", spec.intermediate_size // 2)):
+            part, full = getattr(model.layers[1], name), getattr(whole.layers[1], name)
+            assert isinstance(part, QuantizedWeight) and part.k == width
+            assert torch.equal(part.dequantize(), full.dequantize()[:, rank * width:(rank + 1) * width])
+        gate_up = model.layers[0].gate_up_weight.dequantize()
+        inter, half = spec.intermediate_size, spec.intermediate_size // 2
+        full = whole.layers[0].gate_up_weight.dequantize()
+        want = torch.cat([full[rank * half:(rank + 1) * half], full[inter + rank * half:inter + (rank + 1) * half]])
+        assert torch.equal(gate_up, want)
+
+
+def test_tensor_parallel_split_inside_a_block_dequantizes_that_share(tmp_path, caplog):
+    path = tmp_path / "m.gguf"
+    write_gguf(path, "llama", lambda n: T.Q8_0)    # q size 96, intermediate 160: halves of 48 and 80
+    whole = load_model(path)
+    with caplog.at_level(logging.WARNING, logger="orca_ext.models.gguf_loader"):
+        _, ranks = _shards(path, tp=2)
+    assert any("block boundaries" in r.getMessage() and "attn_output" in r.getMessage() for r in caplog.records)
+    o = ranks[1].layers[0].o_weight
+    assert isinstance(o, torch.Tensor) and torch.equal(o, whole.layers[0].o_weight.dequantize()[:, 48:])
+
+
+def test_pipeline_stages_hold_their_layers_as_blocks(tmp_path):
+    path = tmp_path / "m.gguf"
+    write_gguf(path, "qwen2", lambda n: T.Q4_1, layers=3)
+    _, (first, last) = _shards(path, tp=1, pp=2)
+    assert isinstance(first.embed, QuantizedWeight) and first.lm_head is None
+    assert last.embed is None and isinstance(last.lm_head, QuantizedWeight)
+    assert len(first.layers) + len(last.layers) == 3
+
+
+def test_a_gguf_served_by_two_pipeline_stages_gives_the_single_process_tokens(tmp_path):
+    from orca_ext import SamplingParams, Server
+
+    path = tmp_path / "m.gguf"
+    write_gguf(path, "llama", k_mix, layers=3, **LARGE)
+    prompts = [[5, 9, 200, 31, 7], [44, 3], list(range(40, 70))]
+    params = SamplingParams(max_tokens=6, ignore_eos=True)
+    with Server(str(path), device="cpu", max_batch_size=4, n_slots=256) as local:
+        assert local.tokenizer is None  # no tokenizer.ggml.* metadata: token-id prompts only
+        want = [o.token_ids for o in local.generate(prompts, params)]
+    with Server(str(path), device="cpu", max_batch_size=4, n_slots=256, pipeline_parallel_size=2) as server:
+        got = [o.token_ids for o in server.generate(prompts, params)]
+    assert got == want
