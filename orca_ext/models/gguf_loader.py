@@ -21,6 +21,7 @@ dequantizes that rank's share with a log line. Pipeline stages load only their l
 """
 from __future__ import annotations
 
+import dataclasses
 import logging
 import time
 import warnings
@@ -66,7 +67,7 @@ class _Reader:
         qtype, data = self.g.raw(name, tuple(shape))
         if qtype in _FLOAT_TYPES or qtype not in FORMATS:
             return self._float(name, qtype, data, shape, rows, cols)
-        w = QuantizedWeight(QType(qtype), torch.from_numpy(_copy(data if rows is None else data[rows])),
+        w = QuantizedWeight(QType(qtype), _mapped(data if rows is None else data[rows]),
                             _count(shape[0], rows), shape[-1])
         if cols is not None:
             try:
@@ -103,9 +104,13 @@ def _count(n: int, rows: slice | np.ndarray | None) -> int:
     return len(rows)
 
 
-def _copy(a: np.ndarray) -> np.ndarray:
-    """An owned, writable copy of a mapped array (torch wants writable memory)."""
-    return np.array(a, copy=True, order="C")
+def _mapped(a: np.ndarray) -> torch.Tensor:
+    """A tensor over `a`, which may be a read-only view of the file's mapping: _place copies it
+    into the model's memory once, with no intermediate copy (freed temporaries the size of the
+    model would stay in the allocator's heap and count as resident memory)."""
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # torch warns that the mapping is not writable; it is only read
+        return torch.from_numpy(np.ascontiguousarray(a))
 
 
 def unpermute_rows(n_heads: int, head_dim: int) -> np.ndarray:
@@ -127,7 +132,8 @@ def _fuse(parts: list[Weight], name: str, dtype: torch.dtype) -> Weight:
 
 def _place(weights: list[Weight | None], device: torch.device) -> list[Weight | None]:
     """Move to `device`; on the CPU pack every tensor (block data included) into one huge-page
-    region, as the float loader does per layer."""
+    region. The loader places the whole model at once: a 4-bit layer is a few MB, and one region
+    per layer would round each up to whole 2 MiB pages (a third more memory for a 135M model)."""
     flat: list[torch.Tensor | None] = []
     for w in weights:
         if isinstance(w, QuantizedStack):
@@ -136,9 +142,11 @@ def _place(weights: list[Weight | None], device: torch.device) -> list[Weight | 
             flat.append(w.data)
         else:
             flat.append(w)
-    flat = [None if t is None else t.to(device) for t in flat]
+    moved = [None if t is None else t.to(device) for t in flat]
     if device.type == "cpu":
-        flat = huge_pages.place_all(flat)
+        moved = huge_pages.place_all(moved)
+    # Whatever was neither moved nor placed may still be a view of the file: copy it.
+    flat = [m if m is None or m is not t else m.clone() for m, t in zip(moved, flat)]
     out, i = [], 0
     for w in weights:
         if isinstance(w, QuantizedStack):
@@ -154,6 +162,18 @@ def _place(weights: list[Weight | None], device: torch.device) -> list[Weight | 
             out.append(flat[i])
             i += 1
     return out
+
+
+def _place_model(embed, layers: list[LayerWeights], final_norm, lm_head, device: torch.device):
+    """Every weight of the model placed by one _place call (a tied lm_head stays the embedding)."""
+    names = [f.name for f in dataclasses.fields(LayerWeights)]
+    tied = lm_head is embed and embed is not None
+    flat = [embed, final_norm, None if tied else lm_head] + [getattr(layer, n) for layer in layers for n in names]
+    placed = _place(flat, device)
+    embed, final_norm, lm_head = placed[0], placed[1], placed[0] if tied else placed[2]
+    it = iter(placed[3:])
+    layers = [LayerWeights(**{n: next(it) for n in names}) for _ in layers]
+    return embed, layers, final_norm, lm_head
 
 
 def load_gguf_model(path: str | Path, device: torch.device | str = "cpu",
@@ -192,9 +212,6 @@ def load_gguf_model(path: str | Path, device: torch.device | str = "cpu",
     embed = None
     if first:
         embed = r.matrix("token_embd.weight", (vocab, hid))
-        if not isinstance(embed, QuantizedWeight):
-            embed = embed.to(dtype)
-        embed = _place([embed], device)[0]
     layers = []
     for i in layer_ids:
         b = f"blk.{i}."
@@ -217,12 +234,11 @@ def load_gguf_model(path: str | Path, device: torch.device | str = "cpu",
             down_weight=r.matrix(b + "ffn_down.weight", (hid, inter), cols=down_cols),
             down_bias=r.vector(b + "ffn_down.bias", hid) if spec.mlp_bias and row_bias else None,
         )
-        names = list(fields)
-        layers.append(LayerWeights(**dict(zip(names, _place([fields[n] for n in names], device)))))
+        layers.append(LayerWeights(**fields))
 
     final_norm = lm_head = None
     if last:
-        final_norm = _place([r.vector("output_norm.weight", hid)], device)[0]
+        final_norm = r.vector("output_norm.weight", hid)
         if spec.tie_word_embeddings and embed is not None:  # a vocab shard of it is a row slice
             if vocab_rows is None:
                 lm_head = embed
@@ -232,11 +248,13 @@ def load_gguf_model(path: str | Path, device: torch.device | str = "cpu",
                 lm_head = embed[vocab_rows]
         else:
             name = "token_embd.weight" if spec.tie_word_embeddings else "output.weight"
-            lm_head = _place([r.matrix(name, (vocab, hid), vocab_rows)], device)[0]
+            lm_head = r.matrix(name, (vocab, hid), vocab_rows)
+    embed, layers, final_norm, lm_head = _place_model(embed, layers, final_norm, lm_head, device)
     for type_name, names in r.dequantized.items():
         log.info("%s: %d tensors in %s are dequantized to %s at load (not a served block format): %s",
                  g.path.name, len(names), type_name, dtype, ", ".join(names))
     g.close()
+    _release_freed_heap()
     model = CausalLM(spec, embed, layers, final_norm, lm_head, device, dtype, shard=shard, tp_comm=tp_comm)
     block_bytes = sum(_block_bytes(w) for w in [embed, lm_head if lm_head is not embed else None] +
                       [getattr(layer, f) for layer in layers for f in ("qkv_weight", "o_weight",
@@ -247,6 +265,23 @@ def load_gguf_model(path: str | Path, device: torch.device | str = "cpu",
              "(quantization=%s), activations %s on %s", spec.architecture, g.path.name,
              time.perf_counter() - t0, where, spec.num_layers, hid, block_bytes / 1e6, quantization, dtype, device)
     return model
+
+
+def _release_freed_heap() -> None:
+    """Give the C heap's free memory back to the system (glibc's malloc_trim). GGUFReader parses
+    every metadata array into its own small numpy objects (a 50k-token vocabulary and its merges
+    are hundreds of thousands), which once freed stay resident in the heap: over 60 MB for
+    SmolLM2, most of what its 4-bit weights take."""
+    import ctypes
+    import ctypes.util
+
+    name = ctypes.util.find_library("c")
+    try:
+        trim = ctypes.CDLL(name).malloc_trim if name else None
+    except (OSError, AttributeError):  # not glibc
+        trim = None
+    if trim is not None:
+        trim(0)
 
 
 def _block_bytes(w) -> int:
