@@ -275,3 +275,16 @@ def test_a_gguf_served_by_two_pipeline_stages_gives_the_single_process_tokens(tm
     with Server(str(path), device="cpu", max_batch_size=4, n_slots=256, pipeline_parallel_size=2) as server:
         got = [o.token_ids for o in server.generate(prompts, params)]
     assert got == want
+
+
+def test_quantization_command_line_option():
+    import argparse
+
+    from orca_ext.options import add_engine_arguments
+
+    parser = argparse.ArgumentParser()
+    add_engine_arguments(parser)
+    assert EngineConfig.from_args(parser.parse_args(["--quantization", "none"])).quantization == "none"
+    assert EngineConfig.from_args(parser.parse_args([])).quantization == "auto"
+    with pytest.raises(SystemExit):
+        parser.parse_args(["--quantization", "q4"])
