@@ -43,13 +43,43 @@ def windows(ids: list[int], ctx: int) -> list[list[int]]:
     return [ids[i:i + ctx] for i in range(0, len(ids) - ctx + 1, ctx)]
 
 
+def llama_tokens(llama_bin: Path, model_path: str, text: str) -> list[int]:
+    """llama.cpp's tokenization of `text` (llama-server's /tokenize, on 127.0.0.1)."""
+    import socket
+    import urllib.request
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    proc = subprocess.Popen([str(llama_bin / "llama-server"), "-m", model_path, "--host", "127.0.0.1", "--port",
+                             str(port), "-t", "1", "-c", "512", "--no-webui"],
+                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    try:
+        deadline = time.time() + 120
+        while True:
+            try:
+                req = urllib.request.Request(f"http://127.0.0.1:{port}/tokenize", headers={"Content-Type": "application/json"},
+                                             data=json.dumps({"content": text}).encode())
+                return json.loads(urllib.request.urlopen(req, timeout=60).read())["tokens"]
+            except OSError:
+                if time.time() > deadline:
+                    raise
+                time.sleep(1)
+    finally:
+        proc.terminate()
+        proc.wait(timeout=30)
+
+
 @torch.inference_mode()
-def our_perplexity(model_path: str, text: str, ctx: int, quantization: str, max_windows: int | None) -> dict:
+def our_perplexity(model_path: str, text: str, ctx: int, quantization: str, max_windows: int | None,
+                   ids: list[int] | None = None) -> dict:
+    """`ids`: the text's tokens from elsewhere (llama.cpp's), else our tokenizer's."""
     from orca_ext.models import load_model, load_tokenizer
     from orca_ext.models.batch import ForwardBatch
 
     tokenizer = load_tokenizer(model_path)
-    ids = tokenizer(text, add_special_tokens=False).input_ids
+    if ids is None:
+        ids = tokenizer(text, add_special_tokens=False).input_ids
     add_bos = bool(getattr(tokenizer, "add_bos_token", False)) and tokenizer.bos_token_id is not None
     model = load_model(model_path, "cpu", torch.float32, quantization=quantization)
     model.allocate_kv_cache(ctx)
@@ -128,6 +158,10 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--threads", type=int, default=os.cpu_count())
     p.add_argument("--llama-bin", type=Path, default=None, help="folder with llama-perplexity / llama-quantize")
     p.add_argument("--compare-none", action="store_true", help="also run each file with quantization='none'")
+    p.add_argument("--ours-only", action="store_true", help="skip llama-perplexity (e.g. already measured)")
+    p.add_argument("--llama-tokens", action="store_true",
+                   help="score llama.cpp's tokenization of the text (llama-server /tokenize) instead of ours; "
+                        "the tokenizers split some whitespace runs differently")
     p.add_argument("--cache", type=Path, default=cache_root() / "perplexity")
     p.add_argument("--out", type=Path, default=None)
     args = p.parse_args(argv)
@@ -135,16 +169,20 @@ def main(argv: list[str] | None = None) -> None:
     text = Path(args.text).read_text()
     models = {Path(m).name: m for m in (args.models or [str(default_gguf_path())])}
     binary = args.llama_bin / "llama-perplexity" if args.llama_bin else None
-    if binary is not None and not binary.exists():
+    if args.ours_only:
+        binary = None
+    elif binary is not None and not binary.exists():
         print(f"{binary} is missing: only our side runs")
         binary = None
     if args.make_formats and args.llama_bin:
         models.update({f"{k}.gguf": v for k, v in make_formats(args.llama_bin, args.make_formats, args.cache).items()})
     rows = []
     for name, path in models.items():
-        row = {"model": name, "path": path, "ours": our_perplexity(path, text, args.ctx, "auto", args.max_windows)}
+        ids = llama_tokens(args.llama_bin, path, text) if args.llama_tokens else None
+        row = {"model": name, "path": path, "tokens": "llama.cpp" if ids else "ours",
+               "ours": our_perplexity(path, text, args.ctx, "auto", args.max_windows, ids)}
         if args.compare_none:
-            row["ours_dequantized"] = our_perplexity(path, text, args.ctx, "none", args.max_windows)
+            row["ours_dequantized"] = our_perplexity(path, text, args.ctx, "none", args.max_windows, ids)
         if binary is not None:
             row["llama_cpp"] = llama_perplexity(binary, path, args.text, args.ctx, args.threads, args.max_windows)
         rows.append(row)
