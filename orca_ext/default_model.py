@@ -76,8 +76,10 @@ def default_model_source(quantization: str = "auto") -> Path:
     Without the compiled kernels the blocks would be dequantized at every call, which costs more
     than the float32 weights they save."""
     from .quant import kernels
+    from .quant.formats import QType
 
-    if quantization == "auto" and kernels.KERNELS:
+    # The file's matrices are Q4_1, its embedding Q8_0.
+    if quantization == "auto" and {int(QType.Q4_1), int(QType.Q8_0)} <= kernels.KERNEL_TYPES:
         return default_gguf_path()
     return default_model_path()
 

@@ -12,7 +12,6 @@ from __future__ import annotations
 import dataclasses
 import logging
 import struct
-import sys
 from pathlib import Path
 
 import gguf
@@ -26,8 +25,7 @@ from orca_ext.models import ModelSpec, load_model
 from orca_ext.models.batch import ForwardBatch
 from orca_ext.quant import QuantizedStack, QuantizedWeight
 
-sys.path.insert(0, str(Path(__file__).parent))
-from gguf_models import LARGE, VOCAB, write_gguf  # noqa: E402
+from gguf_models import LARGE, VOCAB, write_gguf
 
 
 def k_mix(name: str) -> T:

@@ -8,8 +8,6 @@ each row's result independent of the rows beside it.
 """
 from __future__ import annotations
 
-import sys
-from pathlib import Path
 
 import gguf
 import numpy as np
@@ -19,8 +17,7 @@ import torch
 from orca_ext import modes, ops
 from orca_ext.quant import FORMATS, QType, QuantizedStack, QuantizedWeight, block_format, dequantize, stack_rows
 
-sys.path.insert(0, str(Path(__file__).parent))
-from gguf_models import random_blocks  # noqa: E402
+from gguf_models import random_blocks
 
 ALL = list(FORMATS)
 

@@ -6,7 +6,8 @@ them, else the fallback below (dequantize the matrix, then the float kernel on i
     quant_rmsnorm_qkv(x, norm_weight, qweight, qtype, k, bias, eps, batch_invariant) -> [T, N]
     quant_embedding(qweight, qtype, k, token_ids, dtype)                      -> [T, K]
 
-`qweight` is QuantizedWeight.data (uint8 [N, row_bytes]). The fallback's result is exactly the
+`qweight` is QuantizedWeight.data (uint8 [N, row_bytes]); a format the compiled kernels do not
+list in `_C.quant_types()` takes the fallback. The fallback's result is exactly the
 float path's on the dequantized matrix (the same float kernel on the same numbers), so it is as
 batch-invariant as that kernel; it costs a float copy of each matrix per call and serves for
 tests and machines without the compiled kernels.
@@ -27,6 +28,13 @@ except ImportError:  # pragma: no cover - exercised only without a build
     _C = None
 
 KERNELS = _C is not None and hasattr(_C, "quant_linear")
+# The formats the compiled kernels take (_C.quant_types()); others use the fallback.
+KERNEL_TYPES = frozenset(int(t) for t in _C.quant_types()) if KERNELS else frozenset()
+
+
+def compiled(w: QuantizedWeight) -> bool:
+    """Whether w's products run in the compiled kernels (else the fallback)."""
+    return int(w.qtype) in KERNEL_TYPES
 
 Weight = QuantizedWeight | QuantizedStack
 
@@ -36,7 +44,7 @@ def linear(x: torch.Tensor, w: Weight, bias=None, residual=None, batch_invariant
     if isinstance(w, QuantizedStack):
         out = _stacked(x, w, bias, batch_invariant)
         return out if residual is None else (out.float() + residual.float()).to(x.dtype)
-    if KERNELS:
+    if compiled(w):
         return _C.quant_linear(x, w.data, int(w.qtype), w.k, bias, residual, batch_invariant)
     return _float_linear(x, w.dequantize(x.dtype), bias, residual, batch_invariant)
 
@@ -46,7 +54,7 @@ def linear_silu_mul(x: torch.Tensor, w: Weight, bias=None, batch_invariant: bool
     if isinstance(w, QuantizedStack):
         gate, up = _stacked(x, w, bias, batch_invariant).float().chunk(2, dim=-1)
         return (torch.nn.functional.silu(gate) * up).to(x.dtype)
-    if KERNELS:
+    if compiled(w):
         return _C.quant_linear_silu_mul(x, w.data, int(w.qtype), w.k, bias, batch_invariant)
     weight = w.dequantize(x.dtype)
     if _C is None:
@@ -60,7 +68,7 @@ def rmsnorm_qkv(x: torch.Tensor, norm_weight: torch.Tensor, w: Weight, bias, eps
     x's dtype first."""
     if isinstance(w, QuantizedStack):
         return _stacked(_rms_norm(x, norm_weight, eps), w, bias, batch_invariant)
-    if KERNELS:
+    if compiled(w):
         return _C.quant_rmsnorm_qkv(x, norm_weight, w.data, int(w.qtype), w.k, bias, eps, batch_invariant)
     weight = w.dequantize(x.dtype)
     if _C is None:
@@ -70,7 +78,7 @@ def rmsnorm_qkv(x: torch.Tensor, norm_weight: torch.Tensor, w: Weight, bias, eps
 
 def embedding(w: QuantizedWeight, token_ids: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     """Rows `token_ids` [T] of the [V, H] matrix -> [T, H] in `dtype` (only those rows decoded)."""
-    if KERNELS:
+    if compiled(w):
         return _C.quant_embedding(w.data, int(w.qtype), w.k, token_ids, dtype)
     return QuantizedWeight(w.qtype, w.data[token_ids.long()], token_ids.numel(), w.k).dequantize(dtype)
 
