@@ -159,3 +159,13 @@ def test_a_rows_result_does_not_depend_on_its_batch_mates(qtype, n, bpr):
             whole = op(x)
             for lo, hi in ((0, 1), (5, 6), (3, 12), (18, 19)):
                 assert torch.equal(op(x[lo:hi]), whole[lo:hi])
+
+
+@pytest.mark.parametrize("qtype", [QType.Q4_1, QType.Q4_K], ids=lambda q: q.name)
+def test_bfloat16_activations(qtype):
+    w = qweight(qtype, 24, 2)
+    x = torch.randn(5, w.k).to(torch.bfloat16)
+    out = ops.linear(x, w)
+    assert out.dtype == torch.bfloat16
+    ref = x.double() @ w.dequantize().to(torch.bfloat16).double().T  # the weights in the activation dtype
+    assert (out.double() - ref).abs().max().item() <= 1e-2 * ref.abs().max().item()
