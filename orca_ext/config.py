@@ -18,6 +18,7 @@ import torch
 from .checks import check_choice, check_positive_int
 from .fairness import ADMISSION_POLICIES
 from .prefix_cache import DEFAULT_BLOCK_SIZE
+from .quant.formats import QUANTIZATION_MODES
 from .resources import parse_bytes, requested_kv_bytes, resolve_device, resolve_dtype
 from .scheduler import SCHEDULERS
 
@@ -66,6 +67,7 @@ class EngineConfig:
     max_kv_per_client: Optional[int] = None             # fair: a client's reserved KV slots (None: no cap)
     prefix_caching: bool = True                         # reuse finished requests' KV for shared prompt prefixes
     prefix_cache_block_size: int = DEFAULT_BLOCK_SIZE   # tokens per key of the prefix index
+    quantization: str = "auto"                          # GGUF weights: 'auto' (blocks as stored) | 'none' (dequantize)
 
     def __post_init__(self) -> None:
         for name in ("max_batch_size", "max_undelivered_outputs", "tensor_parallel_size",
@@ -76,6 +78,7 @@ class EngineConfig:
                 check_positive_int(name, getattr(self, name))
         check_choice("scheduler", self.scheduler, SCHEDULERS)
         check_choice("admission", self.admission, ADMISSION_POLICIES)
+        check_choice("quantization", self.quantization, QUANTIZATION_MODES)
         if self.admission == "fair" and self.scheduler != "orca":
             raise ValueError(f"admission='fair' needs scheduler='orca', got scheduler={self.scheduler!r}")
         if self.max_kv_per_client is not None:

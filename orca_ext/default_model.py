@@ -69,6 +69,21 @@ def default_gguf_path() -> Path:
                             f"{list(spec.submodule_search_locations)}; reinstall it")
 
 
+def default_model_source(quantization: str = "auto") -> Path:
+    """What a Server without a model loads: the GGUF itself, its matrices served as the Q4_1
+    blocks they are (the same numbers as the float32 folder), when `quantization` is "auto" and
+    the compiled quantized kernels are present; else the float32 folder (default_model_path).
+    Without the compiled kernels the blocks would be dequantized at every call, which costs more
+    than the float32 weights they save."""
+    from .quant import kernels
+    from .quant.formats import QType
+
+    # The file's matrices are Q4_1, its embedding Q8_0.
+    if quantization == "auto" and {int(QType.Q4_1), int(QType.Q8_0)} <= kernels.KERNEL_TYPES:
+        return default_gguf_path()
+    return default_model_path()
+
+
 def is_complete(folder: Path) -> bool:
     """True when `folder` is a finished conversion of the current format."""
     try:

@@ -34,12 +34,13 @@ def is_model_object(model: Any) -> bool:
     return model is not None and not isinstance(model, (str, os.PathLike))
 
 
-def model_folder(model: Any) -> str:
-    """The folder to load: `model`, or the embedded default model's."""
+def model_folder(model: Any, quantization: str = "auto") -> str:
+    """The folder or GGUF file to load: `model`, or the embedded default model's
+    (default_model_source)."""
     if model is None:
-        from .default_model import default_model_path
+        from .default_model import default_model_source
 
-        model = default_model_path()
+        model = default_model_source(quantization)
     return str(model)
 
 
@@ -66,7 +67,7 @@ def make_executor(model: Any, config: EngineConfig, tokenizer: Any = None) -> St
 
         runner = with_decode_graphs(model, config.max_batch_size, enforce_eager=config.enforce_eager)
         return Started(LocalExecutor(runner), tokenizer, model.spec, None)
-    path = model_folder(model)
+    path = model_folder(model, config.quantization)
     if config.parallel_size > 1:
         from .distributed.launch import start_workers
 
@@ -76,7 +77,7 @@ def make_executor(model: Any, config: EngineConfig, tokenizer: Any = None) -> St
         from .models import load_model
 
         log.info("loading %s on %s as %s", path, config.device, config.dtype)
-        loaded = load_model(path, device=config.device, dtype=config.dtype)
+        loaded = load_model(path, device=config.device, dtype=config.dtype, quantization=config.quantization)
         spec = loaded.spec
         executor = LocalExecutor(with_decode_graphs(loaded, config.max_batch_size,
                                                     enforce_eager=config.enforce_eager))

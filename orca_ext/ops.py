@@ -22,6 +22,8 @@ import os
 import torch
 
 from . import modes, reference
+from .quant import kernels as quant_kernels
+from .quant.weight import Quantized
 
 log = logging.getLogger(__name__)
 
@@ -60,7 +62,10 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
 
 def rmsnorm_qkv(x, norm_weight, qkv_weight, qkv_bias, eps: float) -> torch.Tensor:
     """[T, H] -> [T, Nq*D + 2*Nkv*D]. Batch-invariant mode: one T-independent code path (CPU: our
-    kernel at every T, as by default; CUDA: no fused decode kernel, fixed-chunk cuBLAS)."""
+    kernel at every T, as by default; CUDA: no fused decode kernel, fixed-chunk cuBLAS).
+    A quantized `qkv_weight` (orca_ext/quant) goes to its kernels, in the same modes."""
+    if isinstance(qkv_weight, Quantized):
+        return quant_kernels.rmsnorm_qkv(x, norm_weight, qkv_weight, qkv_bias, eps, modes.current().batch_invariant)
     if _C is None:
         return reference.rmsnorm_qkv(x, norm_weight, qkv_weight, qkv_bias, eps)
     return _C.rmsnorm_qkv(x, norm_weight, qkv_weight, qkv_bias, eps, modes.current().batch_invariant)
@@ -69,7 +74,9 @@ def rmsnorm_qkv(x, norm_weight, qkv_weight, qkv_bias, eps: float) -> torch.Tenso
 def linear(x, weight, bias=None, residual=None) -> torch.Tensor:
     """[T, K] -> [T, N] = x W^T + bias (+ residual, added before the one rounding).
     Batch-invariant mode: each row's result depends only on that row (CPU: our kernels at every T;
-    CUDA: cuBLAS on fixed-shape row chunks)."""
+    CUDA: cuBLAS on fixed-shape row chunks). A quantized `weight` goes to its kernels."""
+    if isinstance(weight, Quantized):
+        return quant_kernels.linear(x, weight, bias, residual, modes.current().batch_invariant)
     if _C is None:
         return reference.linear(x, weight, bias, residual)
     return _C.linear(x, weight, bias, residual, modes.current().batch_invariant)
@@ -77,10 +84,20 @@ def linear(x, weight, bias=None, residual=None) -> torch.Tensor:
 
 def linear_silu_mul(x, gate_up_weight, gate_up_bias=None) -> torch.Tensor:
     """[T, K] -> [T, I] = silu(gate) * up of the fused gate_up projection [2I, K]. Batch-invariant
-    mode: as in linear."""
+    mode: as in linear. A quantized weight goes to its kernels."""
+    if isinstance(gate_up_weight, Quantized):
+        return quant_kernels.linear_silu_mul(x, gate_up_weight, gate_up_bias, modes.current().batch_invariant)
     if _C is None:
         return reference.linear_silu_mul(x, gate_up_weight, gate_up_bias)
     return _C.linear_silu_mul(x, gate_up_weight, gate_up_bias, modes.current().batch_invariant)
+
+
+def embedding(token_ids: torch.Tensor, weight, dtype: torch.dtype) -> torch.Tensor:
+    """Rows `token_ids` [T] of the [V, H] embedding -> [T, H] in `dtype`; a quantized embedding
+    decodes only those rows (orca_ext/quant)."""
+    if isinstance(weight, Quantized):
+        return quant_kernels.embedding(weight, token_ids, dtype)
+    return torch.nn.functional.embedding(token_ids, weight)
 
 
 def slab_write(k_cache, v_cache, k, v, slots) -> None:

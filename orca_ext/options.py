@@ -10,6 +10,7 @@ import argparse
 
 from .config import EngineConfig
 from .fairness import ADMISSION_POLICIES
+from .quant.formats import QUANTIZATION_MODES
 from .resources import DTYPES
 from .scheduler import SCHEDULERS
 
@@ -20,10 +21,14 @@ def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
     """The engine options every subcommand accepts (including --model)."""
     g = parser.add_argument_group("engine")
     g.add_argument("--model", default=None,
-                   help="Hugging Face model folder (default: the embedded SmolLM2-135M-Instruct)")
+                   help="Hugging Face model folder or .gguf file (default: the embedded SmolLM2-135M-Instruct)")
     g.add_argument("--device", default=_DEFAULTS.device, help="cpu | cuda | cuda:N | auto (default auto)")
     g.add_argument("--dtype", default=_DEFAULTS.dtype, choices=["auto", *DTYPES],
-                   help="weights/KV dtype (default auto: bfloat16 on GPU, float32 on CPU)")
+                   help="activation/KV dtype, and the weights' unless they stay quantized "
+                        "(default auto: bfloat16 on GPU, float32 on CPU)")
+    g.add_argument("--quantization", default=_DEFAULTS.quantization, choices=list(QUANTIZATION_MODES),
+                   help="GGUF weights: auto = Q8_0/Q4_0/Q4_1/Q4_K/Q6_K matrices stay as their blocks; "
+                        "none = dequantize them to --dtype at load (default auto)")
     g.add_argument("--max-batch-size", type=int, default=_DEFAULTS.max_batch_size,
                    help=f"requests per iteration (default {_DEFAULTS.max_batch_size})")
     g.add_argument("--n-slots", type=int, default=_DEFAULTS.n_slots,

@@ -79,7 +79,8 @@ class DistributedExecutor:
                  worker_timeout: float = DEFAULT_WORKER_TIMEOUT_S,
                  startup_timeout: float = DEFAULT_STARTUP_TIMEOUT_S,
                  heartbeat_interval: float = DEFAULT_HEARTBEAT_INTERVAL_S,
-                 heartbeat_timeout: float = DEFAULT_HEARTBEAT_TIMEOUT_S, sync_timing: bool = False):
+                 heartbeat_timeout: float = DEFAULT_HEARTBEAT_TIMEOUT_S, sync_timing: bool = False,
+                 quantization: str = "auto"):
         tp, pp = tensor_parallel_size, pipeline_parallel_size
         check_shardable(spec, tp, pp)
         self._heartbeat_interval, self._heartbeat_timeout = check_heartbeat_options(heartbeat_interval,
@@ -112,7 +113,7 @@ class DistributedExecutor:
         self._watch: Optional[StartupWatch] = None
         cfg = {
             "model_path": str(model_path), "spec": spec_to_dict(spec), "dtype": str(dtype).replace("torch.", ""),
-            "device": device, "tp": tp, "pp": pp, "kv_cache_memory": kv_cache_memory,
+            "device": device, "tp": tp, "pp": pp, "kv_cache_memory": kv_cache_memory, "quantization": quantization,
             # torchrun sets OMP_NUM_THREADS for its ranks; spawned workers share this host's cores.
             "threads": threads_per_worker or (None if torchrun else self._default_threads()),
             "loopback": torchrun is None,

@@ -26,5 +26,6 @@ def start_workers(path: str, config: EngineConfig):
                                    device=config.device.type, dtype=str(config.dtype).replace("torch.", ""),
                                    kv_cache_memory=config.kv_cache_memory, worker_timeout=config.worker_timeout,
                                    heartbeat_interval=config.heartbeat_interval,
-                                   heartbeat_timeout=config.heartbeat_timeout)
+                                   heartbeat_timeout=config.heartbeat_timeout,
+                                   quantization=config.quantization)
     return executor, spec

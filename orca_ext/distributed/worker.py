@@ -215,7 +215,7 @@ class Worker:
         self.sends = SendQueue(f"worker{self.rank}-sends", threaded=backend == "gloo")
         self.up = SendQueue(f"worker{self.rank}-up")
         self.model = load_model(cfg["model_path"], self.device, cfg["dtype"], spec=spec, shard=shard,
-                                tp_comm=tp_comm)
+                                tp_comm=tp_comm, quantization=cfg["quantization"])
         per_slot = self.model.kv_bytes_per_slot()
         budget = int(cfg["kv_cache_memory"]) if cfg.get("kv_cache_memory") else self._default_kv_budget()
         self.store.set(NAMESPACE + f"ready/{self.rank}", json.dumps({

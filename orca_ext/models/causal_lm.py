@@ -50,7 +50,6 @@ import dataclasses
 import math
 
 import torch
-import torch.nn.functional as F
 
 from .. import modes, ops
 from . import huge_pages
@@ -170,7 +169,7 @@ class CausalLM:
         m = modes.current()  # batch_invariant is read by the ops themselves
         fused_rope = m.fused_rope_on_cpu and self.device.type == "cpu"
         cos, sin = self.rope.gather(batch.positions)              # [T, D/2] each, once per forward
-        x = F.embedding(batch.token_ids, self.embed) if hidden is None else hidden  # [T, H]
+        x = ops.embedding(batch.token_ids, self.embed, self.dtype) if hidden is None else hidden  # [T, H]
         plan = ops.ragged_attention_plan(batch.q_start, batch.q_len, batch.kv_start, batch.kv_len,
                                          t, self.n_slots, nq, nkv, d, self.dtype)
         for layer, k_pool, v_pool in zip(self.layers, self.k_cache, self.v_cache):

@@ -20,6 +20,8 @@ import logging
 from pathlib import Path
 from typing import Any
 
+import numpy as np
+
 log = logging.getLogger(__name__)
 
 # Architecture name in config.json -> transformers model_type.
@@ -77,7 +79,12 @@ class ModelSpec:
 
     @classmethod
     def from_pretrained(cls, path: str | Path) -> "ModelSpec":
-        """Parse `<path>/config.json` (+ `generation_config.json` for extra EOS ids)."""
+        """Parse `<path>/config.json` (+ `generation_config.json` for extra EOS ids), or the
+        metadata of a GGUF file (from_gguf)."""
+        from .gguf_file import GGUFFile, is_gguf
+
+        if is_gguf(path):
+            return cls.from_gguf(GGUFFile(path))
         path = Path(path)
         raw = read_config_json(path)
         architecture = check_architecture(raw, path)
@@ -145,6 +152,107 @@ class ModelSpec:
             bos_token_id=None if bos is None else int(bos),
             sliding_window=window,
         )
+
+
+    @classmethod
+    def from_gguf(cls, g: Any) -> "ModelSpec":
+        """The spec of an opened GGUFFile (gguf_file.py), from llama.cpp's metadata keys
+        (`<arch>.block_count`, `<arch>.attention.head_count`, ...) and which tensors exist
+        (output.weight absent: tied; attn_q.bias: qkv bias; attn_q_norm: Qwen3's q/k norm)."""
+        source = str(g.path)
+        model_type = g.architecture
+        if model_type not in GGUF_ARCHITECTURES:
+            raise ValueError(f"{source}: GGUF architecture {model_type!r} is unsupported; supported: "
+                             f"{', '.join(GGUF_ARCHITECTURES)}")
+
+        def num(key: str, default: Any = _REQUIRED) -> Any:
+            value = g.arch_field(key) if default is _REQUIRED else g.arch_field(key, default)
+            if isinstance(value, bool) or not isinstance(value, (int, float)):
+                raise ValueError(f"{source}: metadata {model_type}.{key} must be a number, got {value!r}")
+            return value
+
+        hidden = int(num("embedding_length"))
+        num_heads = int(num("attention.head_count"))
+        num_kv_heads = int(num("attention.head_count_kv", num_heads))
+        for key, value in (("embedding_length", hidden), ("attention.head_count", num_heads),
+                           ("attention.head_count_kv", num_kv_heads)):
+            if value < 1:
+                raise ValueError(f"{source}: metadata {model_type}.{key}={value} must be >= 1")
+        if num_heads % num_kv_heads:
+            raise ValueError(f"{source}: head_count={num_heads} is not a multiple of head_count_kv={num_kv_heads}")
+        head_dim = int(num("attention.key_length", hidden // num_heads))
+        if head_dim < 2 or head_dim % 2:
+            raise ValueError(f"{source}: head_dim={head_dim} must be even for rotary embeddings")
+        if int(num("attention.value_length", head_dim)) != head_dim:
+            raise ValueError(f"{source}: attention.value_length differs from key_length; unsupported")
+        if int(num("rope.dimension_count", head_dim)) != head_dim:
+            raise ValueError(f"{source}: rope.dimension_count != head_dim (partial rotary) is unsupported")
+        scaling = g.arch_field("rope.scaling.type", "none")
+        if scaling not in ("none", None):
+            raise ValueError(f"{source}: rope scaling {scaling!r} is unsupported")
+        rope = RopeConfig(theta=float(num("rope.freq_base", 10000.0)))
+        if "rope_freqs.weight" in g:
+            rope = llama3_rope_from_freqs(g, rope.theta, head_dim, source)
+        tokens = g.field("tokenizer.ggml.tokens", None)
+        vocab = int(num("vocab_size", len(tokens) if tokens is not None else 0))
+        if vocab < 1:
+            raise ValueError(f"{source}: the vocabulary size is missing ({model_type}.vocab_size, tokenizer.ggml.tokens)")
+        eos = _as_id_tuple(g.field("tokenizer.ggml.eos_token_id", None))
+        eot = g.field("tokenizer.ggml.eot_token_id", None)
+        if eot is not None:
+            eos = tuple(dict.fromkeys(eos + _as_id_tuple(eot)))
+        bos = g.field("tokenizer.ggml.bos_token_id", None)
+        return cls(
+            architecture=_ARCH_BY_MODEL_TYPE[model_type],
+            vocab_size=vocab,
+            hidden_size=hidden,
+            intermediate_size=int(num("feed_forward_length")),
+            num_layers=int(num("block_count")),
+            num_heads=num_heads,
+            num_kv_heads=num_kv_heads,
+            head_dim=head_dim,
+            max_position_embeddings=int(num("context_length")),
+            rms_norm_eps=float(num("attention.layer_norm_rms_epsilon")),
+            rope=rope,
+            tie_word_embeddings="output.weight" not in g,
+            qkv_bias="blk.0.attn_q.bias" in g,
+            o_bias="blk.0.attn_output.bias" in g,
+            mlp_bias="blk.0.ffn_gate.bias" in g,
+            qk_norm="blk.0.attn_q_norm.weight" in g,
+            eos_token_ids=eos,
+            bos_token_id=None if bos is None else int(bos),
+        )
+
+
+# GGUF general.architecture values we load (Mistral GGUFs say "llama").
+GGUF_ARCHITECTURES = ("llama", "qwen2", "qwen3")
+_REQUIRED = object()
+
+
+def llama3_rope_from_freqs(g: Any, theta: float, head_dim: int, source: str) -> RopeConfig:
+    """Llama 3 GGUFs store their rope scaling as a `rope_freqs` tensor [D/2] of per-frequency
+    divisors instead of its parameters. We recognise it as the llama3 scaling with the
+    parameters every Llama 3.x release uses (low 1, high 4, original context 8192) and the
+    tensor's largest divisor as the factor, and check that this reproduces the tensor."""
+    _, stored = g.raw("rope_freqs.weight", (head_dim // 2,))
+    stored = np.array(stored, dtype=np.float64)
+    rope = RopeConfig(theta=theta, rope_type="llama3", factor=float(stored.max()), low_freq_factor=1.0,
+                      high_freq_factor=4.0, original_max_position_embeddings=8192)
+    if not np.allclose(_llama3_divisors(rope, head_dim), stored, rtol=1e-4, atol=1e-6):
+        raise ValueError(f"{source}: rope_freqs.weight is not a llama3 rope scaling we recognise; unsupported")
+    return rope
+
+
+def _llama3_divisors(rope: RopeConfig, head_dim: int) -> np.ndarray:
+    """[D/2] divisors of the plain rope frequencies under llama3 scaling (convert_hf_to_gguf.py's
+    rope_freqs)."""
+    freqs = 1.0 / rope.theta ** (np.arange(0, head_dim, 2, dtype=np.float64) / head_dim)
+    wavelen = 2 * np.pi / freqs
+    orig = rope.original_max_position_embeddings
+    smooth = (orig / wavelen - rope.low_freq_factor) / (rope.high_freq_factor - rope.low_freq_factor)
+    mid = 1.0 / ((1 - smooth) / rope.factor + smooth)
+    return np.where(wavelen < orig / rope.high_freq_factor, 1.0,
+                    np.where(wavelen > orig / rope.low_freq_factor, rope.factor, mid))
 
 
 def read_config_json(path: Path) -> dict:

@@ -26,6 +26,7 @@ from ..resources import resolve_dtype
 from . import huge_pages
 from .causal_lm import CausalLM, LayerWeights
 from .config import ModelSpec
+from .gguf_file import is_gguf
 from .sharding import ShardSpec
 
 log = logging.getLogger(__name__)
@@ -100,12 +101,19 @@ class SafetensorsFolder:
 
 def load_model(path: str | Path, device: torch.device | str = "cpu",
                dtype: torch.dtype | str | None = torch.float32, *, spec: ModelSpec | None = None,
-               shard: ShardSpec | None = None, tp_comm=None) -> CausalLM:
+               shard: ShardSpec | None = None, tp_comm=None, quantization: str = "auto") -> CausalLM:
     """Load a Llama/Mistral/Qwen2/Qwen3 folder -> CausalLM on `device` in `dtype`.
 
     `spec` skips parsing config.json (workers get it from the driver); `shard` loads only one
     worker's slice, and `tp_comm` is that worker's tensor-parallel group (all-reduce, gather).
+    A `.gguf` file goes to gguf_loader, where `quantization` ('auto' | 'none') chooses whether
+    quantized matrices stay blocks; a folder holds float weights and ignores it.
     """
+    if is_gguf(path):
+        from .gguf_loader import load_gguf_model
+
+        return load_gguf_model(path, device, dtype, spec=spec, shard=shard, tp_comm=tp_comm,
+                               quantization=quantization)
     t0 = time.perf_counter()
     path = Path(path)
     device = torch.device(device)
@@ -192,7 +200,11 @@ def load_model(path: str | Path, device: torch.device | str = "cpu",
 
 
 def load_tokenizer(path: str | Path):
-    """The folder's transformers tokenizer (AutoTokenizer)."""
+    """The folder's transformers tokenizer (AutoTokenizer), or the one stored in a GGUF file."""
+    if is_gguf(path):
+        from .gguf_loader import load_gguf_tokenizer
+
+        return load_gguf_tokenizer(path)
     path = Path(path)
     if not path.is_dir():
         raise FileNotFoundError(f"model folder {path} does not exist")

@@ -1,0 +1,160 @@
+"""The ggml block formats we serve as they are: Q8_0, Q4_0, Q4_1, Q4_K and Q6_K.
+
+A quantized matrix [N, K] is stored row by row; each row is K / block_size blocks of
+bytes_per_block bytes, so the data is uint8 [N, K / block_size * bytes_per_block]. The layouts
+(ggml-common.h; all multi-byte fields little-endian, scales float16):
+
+    Q8_0 (32 values, 34 bytes):  d f16 | q int8[32]                  x = d * q
+    Q4_0 (32 values, 18 bytes):  d f16 | q uint8[16]                 x = d * (q - 8)
+    Q4_1 (32 values, 20 bytes):  d f16 | m f16 | q uint8[16]         x = d * q + m
+        4-bit values: byte j holds value j in its low nibble and value j + 16 in its high one.
+    Q4_K (256 values, 144 bytes): d f16 | dmin f16 | scales uint8[12] | q uint8[128]
+        8 sub-blocks of 32 with 6-bit scale sc and 6-bit min mn packed in `scales`;
+        x = (d * sc) * q - (dmin * mn). Bytes 32c..32c+31 of q hold sub-block 2c in their low
+        nibbles and sub-block 2c+1 in their high ones.
+    Q6_K (256 values, 210 bytes): ql uint8[128] | qh uint8[64] | scales int8[16] | d f16
+        16 sub-blocks of 16 with an int8 scale each; a 6-bit value is 4 low bits from ql and 2
+        high bits from qh; x = (d * sc) * (q - 32).
+
+`dequantize` is the torch reference of these definitions (vectorized over all blocks), in the
+same float32 operation order as ggml's own dequantize_row_*, so it is bit-identical to it.
+"""
+from __future__ import annotations
+
+import dataclasses
+import enum
+
+import torch
+
+
+# EngineConfig.quantization: "auto" serves quantized GGUF matrices as their blocks, "none"
+# dequantizes them to the activation dtype at load.
+QUANTIZATION_MODES = ("auto", "none")
+
+
+class QType(enum.IntEnum):
+    """ggml type ids (GGMLQuantizationType) of the fast formats."""
+
+    Q4_0 = 2
+    Q4_1 = 3
+    Q8_0 = 8
+    Q4_K = 12
+    Q6_K = 14
+
+
+@dataclasses.dataclass(frozen=True)
+class BlockFormat:
+    qtype: QType
+    block_size: int        # values per block
+    bytes_per_block: int
+
+    def row_bytes(self, k: int) -> int:
+        """Bytes of one row of k values; ValueError unless k is a multiple of the block size."""
+        if k <= 0 or k % self.block_size:
+            raise ValueError(f"{self.qtype.name} rows hold a multiple of {self.block_size} values, got {k}")
+        return k // self.block_size * self.bytes_per_block
+
+
+FORMATS: dict[QType, BlockFormat] = {f.qtype: f for f in (
+    BlockFormat(QType.Q8_0, 32, 34),
+    BlockFormat(QType.Q4_0, 32, 18),
+    BlockFormat(QType.Q4_1, 32, 20),
+    BlockFormat(QType.Q4_K, 256, 144),
+    BlockFormat(QType.Q6_K, 256, 210),
+)}
+
+
+def block_format(qtype: int) -> BlockFormat:
+    """The BlockFormat of ggml type id `qtype`; ValueError for one that is not a fast format."""
+    try:
+        return FORMATS[QType(int(qtype))]
+    except ValueError:
+        names = ", ".join(f"{q.name} ({int(q)})" for q in FORMATS)
+        raise ValueError(f"ggml type {qtype!r} is not a served block format; served: {names}") from None
+
+
+def dequantize(data: torch.Tensor, qtype: int, k: int) -> torch.Tensor:
+    """uint8 [N, row_bytes] blocks -> float32 [N, k]."""
+    fmt = block_format(qtype)
+    if data.dtype != torch.uint8 or data.dim() != 2:
+        raise ValueError(f"quantized data must be uint8 [N, row_bytes], got {data.dtype} {tuple(data.shape)}")
+    if data.shape[1] != fmt.row_bytes(k):
+        raise ValueError(f"{fmt.qtype.name} rows of {k} values take {fmt.row_bytes(k)} bytes, "
+                         f"got {data.shape[1]}")
+    n = data.shape[0]
+    blocks = data.reshape(n, k // fmt.block_size, fmt.bytes_per_block)
+    values = _DEQUANTIZE[fmt.qtype](blocks)               # [N, blocks, block_size]
+    return values.reshape(n, k)
+
+
+def _f16(b: torch.Tensor) -> torch.Tensor:
+    """[..., 2] uint8 little-endian float16 -> [...] float32."""
+    return b.contiguous().view(torch.float16).squeeze(-1).float()
+
+
+def _nibbles(q: torch.Tensor) -> torch.Tensor:
+    """[..., 16] packed bytes -> [..., 32]: the low nibbles, then the high ones."""
+    return torch.cat([q & 0x0F, q >> 4], dim=-1)
+
+
+def _q8_0(b: torch.Tensor) -> torch.Tensor:
+    d = _f16(b[..., 0:2]).unsqueeze(-1)
+    q = b[..., 2:34].contiguous().view(torch.int8).float()
+    return d * q
+
+
+def _q4_0(b: torch.Tensor) -> torch.Tensor:
+    d = _f16(b[..., 0:2]).unsqueeze(-1)
+    q = _nibbles(b[..., 2:18]).float() - 8.0
+    return d * q
+
+
+def _q4_1(b: torch.Tensor) -> torch.Tensor:
+    d = _f16(b[..., 0:2]).unsqueeze(-1)
+    m = _f16(b[..., 2:4]).unsqueeze(-1)
+    q = _nibbles(b[..., 4:20]).float()
+    return d * q + m
+
+
+def _k4_scales(s: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """[..., 12] packed 6-bit scales and mins -> (sc [..., 8], mn [..., 8]) (get_scale_min_k4)."""
+    lo, mid, hi = s[..., 0:4], s[..., 4:8], s[..., 8:12]
+    sc = torch.cat([lo & 63, (hi & 0x0F) | ((lo >> 6) << 4)], dim=-1)
+    mn = torch.cat([mid & 63, (hi >> 4) | ((mid >> 6) << 4)], dim=-1)
+    return sc, mn
+
+
+def _q4_k(b: torch.Tensor) -> torch.Tensor:
+    d = _f16(b[..., 0:2]).unsqueeze(-1)                   # [..., 1]
+    dmin = _f16(b[..., 2:4]).unsqueeze(-1)
+    sc, mn = _k4_scales(b[..., 4:16])                     # [..., 8]
+    scale = (d * sc.float()).unsqueeze(-1)                # [..., 8, 1]
+    offset = (dmin * mn.float()).unsqueeze(-1)
+    q = b[..., 16:144].reshape(*b.shape[:-1], 4, 32)      # 4 chunks of 32 bytes, 2 sub-blocks each
+    q = torch.stack([q & 0x0F, q >> 4], dim=-2)           # [..., 4, 2, 32]
+    q = q.reshape(*b.shape[:-1], 8, 32).float()
+    return (scale * q - offset).reshape(*b.shape[:-1], 256)
+
+
+def _q6_k(b: torch.Tensor) -> torch.Tensor:
+    lead = b.shape[:-1]
+    ql = b[..., 0:128].reshape(*lead, 2, 2, 32)           # [half, ql[l] / ql[l+32], l]
+    qh = b[..., 128:192].reshape(*lead, 2, 1, 32)         # [half, -, l]
+    sc = b[..., 192:208].contiguous().view(torch.int8).float().reshape(*lead, 2, 8)
+    d = _f16(b[..., 208:210]).reshape(*lead, 1, 1)
+    low = torch.stack([ql & 0x0F, ql >> 4], dim=-3)       # [half, nibble, ql half, l]
+    shifts = torch.tensor([[0, 2], [4, 6]], dtype=torch.uint8).reshape(2, 2, 1)  # [nibble, ql half]
+    high = (qh.unsqueeze(-3) >> shifts) & 3               # [half, nibble, ql half, l]
+    q = (low | (high << 4)).float() - 32.0                # value index 32*(2*nibble + ql half) + l
+    q = q.reshape(*lead, 2, 8, 16)                        # 16-value sub-blocks, in order
+    scale = (d * sc).unsqueeze(-1)                        # [half, 8, 1]
+    return (scale * q).reshape(*lead, 256)
+
+
+_DEQUANTIZE = {
+    QType.Q8_0: _q8_0,
+    QType.Q4_0: _q4_0,
+    QType.Q4_1: _q4_1,
+    QType.Q4_K: _q4_k,
+    QType.Q6_K: _q6_k,
+}
