@@ -1,5 +1,6 @@
-"""The products of quantized weights: the compiled `_C.quant_*` kernels when the extension has
-them, else the fallback below (dequantize the matrix, then the float kernel on it).
+"""The products of quantized weights: the compiled `_C.quant_*` kernels, else (a format they do
+not take, or no extension built) the fallback below (dequantize the matrix, then the float
+kernel on it).
 
     quant_linear(x, qweight, qtype, k, bias, residual, batch_invariant)       -> [T, N]
     quant_linear_silu_mul(x, qweight, qtype, k, bias, batch_invariant)        -> [T, I]
@@ -27,9 +28,8 @@ try:
 except ImportError:  # pragma: no cover - exercised only without a build
     _C = None
 
-KERNELS = _C is not None and hasattr(_C, "quant_linear")
 # The formats the compiled kernels take (_C.quant_types()); others use the fallback.
-KERNEL_TYPES = frozenset(int(t) for t in _C.quant_types()) if KERNELS else frozenset()
+KERNEL_TYPES = frozenset(int(t) for t in _C.quant_types()) if _C is not None else frozenset()
 
 
 def compiled(w: QuantizedWeight) -> bool:
