@@ -1,0 +1,115 @@
+"""Validate the simulator against the engine on this machine: for each configuration and arrival
+rate, replay one seeded Poisson trace on a real Server (in process, default model) and simulate
+the same trace (the arrival times the engine saw) with the cost model fitted by
+bench/sim_calibrate.py on a different workload. Prints and saves predicted next to measured:
+output throughput, median normalised latency (E2E latency / output tokens) and p99 TTFT, with the
+relative error, and the run-to-run spread of the engine over --repeats runs.
+
+Workload: prompts U[8, 128], outputs U[1, 128] (bench/plot_latency_throughput.py's).
+Configurations: `orca` (chunked prefill, the CPU's default budget of 128), `static`, and
+`orca-pp2` (-pp 2; two worker processes, n_workers = 2). For pp2 the hand-off latency between
+the stages is fitted first on an all-at-t=0 run (--pp2-fit-requests), the one parameter that a
+single-process fit cannot see.
+
+    python bench/sim_validate.py --configs orca static --rates 0.1 0.2 0.3 --requests 24
+"""
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import sys
+import time
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO))
+
+from orca_ext import EngineConfig, Server  # noqa: E402
+from orca_ext.sim.cost import Roofline  # noqa: E402
+from orca_ext.sim.loop import simulate  # noqa: E402
+from orca_ext.sim.measure import observed_trace, replay  # noqa: E402
+from orca_ext.sim.presets import load_hardware, load_shape  # noqa: E402
+from orca_ext.sim.trace import synthetic  # noqa: E402
+
+METRICS = ("output_tokens_per_s", "median_normalized_latency_s", "p99_ttft_s")
+CONFIGS = {"orca": dict(scheduler="orca"), "static": dict(scheduler="static"),
+           "orca-pp2": dict(scheduler="orca", pipeline_parallel_size=2)}
+
+
+def fit_handoff(server, shape, hw, config, n_requests: int, seed: int) -> float:
+    """The stage hand-off latency that makes the simulated pp2 throughput of an all-at-once run
+    match the measured one (bisection; throughput falls as the latency grows)."""
+    trace = synthetic(n_requests, float("inf"), (4, 256), (4, 96), seed=seed)
+    measured = replay(server, trace, seed=seed, prefix="pp2fit-").summary()["output_tokens_per_s"]
+    lo, hi = 0.0, 1.0
+    for _ in range(30):
+        mid = (lo + hi) / 2
+        cost = Roofline(shape, dataclasses.replace(hw, link_latency_s=mid), pp=2)
+        sim = simulate(trace, config, cost, server.n_slots, shape.kv_bytes_per_token, "cpu").summary()
+        lo, hi = (mid, hi) if sim["output_tokens_per_s"] > measured else (lo, mid)
+    return (lo + hi) / 2
+
+
+def main() -> int:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--hardware", default=str(REPO / "bench" / "sim_cpu_hardware.json"))
+    p.add_argument("--shape", default=str(REPO / "bench" / "sim_cpu_shape.json"))
+    p.add_argument("--configs", nargs="+", default=list(CONFIGS), choices=list(CONFIGS))
+    p.add_argument("--rates", nargs="+", type=float, default=[0.1, 0.2, 0.3])
+    p.add_argument("--requests", type=int, default=24)
+    p.add_argument("--repeats", type=int, default=2)
+    p.add_argument("--max-batch-size", type=int, default=16)
+    p.add_argument("--pp2-fit-requests", type=int, default=24)
+    p.add_argument("--seed", type=int, default=7)
+    p.add_argument("--out", default=str(REPO / "bench" / "sim_validation.json"))
+    args = p.parse_args()
+    hw, shape = load_hardware(args.hardware), load_shape(args.shape)
+    rows = []
+    for name in args.configs:
+        config = EngineConfig(max_batch_size=args.max_batch_size, **CONFIGS[name])
+        with Server(config=config) as server:
+            replay(server, synthetic(2, float("inf"), (8, 16), (2, 4), seed=99), prefix="warmup-")
+            hw_run = hw
+            if config.pipeline_parallel_size > 1:
+                hw_run = dataclasses.replace(hw, link_latency_s=fit_handoff(
+                    server, shape, hw, config, args.pp2_fit_requests, args.seed + 1000))
+            cost = Roofline(shape, hw_run, pp=config.pipeline_parallel_size)
+            for rate in args.rates:
+                trace = synthetic(args.requests, rate, (8, 128), (1, 128), seed=args.seed)
+                runs = []
+                for rep in range(args.repeats):
+                    t = time.perf_counter()
+                    measured = replay(server, trace, seed=args.seed, prefix=f"{name}-{rate}-{rep}-")
+                    sim = simulate(observed_trace(measured), config, cost, server.n_slots,
+                                   shape.kv_bytes_per_token, "cpu")
+                    runs.append({"measured": measured.summary(), "predicted": sim.summary(),
+                                 "wall_s": time.perf_counter() - t})
+                    print(name, rate, rep, json.dumps(runs[-1]), flush=True)
+                rows.append({"config": name, "rate": rate, "link_latency_s": hw_run.link_latency_s,
+                             "n_slots": server.n_slots, "runs": runs})
+                Path(args.out).write_text(json.dumps({"hardware": dataclasses.asdict(hw), "rows": rows},
+                                                     indent=1, default=str) + "\n")
+    print(table(rows))
+    return 0
+
+
+def table(rows) -> str:
+    """Markdown: per config and rate, measured (mean of runs, spread = max-min over mean) vs
+    predicted (mean), and the error of the mean prediction."""
+    head = "| config | rate/s | " + " | ".join(f"{m} meas (spread) | pred | err" for m in METRICS) + " |"
+    out = [head, "|" + "---|" * (2 + 3 * len(METRICS))]
+    for row in rows:
+        cells = [row["config"], f"{row['rate']:g}"]
+        for m in METRICS:
+            meas = [r["measured"][m] for r in row["runs"]]
+            pred = [r["predicted"][m] for r in row["runs"]]
+            mm, pm = sum(meas) / len(meas), sum(pred) / len(pred)
+            spread = (max(meas) - min(meas)) / mm if mm else 0.0
+            cells += [f"{mm:.3g} ({spread:.0%})", f"{pm:.3g}", f"{(pm - mm) / mm:+.1%}"]
+        out.append("| " + " | ".join(cells) + " |")
+    return "\n".join(out)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
