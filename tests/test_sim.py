@@ -223,3 +223,34 @@ def test_cli_simulates_and_plans(tmp_path, capsys):
     assert simulate_main(["--plan"]) == 2
     assert simulate_main(["--trace", str(tmp_path / "missing.jsonl")]) == 2
     assert math.isfinite(summary["p99_ttft_s"])
+
+
+@pytest.mark.parametrize("options, n_slots", [
+    (dict(max_batch_size=4, max_num_batched_tokens=16), 400),           # chunked prefill
+    (dict(max_batch_size=3, max_num_batched_tokens=None), 400),         # whole prompts
+    (dict(scheduler="static", max_batch_size=4), 400),
+    (dict(max_batch_size=6, max_num_batched_tokens=24), 70),            # a full cache, one compaction
+])
+def test_the_simulator_makes_the_engines_batches(options, n_slots):
+    # All requests queued at t=0 with one batch in flight: the engine's batches do not depend on
+    # time, so the real Engine (fake model) and the simulator must select the same ones.
+    from fake_model import FakeModel
+    from orca_ext.engine import Engine
+    from orca_ext.executor import LocalExecutor
+    from orca_ext.request import Request
+    from orca_ext.sampling_params import SamplingParams
+    from orca_ext.scheduler import make_scheduler
+
+    trace = synthetic(14, float("inf"), (1, 40), (1, 30), seed=8)
+    config = EngineConfig(**options)
+    sim = simulate(trace, config, ConstantCost(), n_slots, device_type="cpu")
+    resolved = dataclasses.replace(config, max_num_batched_tokens=None if config.scheduler == "static"
+                                   else config.max_num_batched_tokens)
+    engine = Engine(LocalExecutor(FakeModel()), make_scheduler(resolved, n_slots), record_iterations=True)
+    for i, r in enumerate(trace):
+        engine.add_request(Request(str(i), [3] * r.prompt_len, SamplingParams(max_tokens=r.output_len, ignore_eos=True)))
+    while engine.has_work():
+        engine.step()
+    assert [(tuple(map(int, rec.request_ids)), rec.chunk_sizes) for rec in engine.records] == \
+        [(it.requests, it.chunk_sizes) for it in sim.iterations]
+    assert sim.num_compactions == engine.num_compactions == (1 if n_slots == 70 else 0)

@@ -39,6 +39,8 @@ class SimIteration:
     rows: int
     prefill_tokens: int
     decode_tokens: int
+    requests: tuple[int, ...] = ()      # trace indices, in batch order
+    chunk_sizes: tuple[int, ...] = ()   # new tokens per request (IterationRecord.chunk_sizes)
 
 
 @dataclass(frozen=True)
@@ -141,7 +143,8 @@ def simulate(trace: Sequence[TraceRequest], config: EngineConfig, cost: CostMode
                 work = Work.of(rows)
                 done = pipeline.run(now, cost.stage_time(work), cost.handoff_time(work))
                 prefill = sum(n for (n, s, _), req in zip(rows, batch) if req.prompt_remaining)
-                iterations.append(SimIteration(now, done, len(rows), prefill, work.new_tokens - prefill))
+                iterations.append(SimIteration(now, done, len(rows), prefill, work.new_tokens - prefill,
+                                               tuple(int(r.request_id) for r in batch), tuple(n for n, _, _ in rows)))
                 inflight.append((batch, rows, done, work))
                 if max_iterations is not None and len(iterations) > max_iterations:
                     raise RuntimeError(f"more than {max_iterations} iterations")
