@@ -1,17 +1,20 @@
 """Validate the simulator against the engine on this machine: for each configuration and arrival
 rate, replay one seeded Poisson trace on a real Server (in process, default model) and simulate
-the same trace (the arrival times the engine saw) with the cost model fitted by
-bench/sim_calibrate.py on a different workload. Prints and saves predicted next to measured:
+the same trace (the arrival times the engine saw). Prints and saves predicted next to measured:
 output throughput, median normalised latency (E2E latency / output tokens) and p99 TTFT, with the
 relative error, and the run-to-run spread of the engine over --repeats runs.
 
-Workload: prompts U[8, 128], outputs U[1, 128] (bench/plot_latency_throughput.py's).
-Configurations: `orca` (chunked prefill, the CPU's default budget of 128), `static`, and
-`orca-pp2` (-pp 2; two worker processes, n_workers = 2). For pp2 the hand-off latency between
-the stages is fitted first on an all-at-t=0 run (--pp2-fit-requests), the one parameter that a
-single-process fit cannot see.
+Fit and validation use different workloads. Each single-process configuration's server first
+serves the fit workload (--fit-requests queued at t=0, prompts U[4, 256], outputs U[4, 64];
+record_iterations), and the cost model is fitted to those iterations just before the validation
+runs, so that a machine whose load drifts is measured at about the load it is predicted for.
+Validation workload: Poisson arrivals, prompts U[8, 128], outputs U[1, 128]
+(bench/plot_latency_throughput.py's). Configurations: `orca` (chunked prefill, the CPU's default
+budget of 128), `static`, and `orca-pp2` (-pp 2; two worker processes, n_workers = 2). pp2 takes
+the last single-process fit (or --hardware) and fits the one parameter a single process cannot
+show, the hand-off latency between stages, to the throughput of the fit workload.
 
-    python bench/sim_validate.py --configs orca static --rates 0.1 0.2 0.3 --requests 24
+    python bench/sim_validate.py --configs orca static orca-pp2 --rates 0.1 0.2 --requests 16
 """
 from __future__ import annotations
 
@@ -27,6 +30,7 @@ sys.path.insert(0, str(REPO))
 
 from orca_ext import EngineConfig, Server  # noqa: E402
 from orca_ext.sim.cost import Roofline  # noqa: E402
+from orca_ext.sim.fit import calibration_from_records, fit_hardware  # noqa: E402
 from orca_ext.sim.loop import simulate  # noqa: E402
 from orca_ext.sim.measure import observed_trace, replay  # noqa: E402
 from orca_ext.sim.presets import load_hardware, load_shape  # noqa: E402
@@ -40,7 +44,7 @@ CONFIGS = {"orca": dict(scheduler="orca"), "static": dict(scheduler="static"),
 def fit_handoff(server, shape, hw, config, n_requests: int, seed: int) -> float:
     """The stage hand-off latency that makes the simulated pp2 throughput of an all-at-once run
     match the measured one (bisection; throughput falls as the latency grows)."""
-    trace = synthetic(n_requests, float("inf"), (4, 256), (4, 96), seed=seed)
+    trace = fit_workload(n_requests, seed)
     measured = replay(server, trace, seed=seed, prefix="pp2fit-").summary()["output_tokens_per_s"]
     lo, hi = 0.0, 1.0
     for _ in range(30):
@@ -49,6 +53,25 @@ def fit_handoff(server, shape, hw, config, n_requests: int, seed: int) -> float:
         sim = simulate(trace, config, cost, server.n_slots, shape.kv_bytes_per_token, "cpu").summary()
         lo, hi = (mid, hi) if sim["output_tokens_per_s"] > measured else (lo, mid)
     return (lo + hi) / 2
+
+
+def fit_workload(n_requests: int, seed: int):
+    return synthetic(n_requests, float("inf"), (4, 256), (4, 64), seed=seed)
+
+
+def fit_here(server, shape, n_requests: int, seed: int):
+    """Serve the fit workload on `server` (record_iterations=True) and fit a Hardware to it."""
+    trace = fit_workload(n_requests, seed)
+    skip = len(server.iterations())
+    measured = replay(server, trace, seed=seed, prefix="fit-")
+    cal = calibration_from_records(server.iterations()[skip:], {f"fit-{i}": r.prompt_len for i, r in enumerate(trace)})
+    hw = fit_hardware(shape, cal, name="cpu", source=f"fitted on {len(cal.works)} iterations of the fit workload, "
+                      "this machine, just before the validation runs")
+    # In-sample check: the fitted model on the run it was fitted to.
+    sim = simulate(observed_trace(measured), server.config, Roofline(shape, hw), server.n_slots,
+                   shape.kv_bytes_per_token, "cpu")
+    print("fit", json.dumps({"measured": measured.summary(), "predicted": sim.summary()}), flush=True)
+    return hw
 
 
 def main() -> int:
@@ -60,7 +83,7 @@ def main() -> int:
     p.add_argument("--requests", type=int, default=24)
     p.add_argument("--repeats", type=int, default=2)
     p.add_argument("--max-batch-size", type=int, default=16)
-    p.add_argument("--pp2-fit-requests", type=int, default=24)
+    p.add_argument("--fit-requests", type=int, default=24)
     p.add_argument("--seed", type=int, default=7)
     p.add_argument("--out", default=str(REPO / "bench" / "sim_validation.json"))
     args = p.parse_args()
@@ -68,12 +91,13 @@ def main() -> int:
     rows = []
     for name in args.configs:
         config = EngineConfig(max_batch_size=args.max_batch_size, **CONFIGS[name])
-        with Server(config=config) as server:
+        with Server(config=dataclasses.replace(config, record_iterations=True)) as server:
             replay(server, synthetic(2, float("inf"), (8, 16), (2, 4), seed=99), prefix="warmup-")
-            hw_run = hw
             if config.pipeline_parallel_size > 1:
                 hw_run = dataclasses.replace(hw, link_latency_s=fit_handoff(
-                    server, shape, hw, config, args.pp2_fit_requests, args.seed + 1000))
+                    server, shape, hw, config, args.fit_requests, args.seed + 1000))
+            else:
+                hw = hw_run = fit_here(server, shape, args.fit_requests, args.seed + 1000)
             cost = Roofline(shape, hw_run, pp=config.pipeline_parallel_size)
             for rate in args.rates:
                 trace = synthetic(args.requests, rate, (8, 128), (1, 128), seed=args.seed)
@@ -86,9 +110,9 @@ def main() -> int:
                     runs.append({"measured": measured.summary(), "predicted": sim.summary(),
                                  "wall_s": time.perf_counter() - t})
                     print(name, rate, rep, json.dumps(runs[-1]), flush=True)
-                rows.append({"config": name, "rate": rate, "link_latency_s": hw_run.link_latency_s,
+                rows.append({"config": name, "rate": rate, "hardware": dataclasses.asdict(hw_run),
                              "n_slots": server.n_slots, "runs": runs})
-                Path(args.out).write_text(json.dumps({"hardware": dataclasses.asdict(hw), "rows": rows},
+                Path(args.out).write_text(json.dumps({"rows": rows},
                                                      indent=1, default=str) + "\n")
     print(table(rows))
     return 0

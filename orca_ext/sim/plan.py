@@ -98,7 +98,8 @@ def table(candidates: Sequence[Candidate], best: Optional[Candidate]) -> str:
 
 
 def plot(candidates: Sequence[Candidate], slo: SLO, path: str) -> None:
-    """Median normalised latency against GPUs, one line per (TP, PP, max_batch_size)."""
+    """Median normalised latency against GPUs, one line per (TP, PP, max_batch_size); filled
+    markers meet the SLO."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -109,8 +110,11 @@ def plot(candidates: Sequence[Candidate], slo: SLO, path: str) -> None:
     for c in candidates:
         lines.setdefault((c.tp, c.pp, c.max_batch_size), []).append(c)
     for (tp, pp, mbs), cs in sorted(lines.items()):
-        ax.plot([c.gpus for c in cs], [c.summary["median_normalized_latency_s"] for c in cs], marker="o",
-                ms=3, label=f"TP{tp} PP{pp} b{mbs}")
+        line, = ax.plot([c.gpus for c in cs], [c.summary["median_normalized_latency_s"] for c in cs], lw=1,
+                        label=f"TP{tp} PP{pp} b{mbs}")
+        for c in cs:  # filled: meets the whole SLO (TTFT included); hollow: misses it
+            ax.plot(c.gpus, c.summary["median_normalized_latency_s"], "o", ms=4, color=line.get_color(),
+                    mfc=line.get_color() if c.meets_slo else "none")
     if slo.median_normalized_latency_s is not None:
         ax.axhline(slo.median_normalized_latency_s, color="k", ls="--", lw=1, label="SLO")
     ax.set_xlabel("GPUs (replicas x TP x PP)")

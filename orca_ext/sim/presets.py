@@ -4,8 +4,10 @@ GPT-3-like models: the Orca paper's Table 1 (layers, hidden size; heads of 128 d
 d_ff = 4 d; plain 2-matrix MLP; GPT-2's 50257-token vocabulary; fp16 weights and KV).
 
 Hardware: datasheet peaks are what a kernel cannot exceed, so a simulation on them is a lower
-bound on time; the H200 rates were measured on one (copy bandwidth and bf16 GEMM). Per-iteration
-overheads on GPUs are assumptions, stated here, until the device microbenchmarks give them.
+bound on time. The H200's copy bandwidth and bf16 GEMM rate are the figures reported as measured on
+one H200 (4.2 TB/s, ~790 TFLOP/s); this project's device microbenchmarks have not reproduced them
+yet. Per-iteration overheads on GPUs are assumptions, stated here, until those microbenchmarks
+give them.
 """
 from __future__ import annotations
 
@@ -45,10 +47,10 @@ HARDWARE = {
                           flops_per_s=312e12, bytes_per_s=1.555e12, attention_flops_per_s=312e12,
                           overhead_s=GPU_OVERHEAD_S, host_s=GPU_HOST_S, link_bytes_per_s=300e9,
                           link_latency_s=10e-6, memory_bytes=40e9, overlap=True, device_type="cuda"),
-    # H200: 4.2 TB/s copy bandwidth and ~790 TFLOP/s bf16 GEMM measured on one; 141 GB (datasheet);
-    # NVLink 4 450 GB/s per direction (datasheet); latency assumed.
-    "h200": Hardware("h200", "measured copy bandwidth and bf16 GEMM on one H200; memory and NVLink datasheet; "
-                     "overheads assumed", flops_per_s=790e12, bytes_per_s=4.2e12, attention_flops_per_s=790e12,
+    # H200: 4.2 TB/s copy bandwidth and ~790 TFLOP/s bf16 GEMM as reported measured on one (not yet
+    # by bench/device_check.sh); 141 GB and NVLink 4 450 GB/s per direction (datasheet); latency assumed.
+    "h200": Hardware("h200", "reported H200 measurements (4.2 TB/s copy, 790 TFLOP/s bf16 GEMM), not yet "
+                     "reproduced here; memory and NVLink datasheet; overheads assumed", flops_per_s=790e12, bytes_per_s=4.2e12, attention_flops_per_s=790e12,
                      overhead_s=GPU_OVERHEAD_S, host_s=GPU_HOST_S, link_bytes_per_s=450e9, link_latency_s=10e-6,
                      memory_bytes=141e9, overlap=True, device_type="cuda"),
 }
