@@ -9,7 +9,8 @@ latency). The table gives, at latency targets of 1.25x to 4x the lowest latency 
 model, the highest throughput each policy reaches within the target and their ratio.
 
     python bench/sim_paper.py [--hardware a100-40gb h200] [--requests 200]
-Writes bench/sim_paper.json, bench/sim_paper.md and bench/sim_paper_<hardware>.png.
+Writes bench/sim_paper.json, bench/sim_paper.md and bench/sim_paper_<hardware>.png
+(`--replot` redoes the last two from the JSON).
 """
 from __future__ import annotations
 
@@ -41,7 +42,10 @@ def capacity_rate(cost, slots: int, kv_bytes_per_token: int) -> float:
     return len(trace) / s.duration
 
 
-def run(hw_name: str, n_requests: int) -> list[dict]:
+FRACTIONS = (0.05, 0.15, 0.3, 0.5, 0.75, 1.0, 1.5, 2.0, 3.0)  # of capacity_rate
+
+
+def run(hw_name: str, n_requests: int, fractions=FRACTIONS, policies=("orca", "static")) -> list[dict]:
     rows = []
     for model, (tp, pp) in PAPER_LAYOUTS.items():
         shape = MODELS[model]
@@ -52,8 +56,10 @@ def run(hw_name: str, n_requests: int) -> list[dict]:
         slots = kv_slots(shape, hw, tp, pp, cap=1 << 22)
         cap = capacity_rate(cost, slots, shape.kv_bytes_per_token)
         for policy, mbs in SYSTEMS:
+            if policy not in policies:
+                continue
             config = EngineConfig(scheduler=policy, max_batch_size=mbs, max_num_batched_tokens=None)
-            for frac in (0.05, 0.15, 0.3, 0.5, 0.75, 1.0):
+            for frac in fractions:
                 rate = cap * frac
                 t = time.perf_counter()
                 trace = synthetic(n_requests, rate, (32, 512), (1, 512), seed=0)
@@ -110,9 +116,17 @@ def main() -> int:
     p.add_argument("--hardware", nargs="+", default=["a100-40gb", "h200"], choices=list(HARDWARE))
     p.add_argument("--requests", type=int, default=200)
     p.add_argument("--out", default=str(REPO / "bench" / "sim_paper"))
+    p.add_argument("--replot", action="store_true", help="redo the table and plots from the .json")
+    p.add_argument("--fractions", type=float, nargs="+", default=list(FRACTIONS), help="rates, x capacity_rate")
+    p.add_argument("--policies", nargs="+", default=["orca", "static"], choices=["orca", "static"])
+    p.add_argument("--append", action="store_true", help="add the new runs to the .json's")
     args = p.parse_args()
-    rows = [r for hw in args.hardware for r in run(hw, args.requests)]
-    Path(args.out + ".json").write_text(json.dumps(rows, indent=1) + "\n")
+    if args.replot:
+        rows = json.loads(Path(args.out + ".json").read_text())
+    else:
+        rows = json.loads(Path(args.out + ".json").read_text()) if args.append else []
+        rows += [r for hw in args.hardware for r in run(hw, args.requests, args.fractions, args.policies)]
+        Path(args.out + ".json").write_text(json.dumps(rows, indent=1) + "\n")
     md = equal_latency_table(rows)
     Path(args.out + ".md").write_text(md + "\n")
     for hw in args.hardware:
