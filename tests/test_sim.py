@@ -189,6 +189,11 @@ def test_trace_jsonl_round_trip_and_errors(tmp_path):
         load_jsonl(bad)
     with pytest.raises(ValueError, match="rate"):
         synthetic(3, 0.0, (1, 2), (1, 2))
+    with pytest.raises(ValueError, match="longest prompt"):
+        synthetic(1000, 1.0, (1, 1 << 20), (1, 2))
+    bad.write_text('{"arrival": 0, "prompt_len": 1048576, "output_len": 1}\n' * 65)
+    with pytest.raises(ValueError, match=r":65: the trace's prompts pass"):
+        load_jsonl(bad)
 
 
 def test_a_request_larger_than_the_cache_is_refused():

@@ -124,7 +124,7 @@ def simulate(trace: Sequence[TraceRequest], config: EngineConfig, cost: CostMode
     results: list = [None] * len(trace)
     iterations: list[SimIteration] = []
     pipeline = _Pipeline(cost.n_stages)
-    inflight: deque = deque()  # (requests, [(n, start, emits)], complete time, iteration index)
+    inflight: deque = deque()  # (requests, [(n, start, emits)], complete time, Work), oldest first
     now, nxt = 0.0, 0
     while True:
         while nxt < len(arrivals) and trace[arrivals[nxt]].arrival <= now:

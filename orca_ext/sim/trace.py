@@ -18,6 +18,9 @@ import numpy as np
 
 MAX_TRACE_REQUESTS = 1_000_000
 MAX_TOKENS_PER_REQUEST = 1 << 20
+# The simulator holds a waiting request's prompt as a list of ids (the engine's Request), so the
+# prompt tokens of a whole trace are bounded: 2^26 of them is at most ~0.5 GiB of list slots.
+MAX_TRACE_PROMPT_TOKENS = 1 << 26
 
 
 @dataclass(frozen=True)
@@ -38,6 +41,8 @@ def synthetic(n: int, rate: float, prompt_len: Sequence[int], output_len: Sequen
     for name, (lo, hi) in (("prompt_len", prompt_len), ("output_len", output_len)):
         if not 1 <= lo <= hi <= MAX_TOKENS_PER_REQUEST:
             raise ValueError(f"{name} range must satisfy 1 <= lo <= hi <= {MAX_TOKENS_PER_REQUEST}, got {lo!r}, {hi!r}")
+    if n * prompt_len[1] > MAX_TRACE_PROMPT_TOKENS:
+        raise ValueError(f"n x the longest prompt ({n} x {prompt_len[1]}) is above {MAX_TRACE_PROMPT_TOKENS} tokens")
     rng = np.random.default_rng(seed)
     if math.isinf(rate):
         arrivals = np.zeros(n)
@@ -52,6 +57,7 @@ def synthetic(n: int, rate: float, prompt_len: Sequence[int], output_len: Sequen
 def load_jsonl(path: Union[str, Path]) -> list[TraceRequest]:
     """A trace from a JSONL file, sorted by arrival; a malformed line raises ValueError naming it."""
     trace = []
+    prompt_tokens = 0
     with open(path, encoding="utf-8") as f:
         for lineno, line in enumerate(f, 1):
             if not line.strip():
@@ -59,10 +65,12 @@ def load_jsonl(path: Union[str, Path]) -> list[TraceRequest]:
             if len(trace) >= MAX_TRACE_REQUESTS:
                 raise ValueError(f"{path}: more than {MAX_TRACE_REQUESTS} requests")
             try:
-                obj = json.loads(line)
-                trace.append(_checked(obj))
+                trace.append(_checked(json.loads(line)))
             except (ValueError, TypeError, KeyError) as exc:
                 raise ValueError(f"{path}:{lineno}: {exc}") from None
+            prompt_tokens += trace[-1].prompt_len
+            if prompt_tokens > MAX_TRACE_PROMPT_TOKENS:
+                raise ValueError(f"{path}:{lineno}: the trace's prompts pass {MAX_TRACE_PROMPT_TOKENS} tokens")
     if not trace:
         raise ValueError(f"{path}: no requests")
     return sorted(trace, key=lambda r: r.arrival)
