@@ -133,7 +133,7 @@ def random_works(rng, n):
 
 def test_fit_recovers_known_rates_from_synthetic_iterations():
     rng = np.random.default_rng(11)
-    truth = dataclasses.replace(HW, per_row_s=2e-3, host_s=2e-3, host_per_row_s=5e-5)
+    truth = dataclasses.replace(HW, overhead_s=0.02, per_row_s=5e-3, host_s=2e-3, host_per_row_s=5e-5)
     works = random_works(rng, 400)
     model = Roofline(SHAPE, truth)
     noise = lambda n: 1 + 0.01 * rng.standard_normal(n)  # noqa: E731

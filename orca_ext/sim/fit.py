@@ -7,10 +7,11 @@ inverses when compute and memory do not overlap (a CPU whose cores do both, `ove
         + attention_flops / attention_flops_per_s + bytes / bytes_per_s
 
 and the driver's time between an iteration's return and the next launch is host_s +
-host_per_row_s * rows. Both are fitted by non-negative least squares (a coefficient of zero means
-that term is not seen in the data: its rate is infinite) of the relative error, after one pass
-that drops outliers
-(residuals beyond 4 median absolute deviations: a loaded machine's stalls).
+host_per_row_s * rows. Both are fitted by non-negative least squares on the times themselves (a
+coefficient of zero means that term is not seen in the data: its rate is infinite). Absolute, not
+relative, errors and no outlier rejection: with an intercept the residuals then sum to about
+zero, so the fitted model reproduces the run's total time, which is what throughput and latency
+add up; a loaded machine's stalls are part of that time.
 """
 from __future__ import annotations
 
@@ -40,18 +41,6 @@ def nnls(a: np.ndarray, b: np.ndarray) -> np.ndarray:
                     best_res, best = res, np.zeros(a.shape[1])
                     best[list(cols)] = x
     return best / scale
-
-
-def robust_nnls(a: np.ndarray, b: np.ndarray) -> np.ndarray:
-    """nnls on relative errors (each row scaled by 1/b: a short iteration counts as much as a long
-    one), refitted once without the outliers."""
-    keep = b > 0
-    a, b = a[keep] / b[keep, None], np.ones(int(keep.sum()))
-    x = nnls(a, b)
-    r = b - a @ x
-    mad = np.median(np.abs(r - np.median(r))) or 1e-12
-    keep = np.abs(r - np.median(r)) <= 4 * 1.4826 * mad
-    return nnls(a[keep], b[keep]) if keep.sum() > a.shape[1] and not keep.all() else x
 
 
 def forward_features(shape: ModelShape, works: Sequence[Work]) -> np.ndarray:
@@ -96,8 +85,8 @@ def calibration_from_records(records, prompt_lens: Mapping[str, int]) -> Calibra
 def fit_hardware(shape: ModelShape, cal: Calibration, name: str, source: str, device_type: str = "cpu",
                  **fixed) -> Hardware:
     """A Hardware (overlap=False) whose rates best explain `cal`; `fixed` sets other fields (links)."""
-    f = robust_nnls(forward_features(shape, cal.works), np.asarray(cal.forward_s))
-    h = robust_nnls(np.array([[1.0, r] for r in cal.host_rows]), np.asarray(cal.host_s))
+    f = nnls(forward_features(shape, cal.works), np.asarray(cal.forward_s))
+    h = nnls(np.array([[1.0, r] for r in cal.host_rows]), np.asarray(cal.host_s))
     return Hardware(name=name, source=source, flops_per_s=_inv(f[2]), bytes_per_s=_inv(f[4]),
                     attention_flops_per_s=_inv(f[3]), overhead_s=float(f[0]), per_row_s=float(f[1]),
                     host_s=float(h[0]), host_per_row_s=float(h[1]), overlap=False, device_type=device_type,
