@@ -226,6 +226,9 @@ def test_cli_simulates_and_plans(tmp_path, capsys):
                           "--png", str(png)]) == 0
     assert "cheapest:" in capsys.readouterr().out and png.stat().st_size > 0
     assert simulate_main(["--plan"]) == 2
+    assert simulate_main(["--plan", "--slo-latency", "1", "--plan-tp", "0"]) == 2
+    assert simulate_main(["--plan", "--slo-latency", "-1"]) == 2
+    assert simulate_main(["--plan", "--slo-latency", "1", "--max-replicas", "100000"]) == 2
     assert simulate_main(["--trace", str(tmp_path / "missing.jsonl")]) == 2
     assert math.isfinite(summary["p99_ttft_s"])
 

@@ -62,6 +62,10 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     except (OSError, ValueError, TypeError) as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
+    problem = _plan_arguments_problem(args)
+    if problem:
+        print(f"error: {problem}", file=sys.stderr)
+        return 2
     print(f"# {shape.name} on {hw.name} ({hw.source}); {len(trace)} requests")
     if args.plan:
         slo = SLO(args.slo_latency, args.slo_ttft)
@@ -94,3 +98,21 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         with open(args.json, "w", encoding="utf-8") as f:
             json.dump(result, f, indent=1, default=str)
     return 0
+
+
+MAX_PLAN_VALUE = 1024  # largest TP, PP, batch size or replica count the search accepts
+
+
+def _plan_arguments_problem(args) -> Optional[str]:
+    """Why the search options cannot be used, or None."""
+    for name in ("plan_tp", "plan_pp", "plan_batch"):
+        values = getattr(args, name)
+        if len(values) > 16 or not all(1 <= v <= MAX_PLAN_VALUE for v in values):
+            return f"--{name.replace('_', '-')} takes 1 to 16 values in [1, {MAX_PLAN_VALUE}], got {values!r}"
+    if not 1 <= args.max_replicas <= MAX_PLAN_VALUE:
+        return f"--max-replicas must be in [1, {MAX_PLAN_VALUE}], got {args.max_replicas!r}"
+    for name in ("slo_latency", "slo_ttft"):
+        value = getattr(args, name)
+        if value is not None and not 0 < value < float("inf"):
+            return f"--{name.replace('_', '-')} must be a positive number of seconds, got {value!r}"
+    return None
