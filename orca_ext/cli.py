@@ -4,6 +4,7 @@
     bench [...]         the throughput benchmark (orca_ext/benchmarks/throughput.py): orca vs
                         static vs transformers
     serve [...]         the OpenAI-compatible HTTP server (needs fastapi/uvicorn)
+    simulate [...]      serve a trace on simulated hardware, or plan a deployment (orca_ext/sim/)
 
 Engine options are shared by all subcommands through orca_ext/options.py.
 """
@@ -45,6 +46,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help="throughput benchmark: orca vs static vs transformers (see `bench --help`)")
 
     serve.add_arguments(sub.add_parser("serve", help="OpenAI-compatible HTTP server"))
+    sub.add_parser("simulate", add_help=False,
+                   help="simulated serving and deployment planning (see `simulate --help`)")
     return parser
 
 
@@ -117,6 +120,10 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         from .benchmarks.throughput import main as bench_main
 
         return int(bench_main(argv[1:]) or 0)
+    if argv and argv[0] == "simulate":
+        from .sim.cli import main as simulate_main
+
+        return simulate_main(argv[1:])
     args = build_parser().parse_args(argv)
     if args.command == "generate":
         return _generate(args)

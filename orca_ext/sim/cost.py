@@ -1,0 +1,173 @@
+"""Cost models: the time of one iteration, given its `Work`.
+
+`Roofline` is the model the simulator uses for real hardware. Per pipeline stage and iteration:
+
+    compute  = (GEMM FLOPs / flops_per_s + attention FLOPs / attention_flops_per_s) / (tp * pp)
+    memory   = (weight bytes + KV bytes read and written) / bytes_per_s / (tp * pp)
+    stage    = overhead_s + per_row_s * rows
+               + (max(compute, memory) if overlap else compute + memory)    # roofline / serial CPU
+               + all-reduces: 2 per layer, ring volume 2 (tp-1)/tp * tokens * d * act_bytes
+                 over link_bytes_per_s, plus link_latency_s each
+    hand-off = tokens * d * act_bytes / handoff_bytes_per_s + link_latency_s    (between stages)
+    host     = host_s + host_per_row_s * rows   (the driver: postprocess and schedule, serial)
+
+A batch crosses the pp stages one after the other; a stage takes the next batch as soon as it has
+passed the last one on. `Hardware` holds the rates: fitted on this machine (fit.py) or datasheet
+and measured GPU rates (presets.py), each labelled by `source`. `ConstantCost` gives every
+iteration the same time, for schedules that can be checked by hand.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Optional, Protocol
+
+from .work import Work
+
+
+@dataclass(frozen=True)
+class ModelShape:
+    """The sizes of a decoder-only transformer that its cost depends on."""
+
+    name: str
+    n_layers: int
+    d_model: int
+    n_heads: int
+    n_kv_heads: int
+    head_dim: int
+    d_ff: int
+    vocab: int
+    mlp_matrices: int = 3      # 3: gated (SwiGLU) MLP; 2: GPT-3's plain MLP
+    param_bytes: int = 2       # bytes per weight and per KV value (2: fp16/bf16, 4: float32)
+
+    @property
+    def layer_params(self) -> int:
+        q_o = 2 * self.d_model * self.n_heads * self.head_dim
+        k_v = 2 * self.d_model * self.n_kv_heads * self.head_dim
+        return q_o + k_v + self.mlp_matrices * self.d_model * self.d_ff
+
+    @property
+    def weight_bytes(self) -> int:
+        """The weights one iteration reads: every layer and the output projection."""
+        return (self.n_layers * self.layer_params + self.d_model * self.vocab) * self.param_bytes
+
+    @property
+    def kv_bytes_per_token(self) -> int:
+        return 2 * self.n_layers * self.n_kv_heads * self.head_dim * self.param_bytes
+
+    @classmethod
+    def from_spec(cls, spec, param_bytes: int, name: str = "model") -> "ModelShape":
+        return cls(name, spec.num_layers, spec.hidden_size, spec.num_heads, spec.num_kv_heads, spec.head_dim,
+                   spec.intermediate_size, spec.vocab_size, 3, param_bytes)
+
+    # -- what an iteration costs in operations and bytes ----------------------------------------
+    def gemm_flops(self, w: Work) -> float:
+        return 2.0 * (self.n_layers * self.layer_params * w.new_tokens + self.d_model * self.vocab * w.emitting)
+
+    def attention_flops(self, w: Work) -> float:
+        return 4.0 * self.n_layers * self.n_heads * self.head_dim * w.attended
+
+    def memory_bytes(self, w: Work) -> float:
+        return float(self.weight_bytes + self.kv_bytes_per_token * (w.context + w.new_tokens))
+
+
+@dataclass(frozen=True)
+class Hardware:
+    """Rates of one device (one tensor-parallel rank) and the costs around its kernels."""
+
+    name: str
+    source: str                          # where the numbers come from: 'fitted on ...', 'datasheet ...'
+    flops_per_s: float                   # dense GEMM
+    bytes_per_s: float                   # memory bandwidth
+    attention_flops_per_s: float         # attention's arithmetic (slower than GEMM on a CPU)
+    overhead_s: float = 0.0              # per iteration and stage: launches, framework
+    per_row_s: float = 0.0               # per request row: sampling, per-row bookkeeping
+    host_s: float = 0.0                  # the driver between two iterations
+    host_per_row_s: float = 0.0
+    link_bytes_per_s: float = float("inf")   # tensor-parallel all-reduce and stage hand-off link
+    link_latency_s: float = 0.0
+    handoff_bytes_per_s: Optional[float] = None  # between pipeline stages (None: link_bytes_per_s)
+    memory_bytes: float = float("inf")   # device memory (capacity planning)
+    overlap: bool = True                 # True: max(compute, memory); False: their sum
+    device_type: str = "cuda"            # 'cpu' | 'cuda': picks the engine's chunk budget default
+
+
+class CostModel(Protocol):
+    n_stages: int
+
+    def stage_time(self, w: Work) -> float: ...
+    def handoff_time(self, w: Work) -> float: ...
+    def host_time(self, w: Work) -> float: ...
+    def move_time(self, n_bytes: int) -> float: ...
+
+
+@dataclass(frozen=True)
+class Roofline:
+    shape: ModelShape
+    hw: Hardware
+    tp: int = 1
+    pp: int = 1
+
+    @property
+    def n_stages(self) -> int:
+        return self.pp
+
+    def compute_time(self, w: Work) -> float:
+        hw, s = self.hw, self.shape
+        return (s.gemm_flops(w) / hw.flops_per_s + s.attention_flops(w) / hw.attention_flops_per_s) / (self.tp * self.pp)
+
+    def memory_time(self, w: Work) -> float:
+        return self.shape.memory_bytes(w) / self.hw.bytes_per_s / (self.tp * self.pp)
+
+    def allreduce_time(self, w: Work) -> float:
+        if self.tp == 1:
+            return 0.0
+        volume = 2 * (self.tp - 1) / self.tp * w.new_tokens * self.shape.d_model * self.shape.param_bytes
+        per_stage = 2 * self.shape.n_layers / self.pp  # after attention and after the MLP
+        return per_stage * (volume / self.hw.link_bytes_per_s + self.hw.link_latency_s)
+
+    def stage_time(self, w: Work) -> float:
+        c, m = self.compute_time(w), self.memory_time(w)
+        kernels = max(c, m) if self.hw.overlap else c + m
+        return self.hw.overhead_s + self.hw.per_row_s * w.rows + kernels + self.allreduce_time(w)
+
+    def handoff_time(self, w: Work) -> float:
+        if self.pp == 1:
+            return 0.0
+        rate = self.hw.handoff_bytes_per_s or self.hw.link_bytes_per_s
+        return w.new_tokens * self.shape.d_model * self.shape.param_bytes / rate + self.hw.link_latency_s
+
+    def host_time(self, w: Work) -> float:
+        return self.hw.host_s + self.hw.host_per_row_s * w.rows
+
+    def move_time(self, n_bytes: int) -> float:
+        return 2.0 * n_bytes / self.hw.bytes_per_s / (self.tp * self.pp)  # read and write
+
+
+@dataclass(frozen=True)
+class ConstantCost:
+    """Every iteration takes `iteration` seconds per stage and `host` on the driver."""
+
+    iteration: float = 1.0
+    host: float = 0.0
+    n_stages: int = 1
+    handoff: float = 0.0
+
+    def stage_time(self, w: Work) -> float:
+        return self.iteration
+
+    def handoff_time(self, w: Work) -> float:
+        return self.handoff if self.n_stages > 1 else 0.0
+
+    def host_time(self, w: Work) -> float:
+        return self.host
+
+    def move_time(self, n_bytes: int) -> float:
+        return 0.0
+
+
+def kv_slots(shape: ModelShape, hw: Hardware, tp: int, pp: int, reserve: float = 0.1,
+             cap: Optional[int] = None) -> int:
+    """KV slots that fit in tp * pp devices after the weights, keeping `reserve` of memory free."""
+    free = tp * pp * hw.memory_bytes * (1 - reserve) - shape.weight_bytes
+    slots = int(free // shape.kv_bytes_per_token) if free > 0 else 0
+    return slots if cap is None else min(slots, cap)
