@@ -29,7 +29,9 @@ llama.cpp's source):
 The GGUFs are converted from our float32 checkpoint by that tree's convert_hf_to_gguf.py (cached).
 
     python bench/peer_cpu.py --llama-dir /tmp/llamacpp/llama_cpp_python-0.3.36/vendor/llama.cpp \\
-        [--dtypes float32 bfloat16] [--rounds 2] [--out bench/out/peer_cpu.json]
+        [--dtypes float32 bfloat16] [--ggufs FILE.gguf ...] [--rounds 2] [--out bench/out/peer_cpu.json]
+--ggufs runs both engines on the same quantized file as shipped (the bytes per token of the read
+bound are then the file's tensor bytes).
 """
 from __future__ import annotations
 
@@ -58,6 +60,27 @@ log = logging.getLogger("bench.peer_cpu")
 GGUF_TYPES = {"float32": "f32", "bfloat16": "bf16"}
 
 
+class Precision:
+    """One row group of the comparison: what our engine loads (a folder in a dtype, or a GGUF
+    served as its blocks with float32 activations) and the GGUF llama.cpp runs (None: ours only)."""
+
+    def __init__(self, label: str, our_model: str, our_dtype: str, llama_gguf: Optional[Path],
+                 weight_bytes: Optional[float] = None):
+        self.label, self.our_model, self.our_dtype, self.llama_gguf = label, our_model, our_dtype, llama_gguf
+        self.weight_bytes = weight_bytes  # bytes of weights one decode step reads (None: from the dtype)
+
+
+def gguf_weight_bytes(path: Path) -> float:
+    """Bytes one decode step reads from a GGUF served as its blocks: every tensor once except the
+    token embedding, of which a step reads one row, unless it is also the (tied) lm_head."""
+    import gguf
+
+    reader = gguf.GGUFReader(str(path))
+    names = {t.name for t in reader.tensors}
+    tied = "output.weight" not in names
+    return float(sum(int(t.n_bytes) for t in reader.tensors if t.name != "token_embd.weight" or tied))
+
+
 # -- machine --------------------------------------------------------------------------------------
 def read_bandwidth_gbs(mib: int = 512, reps: int = 5) -> float:
     """Streaming-read ceiling of this process: the best of `reps` reads of a `mib` MiB buffer, in
@@ -76,9 +99,10 @@ def read_bandwidth_gbs(mib: int = 512, reps: int = 5) -> float:
     return words.numel() * 8 / best * 1e-9
 
 
-def decode_bytes_per_token(model_dir: str, dtype: str, context: int) -> float:
+def decode_bytes_per_token(model_dir: str, dtype: str, context: int, weight_bytes: Optional[float] = None) -> float:
     """Bytes one decode step reads: every weight matrix once (the tied lm_head counts once, the
-    embedding row gather is negligible) plus the KV cache of `context` tokens."""
+    embedding row gather is negligible; `weight_bytes` when given) plus the KV cache of `context`
+    tokens (in `dtype`)."""
     from orca_ext.models.config import ModelSpec
 
     s = ModelSpec.from_pretrained(model_dir)
@@ -89,7 +113,7 @@ def decode_bytes_per_token(model_dir: str, dtype: str, context: int) -> float:
     elems = s.num_layers * per_layer + s.vocab_size * h
     kv = 2 * s.num_layers * s.num_kv_heads * d * context
     size = 4 if dtype == "float32" else 2
-    return float((elems + kv) * size)
+    return float((elems * size if weight_bytes is None else weight_bytes) + kv * size)
 
 
 class CpuMeter:
@@ -234,7 +258,10 @@ def main(argv=None) -> int:
     p.add_argument("--llama-dir", type=Path, default=None,
                    help="llama.cpp source tree with build/bin/llama-server (none: our engine only)")
     p.add_argument("--model", default=None, help="checkpoint folder (default: the embedded SmolLM2-135M-Instruct)")
-    p.add_argument("--dtypes", nargs="+", default=["float32", "bfloat16"], choices=list(GGUF_TYPES))
+    p.add_argument("--dtypes", nargs="*", default=["float32", "bfloat16"], choices=list(GGUF_TYPES))
+    p.add_argument("--ggufs", nargs="*", type=Path, default=[],
+                   help="GGUF files both engines serve as they are (ours: blocks, float32 activations), "
+                        "e.g. the embedded SmolLM2-135M-Instruct.Q4_1.gguf")
     p.add_argument("--batch-limits", type=int, nargs="*", default=[16, 32], help="none: single streams only")
     p.add_argument("--requests", type=int, default=32)
     p.add_argument("--rounds", type=int, default=2)
@@ -260,7 +287,10 @@ def main(argv=None) -> int:
     if binary is not None and not binary.exists():
         log.warning("no llama-server at %s: running our engine only", binary)
         binary = None
-    ggufs = {d: convert_gguf(args.llama_dir, args.model, d, args.gguf_cache) for d in args.dtypes} if binary else {}
+    precisions = [Precision(d, args.model, d, convert_gguf(args.llama_dir, args.model, d, args.gguf_cache)
+                            if binary else None) for d in args.dtypes]
+    precisions += [Precision(g.name, str(g), "float32", g if binary else None, gguf_weight_bytes(g))
+                   for g in args.ggufs]
 
     cases = [("stream", 1, single)] + [(f"batch{b}", b, jobs) for b in args.batch_limits]
     runs: dict[str, list[dict]] = {}
@@ -268,13 +298,14 @@ def main(argv=None) -> int:
     for rnd in range(args.rounds):
         ceilings.append(read_bandwidth_gbs())
         log.info("round %d: streaming read %.1f GB/s", rnd + 1, ceilings[-1])
-        for dtype in args.dtypes:
+        for prec in precisions:
+            dtype = prec.label
             for case, limit, work in cases:
                 if case == "stream":  # the ceiling right next to the runs it bounds
                     ceilings.append(read_bandwidth_gbs())
-                systems = [("ours", lambda: ours(args.model, dtype, limit, work, case == "stream"))]
-                if binary:
-                    systems.append(("llama.cpp", lambda: llama(binary, ggufs[dtype], args.threads, limit, work,
+                systems = [("ours", lambda: ours(prec.our_model, prec.our_dtype, limit, work, case == "stream"))]
+                if prec.llama_gguf is not None:
+                    systems.append(("llama.cpp", lambda: llama(binary, prec.llama_gguf, args.threads, limit, work,
                                                                case == "stream")))
                 if rnd % 2:
                     systems.reverse()
@@ -288,12 +319,14 @@ def main(argv=None) -> int:
     report = dict(date=time.strftime("%Y-%m-%d %H:%M"), machine=platform.processor() or platform.machine(),
                   cpu_count=os.cpu_count(), threads=args.threads, torch=torch.__version__, model=args.model,
                   requests=args.requests, rounds=args.rounds, read_gbs=summarize(ceilings), results={})
+    by_label = {prec.label: prec for prec in precisions}
     for key, rs in runs.items():
         dtype, case, name = key.split("/")
+        prec = by_label[dtype]
         entry = dict(tok_s=summarize([r["tok_s"] for r in rs]), cores_busy=summarize([r["cores_busy"] for r in rs]))
         if case == "stream":
             entry["decode_tok_s"] = summarize([r["decode_tok_s"] for r in rs])
-            bytes_per_token = decode_bytes_per_token(args.model, dtype, context)
+            bytes_per_token = decode_bytes_per_token(args.model, prec.our_dtype, context, prec.weight_bytes)
             entry["bytes_per_token"] = bytes_per_token
             entry["bound_tok_s"] = statistics.median(ceilings) * 1e9 / bytes_per_token
         report["results"][key] = entry

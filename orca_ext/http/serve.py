@@ -37,7 +37,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                    help=f"require 'Authorization: Bearer KEY' on /v1/* (default: ${API_KEY_ENV}, else none). "
                         f"Prefer ${API_KEY_ENV}: a command-line key is visible to every user in `ps`")
     g.add_argument("--served-model-name", default=None,
-                   help="the name clients pass as 'model' (default: the model folder's name)")
+                   help="the name clients pass as 'model' (default: the model folder's or GGUF file's name; "
+                        "SmolLM2-135M-Instruct for the default model)")
     g.add_argument("--default-max-tokens", type=int, default=settings.DEFAULT_CHAT_MAX_TOKENS,
                    help="max_tokens of a chat request that gives none (default %(default)d)")
     g.add_argument("--max-body-bytes", type=int, default=settings.DEFAULT_MAX_BODY_BYTES,
@@ -101,7 +102,7 @@ def build_app(args: argparse.Namespace) -> tuple[Any, Any]:
     config = EngineConfig.from_args(args)
     logger.info("starting the engine for %s with %s", args.model or "the default model", config)
     server = Server(args.model, config=config)
-    model_name = args.served_model_name or os.path.basename(os.path.normpath(server.model_path))
+    model_name = args.served_model_name or served_name(args.model, server.model_path)
     try:
         app = create_app(server, model_name=model_name, max_queue=args.max_queue, api_key=args.api_key,
                          max_body_bytes=args.max_body_bytes, default_max_tokens=args.default_max_tokens,
@@ -115,6 +116,16 @@ def build_app(args: argparse.Namespace) -> tuple[Any, Any]:
         server.shutdown()
         raise
     return server, app
+
+
+def served_name(model: str | None, path: str) -> str:
+    """The default `model` name of the API: the default model's name (whichever of its files
+    serves it), else the folder's or the GGUF file's name."""
+    if model is None:
+        from ..default_model import MODEL_NAME
+
+        return MODEL_NAME
+    return os.path.basename(os.path.normpath(path))
 
 
 def main(args: argparse.Namespace) -> int:
