@@ -30,6 +30,7 @@ import sys
 import threading
 import time
 from pathlib import Path
+from typing import Callable
 
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))  # a checkout without an install
@@ -92,11 +93,11 @@ WORKLOADS = {"shared_system": shared_system, "multi_turn": multi_turn, "few_shot
              "no_prefix": no_prefix}
 
 
-def run_workload(server, scripts, max_tokens: int) -> dict:
-    from orca_ext import SamplingParams
-
-    params = SamplingParams(max_tokens=max_tokens, ignore_eos=True)
-    outs, errors = [], []
+def run_scripts(scripts, send: Callable[[list[int]], list[int]]) -> float:
+    """Run each client script on a thread of its own, its steps back to back: `send(prompt)`
+    serves one prompt and returns the generated token ids, which the script's later steps build
+    on. Returns the wall time; raises when any client failed (reported, not hidden)."""
+    errors = []
 
     def client(script):
         history: dict = {}
@@ -104,13 +105,10 @@ def run_workload(server, scripts, max_tokens: int) -> dict:
             for item in script:
                 key, step = item if isinstance(item, tuple) else (None, item)
                 prompt = step(history.get(key, []))
-                out = server.generate(prompt, params)[0]
-                history.setdefault(key, []).append((list(out.prompt_token_ids), list(out.token_ids)))
-                outs.append(out)
-        except Exception as exc:  # reported, not hidden
+                history.setdefault(key, []).append((list(prompt), list(send(prompt))))
+        except Exception as exc:
             errors.append(repr(exc))
 
-    before = server.stats()["prefix_cache"]
     started = time.perf_counter()
     threads = [threading.Thread(target=client, args=(s,)) for s in scripts]
     for t in threads:
@@ -118,9 +116,25 @@ def run_workload(server, scripts, max_tokens: int) -> dict:
     for t in threads:
         t.join()
     wall = time.perf_counter() - started
-    after = server.stats()["prefix_cache"]
     if errors:
         raise RuntimeError(f"{len(errors)} clients failed: {errors[:3]}")
+    return wall
+
+
+def run_workload(server, scripts, max_tokens: int) -> dict:
+    from orca_ext import SamplingParams
+
+    params = SamplingParams(max_tokens=max_tokens, ignore_eos=True)
+    outs = []
+
+    def send(prompt: list[int]) -> list[int]:
+        out = server.generate(prompt, params)[0]
+        outs.append(out)
+        return out.token_ids
+
+    before = server.stats()["prefix_cache"]
+    wall = run_scripts(scripts, send)
+    after = server.stats()["prefix_cache"]
     ttft = [o.first_token_time - o.arrival_time for o in outs]
     prompt_tokens = sum(len(o.prompt_token_ids) for o in outs)
     cached = sum(o.num_cached_tokens for o in outs)

@@ -33,7 +33,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))          # prefix_cache
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))   # a checkout without an install
 
 from peer_cpu import LlamaServer  # noqa: E402
-from prefix_cache import multi_turn, pct, run_workload  # noqa: E402
+from prefix_cache import multi_turn, pct, run_scripts, run_workload  # noqa: E402
 
 log = logging.getLogger("bench.prefix_cache_llama")
 
@@ -48,36 +48,22 @@ def llama_complete(port: int, prompt: list[int], n: int, cache_prompt: bool) -> 
 
 
 def run_llama(server: LlamaServer, scripts, max_tokens: int, cache_prompt: bool) -> dict:
-    ttft, gen, prompt_tokens, cached, errors = [], [0], [0], [0], []
+    ttft, gen, prompt_tokens, cached = [], [0], [0], [0]
     lock = threading.Lock()
 
-    def client(script):
-        history: dict = {}
-        try:
-            for key, step in script:
-                prompt = step(history.get(key, []))
-                t0 = time.perf_counter()
-                out = llama_complete(server.port, prompt, max_tokens, cache_prompt)
-                total = time.perf_counter() - t0
-                t = out["timings"]
-                with lock:
-                    ttft.append(total - t["predicted_ms"] / 1e3)
-                    gen[0] += out["tokens_predicted"]
-                    prompt_tokens[0] += len(prompt)
-                    cached[0] += t.get("cache_n", len(prompt) - t["prompt_n"])
-                history.setdefault(key, []).append((prompt, out["tokens"]))
-        except Exception as exc:  # reported, not hidden
-            errors.append(repr(exc))
+    def send(prompt: list[int]) -> list[int]:
+        t0 = time.perf_counter()
+        out = llama_complete(server.port, prompt, max_tokens, cache_prompt)
+        total = time.perf_counter() - t0
+        t = out["timings"]
+        with lock:
+            ttft.append(total - t["predicted_ms"] / 1e3)
+            gen[0] += out["tokens_predicted"]
+            prompt_tokens[0] += len(prompt)
+            cached[0] += t.get("cache_n", len(prompt) - t["prompt_n"])
+        return out["tokens"]
 
-    started = time.perf_counter()
-    threads = [threading.Thread(target=client, args=(s,)) for s in scripts]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join()
-    wall = time.perf_counter() - started
-    if errors:
-        raise RuntimeError(f"{len(errors)} clients failed: {errors[:3]}")
+    wall = run_scripts(scripts, send)
     return {"requests": len(ttft), "wall_s": wall, "ttft_p50_s": pct(ttft, 50), "ttft_p99_s": pct(ttft, 99),
             "output_tok_s": gen[0] / wall, "req_s": len(ttft) / wall, "prompt_tokens": prompt_tokens[0],
             "cached_tokens": cached[0], "hit_rate": cached[0] / prompt_tokens[0]}
