@@ -288,6 +288,24 @@ def test_request_heads_over_16_kib_are_refused_even_in_one_read(make_server, pie
         bystander_is_served(port)
 
 
+def test_a_trusted_proxys_malformed_requests_are_not_charged_to_it(make_server):
+    """A trusted proxy carries many clients, so the transport charges it nothing for a malformed
+    request head (as the connection limits exempt it), while any other peer is charged."""
+    from orca_ext.http.rejections import RejectionBudget
+
+    proxy = "127.0.0.3"
+    budget = RejectionBudget(rate=1.0, burst=1.0, max_delay=0.2)  # one charge puts a client in debt
+    app = make_app(make_server(), rejections=budget, trusted_proxies=[proxy])
+    with serving(app, rejections=budget) as (port, _):
+        for source in (proxy, ATTACKER):
+            sock = connect(port, source)
+            sock.sendall(b"GET /health HTTP/1.1\r\nHost: 127.0.0.1\r\nBad Header\r\n\r\n")
+            assert read_response(sock)[0] == 400
+            sock.close()
+    assert budget.delay(proxy) == 0
+    assert budget.delay(ATTACKER) > 0
+
+
 def _post(sock: socket.socket, body: bytes) -> None:
     sock.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: application/json\r\n"
                  b"Content-Length: " + str(len(body)).encode() + b"\r\n\r\n" + body)

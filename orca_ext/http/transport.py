@@ -154,7 +154,9 @@ def serving_protocol(timeout: float, limiter: ConnectionLimiter, keys: ClientKey
             """uvicorn's answer to a malformed request (an oversize head included), ended by a
             lingering close: closing at once, with the rest of the request unread, would reset
             the connection and could destroy the answer before the client reads it."""
-            if rejections is not None and self.client:
+            # A trusted proxy's connections carry many clients: they are exempt, as from the
+            # connection limits (the app charges the client X-Forwarded-For names instead).
+            if rejections is not None and self.client and not keys.is_trusted(self.client[0]):
                 rejections.charge(self._client_key, 0, f"{self.client[0]}:{self.client[1]}")
             try:
                 output = self.conn.send(h11.Response(status_code=400, reason=b"Bad Request", headers=[
