@@ -12,7 +12,7 @@ from __future__ import annotations
 import time
 from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
 
 from ..guided import GuidedSpec, choice_spec, json_object_spec, json_schema_spec, regex_spec
 from ..guided.tools import MAX_TOOLS, check_tools, tool_call_spec
@@ -317,6 +317,26 @@ class ChatCompletionRequest(_SamplingFields, _GuidedFields):
     tools: Annotated[list[ToolDef], Field(min_length=1, max_length=MAX_TOOLS)] | None = None
     tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
     parallel_tool_calls: bool | None = None
+
+    @field_validator("tool_choice", mode="before")
+    @classmethod
+    def _tool_choice(cls, v: Any) -> Any:
+        # One message naming the field for every form not taken (OpenAI's allowed_tools and
+        # custom choices too), rather than one error per member of the union.
+        if v is None or v in ("none", "auto", "required"):
+            return v
+        if isinstance(v, dict) and v.get("type") == "function":
+            try:
+                return NamedToolChoice.model_validate(v)
+            except ValidationError as exc:
+                err = exc.errors(include_url=False)[0]
+                where = ".".join(str(p) for p in err["loc"])
+                raise ValueError(f"tool_choice.{where}: {err['msg']}") from None
+        kind = v.get("type") if isinstance(v, dict) else v
+        kind = (repr(kind[:40]) if isinstance(kind, str) else "without a type" if isinstance(v, dict)
+                else f"of JSON type {type(v).__name__}")
+        raise ValueError(f'tool_choice {kind} is not supported; use "none", "auto", "required" or '
+                         '{"type": "function", "function": {"name": ...}}')
 
     def tool_dicts(self) -> list[dict] | None:
         """The tools as the chat template takes them (None: no tools)."""
