@@ -118,7 +118,7 @@ class ToolParser:
                 calls[d.index][2] += d.text
         text_out = "".join(content)
         return ParsedOutput(text_out.strip() if calls else text_out,
-                            [ToolCall(name, args, id) for id, name, args in calls])
+                            [ToolCall(name, args, call_id) for call_id, name, args in calls])
 
 
 def _merged(deltas: list[ToolDelta]) -> list[ToolDelta]:
