@@ -173,3 +173,49 @@ def test_http_tp2_serves_the_logits_fields(tiny_model_dir):
         lp = choice.logprobs
         assert lp.token_logprobs[0] is None and all(v <= 0 for v in lp.token_logprobs[1:])
         assert len(lp.tokens) == len(lp.token_logprobs) == len(lp.top_logprobs) >= 4
+
+
+def test_rows_sampled_on_the_driver_travel_with_their_logits_rows():
+    """The forward message says which rows the driver samples and how many logits rows each
+    returns; the worker builds its ForwardBatch from that."""
+    from orca_ext.distributed.messages import SamplingRow, pack_forward, payload_len, unpack_forward
+
+    inputs = [([1, 2, 3], 0, 10), ([7], 5, 40), ([4, 4, 9, 9], 0, 0)]
+    rows = [SamplingRow(3, None, 0.0, 0, 1.0), SamplingRow(9, 2**64 - 5, 0.7, 5, 0.9, True, True, 1),
+            SamplingRow(10, None, 0.0, 0, 1.0, False, True, 4)]
+    hdr, payload = pack_forward(12, inputs, rows, [5])
+    assert payload.numel() == payload_len(hdr)
+    msg = unpack_forward(hdr, payload)
+    assert msg.rows == rows and msg.inputs == inputs and msg.free == [5]
+    assert msg.logit_rows == [1, 1, 4]
+    assert unpack_forward(*pack_forward(13, inputs, rows[:2] + [rows[0]], [])).logit_rows is None
+
+
+def test_a_failure_on_the_driver_fails_only_the_rows_sampled_there():
+    """Should sampling on the driver raise, its rows fail with the reason and the worker's rows
+    keep their tokens."""
+    import torch
+
+    from orca_ext.distributed.driver_sampling import DriverRows, WorkerResult
+    from orca_ext.request import Request
+    from orca_ext.sampling import SampleResult, Sampler
+
+    class Broken(Sampler):
+        def __call__(self, logits, requests):
+            raise RuntimeError("broken on purpose")
+
+    requests = [Request(str(i), [1, 2, 3], SamplingParams(max_tokens=2, logprobs=1 if i % 2 else None))
+                for i in range(4)]
+    inputs = [([1, 2, 3], 0, 16 * i) for i in range(4)]
+    rows = DriverRows(requests, inputs, None, [1, 3])
+    answer = WorkerResult(SampleResult([5, 0, 6, 0], [None] * 4), torch.randn(2, 32))
+    result = rows.merge(Broken(), answer)
+    assert result.tokens[0::2] == [5, 6] and result.errors[0::2] == [None, None]
+    assert result.tokens[1::2] == [None, None] and all("broken on purpose" in e for e in result.errors[1::2])
+    # The same rows through the real sampler: greedy tokens of their own logits rows, with logprobs.
+    logits = torch.randn(2, 32)
+    result = DriverRows(requests, inputs, None, [1, 3]).merge(Sampler(), WorkerResult(
+        SampleResult([5, 0, 6, 0], [None] * 4), logits))
+    assert result.tokens == [5, int(logits[0].argmax()), 6, int(logits[1].argmax())]
+    assert result.logprobs[0] is None and result.logprobs[1].token_id == result.tokens[1]
+    assert result.logprobs[3].logprob == pytest.approx(float(logits[1].double().log_softmax(0).max()), abs=1e-6)
