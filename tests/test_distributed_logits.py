@@ -115,23 +115,28 @@ def reference(tiny_model_dir, compiler):
         return jobs, [outcome(o) for o in run_jobs(local, jobs)]
 
 
-@pytest.mark.parametrize("tp,pp", [(2, 1), (1, 2)], ids=["tp2", "pp2"])
-def test_logits_features_equal_the_single_process(tiny_model_dir, reference, tp, pp, monkeypatch):
+@pytest.mark.parametrize("tp,pp,prefix_caching", [(2, 1, False), (1, 2, True)], ids=["tp2-fork", "pp2-prefix-cache"])
+def test_logits_features_equal_the_single_process(tiny_model_dir, reference, tp, pp, prefix_caching, monkeypatch):
+    """-tp 2 shares the n = 3 prefill by the engine's fork, -pp 2 (a batch is mostly in flight,
+    so no fork) by prefix cache hits on the first sequence's rows: both copy KV rows in the
+    workers (move_slabs)."""
     jobs, want = reference
     assert all(w[0] in ("length", "stop") for w in want), want
     assert any(w[3] for w in want) and any(w[4] for w in want)  # logprobs and prompt logprobs were asked
     with Server(str(tiny_model_dir("llama")), tensor_parallel_size=tp, pipeline_parallel_size=pp,
-                record_iterations=True, **SERVER_OPTIONS) as server:
+                record_iterations=True, prefix_caching=prefix_caching, **SERVER_OPTIONS) as server:
         outs = run_jobs(server, jobs)
         got = [outcome(o) for o in outs]
         exact = tp == 1  # pipeline stages pass activations on; -tp sums partial products in another order
         for i, (g, w) in enumerate(zip(got, want)):
             assert_same(g, w, exact, f"job {i}: {jobs[i][1]}")
         # Chunked prefill split the scored prompts; the siblings copied the first sequence's
-        # prompt KV in the workers (the engine's fork or prefix cache hits, both move_slabs).
+        # prompt KV in the workers.
         assert max(c for rec in server.iterations() for c in rec.chunk_sizes) <= 16
-        shared = server._engine.num_forked_tokens + sum(o.num_cached_tokens for o in outs[-N_SEQUENCES + 1:])
+        forked = server._engine.num_forked_tokens
+        shared = forked + sum(o.num_cached_tokens for o in outs[-N_SEQUENCES + 1:])
         assert shared == (N_SEQUENCES - 1) * (len(jobs[-1][0]) - 1)
+        assert (forked > 0) == (not prefix_caching)
 
         # A row whose sampling fails on the driver fails its request alone: its batch-mates (on
         # the driver and on the worker) end as in one process.
