@@ -3,8 +3,8 @@ thread waits on the processes this driver started.
 
 A listener blocks on a receive from its own worker only, so it learns at once when the worker's
 connection closes (gloo fails a pending receive when the peer goes away). Results (a
-driver_sampling.WorkerResult) and logits resolve the oldest in-flight batch; statistics go to the StatsBoard; an error report, a lost
-connection or a process exit is handed to `on_failure`.
+driver_sampling.WorkerResult) and logits resolve the oldest in-flight batch; statistics go to
+the StatsBoard; an error report, a lost connection or a process exit is handed to `on_failure`.
 """
 from __future__ import annotations
 
