@@ -98,6 +98,18 @@ class Executor(Protocol):
         """Release the model and any worker processes. Idempotent."""
 
 
+def sample_logits(sampler: Sampler, logits: torch.Tensor, logit_rows: Optional[Sequence[int]], requests: Sequence,
+                  inputs: Sequence[tuple]) -> SampleResult:
+    """The tokens, logprobs and prompt logprobs of `requests` from the logits [R, V] a forward
+    returned for them (`logit_rows` as ForwardBatch.logit_rows: None for one row each). The one
+    sampling path of LocalExecutor and of the rows a DistributedExecutor samples on its driver,
+    so that both give the same results."""
+    logits, prompt_logprobs = split_logits(logits, logit_rows, requests, inputs)
+    result = sampler(logits, requests)
+    result.prompt_logprobs = prompt_logprobs
+    return result
+
+
 class LocalExecutor:
     """Model and KV pools in this process; a batch has finished when `execute` returns.
 
@@ -129,10 +141,8 @@ class LocalExecutor:
         try:
             with torch.inference_mode():
                 fb = ForwardBatch.build(batch.inputs, self.model.device, batch.logit_rows)
-                logits, prompt_logprobs = split_logits(self.model.forward(fb), fb.logit_rows,
-                                                       batch.requests, batch.inputs)
-                result = self.sampler(logits, batch.requests)
-                result.prompt_logprobs = prompt_logprobs
+                result = sample_logits(self.sampler, self.model.forward(fb), fb.logit_rows, batch.requests,
+                                       batch.inputs)
         except Exception as exc:  # one bad batch must not kill the loop
             log.exception("iteration %d failed; failing its %d requests", batch.index, len(batch.requests))
             result = exc

@@ -230,12 +230,14 @@ def test_a_compiler_bug_does_not_leave_waiters_hanging(compiler, monkeypatch):
             compiler.compile(spec)
 
 
-def test_parallel_workers_refuse_guided_rows(engine_compiler):
-    """-tp/-pp workers sample without a matcher: a guided request's row fails (its request ends
-    with an error) instead of sampling unconstrained."""
+def test_parallel_workers_leave_guided_rows_to_the_driver(engine_compiler):
+    """-tp/-pp workers sample without a matcher: a guided request's row is sampled on the driver,
+    which holds its matcher, and never unconstrained on a worker."""
+    from orca_ext.distributed.driver_sampling import samples_on_driver
     from orca_ext.distributed.messages import sampling_row
 
     g = engine_compiler.compile(choice_spec(["x", "y"], "guided_choice"))
-    with pytest.raises(ValueError, match="single-process"):
-        sampling_row(0, SamplingParams(guided=g), True, 100)
+    assert samples_on_driver(Request("a", [1], SamplingParams(guided=g)), 1)
+    assert not samples_on_driver(Request("b", [1], SamplingParams()), 1)
+    assert sampling_row(0, SamplingParams(guided=g), True, 100, on_driver=True).on_driver
     assert sampling_row(0, SamplingParams(), True, 100).seed is None

@@ -147,20 +147,22 @@ def test_http_n_bounds(server, body, param):
     assert err.status_code == 400 and err.body["param"] == param
 
 
-def test_parallel_workers_share_prefill_and_refuse_logprobs_alone(tiny_model_dir):
+def test_parallel_workers_share_prefill_and_serve_logprobs(tiny_model_dir):
     """Two pipeline stages: n siblings equal the single-process runs of their seeds (forked or, with
-    a batch in flight, prefilled alone); a request asking for logprobs fails alone, with a message
-    that says why, and its batch-mates finish."""
+    a batch in flight, prefilled alone); a batch-mate asking for logprobs (sampled on the driver)
+    gets the single process's tokens and logprobs."""
     model_dir = tiny_model_dir("llama")
     prompt = list(range(500, 530))
     params = SamplingParams(max_tokens=5, temperature=0.9, seed=41, ignore_eos=True)
+    scored = SamplingParams(max_tokens=3, logprobs=1)
     with Server(str(model_dir), device="cpu", dtype="float32", n_slots=800, max_batch_size=4,
                 pipeline_parallel_size=2) as server:
         rids = submit_n(server, prompt, params)
-        bad = server.submit(prompt, SamplingParams(max_tokens=3, logprobs=1))
+        with_logprobs = server.submit(prompt, scored)
         outs = [server.result(r, timeout=300) for r in rids]
-        refused = server.result(bad, timeout=300)
-    assert refused.finish_reason == "error" and "not supported with tensor or pipeline" in refused.error
+        got = server.result(with_logprobs, timeout=300)
     with Server(str(model_dir), device="cpu", dtype="float32", n_slots=800, max_batch_size=4) as local:
         want = [local.generate(prompt, params.for_sequence(i))[0].token_ids for i in range(N)]
+        alone = local.generate(prompt, scored)[0]
+    assert got.finish_reason == "length" and (got.token_ids, got.logprobs) == (alone.token_ids, alone.logprobs)
     assert [o.token_ids for o in outs] == want

@@ -5,7 +5,9 @@ The driver process keeps the request pool, the scheduler, the slab allocator (so
 are the same in every worker's pools), tokenizer and detokenizer, Server and HTTP. The tp x pp
 workers own the weights and KV pools (worker.py). Per iteration the driver posts the batch's
 inputs to every worker on the control group and returns a future at once; the sampling worker
-(last stage, tensor rank 0) sends the token ids back, and a listener thread resolves the future.
+(last stage, tensor rank 0) sends the token ids back, with the logits rows of the requests that
+need request-side state to be sampled (logprobs, logits controls, grammars), which the driver
+samples itself (driver_sampling.py); a listener thread resolves the future.
 Up to n_workers = pp batches are in flight, one per stage. Slab compaction posts the moves to
 every worker the same way; each worker applies them between the batches posted before and after.
 
@@ -16,6 +18,7 @@ This class is the facade; each of its jobs lives in its own module:
     listener.py     one thread per worker receiving its answers; a watcher of the processes
     failures.py     the failure record and the root cause's message
     stats.py        the workers' time splits (benchmarks)
+    driver_sampling.py  the rows sampled on the driver, merged into the workers' result
 
 Faults. A row whose sampling parameters cannot be packed fails alone, and a batch that cannot be
 packed fails alone, before anything is sent (as in one process). Any failure of the group (a
@@ -41,7 +44,9 @@ from .. import modes
 from ..config import DEFAULT_WORKER_TIMEOUT_S
 from ..executor import BatchFuture
 from ..models.sharding import check_shardable
+from ..sampling import Sampler
 from .channel import ControlChannel
+from .driver_sampling import DriverRows, samples_on_driver
 from .failures import FAILURE_GRACE_S, Failure, FailureLog, WorkerFailedError, root_cause
 from .groups import store_client
 from .heartbeat import DEFAULT_HEARTBEAT_INTERVAL_S, DEFAULT_HEARTBEAT_TIMEOUT_S, HeartbeatMonitor, \
@@ -102,6 +107,7 @@ class DistributedExecutor:
         self._seq_ids: dict = {}                 # Request -> seq id (identity-hashed)
         self._next_seq = 0
         self._free: list[int] = []               # seq ids whose generators the sampler may drop
+        self._sampler = Sampler()                # the rows sampled here (driver_sampling.py)
         self._failures = FailureLog()
         self._error: Optional[str] = None
         self._stopping = False
@@ -215,7 +221,7 @@ class DistributedExecutor:
         sampling parameters cannot be packed fails alone, and a batch that cannot be packed fails
         alone, before anything reaches the workers (nothing is left in flight to answer)."""
         future = BatchFuture()
-        rows, row_errors = self._sampling_rows(batch.requests)
+        rows, row_errors, driver_rows = self._sampling_rows(batch)
         with self._channel.lock:
             with self._lock:
                 free, self._free = self._free, []
@@ -228,7 +234,7 @@ class DistributedExecutor:
                 future.resolve(RuntimeError(f"iteration {batch.index} could not be packed for the workers: "
                                             f"{type(exc).__name__}: {exc}"))
                 return future
-            self._post(batch.index, _failing_rows(future, row_errors) if row_errors else future, *message)
+            self._post(batch.index, self._completion(batch.index, future, driver_rows, row_errors), *message)
         return future
 
     def forward_logits(self, inputs: list, index: int = -1) -> BatchFuture:
@@ -273,18 +279,51 @@ class DistributedExecutor:
             if seq is not None and req.params.seed is not None:
                 self._free.append(seq)
 
-    def _sampling_rows(self, requests) -> tuple[list[SamplingRow], dict[int, str]]:
-        """The batch's sampling rows, and the error of each row whose values cannot be packed (a
-        stand-in that draws nothing takes its place; its error replaces its result)."""
-        rows, errors = [], {}
-        for i, req in enumerate(requests):
+    def _sampling_rows(self, batch) -> tuple[list[SamplingRow], dict[int, str], DriverRows]:
+        """The batch's sampling rows, the error of each row whose values cannot be packed (a
+        stand-in that draws nothing takes its place; its error replaces its result), and the
+        rows this driver samples from the logits the sampling worker sends back."""
+        rows, errors, on_driver = [], {}, []
+        for i, req in enumerate(batch.requests):
             seq = self._seq_id(req)
+            n_logits = 1 if batch.logit_rows is None else int(batch.logit_rows[i])
             try:
-                rows.append(sampling_row(seq, req.params, req.emits_token, self.spec.vocab_size))
+                here = samples_on_driver(req, n_logits)
+                rows.append(sampling_row(seq, req.params, req.emits_token, self.spec.vocab_size, on_driver=here,
+                                         logit_rows=n_logits))
+                if here:
+                    on_driver.append(i)
             except Exception as exc:
                 errors[i] = f"sampling failed: {type(exc).__name__}: {exc}"
                 rows.append(SamplingRow(seq, None, 0.0, 0, 1.0, emits_token=False))
-        return rows, errors
+        return rows, errors, DriverRows(batch.requests, batch.inputs, batch.logit_rows, on_driver)
+
+    def _completion(self, index: int, future: BatchFuture, driver_rows: DriverRows,
+                    errors: dict[int, str]) -> BatchFuture:
+        """The future to post for a batch: when the sampling worker's answer arrives, the rows
+        this driver samples are sampled, the rows that failed here get their errors, and
+        `future` resolves with the batch's SampleResult. Runs on the listener thread; the
+        engine touches none of these requests until `future` resolves."""
+        posted = BatchFuture()
+
+        def complete(done: BatchFuture) -> None:
+            try:
+                answer = done.result()
+            except BaseException as exc:
+                future.resolve(exc)
+                return
+            try:
+                result = driver_rows.merge(self._sampler, answer)
+                for i, error in errors.items():
+                    result.tokens[i] = None
+                    result.errors[i] = error
+            except BaseException as exc:  # the future must resolve, whatever happened
+                log.exception("completing iteration %d failed", index)
+                result = exc
+            future.resolve(result)
+
+        posted.add_done_callback(complete)
+        return posted
 
     def _seq_id(self, req) -> int:
         with self._lock:
@@ -360,22 +399,3 @@ class DistributedExecutor:
         for future in self._inflight.close("the executor was shut down"):
             future.resolve(WorkerFailedError("the executor was shut down"))
 
-
-def _failing_rows(future: BatchFuture, errors: dict[int, str]) -> BatchFuture:
-    """The future to post for a batch whose rows `errors` failed on the driver: when the
-    workers' result arrives, those rows get their errors and `future` resolves with it."""
-    posted = BatchFuture()
-
-    def relay(done: BatchFuture) -> None:
-        try:
-            result = done.result()
-        except BaseException as exc:
-            future.resolve(exc)
-            return
-        for i, error in errors.items():
-            result.tokens[i] = None
-            result.errors[i] = error
-        future.resolve(result)
-
-    posted.add_done_callback(relay)
-    return posted

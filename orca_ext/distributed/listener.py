@@ -2,9 +2,9 @@
 thread waits on the processes this driver started.
 
 A listener blocks on a receive from its own worker only, so it learns at once when the worker's
-connection closes (gloo fails a pending receive when the peer goes away). Results and logits
-resolve the oldest in-flight batch; statistics go to the StatsBoard; an error report, a lost
-connection or a process exit is handed to `on_failure`.
+connection closes (gloo fails a pending receive when the peer goes away). Results (a
+driver_sampling.WorkerResult) and logits resolve the oldest in-flight batch; statistics go to
+the StatsBoard; an error report, a lost connection or a process exit is handed to `on_failure`.
 """
 from __future__ import annotations
 
@@ -16,6 +16,7 @@ import torch
 
 from ..sampling import SampleResult
 from .channel import ControlChannel
+from .driver_sampling import WorkerResult
 from .failures import Failure
 from .inflight import InFlight
 from .messages import HEADER_LEN, KIND_BYE, KIND_ERROR, KIND_LOGITS, KIND_RESULT, KIND_STATS, WorkerTimes, \
@@ -56,11 +57,12 @@ class Listeners:
                 recv(w.rank, hdr)
                 kind = int(hdr[0])
                 if kind == KIND_RESULT:
-                    index, b, n_err = int(hdr[1]), int(hdr[2]), int(hdr[3])
+                    index, b, n_err, r, v = (int(x) for x in hdr[1:6])
                     tokens = recv(w.rank, torch.empty(b, dtype=torch.int64)).tolist()
                     data = recv(w.rank, torch.empty(n_err, dtype=torch.uint8)) if n_err else None
+                    logits = recv(w.rank, torch.empty(r, v, dtype=torch.float32)) if r else torch.empty(0, v)
                     result = SampleResult([t if t >= 0 else None for t in tokens], unpack_row_errors(data, tokens))
-                    self._answer(w, index, result)
+                    self._answer(w, index, WorkerResult(result, logits))
                 elif kind == KIND_LOGITS:
                     index, b, v = int(hdr[1]), int(hdr[2]), int(hdr[3])
                     self._answer(w, index, recv(w.rank, torch.empty(b, v, dtype=torch.float32)))

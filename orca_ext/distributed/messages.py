@@ -8,15 +8,18 @@ handles the driver's messages one at a time in that order.
 
 Driver -> every worker (TAG_DOWN):
     [OP_FORWARD, batch index, T, B, n_free]    one per iteration
-        + int64 [T + 9*B + n_free]:
+        + int64 [T + 10*B + n_free]:
         token ids [T] | q_len [B] | start_pos [B] | slab_start [B]             (the ForwardBatch inputs)
-        seq_id [B] | seed [B] | flags [B] | top_k [B] | temperature [B] | top_p [B]   (sampling;
-            flags: bit 0 the row has a seed, bit 1 the row emits no token (a prompt chunk that
-            is not the last); floats travel as the bits of a float64, seeds as the two's
-            complement of seed mod 2^64)
+        seq_id [B] | seed [B] | flags [B] | top_k [B] | logit_rows [B] | temperature [B] | top_p [B]
+            (sampling; flags: bit 0 the row has a seed, bit 1 the row emits no token (a prompt
+            chunk that is not the last), bit 2 the row is sampled on the driver; logit_rows: the
+            logits rows the forward returns for the row (ForwardBatch.logit_rows: 1, or every
+            token of a prompt chunk for prompt logprobs); floats travel as the bits of a float64,
+            seeds as the two's complement of seed mod 2^64)
         free seq ids [n_free]   (finished requests: the sampler may drop their generators)
-    [OP_MOVE, M]                               slab compaction (no batch in flight) and prefix
-                                               cache copies (into a slab no batch has used yet)
+    [OP_MOVE, M]                               slab compaction (no batch in flight), n > 1 forks
+                                               and prefix cache copies (into a slab no batch has
+                                               used yet)
         + int64 [M * 3]: rows (src, dst, n) of ops.slab_move, applied to every layer's K and V
           pool before any later message
     [OP_LOGITS, batch index, T, B, 0]          a forward whose sampling worker returns the
@@ -25,13 +28,28 @@ Driver -> every worker (TAG_DOWN):
     [OP_STATS, reset] / [OP_STOP]              no payload
 
 Worker -> driver (TAG_UP):
-    [KIND_RESULT, batch index, B, n_err]       + tokens int64 [B] (-1: the row failed)
+    [KIND_RESULT, batch index, B, n_err, R, V] + tokens int64 [B] (-1: the row failed; 0 for a
+                                                 row that draws nothing here)
         (+ the failed rows' messages, utf-8, NUL-separated, uint8 [n_err], when n_err > 0)
+        (+ float32 [R, V] when R > 0: the logits rows of the rows sampled on the driver, in row
+           order, each row's logit_rows of them)
         sent by the sampling worker (last stage, tensor rank 0) only
     [KIND_LOGITS, batch index, B, V]           + float32 [B, V] (answer to OP_LOGITS, sampling worker)
     [KIND_ERROR, batch index or -1, n_bytes, is_communication_error] + utf-8 text uint8 [n_bytes]
     [KIND_STATS, n]                            + float64 [n] (WorkerTimes.FIELDS)
     [KIND_BYE]                                 the worker stops after an OP_STOP
+
+Rows sampled on the driver. A request that needs request-side state to be sampled (logprobs,
+prompt logprobs, penalties / logit_bias / min_tokens with its token history, a grammar matcher)
+is sampled by the driver with the same code as one process (executor.sample_logits); the
+sampling worker draws nothing for it and sends its logits rows back instead. Plain rows cost what
+they always did: one token id each. The logits part of a KIND_RESULT is bounded by the
+iteration: R <= B + (prompt tokens of the chunks of prompt-logprobs requests) <= B + the
+scheduler's token budget per iteration (max_num_batched_tokens: chunked prefill splits longer
+prompts), so at most (max_batch_size + max_num_batched_tokens) * V * 4 bytes, and exactly B' * V
+* 4 bytes for B' such rows when no prompt logprobs are asked for. Without a token budget a
+prompt-logprobs request sends its whole prompt's rows in one message, as one process holds them
+in one logits tensor.
 """
 from __future__ import annotations
 
@@ -79,13 +97,15 @@ class SamplingRow:
     top_k: int
     top_p: float
     emits_token: bool = True  # False for a prompt chunk that is not the prompt's last: no draw
+    on_driver: bool = False   # the driver samples this row: the worker sends its logits rows back
+    logit_rows: int = 1       # logits rows the forward returns for it (ForwardBatch.logit_rows)
 
     @property
     def greedy(self) -> bool:
         return self.temperature < GREEDY_TEMPERATURE  # the rule of SamplingParams.greedy
 
-    # Not carried to the workers (sampling_row refuses a request that asks for them): the
-    # sampler reads them as off.
+    # Not carried to the workers (a request that asks for them is sampled on the driver): the
+    # workers' sampler reads them as off.
     @property
     def logprobs(self) -> None:
         return None
@@ -95,22 +115,20 @@ class SamplingRow:
         return False
 
 
-def sampling_row(seq_id: int, params, emits_token: bool, vocab_size: int) -> SamplingRow:
+def sampling_row(seq_id: int, params, emits_token: bool, vocab_size: int, *, on_driver: bool = False,
+                 logit_rows: int = 1) -> SamplingRow:
     """One request's SamplingRow, clamped once, before anything is packed, the way the
     single-process sampler clamps at use, so that any value SamplingParams accepts fits the
     message's int64/float64 fields and samples the same tokens: top_k to the vocabulary (any
     top_k >= vocab keeps every token), the temperature to float32's range, the seed to its
-    residue mod 2**64 (the generator's seed). Logprobs, logits controls and grammars are not
-    carried to the workers: a request that asks for them fails (alone) with a message that says so."""
-    if params.logprobs is not None or params.prompt_logprobs is not None or params.controls_logits:
-        raise ValueError("logprobs, prompt_logprobs, penalties, logit_bias and min_tokens are not "
-                         "supported with tensor or pipeline parallel workers")
-    if params.guided is not None:  # the workers' sampler has no grammar matcher (docs/DESIGN.md)
-        raise ValueError("guided decoding runs in the single-process engine only, not with -tp/-pp")
+    residue mod 2**64 (the generator's seed). A row sampled on the driver carries neutral values
+    (the worker draws nothing for it; the driver reads the request's own params)."""
+    if on_driver:
+        return SamplingRow(seq_id, None, 0.0, 0, 1.0, bool(emits_token), True, int(logit_rows))
     seed = None if params.seed is None else operator.index(params.seed) % _U64
     top_k = min(operator.index(params.top_k), vocab_size)
     return SamplingRow(seq_id, seed, min(float(params.temperature), _FLOAT32_MAX), top_k, float(params.top_p),
-                       bool(emits_token))
+                       bool(emits_token), False, int(logit_rows))
 
 
 def pack_row_errors(errors: Sequence[Optional[str]]) -> torch.Tensor:
@@ -139,6 +157,12 @@ class ForwardMessage:
     rows: list              # [SamplingRow] in batch order
     free: list              # seq ids whose sampling state can be dropped
 
+    @property
+    def logit_rows(self) -> Optional[list[int]]:
+        """ForwardBatch.build's logit_rows (None: one row each, the last token's)."""
+        counts = [r.logit_rows for r in self.rows]
+        return None if all(n == 1 for n in counts) else counts
+
 
 def pack_forward(index: int, inputs: Sequence[tuple], rows: Sequence[SamplingRow],
                  free: Sequence[int], op: int = OP_FORWARD) -> tuple[torch.Tensor, torch.Tensor]:
@@ -154,9 +178,10 @@ def pack_forward(index: int, inputs: Sequence[tuple], rows: Sequence[SamplingRow
     for r in rows:
         u = 0 if r.seed is None else r.seed % _U64
         seeds.append(u - _U64 if u >= 1 << 63 else u)
-    # One flags int per row: bit 0 the row has a seed, bit 1 it emits no token.
-    flags = [int(r.seed is not None) | (0 if r.emits_token else 2) for r in rows]
-    ints += [r.seq_id for r in rows] + seeds + flags + [r.top_k for r in rows]
+    # One flags int per row: bit 0 the row has a seed, bit 1 it emits no token, bit 2 the driver
+    # samples it.
+    flags = [int(r.seed is not None) | (0 if r.emits_token else 2) | (4 if r.on_driver else 0) for r in rows]
+    ints += [r.seq_id for r in rows] + seeds + flags + [r.top_k for r in rows] + [r.logit_rows for r in rows]
     floats = torch.tensor([r.temperature for r in rows] + [r.top_p for r in rows], dtype=torch.float64)
     payload = torch.cat([torch.tensor(tokens + ints, dtype=torch.int64), floats.view(torch.int64),
                          torch.tensor(list(free), dtype=torch.int64)])
@@ -185,7 +210,7 @@ def payload_len(h: torch.Tensor) -> int:
     op = int(h[0])
     if op in (OP_FORWARD, OP_LOGITS):
         t, b, n_free = int(h[2]), int(h[3]), int(h[4])
-        return t + 9 * b + n_free
+        return t + 10 * b + n_free
     if op == OP_MOVE:
         return 3 * int(h[1])
     return 0
@@ -194,17 +219,18 @@ def payload_len(h: torch.Tensor) -> int:
 def unpack_forward(h: torch.Tensor, payload: torch.Tensor) -> ForwardMessage:
     t, b, n_free = int(h[2]), int(h[3]), int(h[4])
     tokens = payload[:t].tolist()
-    ints = payload[t:t + 7 * b].tolist()
-    floats = payload[t + 7 * b:t + 9 * b].view(torch.float64).tolist()
-    free = payload[t + 9 * b:t + 9 * b + n_free].tolist()
+    ints = payload[t:t + 8 * b].tolist()
+    floats = payload[t + 8 * b:t + 10 * b].view(torch.float64).tolist()
+    free = payload[t + 10 * b:t + 10 * b + n_free].tolist()
     q_len, start, slab = ints[:b], ints[b:2 * b], ints[2 * b:3 * b]
     seq, seed, flags, top_k = ints[3 * b:4 * b], ints[4 * b:5 * b], ints[5 * b:6 * b], ints[6 * b:7 * b]
+    logit_rows = ints[7 * b:8 * b]
     inputs, rows, pos = [], [], 0
     for i in range(b):
         inputs.append((tokens[pos:pos + q_len[i]], start[i], slab[i]))
         pos += q_len[i]
         rows.append(SamplingRow(seq[i], seed[i] % _U64 if flags[i] & 1 else None, floats[i], top_k[i],
-                                floats[b + i], not flags[i] & 2))
+                                floats[b + i], not flags[i] & 2, bool(flags[i] & 4), logit_rows[i]))
     return ForwardMessage(int(h[1]), inputs, rows, free)
 
 

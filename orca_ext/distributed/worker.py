@@ -148,15 +148,16 @@ def _main(launch: WorkerLaunch) -> int:
 
 class _Row:
     """A batch row as the Sampler sees a request: its params, its generator, and whether this
-    iteration samples its next token (not for a prompt chunk other than the last)."""
+    worker draws its next token: not for a prompt chunk other than the last, nor for a row the
+    driver samples (it has the request's grammar matcher, token history and logprobs settings)."""
 
     __slots__ = ("params", "generator", "emits_token")
-    guided = None  # guided decoding runs in the single-process engine only (docs/DESIGN.md)
+    guided = None  # a guided request is sampled on the driver
 
     def __init__(self, params, generator):
         self.params = params
         self.generator = generator
-        self.emits_token = params.emits_token
+        self.emits_token = params.emits_token and not params.on_driver
 
 
 class Worker:
@@ -281,7 +282,7 @@ class Worker:
             self.generators.pop(seq, None)
         with torch.inference_mode():
             with self.clock.compute():
-                fb = ForwardBatch.build(msg.inputs, self.device)
+                fb = ForwardBatch.build(msg.inputs, self.device, msg.logit_rows)
             hidden = None
             if not self.first:
                 with self.clock.measure("data_recv"):
@@ -304,18 +305,32 @@ class Worker:
         self.batch_index = None
 
     def _sample(self, msg, logits: torch.Tensor) -> None:
+        """Draw the plain rows' tokens from logits [R, V] (R = sum of the rows' logit_rows) and
+        send them up, with the logits rows of the rows the driver samples."""
+        counts = [r.logit_rows for r in msg.rows]
+        on_driver = [i for i, r in enumerate(msg.rows) if r.on_driver]
+        driver_logits = torch.empty(0, logits.shape[1], dtype=torch.float32)
+        if on_driver:
+            ends = torch.tensor(counts).cumsum(0)
+            picked = torch.cat([torch.arange(int(ends[i]) - counts[i], int(ends[i])) for i in on_driver])
+            driver_logits = logits[picked.to(logits.device)].float().cpu().contiguous()
+        if len(logits) != len(counts):  # some row returned more than its last row
+            logits = logits[(torch.tensor(counts).cumsum(0) - 1).to(logits.device)]
         rows = [_Row(r, self.generators.get(r.seq_id)) for r in msg.rows]
         result = self.sampler(logits, rows)
         for row in rows:
             if row.generator is not None:
                 self.generators[row.params.seq_id] = row.generator
-        # A row without a token (a non-final prompt chunk) sends 0; the driver drops that token.
+        # A row without a token (a non-final prompt chunk, a row the driver samples) sends 0;
+        # the driver drops or replaces that token.
         tokens = torch.tensor([-1 if e is not None else (0 if t is None else t)
                                for t, e in zip(result.tokens, result.errors)], dtype=torch.int64)
         errors = pack_row_errors(result.errors)
-        self._send_up(header(KIND_RESULT, msg.index, len(rows), errors.numel()), tokens)
+        self._send_up(header(KIND_RESULT, msg.index, len(rows), errors.numel(), *driver_logits.shape), tokens)
         if errors.numel():
             self._send_up(errors)
+        if driver_logits.numel():
+            self._send_up(driver_logits)
 
     def _send_stats(self, reset: bool) -> None:
         values = self.clock.snapshot().to_tensor()

@@ -377,9 +377,6 @@ class Service:
         spec = body.guided_spec()
         if spec is None:
             return None
-        if self.server.tensor_parallel_size > 1 or self.server.pipeline_parallel_size > 1:
-            raise InvalidRequestError(f"{spec.field}: guided decoding runs in the single-process engine only; "
-                                      "this server runs with tensor or pipeline parallelism", param=spec.field)
         if self.grammars is None:
             raise InvalidRequestError(f"{spec.field}: guided decoding needs a tokenizer and this server has none",
                                       param=spec.field)
