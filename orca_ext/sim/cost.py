@@ -4,17 +4,20 @@
 
     compute  = (GEMM FLOPs / flops_per_s + attention FLOPs / attention_flops_per_s) / (tp * pp)
     memory   = (weight bytes + KV bytes read and written) / bytes_per_s / (tp * pp)
-    stage    = overhead_s + per_row_s * rows
-               + (max(compute, memory) if overlap else compute + memory)    # roofline / serial CPU
+    stage    = overhead_s + per_row_s * rows / (tp * pp)
+               + (max(compute, memory) if overlap else compute + memory)    # roofline / serial
                + all-reduces: 2 per layer, ring volume 2 (tp-1)/tp * tokens * d * act_bytes
                  over link_bytes_per_s, plus link_latency_s each
     hand-off = tokens * d * act_bytes / handoff_bytes_per_s + link_latency_s    (between stages)
     host     = host_s + host_per_row_s * rows   (the driver: postprocess and schedule, serial)
 
-A batch crosses the pp stages one after the other; a stage takes the next batch as soon as it has
-passed the last one on. `Hardware` holds the rates: fitted on this machine (fit.py) or datasheet
-and measured GPU rates (presets.py), each labelled by `source`. `ConstantCost` gives every
-iteration the same time, for schedules that can be checked by hand.
+per_row_s is work per row inside the layers (on a CPU, the projections' per-row cost beyond
+their FLOPs at small batches), so it splits over ranks and stages like the layers do. A pipeline
+stage runs the same kernels on its n_layers / pp layers: one fit of a single process prices
+every stage. A batch crosses the pp stages one after the other; a stage takes the next batch as
+soon as it has passed the last one on. `Hardware` holds the rates: fitted on this machine
+(fit.py) or datasheet and measured GPU rates (presets.py), each labelled by `source`.
+`ConstantCost` gives every iteration the same time, for schedules that can be checked by hand.
 """
 from __future__ import annotations
 
@@ -80,7 +83,7 @@ class Hardware:
     bytes_per_s: float                   # memory bandwidth
     attention_flops_per_s: float         # attention's arithmetic (slower than GEMM on a CPU)
     overhead_s: float = 0.0              # per iteration and stage: launches, framework
-    per_row_s: float = 0.0               # per request row: sampling, per-row bookkeeping
+    per_row_s: float = 0.0               # per request row, all layers: per-row kernel cost
     host_s: float = 0.0                  # the driver between two iterations
     host_per_row_s: float = 0.0
     link_bytes_per_s: float = float("inf")   # tensor-parallel all-reduce and stage hand-off link
@@ -128,7 +131,8 @@ class Roofline:
     def stage_time(self, w: Work) -> float:
         c, m = self.compute_time(w), self.memory_time(w)
         kernels = max(c, m) if self.hw.overlap else c + m
-        return self.hw.overhead_s + self.hw.per_row_s * w.rows + kernels + self.allreduce_time(w)
+        rows = self.hw.per_row_s * w.rows / (self.tp * self.pp)
+        return self.hw.overhead_s + rows + kernels + self.allreduce_time(w)
 
     def handoff_time(self, w: Work) -> float:
         if self.pp == 1:
