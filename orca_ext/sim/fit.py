@@ -28,7 +28,18 @@ from typing import Mapping
 import numpy as np
 
 from .cost import Hardware, ModelShape
+from .trace import TraceRequest, synthetic
 from .work import Work
+
+
+def fit_trace(n: int, seed: int, gap_s: float = 0.6) -> list[TraceRequest]:
+    """The fit workload: prompts U[4, 256], outputs U[8, 64]; the first half arrives one request
+    every `gap_s` (batches of 1 to a few rows: the memory-bound side), the second half at once
+    after them (16 rows and prompt chunks, then a drain from 16 rows to 1). Unlike the
+    validation workloads, whose arrivals are Poisson or all at t=0."""
+    lengths = synthetic(n, float("inf"), (4, 256), (8, 64), seed=seed)
+    half = n // 2
+    return [TraceRequest(gap_s * min(i, half), r.prompt_len, r.output_len) for i, r in enumerate(lengths)]
 
 
 def nnls(a: np.ndarray, b: np.ndarray) -> np.ndarray:
