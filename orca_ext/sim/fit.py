@@ -32,14 +32,17 @@ from .trace import TraceRequest, synthetic
 from .work import Work
 
 
-def fit_trace(n: int, seed: int, gap_s: float = 0.6) -> list[TraceRequest]:
-    """The fit workload: prompts U[4, 256], outputs U[8, 64]; the first half arrives one request
-    every `gap_s` (batches of 1 to a few rows: the memory-bound side), the second half at once
-    after them (16 rows and prompt chunks, then a drain from 16 rows to 1). Unlike the
-    validation workloads, whose arrivals are Poisson or all at t=0."""
-    lengths = synthetic(n, float("inf"), (4, 256), (8, 64), seed=seed)
+def fit_trace(n: int, seed: int, gap_s: float = 0.5) -> list[TraceRequest]:
+    """The fit workload. The first half arrives one request every `gap_s`, with short prompts
+    U[4, 64] and outputs U[16, 64]: many decodes of 1 to a few rows, the memory-bound side. The
+    second half arrives at once after them, prompts U[4, 256] and outputs U[8, 64]: prompt chunks
+    beside decodes, 16 rows, then a drain from 16 rows to 1. Unlike the validation workloads,
+    whose arrivals are Poisson or all at t=0."""
     half = n // 2
-    return [TraceRequest(gap_s * min(i, half), r.prompt_len, r.output_len) for i, r in enumerate(lengths)]
+    trickle = synthetic(max(half, 1), float("inf"), (4, 64), (16, 64), seed=seed)[:half]
+    burst = synthetic(n - half, float("inf"), (4, 256), (8, 64), seed=seed + 1)
+    return ([TraceRequest(gap_s * i, r.prompt_len, r.output_len) for i, r in enumerate(trickle)]
+            + [TraceRequest(gap_s * half, r.prompt_len, r.output_len) for r in burst])
 
 
 def nnls(a: np.ndarray, b: np.ndarray) -> np.ndarray:
