@@ -13,7 +13,7 @@ from orca_ext.config import EngineConfig
 from orca_ext.request import IterationRecord
 from orca_ext.sim.cli import main as simulate_main
 from orca_ext.sim.cost import ConstantCost, Hardware, ModelShape, Roofline
-from orca_ext.sim.fit import Calibration, calibration_from_records, fit_hardware, fit_max_form, nnls
+from orca_ext.sim.fit import Calibration, calibration_from_records, fit_hardware, fit_max_form, fit_trace, nnls
 from orca_ext.sim.loop import simulate
 from orca_ext.sim.plan import SLO, plan
 from orca_ext.sim.presets import MODELS, load_hardware, save_hardware
@@ -297,3 +297,15 @@ def test_the_simulator_makes_the_engines_batches(options, n_slots):
     assert [(tuple(map(int, rec.request_ids)), rec.chunk_sizes) for rec in engine.records] == \
         [(it.requests, it.chunk_sizes) for it in sim.iterations]
     assert sim.num_compactions == engine.num_compactions == (1 if n_slots == 70 else 0)
+
+
+def test_the_fit_workload_spans_one_to_sixteen_rows():
+    # At about this CPU's speed (a decode of a few rows ~25 ms, a 128-token chunk ~0.3 s) the
+    # trickle half runs alone or in small batches and the burst fills all 16 rows, then drains.
+    cost = ConstantCost(iteration=0.025)
+    trace = fit_trace(32, seed=1)
+    assert [r.arrival for r in trace[:16]] == pytest.approx([0.5 * i for i in range(16)])
+    r = simulate(trace, EngineConfig(max_batch_size=16), cost, 20_000, device_type="cpu")
+    rows = {it.rows for it in r.iterations if it.prefill_tokens == 0}
+    assert {1, 2, 16} <= rows and len(rows) >= 12
+    assert any(it.prefill_tokens >= 64 and it.decode_tokens > 0 for it in r.iterations)  # chunks beside decodes
