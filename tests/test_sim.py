@@ -136,7 +136,7 @@ def test_fit_recovers_known_rates_of_the_max_form_from_synthetic_iterations():
     # A CPU-like truth: a 1-row decode streams the weights (memory-bound), 16 rows or a chunk
     # are compute-bound; the fit sees both sides of the knee and must place it.
     shape = dataclasses.replace(SHAPE, n_layers=30, d_model=576, d_ff=1536, vocab=4096)
-    truth = Hardware("h", "test", flops_per_s=4.7e10, bytes_per_s=3e10, attention_flops_per_s=2e10,
+    truth = Hardware("h", "test", flops_per_s=4.7e10, bytes_per_s=3e10, attention_flops_per_s=4.7e10,
                      overhead_s=2e-3, per_row_s=3e-3, host_s=7e-4, host_per_row_s=2e-5, overlap=True)
     rng = np.random.default_rng(11)
     works = decode_and_chunk_works(rng, 300)

@@ -3,16 +3,24 @@
 The forward time of an iteration (IterationRecord: launch to complete) is fitted in the
 roofline's own form (cost.py, overlap=True):
 
-    t = overhead_s + per_row_s * rows + max(gemm_flops / flops_per_s + attention_flops /
-        attention_flops_per_s,  bytes / bytes_per_s)
+    t = overhead_s + per_row_s * rows + max((gemm_flops + attention_flops) / flops_per_s,
+                                             bytes / bytes_per_s)
 
 A small decode streams the weights and waits on memory; a full batch or a prompt chunk waits on
 the arithmetic. `max` is not linear, so the fit searches the bandwidth on a grid: for each
 bandwidth every iteration is memory- or compute-bound, and given that split the rest is a
 non-negative least-squares problem, solved again until the split is stable (a few rounds).
 The best bandwidth of the grid is refined on a finer grid around it. A coefficient of zero means
-that term is not seen in the data (its rate is infinite). Absolute, not relative, errors: with
-an intercept the residuals sum to about zero, so the model reproduces the run's total time.
+that term is not seen in the data (its rate is infinite).
+
+Attention's FLOPs share the GEMM's rate (attention_flops_per_s = flops_per_s): on this CPU they
+run at about the same rate (orca_ext/fairness.py's measured context slope), and a separate rate
+is not identifiable from a run's contexts of a few hundred tokens (fits on half-samples put it
+anywhere from 3 to 50 GFLOP/s). Errors are weighted by 1 / sqrt(t): absolute errors let the
+few long prompt-chunk iterations decide the fit and misplace the many short decodes, relative
+errors the reverse. A loaded machine's stalls skew the times upwards, so the weighted fit falls
+short of the run's total time by a few percent; every time term is then scaled by one factor so
+the model reproduces the total, which throughput and latency add up.
 
 The driver's time between an iteration's return and the next launch (postprocess, detokenize,
 schedule) is measured separately and fitted as host_s + host_per_row_s * rows, from the gaps
@@ -23,7 +31,7 @@ from __future__ import annotations
 
 import itertools
 from dataclasses import dataclass
-from typing import Mapping
+from typing import Mapping, Optional
 
 import numpy as np
 
@@ -64,24 +72,27 @@ def nnls(a: np.ndarray, b: np.ndarray) -> np.ndarray:
 
 
 def fit_max_form(fixed: np.ndarray, compute: np.ndarray, memory: np.ndarray, t: np.ndarray,
-                 grid: int = 48, rounds: int = 12) -> tuple[np.ndarray, float, float]:
-    """argmin over x, y, z >= 0 of sum (fixed @ x + max(compute @ y, memory * z) - t)^2, where
-    fixed: [N, F] (intercept, rows), compute: [N, C] (FLOPs), memory: [N] (bytes), t: [N] seconds.
-    Returns (x ++ y, z, squared error); z is the inverse bandwidth, 0 when no bandwidth helps."""
+                 weights: Optional[np.ndarray] = None, grid: int = 48,
+                 rounds: int = 12) -> tuple[np.ndarray, float, float]:
+    """argmin over x, y, z >= 0 of sum (weights * (fixed @ x + max(compute @ y, memory * z) - t))^2,
+    where fixed: [N, F] (intercept, rows), compute: [N, C] (FLOPs), memory: [N] (bytes),
+    t: [N] seconds, weights: [N] (None: 1). Returns (x ++ y, z, weighted squared error); z is the
+    inverse bandwidth, 0 when no bandwidth helps."""
     n_fixed = fixed.shape[1]
+    wt = np.ones(len(t)) if weights is None else np.asarray(weights, float)
 
     def at(z: float) -> tuple[np.ndarray, float]:
         m = memory * z
         best = (np.zeros(n_fixed + compute.shape[1]), float("inf"))
         for bound in (np.zeros(len(t), bool), m >= np.median(m)):  # two starting splits
             for _ in range(rounds):
-                coef = nnls(np.hstack([fixed, compute * ~bound[:, None]]), t - m * bound)
+                coef = nnls(np.hstack([fixed, compute * ~bound[:, None]]) * wt[:, None], (t - m * bound) * wt)
                 now = compute @ coef[n_fixed:] < m
                 if (now == bound).all():
                     break
                 bound = now
             pred = fixed @ coef[:n_fixed] + np.maximum(compute @ coef[n_fixed:], m)
-            err = float(np.sum((pred - t) ** 2))
+            err = float(np.sum((wt * (pred - t)) ** 2))
             if err < best[1]:
                 best = (coef, err)
         return best
@@ -137,12 +148,16 @@ def calibration_from_records(records, prompt_lens: Mapping[str, int]) -> Calibra
 def fit_hardware(shape: ModelShape, cal: Calibration, name: str, source: str, device_type: str = "cpu",
                  **fixed) -> Hardware:
     """A Hardware (overlap=True) whose rates best explain `cal`; `fixed` sets other fields (links)."""
-    ws = cal.works
-    coef, z, _ = fit_max_form(np.array([[1.0, w.rows] for w in ws]),
-                              np.array([[shape.gemm_flops(w), shape.attention_flops(w)] for w in ws]),
-                              np.array([shape.memory_bytes(w) for w in ws]), np.asarray(cal.forward_s))
+    ws, t = cal.works, np.asarray(cal.forward_s, float)
+    rows = np.array([[1.0, w.rows] for w in ws])
+    flops = np.array([[shape.gemm_flops(w) + shape.attention_flops(w)] for w in ws])
+    nbytes = np.array([shape.memory_bytes(w) for w in ws])
+    coef, z, _ = fit_max_form(rows, flops, nbytes, t, weights=1.0 / np.sqrt(t))
+    pred = rows @ coef[:2] + np.maximum(flops @ coef[2:], nbytes * z)
+    scale = float(t.sum() / pred.sum())   # the run's total time, stalls included
+    coef, z = coef * scale, z * scale
     h = nnls(np.array([[1.0, r] for r in cal.host_rows]), np.asarray(cal.host_s)) if cal.host_s else np.zeros(2)
     return Hardware(name=name, source=source, flops_per_s=_inv(coef[2]), bytes_per_s=_inv(z),
-                    attention_flops_per_s=_inv(coef[3]), overhead_s=float(coef[0]), per_row_s=float(coef[1]),
+                    attention_flops_per_s=_inv(coef[2]), overhead_s=float(coef[0]), per_row_s=float(coef[1]),
                     host_s=float(h[0]), host_per_row_s=float(h[1]), overlap=True, device_type=device_type,
                     **fixed)
