@@ -106,8 +106,15 @@ def test_roofline_terms_by_hand():
     tp = Roofline(SHAPE, HW, tp=2)
     ring = 2 * 4 * (2 * 1 / 2 * 11 * 64 * 4 / 1e9 + 1e-5)  # 2 all-reduces per layer, 4 layers
     assert tp.stage_time(w) == pytest.approx(1e-3 + (2e-4 + flops / 1e9 + attn / 2e8 + nbytes / 1e8) / 2 + ring)
-    pp = Roofline(SHAPE, HW, pp=2)  # a stage: half the layers' work, the whole fixed cost
-    assert pp.stage_time(w) == pytest.approx(1e-3 + (2e-4 + flops / 1e9 + attn / 2e8 + nbytes / 1e8) / 2)
+    # A stage of two: half the layers' work and the whole fixed cost; the last one also runs the
+    # output projection (2 emitting rows) and reads its weights.
+    pp = Roofline(SHAPE, HW, pp=2)
+    kv = (2 * 4 * 2 * 16 * 4) * (31 + 11)
+    first = 2 * 2 * layer * 11 / 1e9 + attn / 2 / 2e8 + (2 * layer * 4 + kv / 2) / 1e8
+    head = 2 * 64 * 100 * 2 / 1e9 + 64 * 100 * 4 / 1e8
+    assert pp.stage_time(w, 0) == pytest.approx(1e-3 + 1e-4 + first)
+    assert pp.stage_time(w, 1) == pytest.approx(1e-3 + 1e-4 + first + head)
+    assert pp.stage_time(w, 0) + pp.stage_time(w, 1) == pytest.approx(2e-3 + one.stage_time(w) - 1e-3)
     assert pp.handoff_time(w) == pytest.approx(11 * 64 * 4 / 1e9 + 1e-5)
 
 

@@ -1,9 +1,10 @@
 """Cost models: the time of one iteration, given its `Work`.
 
-`Roofline` is the model the simulator uses for real hardware. Per pipeline stage and iteration:
+`Roofline` is the model the simulator uses for real hardware. Per pipeline stage and iteration,
+where a stage holds n_layers / pp layers and the last one also the output projection:
 
-    compute  = (GEMM FLOPs / flops_per_s + attention FLOPs / attention_flops_per_s) / (tp * pp)
-    memory   = (weight bytes + KV bytes read and written) / bytes_per_s / (tp * pp)
+    compute  = (GEMM FLOPs / flops_per_s + attention FLOPs / attention_flops_per_s) / tp
+    memory   = (weight bytes + KV bytes read and written) / bytes_per_s / tp
     stage    = overhead_s + per_row_s * rows / (tp * pp)
                + (max(compute, memory) if overlap else compute + memory)    # roofline / serial
                + all-reduces: 2 per layer, ring volume 2 (tp-1)/tp * tokens * d * act_bytes
@@ -14,7 +15,8 @@
 per_row_s is work per row inside the layers (on a CPU, the projections' per-row cost beyond
 their FLOPs at small batches), so it splits over ranks and stages like the layers do. A pipeline
 stage runs the same kernels on its n_layers / pp layers: one fit of a single process prices
-every stage. A batch crosses the pp stages one after the other; a stage takes the next batch as
+every stage; the last stage's output projection (on a small model with a large vocabulary, a
+fifth of the weights) makes it the slowest. A batch crosses the pp stages one after the other; a stage takes the next batch as
 soon as it has passed the last one on. `Hardware` holds the rates: fitted on this machine
 (fit.py) or datasheet and measured GPU rates (presets.py), each labelled by `source`.
 `ConstantCost` gives every iteration the same time, for schedules that can be checked by hand.
@@ -63,14 +65,19 @@ class ModelShape:
                    spec.intermediate_size, spec.vocab_size, 3, param_bytes)
 
     # -- what an iteration costs in operations and bytes ----------------------------------------
-    def gemm_flops(self, w: Work) -> float:
-        return 2.0 * (self.n_layers * self.layer_params * w.new_tokens + self.d_model * self.vocab * w.emitting)
+    # `layers` of the n_layers (a pipeline stage's share), `head`: with the output projection.
+    def gemm_flops(self, w: Work, layers: Optional[float] = None, head: bool = True) -> float:
+        layers = self.n_layers if layers is None else layers
+        projection = self.d_model * self.vocab * w.emitting if head else 0
+        return 2.0 * (layers * self.layer_params * w.new_tokens + projection)
 
-    def attention_flops(self, w: Work) -> float:
-        return 4.0 * self.n_layers * self.n_heads * self.head_dim * w.attended
+    def attention_flops(self, w: Work, layers: Optional[float] = None) -> float:
+        return 4.0 * (self.n_layers if layers is None else layers) * self.n_heads * self.head_dim * w.attended
 
-    def memory_bytes(self, w: Work) -> float:
-        return float(self.weight_bytes + self.kv_bytes_per_token * (w.context + w.new_tokens))
+    def memory_bytes(self, w: Work, layers: Optional[float] = None, head: bool = True) -> float:
+        share = 1.0 if layers is None else layers / self.n_layers
+        weights = (share * self.n_layers * self.layer_params + (self.d_model * self.vocab if head else 0)) * self.param_bytes
+        return float(weights + share * self.kv_bytes_per_token * (w.context + w.new_tokens))
 
 
 @dataclass(frozen=True)
@@ -97,7 +104,7 @@ class Hardware:
 class CostModel(Protocol):
     n_stages: int
 
-    def stage_time(self, w: Work) -> float: ...
+    def stage_time(self, w: Work, stage: int = 0) -> float: ...
     def handoff_time(self, w: Work) -> float: ...
     def host_time(self, w: Work) -> float: ...
     def move_time(self, n_bytes: int) -> float: ...
@@ -114,12 +121,18 @@ class Roofline:
     def n_stages(self) -> int:
         return self.pp
 
-    def compute_time(self, w: Work) -> float:
-        hw, s = self.hw, self.shape
-        return (s.gemm_flops(w) / hw.flops_per_s + s.attention_flops(w) / hw.attention_flops_per_s) / (self.tp * self.pp)
+    def _stage(self, stage: int) -> tuple[float, bool]:
+        """(layers, holds the output projection) of pipeline stage `stage`."""
+        return self.shape.n_layers / self.pp, stage == self.pp - 1
 
-    def memory_time(self, w: Work) -> float:
-        return self.shape.memory_bytes(w) / self.hw.bytes_per_s / (self.tp * self.pp)
+    def compute_time(self, w: Work, stage: int = 0) -> float:
+        hw, s = self.hw, self.shape
+        layers, head = self._stage(stage)
+        return (s.gemm_flops(w, layers, head) / hw.flops_per_s
+                + s.attention_flops(w, layers) / hw.attention_flops_per_s) / self.tp
+
+    def memory_time(self, w: Work, stage: int = 0) -> float:
+        return self.shape.memory_bytes(w, *self._stage(stage)) / self.hw.bytes_per_s / self.tp
 
     def allreduce_time(self, w: Work) -> float:
         if self.tp == 1:
@@ -128,8 +141,8 @@ class Roofline:
         per_stage = 2 * self.shape.n_layers / self.pp  # after attention and after the MLP
         return per_stage * (volume / self.hw.link_bytes_per_s + self.hw.link_latency_s)
 
-    def stage_time(self, w: Work) -> float:
-        c, m = self.compute_time(w), self.memory_time(w)
+    def stage_time(self, w: Work, stage: int = 0) -> float:
+        c, m = self.compute_time(w, stage), self.memory_time(w, stage)
         kernels = max(c, m) if self.hw.overlap else c + m
         rows = self.hw.per_row_s * w.rows / (self.tp * self.pp)
         return self.hw.overhead_s + rows + kernels + self.allreduce_time(w)
@@ -156,7 +169,7 @@ class ConstantCost:
     n_stages: int = 1
     handoff: float = 0.0
 
-    def stage_time(self, w: Work) -> float:
+    def stage_time(self, w: Work, stage: int = 0) -> float:
         return self.iteration
 
     def handoff_time(self, w: Work) -> float:
