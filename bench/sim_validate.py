@@ -15,7 +15,9 @@ U[1, 128] (bench/plot_latency_throughput.py's). Configurations: `orca` (chunked 
 CPU's default budget of 128), `static`, and `orca-pp2` (-pp 2; two worker processes, n_workers
 = 2). pp2 prices each stage with the last single-process fit (or --hardware): half the layers
 per stage, the same rates. It fits one number on its own fit-workload run, the stage hand-off
-latency (fit_handoff).
+latency (fit_handoff). The workers' own batch timings (ORCA_EXT_WORKER_TRACE) check the per-stage model on
+that run: stage 0 against the model's stage 0, and the time stage 1 runs on after stage 0 is
+done against the model's last stage plus hand-off.
 
 The lead's run, about 10 minutes on a quiet 2-core machine:
 
@@ -27,7 +29,9 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
+import os
 import sys
+import tempfile
 import time
 from pathlib import Path
 
@@ -37,6 +41,7 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
 from orca_ext import EngineConfig, Server  # noqa: E402
+from orca_ext.distributed.batch_trace import TRACE_ENV  # noqa: E402
 from orca_ext.sim.cost import Roofline  # noqa: E402
 from orca_ext.sim.fit import calibration_from_records, fit_hardware, fit_trace  # noqa: E402
 from orca_ext.sim.loop import simulate  # noqa: E402
@@ -51,14 +56,50 @@ CONFIGS = {"orca": dict(scheduler="orca"), "static": dict(scheduler="static"),
            "orca-pp2": dict(scheduler="orca", pipeline_parallel_size=2)}
 
 
-def fit_handoff(server, shape, hw, config, name: str, n_requests: int, seed: int):
+def read_worker_traces(folder: Path, n_stages: int) -> list[dict]:
+    """Per stage (worker rank = stage with tp 1): batch index -> (start, end), monotonic seconds."""
+    out = []
+    for rank in range(n_stages):
+        spans = {}
+        for line in (folder / f"worker{rank}.trace").read_text().splitlines():
+            index, start, end = line.split()
+            spans[int(index)] = (float(start), float(end))
+        out.append(spans)
+    return out
+
+
+def stage_check(records, prompt_lens, cost, spans) -> dict:
+    """pp2 against the workers' own timings (ORCA_EXT_WORKER_TRACE): stage 0's forward time
+    against the model's stage 0 (half the layers, same rates), and how long stage 1 runs on after
+    stage 0 has finished a batch (hand-off plus stage 1) against the model's stage 1."""
+    records = sorted(records, key=lambda r: r.index)
+    works = calibration_from_records(records, prompt_lens).works
+    first, last = spans[0], spans[-1]
+    meas0, pred0, after, pred1 = [], [], [], []
+    for rec, w in zip(records, works):
+        if rec.index in first and rec.index in last:
+            (s0, e0), (s1, e1) = first[rec.index], last[rec.index]
+            meas0.append(e0 - s0)
+            pred0.append(cost.stage_time(w, 0))
+            after.append(e1 - max(s1, e0))
+            pred1.append(cost.stage_time(w, cost.n_stages - 1) + cost.handoff_time(w))
+    meas0, pred0, after, pred1 = map(np.array, (meas0, pred0, after, pred1))
+    return {"batches": len(meas0), "stage0_total_err": float(pred0.sum() / meas0.sum() - 1),
+            "stage0_median_abs_err": float(np.median(np.abs(pred0 / meas0 - 1))),
+            "last_stage_total_err": float(pred1.sum() / after.sum() - 1),
+            "handoff_median_s": float(np.median(after - pred1)) + cost.hw.link_latency_s}
+
+
+def fit_handoff(server, shape, hw, config, name: str, n_requests: int, seed: int, trace_dir: Path):
     """pp2: each stage is priced by the single-process fit `hw` (half the layers); the stage
     hand-off (activations through the worker pipe, and the other process's wake-up) is what a
     single process never shows. Its latency is fitted on the pp2 server's own fit-workload run,
     minimising the squared log errors of throughput and median normalised latency (a grid)."""
     trace = fit_trace(n_requests, seed)
+    skip = len(server.iterations())
     measured = replay(server, trace, seed=seed, prefix="ppfit-")
     target = measured.summary()
+    records = server.iterations()[skip:]
     sim_trace = observed_trace(measured)
     best = None
     for latency in HANDOFF_GRID_S:
@@ -70,6 +111,9 @@ def fit_handoff(server, shape, hw, config, name: str, n_requests: int, seed: int
             best = (err, cand, got)
     check = {"config": name, "measured": target, "predicted": best[2],
              "handoff_latency_s": best[1].link_latency_s}
+    check.update(stage_check(records, {f"ppfit-{i}": r.prompt_len for i, r in enumerate(trace)},
+                             Roofline(shape, best[1], pp=config.pipeline_parallel_size),
+                             read_worker_traces(trace_dir, config.pipeline_parallel_size)))
     print("fit", json.dumps(check), flush=True)
     hw_pp = dataclasses.replace(best[1], source=best[1].source + "; stage hand-off latency fitted on the pp2 "
                                 "server's fit-workload run")
@@ -124,10 +168,15 @@ def main() -> int:
     rows, checks = [], []
     for name in args.configs:
         config = EngineConfig(max_batch_size=args.max_batch_size, **CONFIGS[name])
+        trace_dir = Path(tempfile.mkdtemp(prefix="sim-validate-"))
+        if config.pipeline_parallel_size > 1:  # the workers log each batch's start and end there
+            os.environ[TRACE_ENV] = str(trace_dir)
         with Server(config=dataclasses.replace(config, record_iterations=True)) as server:
+            os.environ.pop(TRACE_ENV, None)
             replay(server, synthetic(2, float("inf"), (8, 16), (2, 4), seed=99), prefix="warmup-")
             if config.pipeline_parallel_size > 1:
-                hw_run, check = fit_handoff(server, shape, hw, config, name, args.fit_requests, args.seed + 1000)
+                hw_run, check = fit_handoff(server, shape, hw, config, name, args.fit_requests, args.seed + 1000,
+                                             trace_dir)
             else:
                 hw_run, check = fit_here(server, shape, name, args.fit_requests, args.seed + 1000)
                 hw = hw_run
@@ -171,7 +220,10 @@ def fit_table(checks) -> str:
             mm, pm = c["measured"][m], c["predicted"][m]
             cells += [f"{mm:.3g}", f"{pm:.3g}", f"{(pm - mm) / mm:+.1%}"]
         if "handoff_latency_s" in c:
-            cells.append(f"hand-off {c['handoff_latency_s'] * 1e3:.1f} ms")
+            cells.append(f"hand-off {c['handoff_latency_s'] * 1e3:.1f} ms; workers' own timings of "
+                         f"{c['batches']} batches: stage 0 {c['stage0_total_err']:+.1%} (median |err| "
+                         f"{c['stage0_median_abs_err']:.0%}), last stage + hand-off {c['last_stage_total_err']:+.1%}, "
+                         f"hand-off ~{c['handoff_median_s'] * 1e3:.1f} ms")
         else:
             cells.append(f"{c['iterations']} iterations of {c['rows_seen'][0]}-{c['rows_seen'][1]} rows; "
                          f"forward total {c['forward_total_err']:+.1%}, median |err| {c['forward_median_abs_err']:.0%}")
