@@ -316,3 +316,38 @@ def test_the_fit_workload_spans_one_to_sixteen_rows():
     rows = {it.rows for it in r.iterations if it.prefill_tokens == 0}
     assert {1, 2, 16} <= rows and len(rows) >= 12
     assert any(it.prefill_tokens >= 64 and it.decode_tokens > 0 for it in r.iterations)  # chunks beside decodes
+
+
+def test_the_fit_keeps_the_total_time_of_a_run_with_stalls():
+    # A loaded machine: a few iterations stall 3-10x. The weighted fit follows the bulk, and its
+    # terms are then scaled so the model's summed time is the run's.
+    shape = dataclasses.replace(SHAPE, n_layers=30, d_model=576, d_ff=1536, vocab=4096)
+    truth = Hardware("h", "test", flops_per_s=4.7e10, bytes_per_s=3e10, attention_flops_per_s=4.7e10,
+                     per_row_s=3e-3, overlap=True)
+    rng = np.random.default_rng(2)
+    works = decode_and_chunk_works(rng, 200)
+    model = Roofline(shape, truth)
+    stall = np.where(rng.random(len(works)) < 0.05, rng.uniform(3, 10, len(works)), 1.0)
+    forward = np.array([model.stage_time(w) for w in works]) * stall
+    fit = Roofline(shape, fit_hardware(shape, Calibration(works, list(forward), [], []), "fit", "synthetic"))
+    assert sum(fit.stage_time(w) for w in works) == pytest.approx(forward.sum(), rel=1e-9)
+    for rows in (1, 16):  # the bulk's shape survives: both sides of the knee scaled alike
+        w = Work.of([(1, 500, True)] * rows)
+        assert fit.stage_time(w) / model.stage_time(w) == pytest.approx(forward.sum() / sum(
+            model.stage_time(v) for v in works), rel=0.1)
+
+
+def test_a_pipeline_gives_each_stage_its_own_time():
+    # The last stage holds the output projection: one batch takes stage 0 + hand-off + stage 1,
+    # and back-to-back batches leave the pipeline at the slower (last) stage's pace.
+    shape = dataclasses.replace(SHAPE, vocab=20_000)
+    cost = Roofline(shape, dataclasses.replace(HW, overlap=True, link_latency_s=1e-3), pp=2)
+    w = Work.of([(1, 0, True)])
+    first, last = cost.stage_time(w, 0), cost.stage_time(w, 1)
+    assert last > 2 * first
+    one = simulate([TraceRequest(0.0, 1, 1)], EngineConfig(max_batch_size=4, **WHOLE), cost, 100)
+    assert one.iterations[0].complete == pytest.approx(first + cost.handoff_time(w) + last)
+    two = simulate([TraceRequest(0.0, 1, 1), TraceRequest(0.0, 1, 1)], EngineConfig(max_batch_size=1, **WHOLE),
+                   cost, 100)
+    done = [it.complete for it in two.iterations]
+    assert done[1] - done[0] == pytest.approx(last)
