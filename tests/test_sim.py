@@ -12,7 +12,7 @@ import pytest
 from orca_ext.config import EngineConfig
 from orca_ext.request import IterationRecord
 from orca_ext.sim.cli import main as simulate_main
-from orca_ext.sim.cost import ConstantCost, Hardware, ModelShape, Roofline
+from orca_ext.sim.cost import ConstantCost, Hardware, ModelShape, Roofline, kv_slots
 from orca_ext.sim.fit import Calibration, calibration_from_records, fit_hardware, fit_max_form, fit_trace, nnls
 from orca_ext.sim.loop import simulate
 from orca_ext.sim.plan import SLO, plan
@@ -351,3 +351,11 @@ def test_a_pipeline_gives_each_stage_its_own_time():
                    cost, 100)
     done = [it.complete for it in two.iterations]
     assert done[1] - done[0] == pytest.approx(last)
+
+
+def test_a_fitted_cpu_of_unbounded_memory_gets_the_slot_cap():
+    assert kv_slots(SHAPE, HW, 1, 2, cap=1000) == 1000
+    with pytest.raises(ValueError, match="unbounded memory"):
+        kv_slots(SHAPE, HW, 1, 1)
+    bounded = dataclasses.replace(HW, memory_bytes=1e6)
+    assert kv_slots(SHAPE, bounded, 1, 1) == int((0.9e6 - SHAPE.weight_bytes) // SHAPE.kv_bytes_per_token)

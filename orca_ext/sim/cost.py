@@ -23,6 +23,7 @@ soon as it has passed the last one on. `Hardware` holds the rates: fitted on thi
 """
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from typing import Optional, Protocol
 
@@ -184,7 +185,12 @@ class ConstantCost:
 
 def kv_slots(shape: ModelShape, hw: Hardware, tp: int, pp: int, reserve: float = 0.1,
              cap: Optional[int] = None) -> int:
-    """KV slots that fit in tp * pp devices after the weights, keeping `reserve` of memory free."""
+    """KV slots that fit in tp * pp devices after the weights, keeping `reserve` of memory free
+    (a Hardware of unbounded memory, such as a fit on a CPU, gets `cap`)."""
     free = tp * pp * hw.memory_bytes * (1 - reserve) - shape.weight_bytes
+    if math.isinf(free):
+        if cap is None:
+            raise ValueError(f"hardware {hw.name!r} has unbounded memory: give a cap on the KV slots")
+        return cap
     slots = int(free // shape.kv_bytes_per_token) if free > 0 else 0
     return slots if cap is None else min(slots, cap)
