@@ -30,6 +30,7 @@ import argparse
 import dataclasses
 import json
 import os
+import shutil
 import sys
 import tempfile
 import time
@@ -71,7 +72,7 @@ def read_worker_traces(folder: Path, n_stages: int) -> list[dict]:
 def stage_check(records, prompt_lens, cost, spans) -> dict:
     """pp2 against the workers' own timings (ORCA_EXT_WORKER_TRACE): stage 0's forward time
     against the model's stage 0 (half the layers, same rates), and how long stage 1 runs on after
-    stage 0 has finished a batch (hand-off plus stage 1) against the model's stage 1."""
+    stage 0 has finished a batch against the model's last stage plus hand-off."""
     records = sorted(records, key=lambda r: r.index)
     works = calibration_from_records(records, prompt_lens).works
     first, last = spans[0], spans[-1]
@@ -204,6 +205,7 @@ def main() -> int:
                 Path(args.out).write_text(json.dumps({"fit_checks": checks, "rows": rows},
                                                      indent=1, default=str) + "\n")
                 Path(args.table_out).write_text(fit_table(checks) + "\n\n" + table(rows) + "\n")
+        shutil.rmtree(trace_dir, ignore_errors=True)
     print(fit_table(checks))
     print(table(rows))
     return 0
