@@ -48,7 +48,11 @@ def main() -> int:
         prompt_lens = {f"fit-{i}": r.prompt_len for i, r in enumerate(trace)}
         param_bytes = server.dtype.itemsize
         spec = server.executor.spec
-    shape = ModelShape.from_spec(spec, param_bytes, name=Path(str(server.model_path)).name)
+    model_path = Path(str(server.model_path))
+    # A single-file model (the default: its GGUF, Q4_1 matrices served as they are) streams its
+    # stored blocks, not param_bytes per weight; the file's size is that weight stream.
+    weight_bytes = model_path.stat().st_size if model_path.is_file() else None
+    shape = ModelShape.from_spec(spec, param_bytes, name=model_path.name, weight_bytes=weight_bytes)
     cal = calibration_from_records(records, prompt_lens)
     hw = fit_hardware(shape, cal, name=f"cpu-{platform.node()}",
                       source=f"fitted on {len(records)} iterations of this machine ({platform.processor() or 'cpu'}, "

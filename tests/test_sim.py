@@ -359,3 +359,15 @@ def test_a_fitted_cpu_of_unbounded_memory_gets_the_slot_cap():
         kv_slots(SHAPE, HW, 1, 1)
     bounded = dataclasses.replace(HW, memory_bytes=1e6)
     assert kv_slots(SHAPE, bounded, 1, 1) == int((0.9e6 - SHAPE.weight_bytes) // SHAPE.kv_bytes_per_token)
+
+
+def test_a_quantized_model_streams_its_stored_weights_and_keeps_float_kv():
+    from types import SimpleNamespace
+    spec = SimpleNamespace(num_layers=4, hidden_size=64, num_heads=4, num_kv_heads=2, head_dim=16,
+                           intermediate_size=128, vocab_size=100)
+    dense = ModelShape.from_spec(spec, 4)
+    n_params = dense.weight_bytes // 4
+    q = ModelShape.from_spec(spec, 4, weight_bytes=0.625 * n_params)
+    assert q.weight_bytes == pytest.approx(0.625 * n_params) and q.kv_bytes_per_token == dense.kv_bytes_per_token
+    w = Work.of([(1, 50, True)])
+    assert dense.memory_bytes(w) - q.memory_bytes(w) == pytest.approx((4 - 0.625) * n_params)

@@ -23,6 +23,7 @@ soon as it has passed the last one on. `Hardware` holds the rates: fitted on thi
 """
 from __future__ import annotations
 
+import dataclasses
 import math
 from dataclasses import dataclass
 from typing import Optional, Protocol
@@ -44,6 +45,7 @@ class ModelShape:
     vocab: int
     mlp_matrices: int = 3      # 3: gated (SwiGLU) MLP; 2: GPT-3's plain MLP
     param_bytes: int = 2       # bytes per weight and per KV value (2: fp16/bf16, 4: float32)
+    weight_bytes_per_param: Optional[float] = None  # stored weights if not param_bytes (Q4_1: 0.625)
 
     @property
     def layer_params(self) -> int:
@@ -54,16 +56,28 @@ class ModelShape:
     @property
     def weight_bytes(self) -> int:
         """The weights one iteration reads: every layer and the output projection."""
-        return (self.n_layers * self.layer_params + self.d_model * self.vocab) * self.param_bytes
+        return (self.n_layers * self.layer_params + self.d_model * self.vocab) * self.stored_bytes
+
+    @property
+    def stored_bytes(self) -> float:
+        """Bytes per stored weight: param_bytes, or less for quantized blocks."""
+        return self.param_bytes if self.weight_bytes_per_param is None else self.weight_bytes_per_param
 
     @property
     def kv_bytes_per_token(self) -> int:
         return 2 * self.n_layers * self.n_kv_heads * self.head_dim * self.param_bytes
 
     @classmethod
-    def from_spec(cls, spec, param_bytes: int, name: str = "model") -> "ModelShape":
-        return cls(name, spec.num_layers, spec.hidden_size, spec.num_heads, spec.num_kv_heads, spec.head_dim,
-                   spec.intermediate_size, spec.vocab_size, 3, param_bytes)
+    def from_spec(cls, spec, param_bytes: int, name: str = "model",
+                  weight_bytes: Optional[float] = None) -> "ModelShape":
+        """`weight_bytes`: the served weights' total size where it differs from param_bytes per
+        weight (a quantized file); the shape keeps its bytes per weight."""
+        shape = cls(name, spec.num_layers, spec.hidden_size, spec.num_heads, spec.num_kv_heads, spec.head_dim,
+                    spec.intermediate_size, spec.vocab_size, 3, param_bytes)
+        if weight_bytes is None:
+            return shape
+        n_params = shape.n_layers * shape.layer_params + shape.d_model * shape.vocab
+        return dataclasses.replace(shape, weight_bytes_per_param=weight_bytes / n_params)
 
     # -- what an iteration costs in operations and bytes ----------------------------------------
     # `layers` of the n_layers (a pipeline stage's share), `head`: with the output projection.
@@ -77,7 +91,8 @@ class ModelShape:
 
     def memory_bytes(self, w: Work, layers: Optional[float] = None, head: bool = True) -> float:
         share = 1.0 if layers is None else layers / self.n_layers
-        weights = (share * self.n_layers * self.layer_params + (self.d_model * self.vocab if head else 0)) * self.param_bytes
+        params = share * self.n_layers * self.layer_params + (self.d_model * self.vocab if head else 0)
+        weights = params * self.stored_bytes
         return float(weights + share * self.kv_bytes_per_token * (w.context + w.new_tokens))
 
 
