@@ -229,12 +229,12 @@ def fit_table(checks) -> str:
             cells.append(f"hand-off {c['handoff_latency_s'] * 1e3:.1f} ms")
         elif "handoff_latency_s" in c:
             cells.append(f"hand-off {c['handoff_latency_s'] * 1e3:.1f} ms; workers' own timings of "
-                         f"{c['batches']} batches: stage 0 {c['stage0_total_err']:+.1%} (median |err| "
+                         f"{c['batches']} batches: stage 0 {c['stage0_total_err']:+.1%} (median abs err "
                          f"{c['stage0_median_abs_err']:.0%}), last stage + hand-off {c['last_stage_total_err']:+.1%}, "
                          f"hand-off ~{c['handoff_median_s'] * 1e3:.1f} ms")
         else:
             cells.append(f"{c['iterations']} iterations of {c['rows_seen'][0]}-{c['rows_seen'][1]} rows; "
-                         f"forward total {c['forward_total_err']:+.1%}, median |err| {c['forward_median_abs_err']:.0%}")
+                         f"forward total {c['forward_total_err']:+.1%}, median abs err {c['forward_median_abs_err']:.0%}")
         out.append("| " + " | ".join(cells) + " |")
     return "\n".join(out)
 
