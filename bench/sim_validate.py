@@ -2,26 +2,37 @@
 rate, replay one seeded Poisson trace on a real Server (in process, default model) and simulate
 the same trace (the arrival times the engine saw). Prints and saves predicted next to measured:
 output throughput, median normalised latency (E2E latency / output tokens) and p99 TTFT, with the
-relative error, and the run-to-run spread of the engine over --repeats runs.
+relative error, and the run-to-run spread of the engine over --repeats runs. The markdown table
+(in-sample fit checks and validation rows) goes to --table-out, ready for bench/RESULTS.md.
 
 Fit and validation use different workloads. Each single-process configuration's server first
-serves the fit workload (--fit-requests queued at t=0, prompts U[4, 256], outputs U[4, 64];
-record_iterations), and the cost model is fitted to those iterations just before the validation
-runs, so that a machine whose load drifts is measured at about the load it is predicted for.
-Validation workload: Poisson arrivals, prompts U[8, 128], outputs U[1, 128]
-(bench/plot_latency_throughput.py's). Configurations: `orca` (chunked prefill, the CPU's default
-budget of 128), `static`, and `orca-pp2` (-pp 2; two worker processes, n_workers = 2). pp2 takes
-the last single-process fit (or --hardware) and fits two numbers on its own fit-workload run
-(fit_pipeline): a factor on every time term and the stage hand-off latency.
+serves the fit workload (orca_ext.sim.fit.fit_trace: half the requests one every 0.6 s, half at
+once, so iterations span 1 to 16 rows; record_iterations), and the cost model is fitted to those
+iterations just before the validation runs, so that a machine whose load drifts is measured at
+about the load it is predicted for. The fit is checked in sample (the fit run simulated), then
+used out of sample on the validation workload: Poisson arrivals, prompts U[8, 128], outputs
+U[1, 128] (bench/plot_latency_throughput.py's). Configurations: `orca` (chunked prefill, the
+CPU's default budget of 128), `static`, and `orca-pp2` (-pp 2; two worker processes, n_workers
+= 2). pp2 prices each stage with the last single-process fit (or --hardware): half the layers
+per stage, the same rates. It fits one number on its own fit-workload run, the stage hand-off
+latency (fit_handoff). The workers' own batch timings (ORCA_EXT_WORKER_TRACE) check the per-stage model on
+that run: stage 0 against the model's stage 0, and the time stage 1 runs on after stage 0 is
+done against the model's last stage plus hand-off.
 
-    python bench/sim_validate.py --configs orca static orca-pp2 --rates 0.1 0.2 --requests 16
+The lead's run, about 10 minutes on a quiet 2-core machine:
+
+    python bench/sim_validate.py --configs orca static orca-pp2 --rates 0.3 inf --requests 16 \
+        --repeats 2 --fit-requests 32 --out bench/sim_validation_max.json --table-out bench/sim_validation_max.md
 """
 from __future__ import annotations
 
 import argparse
 import dataclasses
 import json
+import os
+import shutil
 import sys
+import tempfile
 import time
 from pathlib import Path
 
@@ -31,67 +42,117 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
 from orca_ext import EngineConfig, Server  # noqa: E402
+from orca_ext.distributed.batch_trace import TRACE_ENV  # noqa: E402
 from orca_ext.sim.cost import Roofline  # noqa: E402
-from orca_ext.sim.fit import calibration_from_records, fit_hardware  # noqa: E402
+from orca_ext.sim.fit import calibration_from_records, fit_hardware, fit_trace  # noqa: E402
 from orca_ext.sim.loop import simulate  # noqa: E402
 from orca_ext.sim.measure import observed_trace, replay  # noqa: E402
 from orca_ext.sim.presets import load_hardware, load_shape  # noqa: E402
 from orca_ext.sim.trace import synthetic  # noqa: E402
+
+HANDOFF_GRID_S = [0.0, *np.geomspace(2e-4, 0.2, 31)]
 
 METRICS = ("output_tokens_per_s", "median_normalized_latency_s", "p99_ttft_s")
 CONFIGS = {"orca": dict(scheduler="orca"), "static": dict(scheduler="static"),
            "orca-pp2": dict(scheduler="orca", pipeline_parallel_size=2)}
 
 
-def slowed(hw, factor: float):
-    """`hw` with every time term multiplied by `factor` (rates divided by it)."""
-    return dataclasses.replace(hw, flops_per_s=hw.flops_per_s / factor, bytes_per_s=hw.bytes_per_s / factor,
-                               attention_flops_per_s=hw.attention_flops_per_s / factor,
-                               overhead_s=hw.overhead_s * factor, per_row_s=hw.per_row_s * factor,
-                               host_s=hw.host_s * factor, host_per_row_s=hw.host_per_row_s * factor)
+def read_worker_traces(folder: Path, n_stages: int) -> list[dict]:
+    """Per stage (worker rank = stage with tp 1): batch index -> (start, end), monotonic seconds."""
+    out = []
+    for rank in range(n_stages):
+        spans = {}
+        for line in (folder / f"worker{rank}.trace").read_text().splitlines():
+            index, start, end = line.split()
+            spans[int(index)] = (float(start), float(end))
+        out.append(spans)
+    return out
 
 
-def fit_pipeline(server, shape, hw, config, n_requests: int, seed: int):
-    """pp2 on this CPU: the worker processes get a different share of a loaded machine than one
-    process does, and the stage hand-off costs what a single process never shows. So two numbers
-    are fitted on the pp2 server's own fit-workload run: a factor on every time term of the
-    single-process fit, and the hand-off latency, minimising the squared log errors of the
-    throughput and the median normalised latency (grid search)."""
-    trace = fit_workload(n_requests, seed)
+def stage_check(records, prompt_lens, cost, spans) -> dict:
+    """pp2 against the workers' own timings (ORCA_EXT_WORKER_TRACE): stage 0's forward time
+    against the model's stage 0 (half the layers, same rates), and how long stage 1 runs on after
+    stage 0 has finished a batch against the model's last stage plus hand-off."""
+    records = sorted(records, key=lambda r: r.index)
+    works = calibration_from_records(records, prompt_lens).works
+    first, last = spans[0], spans[-1]
+    meas0, pred0, after, pred1 = [], [], [], []
+    for rec, w in zip(records, works):
+        if rec.index in first and rec.index in last:
+            (s0, e0), (s1, e1) = first[rec.index], last[rec.index]
+            meas0.append(e0 - s0)
+            pred0.append(cost.stage_time(w, 0))
+            after.append(e1 - max(s1, e0))
+            pred1.append(cost.stage_time(w, cost.n_stages - 1) + cost.handoff_time(w))
+    meas0, pred0, after, pred1 = map(np.array, (meas0, pred0, after, pred1))
+    return {"batches": len(meas0), "stage0_total_err": float(pred0.sum() / meas0.sum() - 1),
+            "stage0_median_abs_err": float(np.median(np.abs(pred0 / meas0 - 1))),
+            "last_stage_total_err": float(pred1.sum() / after.sum() - 1),
+            "handoff_median_s": float(np.median(after - pred1)) + cost.hw.link_latency_s}
+
+
+def fit_handoff(server, shape, hw, config, name: str, n_requests: int, seed: int, trace_dir: Path):
+    """pp2: each stage is priced by the single-process fit `hw` (half the layers); the stage
+    hand-off (activations through the worker pipe, and the other process's wake-up) is what a
+    single process never shows. Its latency is fitted on the pp2 server's own fit-workload run,
+    minimising the squared log errors of throughput and median normalised latency (a grid)."""
+    trace = fit_trace(n_requests, seed)
+    skip = len(server.iterations())
     measured = replay(server, trace, seed=seed, prefix="ppfit-")
     target = measured.summary()
+    records = server.iterations()[skip:]
     sim_trace = observed_trace(measured)
     best = None
-    for factor in np.geomspace(0.2, 3.0, 16):
-        for latency in [0.0, *np.geomspace(1e-3, 0.5, 12)]:
-            cand = dataclasses.replace(slowed(hw, factor), link_latency_s=float(latency))
-            got = simulate(sim_trace, config, Roofline(shape, cand, pp=config.pipeline_parallel_size),
-                           server.n_slots, shape.kv_bytes_per_token, "cpu").summary()
-            err = sum(np.log(got[m] / target[m]) ** 2 for m in ("output_tokens_per_s", "median_normalized_latency_s"))
-            if best is None or err < best[0]:
-                best = (err, cand, got)
-    print("fit", json.dumps({"measured": target, "predicted": best[2]}), flush=True)
-    return dataclasses.replace(best[1], source=best[1].source + "; pipeline: time factor and hand-off latency "
-                               "fitted on the pp2 server's fit-workload run")
+    for latency in HANDOFF_GRID_S:
+        cand = dataclasses.replace(hw, link_latency_s=float(latency))
+        got = simulate(sim_trace, config, Roofline(shape, cand, pp=config.pipeline_parallel_size),
+                       server.n_slots, shape.kv_bytes_per_token, "cpu").summary()
+        err = sum(np.log(got[m] / target[m]) ** 2 for m in ("output_tokens_per_s", "median_normalized_latency_s"))
+        if best is None or err < best[0]:
+            best = (err, cand, got)
+    check = {"config": name, "measured": target, "predicted": best[2],
+             "handoff_latency_s": best[1].link_latency_s}
+    try:
+        spans = read_worker_traces(trace_dir, config.pipeline_parallel_size)
+    except OSError as exc:  # the check is extra: the validation goes on without it
+        print(f"no worker timings for the stage check: {exc}", flush=True)
+    else:
+        check.update(stage_check(records, {f"ppfit-{i}": r.prompt_len for i, r in enumerate(trace)},
+                                 Roofline(shape, best[1], pp=config.pipeline_parallel_size), spans))
+    print("fit", json.dumps(check), flush=True)
+    hw_pp = dataclasses.replace(best[1], source=best[1].source + "; stage hand-off latency fitted on the pp2 "
+                                "server's fit-workload run")
+    return hw_pp, check
 
 
-def fit_workload(n_requests: int, seed: int):
-    return synthetic(n_requests, float("inf"), (4, 256), (4, 64), seed=seed)
+def forward_error(records, prompt_lens, cost) -> float:
+    """The cost model's summed forward time over the engine's own iterations of a run, against
+    the measured sum: the cost model's error apart from the schedule's."""
+    cal = calibration_from_records(records, prompt_lens)
+    return float(sum(cost.stage_time(w) for w in cal.works) / sum(cal.forward_s) - 1)
 
 
-def fit_here(server, shape, n_requests: int, seed: int):
-    """Serve the fit workload on `server` (record_iterations=True) and fit a Hardware to it."""
-    trace = fit_workload(n_requests, seed)
+def fit_here(server, shape, name: str, n_requests: int, seed: int):
+    """Serve the fit workload on `server` (record_iterations=True) and fit a Hardware to it;
+    returns it and the in-sample check (the fit run simulated with the fitted model)."""
+    trace = fit_trace(n_requests, seed)
     skip = len(server.iterations())
     measured = replay(server, trace, seed=seed, prefix="fit-")
     cal = calibration_from_records(server.iterations()[skip:], {f"fit-{i}": r.prompt_len for i, r in enumerate(trace)})
     hw = fit_hardware(shape, cal, name="cpu", source=f"fitted on {len(cal.works)} iterations of the fit workload, "
                       "this machine, just before the validation runs")
-    # In-sample check: the fitted model on the run it was fitted to.
-    sim = simulate(observed_trace(measured), server.config, Roofline(shape, hw), server.n_slots,
-                   shape.kv_bytes_per_token, "cpu")
-    print("fit", json.dumps({"measured": measured.summary(), "predicted": sim.summary()}), flush=True)
-    return hw
+    model = Roofline(shape, hw)
+    pred = np.array([model.stage_time(w) for w in cal.works])
+    meas = np.array(cal.forward_s)
+    sim = simulate(observed_trace(measured), server.config, model, server.n_slots, shape.kv_bytes_per_token, "cpu")
+    rows = sorted({w.rows for w in cal.works})
+    check = {"config": name, "measured": measured.summary(), "predicted": sim.summary(),
+             "iterations": len(cal.works), "rows_seen": [rows[0], rows[-1]],
+             "forward_total_err": float(pred.sum() / meas.sum() - 1),
+             "forward_median_abs_err": float(np.median(np.abs(pred / meas - 1))),
+             "host_gap_median_s": float(np.median(cal.host_s)) if cal.host_s else 0.0}
+    print("fit", json.dumps(check), flush=True)
+    return hw, check
 
 
 def main() -> int:
@@ -99,49 +160,92 @@ def main() -> int:
     p.add_argument("--hardware", default=str(REPO / "bench" / "sim_cpu_hardware.json"))
     p.add_argument("--shape", default=str(REPO / "bench" / "sim_cpu_shape.json"))
     p.add_argument("--configs", nargs="+", default=list(CONFIGS), choices=list(CONFIGS))
-    p.add_argument("--rates", nargs="+", type=float, default=[0.1, 0.2, 0.3])
-    p.add_argument("--requests", type=int, default=24)
+    p.add_argument("--rates", nargs="+", type=float, default=[0.3, float("inf")])
+    p.add_argument("--requests", type=int, default=16)
     p.add_argument("--repeats", type=int, default=2)
     p.add_argument("--max-batch-size", type=int, default=16)
-    p.add_argument("--fit-requests", type=int, default=24)
+    p.add_argument("--fit-requests", type=int, default=32)
     p.add_argument("--seed", type=int, default=7)
-    p.add_argument("--out", default=str(REPO / "bench" / "sim_validation.json"))
+    p.add_argument("--out", default=str(REPO / "bench" / "sim_validation_max.json"))
+    p.add_argument("--table-out", default=str(REPO / "bench" / "sim_validation_max.md"))
     args = p.parse_args()
     hw, shape = load_hardware(args.hardware), load_shape(args.shape)
-    rows = []
+    rows, checks = [], []
     for name in args.configs:
         config = EngineConfig(max_batch_size=args.max_batch_size, **CONFIGS[name])
+        trace_dir = Path(tempfile.mkdtemp(prefix="sim-validate-"))
+        if config.pipeline_parallel_size > 1:  # the workers log each batch's start and end there
+            os.environ[TRACE_ENV] = str(trace_dir)
         with Server(config=dataclasses.replace(config, record_iterations=True)) as server:
+            os.environ.pop(TRACE_ENV, None)
             replay(server, synthetic(2, float("inf"), (8, 16), (2, 4), seed=99), prefix="warmup-")
             if config.pipeline_parallel_size > 1:
-                hw_run = fit_pipeline(server, shape, hw, config, args.fit_requests, args.seed + 1000)
+                hw_run, check = fit_handoff(server, shape, hw, config, name, args.fit_requests, args.seed + 1000,
+                                             trace_dir)
             else:
-                hw = hw_run = fit_here(server, shape, args.fit_requests, args.seed + 1000)
+                hw_run, check = fit_here(server, shape, name, args.fit_requests, args.seed + 1000)
+                hw = hw_run
+            checks.append(check)
             cost = Roofline(shape, hw_run, pp=config.pipeline_parallel_size)
             for rate in args.rates:
                 trace = synthetic(args.requests, rate, (8, 128), (1, 128), seed=args.seed)
                 runs = []
                 for rep in range(args.repeats):
                     t = time.perf_counter()
-                    measured = replay(server, trace, seed=args.seed, prefix=f"{name}-{rate}-{rep}-")
+                    skip = len(server.iterations())
+                    prefix = f"{name}-{rate}-{rep}-"
+                    measured = replay(server, trace, seed=args.seed, prefix=prefix)
                     sim = simulate(observed_trace(measured), config, cost, server.n_slots,
                                    shape.kv_bytes_per_token, "cpu")
                     runs.append({"measured": measured.summary(), "predicted": sim.summary(),
                                  "wall_s": time.perf_counter() - t})
+                    if config.pipeline_parallel_size == 1:  # the cost model alone, out of sample
+                        runs[-1]["forward_total_err"] = forward_error(
+                            server.iterations()[skip:], {f"{prefix}{i}": r.prompt_len for i, r in enumerate(trace)},
+                            cost)
                     print(name, rate, rep, json.dumps(runs[-1]), flush=True)
                 rows.append({"config": name, "rate": rate, "hardware": dataclasses.asdict(hw_run),
                              "n_slots": server.n_slots, "runs": runs})
-                Path(args.out).write_text(json.dumps({"rows": rows},
+                Path(args.out).write_text(json.dumps({"fit_checks": checks, "rows": rows},
                                                      indent=1, default=str) + "\n")
+                Path(args.table_out).write_text(fit_table(checks) + "\n\n" + table(rows) + "\n")
+        shutil.rmtree(trace_dir, ignore_errors=True)
+    print(fit_table(checks))
     print(table(rows))
     return 0
 
 
+def fit_table(checks) -> str:
+    """Markdown: each fit run simulated with its own fit (in sample), per metric the error."""
+    head = ("| config (fit run, in sample) | " + " | ".join(f"{m} meas | pred | err" for m in METRICS)
+            + " | fitted |")
+    out = [head, "|" + "---|" * (2 + 3 * len(METRICS))]
+    for c in checks:
+        cells = [c["config"]]
+        for m in METRICS:
+            mm, pm = c["measured"][m], c["predicted"][m]
+            cells += [f"{mm:.3g}", f"{pm:.3g}", f"{(pm - mm) / mm:+.1%}"]
+        if "handoff_latency_s" in c and "batches" not in c:
+            cells.append(f"hand-off {c['handoff_latency_s'] * 1e3:.1f} ms")
+        elif "handoff_latency_s" in c:
+            cells.append(f"hand-off {c['handoff_latency_s'] * 1e3:.1f} ms; workers' own timings of "
+                         f"{c['batches']} batches: stage 0 {c['stage0_total_err']:+.1%} (median abs err "
+                         f"{c['stage0_median_abs_err']:.0%}), last stage + hand-off {c['last_stage_total_err']:+.1%}, "
+                         f"hand-off ~{c['handoff_median_s'] * 1e3:.1f} ms")
+        else:
+            cells.append(f"{c['iterations']} iterations of {c['rows_seen'][0]}-{c['rows_seen'][1]} rows; "
+                         f"forward total {c['forward_total_err']:+.1%}, median abs err {c['forward_median_abs_err']:.0%}")
+        out.append("| " + " | ".join(cells) + " |")
+    return "\n".join(out)
+
+
 def table(rows) -> str:
     """Markdown: per config and rate, measured (mean of runs, spread = max-min over mean) vs
-    predicted (mean), and the error of the mean prediction."""
-    head = "| config | rate/s | " + " | ".join(f"{m} meas (spread) | pred | err" for m in METRICS) + " |"
-    out = [head, "|" + "---|" * (2 + 3 * len(METRICS))]
+    predicted (mean), the error of the mean prediction, and the cost model's error on the sum of
+    the engine's own forward times in those runs (single process)."""
+    head = ("| config | rate/s | " + " | ".join(f"{m} meas (spread) | pred | err" for m in METRICS)
+            + " | forward time err |")
+    out = [head, "|" + "---|" * (3 + 3 * len(METRICS))]
     for row in rows:
         cells = [row["config"], f"{row['rate']:g}"]
         for m in METRICS:
@@ -150,6 +254,8 @@ def table(rows) -> str:
             mm, pm = sum(meas) / len(meas), sum(pred) / len(pred)
             spread = (max(meas) - min(meas)) / mm if mm else 0.0
             cells += [f"{mm:.3g} ({spread:.0%})", f"{pm:.3g}", f"{(pm - mm) / mm:+.1%}"]
+        fwd = [r["forward_total_err"] for r in row["runs"] if "forward_total_err" in r]
+        cells.append(f"{sum(fwd) / len(fwd):+.1%}" if fwd else "-")
         out.append("| " + " | ".join(cells) + " |")
     return "\n".join(out)
 

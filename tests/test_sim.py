@@ -12,8 +12,8 @@ import pytest
 from orca_ext.config import EngineConfig
 from orca_ext.request import IterationRecord
 from orca_ext.sim.cli import main as simulate_main
-from orca_ext.sim.cost import ConstantCost, Hardware, ModelShape, Roofline
-from orca_ext.sim.fit import Calibration, calibration_from_records, fit_hardware, nnls
+from orca_ext.sim.cost import ConstantCost, Hardware, ModelShape, Roofline, kv_slots
+from orca_ext.sim.fit import Calibration, calibration_from_records, fit_hardware, fit_max_form, fit_trace, nnls
 from orca_ext.sim.loop import simulate
 from orca_ext.sim.plan import SLO, plan
 from orca_ext.sim.presets import MODELS, load_hardware, save_hardware
@@ -105,8 +105,16 @@ def test_roofline_terms_by_hand():
         1e-3 + 2e-4 + max(flops / 1e9 + attn / 2e8, nbytes / 1e8))
     tp = Roofline(SHAPE, HW, tp=2)
     ring = 2 * 4 * (2 * 1 / 2 * 11 * 64 * 4 / 1e9 + 1e-5)  # 2 all-reduces per layer, 4 layers
-    assert tp.stage_time(w) == pytest.approx(1e-3 + 2e-4 + (flops / 1e9 + attn / 2e8 + nbytes / 1e8) / 2 + ring)
+    assert tp.stage_time(w) == pytest.approx(1e-3 + (2e-4 + flops / 1e9 + attn / 2e8 + nbytes / 1e8) / 2 + ring)
+    # A stage of two: half the layers' work and the whole fixed cost; the last one also runs the
+    # output projection (2 emitting rows) and reads its weights.
     pp = Roofline(SHAPE, HW, pp=2)
+    kv = (2 * 4 * 2 * 16 * 4) * (31 + 11)
+    first = 2 * 2 * layer * 11 / 1e9 + attn / 2 / 2e8 + (2 * layer * 4 + kv / 2) / 1e8
+    head = 2 * 64 * 100 * 2 / 1e9 + 64 * 100 * 4 / 1e8
+    assert pp.stage_time(w, 0) == pytest.approx(1e-3 + 1e-4 + first)
+    assert pp.stage_time(w, 1) == pytest.approx(1e-3 + 1e-4 + first + head)
+    assert pp.stage_time(w, 0) + pp.stage_time(w, 1) == pytest.approx(2e-3 + one.stage_time(w) - 1e-3)
     assert pp.handoff_time(w) == pytest.approx(11 * 64 * 4 / 1e9 + 1e-5)
 
 
@@ -119,31 +127,56 @@ def test_nnls_is_exact_and_non_negative():
     assert (nnls(a, b) >= 0).all()
 
 
-def random_works(rng, n):
-    """Iterations of 1..32 rows, prefill chunks and decodes, with contexts that vary between
-    iterations independently of their row count (as a trace's short and long requests do)."""
+def decode_and_chunk_works(rng, n):
+    """What a fit run holds: decodes of 1..16 rows at varied contexts and prompt chunks of up to
+    128 tokens beside decodes, so small decodes are memory-bound and the rest compute-bound."""
     works = []
     for _ in range(n):
-        longest = int(rng.integers(2, 3000))
-        rows = [(int(rng.integers(1, 200)), int(rng.integers(0, 300)), True) if rng.random() < 0.3 else
-                (1, int(rng.integers(1, longest)), True) for _ in range(int(rng.integers(1, 33)))]
+        rows = [(1, int(rng.integers(1, 1500)), True) for _ in range(int(rng.integers(1, 17)))]
+        if rng.random() < 0.3:
+            rows[0] = (int(rng.integers(8, 129)), int(rng.integers(0, 400)), bool(rng.random() < 0.5))
         works.append(Work.of(rows))
     return works
 
 
-def test_fit_recovers_known_rates_from_synthetic_iterations():
+def test_fit_recovers_known_rates_of_the_max_form_from_synthetic_iterations():
+    # A CPU-like truth: a 1-row decode streams the weights (memory-bound), 16 rows or a chunk
+    # are compute-bound; the fit sees both sides of the knee and must place it.
+    shape = dataclasses.replace(SHAPE, n_layers=30, d_model=576, d_ff=1536, vocab=4096)
+    truth = Hardware("h", "test", flops_per_s=4.7e10, bytes_per_s=3e10, attention_flops_per_s=4.7e10,
+                     overhead_s=2e-3, per_row_s=3e-3, host_s=7e-4, host_per_row_s=2e-5, overlap=True)
     rng = np.random.default_rng(11)
-    truth = dataclasses.replace(HW, overhead_s=0.02, per_row_s=5e-3, host_s=2e-3, host_per_row_s=5e-5)
-    works = random_works(rng, 400)
-    model = Roofline(SHAPE, truth)
+    works = decode_and_chunk_works(rng, 300)
+    model = Roofline(shape, truth)
+    assert {model.memory_time(w) > model.compute_time(w) for w in works} == {True, False}
     noise = lambda n: 1 + 0.01 * rng.standard_normal(n)  # noqa: E731
     forward = [model.stage_time(w) for w in works] * noise(len(works))
     host = [model.host_time(w) for w in works] * noise(len(works))
     cal = Calibration(works, list(forward), [w.rows for w in works], list(host))
-    fit = fit_hardware(SHAPE, cal, "fit", "synthetic")
-    for name in ("flops_per_s", "attention_flops_per_s", "bytes_per_s", "per_row_s", "host_s", "host_per_row_s"):
+    fit = fit_hardware(shape, cal, "fit", "synthetic")
+    assert fit.overlap
+    for name in ("flops_per_s", "bytes_per_s", "attention_flops_per_s", "per_row_s", "host_s", "host_per_row_s"):
         assert getattr(fit, name) == pytest.approx(getattr(truth, name), rel=0.05), name
-    assert fit.overhead_s == pytest.approx(truth.overhead_s, rel=0.1)
+    assert fit.overhead_s == pytest.approx(truth.overhead_s, abs=5e-4)
+    fitted = Roofline(shape, fit)
+    for rows in (1, 2, 16):  # out of sample: decodes of one context, 1..16 rows
+        w = Work.of([(1, 700, True)] * rows)
+        assert fitted.stage_time(w) == pytest.approx(model.stage_time(w), rel=0.03)
+
+
+def test_fit_max_form_finds_the_knee_and_sees_no_bandwidth_where_there_is_none():
+    rng = np.random.default_rng(5)
+    tokens = rng.integers(1, 17, size=200).astype(float)
+    fixed = np.ones((200, 1))
+    compute = (tokens * 1e9)[:, None]
+    memory = 5e8 * (1 + 0.1 * rng.random(200))
+    t = 0.004 + np.maximum(compute[:, 0] / 5e10, memory / 2.5e10)   # the knee near 10 tokens
+    coef, z, _ = fit_max_form(fixed, compute, memory, t)
+    assert coef[0] == pytest.approx(0.004, rel=0.02)
+    assert 1 / coef[1] == pytest.approx(5e10, rel=0.02) and 1 / z == pytest.approx(2.5e10, rel=0.02)
+    coef, z, _ = fit_max_form(fixed, compute, memory, 0.004 + compute[:, 0] / 5e10)
+    assert np.max(memory * z) < 1e-3 * np.min(compute[:, 0] * coef[1])  # compute alone explains it
+    assert 1 / coef[1] == pytest.approx(5e10, rel=0.02)
 
 
 def test_calibration_reconstructs_positions_from_records():
@@ -155,6 +188,15 @@ def test_calibration_reconstructs_positions_from_records():
     assert cal.works[1] == Work.of([(2, 4, True), (1, 3, True)])
     assert cal.works[2] == Work.of([(1, 6, True)])
     assert cal.forward_s == [1.0, 0.5, 0.75] and cal.host_s == [0.5, 0.25] and cal.host_rows == [2, 2]
+
+
+def test_host_gaps_where_the_engine_waited_for_an_arrival_are_not_host_time():
+    # "a" finishes at iteration 0; "b" arrives later: the engine idled, so that gap is dropped.
+    recs = [IterationRecord(0, ("a",), 0, 1, 0, launch_time=0.0, complete_time=1.0, chunk_sizes=(1,)),
+            IterationRecord(1, ("b",), 2, 0, 0, launch_time=9.0, complete_time=10.0, chunk_sizes=(2,)),
+            IterationRecord(2, ("b",), 0, 1, 0, launch_time=10.5, complete_time=11.0, chunk_sizes=(1,))]
+    cal = calibration_from_records(recs, {"a": 1, "b": 2})
+    assert cal.host_s == [0.5] and cal.host_rows == [1]
 
 
 def test_runs_are_deterministic_for_a_seed():
@@ -262,3 +304,70 @@ def test_the_simulator_makes_the_engines_batches(options, n_slots):
     assert [(tuple(map(int, rec.request_ids)), rec.chunk_sizes) for rec in engine.records] == \
         [(it.requests, it.chunk_sizes) for it in sim.iterations]
     assert sim.num_compactions == engine.num_compactions == (1 if n_slots == 70 else 0)
+
+
+def test_the_fit_workload_spans_one_to_sixteen_rows():
+    # At about this CPU's speed (a decode of a few rows ~25 ms, a 128-token chunk ~0.3 s) the
+    # trickle half runs alone or in small batches and the burst fills all 16 rows, then drains.
+    cost = ConstantCost(iteration=0.025)
+    trace = fit_trace(32, seed=1)
+    assert [r.arrival for r in trace[:16]] == pytest.approx([0.5 * i for i in range(16)])
+    r = simulate(trace, EngineConfig(max_batch_size=16), cost, 20_000, device_type="cpu")
+    rows = {it.rows for it in r.iterations if it.prefill_tokens == 0}
+    assert {1, 2, 16} <= rows and len(rows) >= 12
+    assert any(it.prefill_tokens >= 64 and it.decode_tokens > 0 for it in r.iterations)  # chunks beside decodes
+
+
+def test_the_fit_keeps_the_total_time_of_a_run_with_stalls():
+    # A loaded machine: a few iterations stall 3-10x. The weighted fit follows the bulk, and its
+    # terms are then scaled so the model's summed time is the run's.
+    shape = dataclasses.replace(SHAPE, n_layers=30, d_model=576, d_ff=1536, vocab=4096)
+    truth = Hardware("h", "test", flops_per_s=4.7e10, bytes_per_s=3e10, attention_flops_per_s=4.7e10,
+                     per_row_s=3e-3, overlap=True)
+    rng = np.random.default_rng(2)
+    works = decode_and_chunk_works(rng, 200)
+    model = Roofline(shape, truth)
+    stall = np.where(rng.random(len(works)) < 0.05, rng.uniform(3, 10, len(works)), 1.0)
+    forward = np.array([model.stage_time(w) for w in works]) * stall
+    fit = Roofline(shape, fit_hardware(shape, Calibration(works, list(forward), [], []), "fit", "synthetic"))
+    assert sum(fit.stage_time(w) for w in works) == pytest.approx(forward.sum(), rel=1e-9)
+    for rows in (1, 16):  # the bulk's shape survives: both sides of the knee scaled alike
+        w = Work.of([(1, 500, True)] * rows)
+        assert fit.stage_time(w) / model.stage_time(w) == pytest.approx(forward.sum() / sum(
+            model.stage_time(v) for v in works), rel=0.1)
+
+
+def test_a_pipeline_gives_each_stage_its_own_time():
+    # The last stage holds the output projection: one batch takes stage 0 + hand-off + stage 1,
+    # and back-to-back batches leave the pipeline at the slower (last) stage's pace.
+    shape = dataclasses.replace(SHAPE, vocab=20_000)
+    cost = Roofline(shape, dataclasses.replace(HW, overlap=True, link_latency_s=1e-3), pp=2)
+    w = Work.of([(1, 0, True)])
+    first, last = cost.stage_time(w, 0), cost.stage_time(w, 1)
+    assert last > 2 * first
+    one = simulate([TraceRequest(0.0, 1, 1)], EngineConfig(max_batch_size=4, **WHOLE), cost, 100)
+    assert one.iterations[0].complete == pytest.approx(first + cost.handoff_time(w) + last)
+    two = simulate([TraceRequest(0.0, 1, 1), TraceRequest(0.0, 1, 1)], EngineConfig(max_batch_size=1, **WHOLE),
+                   cost, 100)
+    done = [it.complete for it in two.iterations]
+    assert done[1] - done[0] == pytest.approx(last)
+
+
+def test_a_fitted_cpu_of_unbounded_memory_gets_the_slot_cap():
+    assert kv_slots(SHAPE, HW, 1, 2, cap=1000) == 1000
+    with pytest.raises(ValueError, match="unbounded memory"):
+        kv_slots(SHAPE, HW, 1, 1)
+    bounded = dataclasses.replace(HW, memory_bytes=1e6)
+    assert kv_slots(SHAPE, bounded, 1, 1) == int((0.9e6 - SHAPE.weight_bytes) // SHAPE.kv_bytes_per_token)
+
+
+def test_a_quantized_model_streams_its_stored_weights_and_keeps_float_kv():
+    from types import SimpleNamespace
+    spec = SimpleNamespace(num_layers=4, hidden_size=64, num_heads=4, num_kv_heads=2, head_dim=16,
+                           intermediate_size=128, vocab_size=100)
+    dense = ModelShape.from_spec(spec, 4)
+    n_params = dense.weight_bytes // 4
+    q = ModelShape.from_spec(spec, 4, weight_bytes=0.625 * n_params)
+    assert q.weight_bytes == pytest.approx(0.625 * n_params) and q.kv_bytes_per_token == dense.kv_bytes_per_token
+    w = Work.of([(1, 50, True)])
+    assert dense.memory_bytes(w) - q.memory_bytes(w) == pytest.approx((4 - 0.625) * n_params)

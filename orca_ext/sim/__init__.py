@@ -5,7 +5,7 @@ cost model in place of the forward pass (docs/DESIGN.md section 7):
     work.py     Work: one iteration's tokens, rows and attention context
     cost.py     ModelShape, Hardware, Roofline (FLOPs, bytes, TP/PP communication), ConstantCost
     loop.py     simulate(trace, config, cost, n_slots) -> SimResult (per request and iteration)
-    fit.py      least-squares fit of a Hardware to IterationRecords of a real run
+    fit.py      fit of a Hardware to IterationRecords of a real run (roofline max form), fit_trace()
     measure.py  replay(server, trace): the same trace on a real Server, measured
     presets.py  GPT-3-like shapes, A100 and H200 rates, JSON load/save
     plan.py     the cheapest replicas x TP x PP x max_batch_size meeting an SLO

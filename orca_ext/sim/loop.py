@@ -8,7 +8,7 @@ the oldest batch in flight or the next arrival, whichever comes first, and postp
 oldest first, exactly as the engine does. Only the forward pass is replaced: a batch's time comes
 from a cost model (cost.py), and each emitting row gets one placeholder token.
 
-Timing of a batch: it crosses the cost model's n_stages one after the other (stage_time each,
+Timing of a batch: it crosses the cost model's n_stages one after the other (stage_time of each,
 handoff_time between two), a stage taking the next batch once it has passed the previous one on;
 after its tokens return, the driver spends host_time on it before it selects again. A slab
 compaction (the scheduler's slab_mover) delays the launch by the time to copy the moved KV rows.
@@ -92,9 +92,9 @@ class _Pipeline:
     def __init__(self, n_stages: int) -> None:
         self.free = [0.0] * n_stages
 
-    def run(self, t: float, stage: float, handoff: float) -> float:
+    def run(self, t: float, stages: Sequence[float], handoff: float) -> float:
         for j in range(len(self.free)):
-            t = max(t, self.free[j]) + stage
+            t = max(t, self.free[j]) + stages[j]
             self.free[j] = t
             if j < len(self.free) - 1:
                 t += handoff
@@ -141,7 +141,8 @@ def simulate(trace: Sequence[TraceRequest], config: EngineConfig, cost: CostMode
                     moved[0] = 0
                 rows = [_row(req) for req in batch]
                 work = Work.of(rows)
-                done = pipeline.run(now, cost.stage_time(work), cost.handoff_time(work))
+                done = pipeline.run(now, [cost.stage_time(work, j) for j in range(cost.n_stages)],
+                                    cost.handoff_time(work))
                 prefill = sum(n for (n, s, _), req in zip(rows, batch) if req.prompt_remaining)
                 iterations.append(SimIteration(now, done, len(rows), prefill, work.new_tokens - prefill,
                                                tuple(int(r.request_id) for r in batch), tuple(n for n, _, _ in rows)))
