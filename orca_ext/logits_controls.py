@@ -11,7 +11,8 @@ Applied to the raw logits of the rows whose params ask for any of them, in this 
 Temperature, top-k and top-p then work on the result, and reported logprobs are of it. Each
 control is a sparse gather/scatter over all the controlled rows' affected entries (never a pass
 over [rows, vocab]); the per-row work in Python is only flattening each row's token lists into
-one index list. A row whose controls fail is given -inf
+one index list, and a logit_bias map (up to a thousand entries) is converted to a tensor once and
+reused on the request's later steps. A row whose controls fail is given -inf
 logits and an error, so only its request fails.
 """
 from __future__ import annotations
