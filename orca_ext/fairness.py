@@ -11,7 +11,7 @@ counter (with what this selection already gave it) is smallest, and in arrival o
 client. A client that becomes active is lifted to the smallest counter of the active clients, or
 to the last such minimum when none is active, so time spent idle banks no credit. A client that
 is ahead by more than one token budget takes at most as many weighted tokens of prompt in an
-iteration as the busiest other client in it (an equal share per client): on a CPU an
+iteration as the least any other present client takes in it (no more than any other's share): on a CPU an
 iteration's time grows with its tokens and with the context its prompt tokens attend to, so a
 long prefill would otherwise slow every other client's decodes. A client whose request just
 finished (a stop or its length) counts as present for RETURN_GRACE_SELECTIONS selections: clients
@@ -122,10 +122,12 @@ class FairShares:
         and return how many it may: all, except for a prompt chunk of a client that is ahead
         (its counter more than one token budget above another present client's: one in this
         batch, or one between two requests). That chunk may cost only as many weighted tokens as
-        the busiest other client in the batch has, or one decode's when the others present are
-        all between requests (at least one token): an equal share of the iteration per client,
-        so one heavy client cannot slow everyone's iteration more than one more ordinary client
-        would."""
+        the least any other present client takes in this iteration (one decode's for a client
+        between requests; at least one token): no more than any other client's share of the
+        iteration, so one heavy client cannot slow everyone's iteration more than one more
+        ordinary client would. (With the busiest other client's take instead, a client ahead
+        matched every other client's prompt in turn: four clients whose prompts arrive in
+        different iterations gave it four prompts' worth to their one each.)"""
         client = req.client
         context = req.num_cached  # the chunk's first position: prompt tokens already cached
         if req.prompt_remaining and self.token_budget is not None:
@@ -134,8 +136,8 @@ class FairShares:
             rivals = others + away
             counter = self.counters.get(client, self.floor)
             if rivals and counter > min(self.counters.get(c, self.floor) for c in rivals) + self.token_budget:
-                busiest = max([self.taken[c] for c in others] + ([OUTPUT_WEIGHT] if away else []))
-                share = busiest - self.taken.get(client, 0)
+                least = min([self.taken[c] for c in others] + ([OUTPUT_WEIGHT] if away else []))
+                share = least - self.taken.get(client, 0)
                 n_tokens = max(1, min(n_tokens, self.chunk_fitting(share, context)))
         cost = self.chunk_cost(n_tokens, context) if req.prompt_remaining else OUTPUT_WEIGHT * n_tokens
         self.taken[client] = self.taken.get(client, 0) + cost

@@ -524,3 +524,17 @@ def test_a_hog_beside_back_to_back_victims_still_finishes_its_prompt():
     ratio = s.shares.chunk_cost(1, 3000) / OUTPUT_WEIGHT
     slack = 128 + s.shares.chunk_cost(128, 3000)
     assert all(gained["hog"] <= ratio * gained[c] + slack for c in got), gained
+
+
+def test_a_hog_ahead_takes_no_more_than_the_least_any_other_client_takes():
+    """A newcomer's 16-token prompt beside three victims' decodes: the hog, ahead, is held to a
+    decode's weight, not to the newcomer's prompt (else it would match every prompt of clients
+    whose prompts arrive in different iterations, getting several prompts' worth to their one)."""
+    s, hog, victims = hog_at_context(128)
+    late = mk(16, 5, "late")
+    s.add(late)
+    context = hog.num_cached
+    batch = s.schedule()
+    taken = {r.client: r.num_scheduled for r in batch}
+    assert taken["late"] == 16 and all(taken[v.client] == 1 for v in victims)
+    assert taken["hog"] == 1 or s.shares.chunk_cost(taken["hog"], context) <= OUTPUT_WEIGHT
