@@ -11,9 +11,13 @@ counter (with what this selection already gave it) is smallest, and in arrival o
 client. A client that becomes active is lifted to the smallest counter of the active clients, or
 to the last such minimum when none is active, so time spent idle banks no credit. A client that
 is ahead by more than one token budget takes at most as many weighted tokens of prompt in an
-iteration as the busiest other client in it (an equal share per client): on a CPU an
+iteration as the least any other present client takes in it (no more than any other's share): on a CPU an
 iteration's time grows with its tokens and with the context its prompt tokens attend to, so a
-long prefill would otherwise slow every other client's decodes.
+long prefill would otherwise slow every other client's decodes. A client whose request just
+finished (a stop or its length) counts as present for RETURN_GRACE_SELECTIONS selections: clients
+that stream back to back leave the pool for a moment between two requests, and in that moment
+neither may the floor jump to the counter of the client that is ahead nor may that client take a
+whole token budget (the one iteration that every returning client would then wait through).
 
 The scheduler keeps Algorithm 1's no-skip rule over this order: a request that does not fit in
 the KV cache blocks every admission after it (admitted requests' prompt chunks still run), so
@@ -44,6 +48,12 @@ OUTPUT_WEIGHT = 2
 # attend more cheaply per token (double at L ~ 2,000), so for them the estimate errs high, on
 # the side of the other clients.
 CONTEXT_COST_TOKENS = 720
+# A client whose request just finished (a stop or its length) usually sends its next one at once:
+# for this many selections after it leaves it still counts as present, so the gap between two of
+# its requests neither lifts the floor to the other clients' counters (which would erase their
+# lead) nor leaves another client that is ahead alone with a whole token budget (an iteration
+# many times longer than a decode, which every returning client then waits through).
+RETURN_GRACE_SELECTIONS = 16
 # Counters of clients with nothing in the pool are kept (so a heavy client cannot shed its
 # counter by pausing) up to this many; past it the smallest are forgotten first.
 MAX_IDLE_COUNTERS = 4096
@@ -61,6 +71,8 @@ class FairShares:
         self.taken: dict = {}      # client -> weighted tokens in the batch being selected
         self.active: set = set()   # clients with a request in the pool at the last selection
         self.floor = 0             # the smallest active counter when last seen (never decreases)
+        self.selection = 0         # selections begun so far
+        self.returning: dict = {}  # client -> last selection in which it counts as present
 
     def order(self, pool: list, admit: Callable[[object], bool]) -> Iterator:
         """The pool's prompt work in fair-share order, each waiting request admitted (`admit`,
@@ -97,26 +109,44 @@ class FairShares:
     def begin(self) -> None:
         """A new selection: nothing taken yet."""
         self.taken = {}
+        self.selection += 1
+
+    def finished(self, req) -> None:
+        """req left the pool after a stop or its length: its client counts as present for the next
+        RETURN_GRACE_SELECTIONS selections (not after an abort or an error: that client is gone)."""
+        if req.finish_reason in ("stop", "length"):
+            self.returning[req.client] = self.selection + RETURN_GRACE_SELECTIONS
 
     def take(self, req, n_tokens: int) -> int:
         """Charge req's client for the `n_tokens` of its next input the scheduler wants to take,
         and return how many it may: all, except for a prompt chunk of a client that is ahead
-        (its counter more than one token budget above another client's in this batch). That
-        chunk may cost only as many weighted tokens as the busiest other client in the batch has
-        (at least one token): an equal share of the iteration per client, so one heavy client
-        cannot slow everyone's iteration more than one more ordinary client would."""
+        (its counter more than one token budget above another present client's: one in this
+        batch, or one between two requests). That chunk may cost only as many weighted tokens as
+        the least any other present client takes in this iteration (one decode's for a client
+        between requests; at least one token): no more than any other client's share of the
+        iteration, so one heavy client cannot slow everyone's iteration more than one more
+        ordinary client would. (With the busiest other client's take instead, a client ahead
+        matched every other client's prompt in turn: four clients whose prompts arrive in
+        different iterations gave it four prompts' worth to their one each.)"""
         client = req.client
         context = req.num_cached  # the chunk's first position: prompt tokens already cached
-        others = [c for c in self.taken if c != client]
-        if req.prompt_remaining and others and self.token_budget is not None:
+        if req.prompt_remaining and self.token_budget is not None:
+            others = [c for c in self.taken if c != client]
+            away = [c for c in self._returning() if c != client and c not in self.taken]
+            rivals = others + away
             counter = self.counters.get(client, self.floor)
-            if counter > min(self.counters[c] for c in others) + self.token_budget:
-                share = max(self.taken[c] for c in others) - self.taken.get(client, 0)
+            if rivals and counter > min(self.counters.get(c, self.floor) for c in rivals) + self.token_budget:
+                least = min([self.taken[c] for c in others] + ([OUTPUT_WEIGHT] if away else []))
+                share = least - self.taken.get(client, 0)
                 n_tokens = max(1, min(n_tokens, self.chunk_fitting(share, context)))
         cost = self.chunk_cost(n_tokens, context) if req.prompt_remaining else OUTPUT_WEIGHT * n_tokens
         self.taken[client] = self.taken.get(client, 0) + cost
         self.counters[client] = self.counters.get(client, self.floor) + cost
         return n_tokens
+
+    def _returning(self) -> list:
+        """Clients between two requests that still count as present (see `finished`)."""
+        return [c for c, last in self.returning.items() if last >= self.selection]
 
     def chunk_cost(self, n_tokens: int, context: int) -> int:
         """Weighted cost of a prompt chunk of n_tokens whose first token is at position
@@ -135,7 +165,10 @@ class FairShares:
         return cap is not None and held > 0 and held + req.reservation > cap
 
     def _track(self, clients: set) -> None:
-        """Lift clients that became active to the active minimum; keep the idle ones' counters."""
+        """Lift clients that became present to the present minimum; keep the idle ones' counters.
+        Present: a request in the pool, or between two requests (`finished`)."""
+        self.returning = {c: last for c, last in self.returning.items() if last >= self.selection}
+        clients = clients | self.returning.keys()
         staying = clients & self.active
         if staying:
             self.floor = max(self.floor, min(self.counters[c] for c in staying))

@@ -11,12 +11,14 @@ Applied to the raw logits of the rows whose params ask for any of them, in this 
 Temperature, top-k and top-p then work on the result, and reported logprobs are of it. Each
 control is a sparse gather/scatter over all the controlled rows' affected entries (never a pass
 over [rows, vocab]); the per-row work in Python is only flattening each row's token lists into
-one index list. A row whose controls fail is given -inf
+one index list, and a logit_bias map (up to a thousand entries) is converted to a tensor once and
+reused on the request's later steps. A row whose controls fail is given -inf
 logits and an error, so only its request fails.
 """
 from __future__ import annotations
 
 import itertools
+from collections import OrderedDict
 from typing import Optional, Sequence
 
 import torch
@@ -54,6 +56,42 @@ def _flat(rows: Sequence[int], lists: Sequence[Sequence[int]], vocab: int, devic
     return flat.to(device), owner.to(device)
 
 
+# The [n, 2] tensor of a logit_bias map, kept for the maps of the rows of recent steps: a request
+# reads the same map every step. Keyed by the map's id, with the map itself kept alive beside its
+# tensor, so an id is never reused while its entry stays.
+_BIAS_PAIRS: "OrderedDict[int, tuple[tuple, torch.Tensor]]" = OrderedDict()
+BIAS_PAIRS_KEPT = 256
+
+
+def _bias_pairs(bias: tuple) -> torch.Tensor:
+    """bias ((id, value), ...) -> [n, 2] float64 tensor, converted once per map."""
+    key = id(bias)
+    entry = _BIAS_PAIRS.get(key)
+    if entry is not None and entry[0] is bias:
+        _BIAS_PAIRS.move_to_end(key)
+        return entry[1]
+    pairs = torch.tensor(bias, dtype=torch.float64).view(-1, 2)
+    _BIAS_PAIRS[key] = (bias, pairs)
+    if len(_BIAS_PAIRS) > BIAS_PAIRS_KEPT:
+        _BIAS_PAIRS.popitem(last=False)
+    return pairs
+
+
+def _bias_entries(rows: Sequence[int], params: Sequence, vocab: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """(flat index row * vocab + token id int64, bias float64) of every row's logit_bias. Each
+    row's (id, bias) pairs become one [n, 2] float64 tensor in one conversion (ids below 2**53 are
+    exact in float64, and a bias converts to float32 the same from float64 as from a Python float),
+    not a Python pass per entry: the map may have a thousand entries and this runs every step."""
+    pieces = [_bias_pairs(p.logit_bias) for p in params]
+    lengths = torch.tensor([len(p.logit_bias) for p in params], dtype=torch.int64)
+    pairs = torch.cat(pieces)
+    ids = pairs[:, 0]
+    if ids.numel() and (float(ids.min()) < 0 or float(ids.max()) >= vocab):
+        raise IndexError(f"token id outside the vocabulary [0, {vocab})")
+    row_base = torch.repeat_interleave(torch.tensor(rows, dtype=torch.int64) * vocab, lengths)
+    return row_base + ids.to(torch.int64), pairs[:, 1]
+
+
 def apply_to_rows(x: torch.Tensor, rows: Sequence[int], requests: Sequence) -> None:
     """Apply each request's controls to its row of x [B, V] float32, in place. Every control
     touches only the entries of the tokens it concerns (sparse gathers and scatters over the flat
@@ -63,9 +101,8 @@ def apply_to_rows(x: torch.Tensor, rows: Sequence[int], requests: Sequence) -> N
     device = x.device
     params = [r.params for r in requests]
     if any(p.logit_bias for p in params):
-        flat, _ = _flat(rows, [[t for t, _ in p.logit_bias] for p in params], vocab, device)
-        values = torch.tensor([v for p in params for _, v in p.logit_bias], dtype=x.dtype, device=device)
-        flat_x.index_put_((flat,), values, accumulate=True)
+        flat, values = _bias_entries(rows, params, vocab)
+        flat_x.index_put_((flat.to(device),), values.to(device=device, dtype=x.dtype), accumulate=True)
     if any(p.repetition_penalty != 1.0 for p in params):
         flat, owner = _flat(rows, [r.prompt_token_ids + r.output_token_ids if r.params.repetition_penalty != 1.0
                                    else () for r in requests], vocab, device)

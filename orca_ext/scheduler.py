@@ -334,6 +334,12 @@ class FairScheduler(OrcaScheduler):
     def _take(self, req, n_tokens: int) -> int:
         return super()._take(req, self.shares.take(req, n_tokens))
 
+    def complete(self, batch: list) -> None:
+        for req in batch:
+            if req.finished:
+                self.shares.finished(req)
+        super().complete(batch)
+
     def _prompt_order(self):
         return self.shares.order(self.pool, self._admit)
 

@@ -449,3 +449,92 @@ def test_server_submit_takes_the_client_key():
         with pytest.raises(InvalidRequestError, match="client must be a string or None") as err:
             server.submit([1], SamplingParams(max_tokens=1), client=7)
         assert err.value.param == "client"
+
+
+# -- clients between two requests -----------------------------------------------------------------
+def streaming_victims_and_hog(n_victims: int = 4, prompt: int = 3000, budget: int = 128):
+    """A hog whose long prompt ran alone for a while, then n_victims clients that decode; the hog
+    is now more than a token budget ahead of them."""
+    s = sched(max_bs=16, n_slots=8000, budget=budget)
+    hog = mk(prompt, 1, "hog")
+    s.add(hog)
+    for _ in range(3):
+        run_batch(s)
+    victims = [mk(2, 3, f"v{i}") for i in range(n_victims)]
+    for v in victims:
+        s.add(v)
+    return s, hog, victims
+
+
+def test_a_client_between_two_requests_still_holds_back_a_hog_that_is_ahead():
+    """Victims whose requests all finish in the same iteration leave the hog alone for a moment:
+    it must not take a whole token budget then (an iteration many times longer than a decode
+    that the victims' next requests wait through), and the victims keep their lead over it."""
+    s, hog, victims = streaming_victims_and_hog()
+    while not all(v.finished for v in victims):
+        run_batch(s)
+    assert not any(v in s.pool for v in victims) and hog in s.pool
+    victim_counters = {v.client: s.shares.counters[v.client] for v in victims}
+    assert s.shares.counters["hog"] > max(victim_counters.values()) + 128
+    alone = s.schedule()
+    assert [(r.client, r.num_scheduled) for r in alone] == [("hog", 1)]
+    run_batch(s, alone)
+    back = [mk(2, 3, v.client) for v in victims]
+    for v in back:
+        s.add(v)
+    batch = s.schedule()
+    # The victims were not lifted to the hog's counter: their prompts go first, and the hog,
+    # still ahead, takes a chunk no costlier than one victim's prompt.
+    assert [r.client for r in batch] == [v.client for v in back] + ["hog"]
+    assert {c: s.shares.counters[c] for c in victim_counters} == {
+        c: n + 2 * PROMPT_WEIGHT for c, n in victim_counters.items()}
+    assert [r.num_scheduled for r in batch if r is hog] == [1]
+
+
+def test_a_hog_left_alone_gets_the_whole_budget_once_the_others_stay_away():
+    s, hog, victims = streaming_victims_and_hog()
+    while not all(v.finished for v in victims):
+        run_batch(s)
+    chunks = [run_batch(s)[0].num_scheduled for _ in range(24)]
+    # A few one-token iterations while the victims may still come back, then whole budgets.
+    assert chunks[0] == 1 and chunks[-1] == 128
+    assert chunks.index(128) <= 20 and set(chunks[chunks.index(128):]) == {128}
+
+
+def test_a_hog_beside_back_to_back_victims_still_finishes_its_prompt():
+    """Fair is not starvation: the hog's 3,000-token prompt beside four victims that send 3-token
+    requests back to back is done within a bounded number of iterations, the victims never
+    wait (a request every 3 iterations), and the hog's weighted service grew no faster than a
+    victim's times what one token deep in its prompt costs against one decode (it always gets
+    at least one token)."""
+    s, hog, victims = streaming_victims_and_hog()
+    got = {v.client: 0 for v in victims}
+    run_batch(s)  # the victims' first prompts: now every client has a counter
+    start = dict(s.shares.counters)
+    for iteration in range(1, 20000):
+        for r in run_batch(s):
+            if r.client != "hog" and r.finished:
+                got[r.client] += 1
+                s.add(mk(2, 3, r.client))
+        if hog.finished:
+            break
+    assert hog.finished and hog.output_token_ids and iteration < 3000
+    assert min(got.values()) >= iteration // 3 - 1
+    gained = {c: s.shares.counters[c] - start[c] for c in start}
+    ratio = s.shares.chunk_cost(1, 3000) / OUTPUT_WEIGHT
+    slack = 128 + s.shares.chunk_cost(128, 3000)
+    assert all(gained["hog"] <= ratio * gained[c] + slack for c in got), gained
+
+
+def test_a_hog_ahead_takes_no_more_than_the_least_any_other_client_takes():
+    """A newcomer's 16-token prompt beside three victims' decodes: the hog, ahead, is held to a
+    decode's weight, not to the newcomer's prompt (else it would match every prompt of clients
+    whose prompts arrive in different iterations, getting several prompts' worth to their one)."""
+    s, hog, victims = hog_at_context(128)
+    late = mk(16, 5, "late")
+    s.add(late)
+    context = hog.num_cached
+    batch = s.schedule()
+    taken = {r.client: r.num_scheduled for r in batch}
+    assert taken["late"] == 16 and all(taken[v.client] == 1 for v in victims)
+    assert taken["hog"] == 1 or s.shares.chunk_cost(taken["hog"], context) <= OUTPUT_WEIGHT
