@@ -2,7 +2,8 @@
 // of 32 is quantized to int8 (quantize_row_int8: scale amax / 127, round to nearest even), each
 // weight block meets it in one integer dot product (AVX2: vpmaddubsw + vpmaddwd; AVX-512 VNNI:
 // vpdpbusd, the same exact int32 sums), and the block's sum enters an 8-lane float32 accumulator
-// scaled by d_w * d_x; Q4_1's minimum adds m * (d_x * sum(q_x)) in a scalar float32 sum. This is
+// scaled by d_w * d_x; Q4_1's minimum adds m * (d_x * sum(q_x)) to a scalar float32 sum (one fma
+// per block). This is
 // the dot product llama.cpp runs on these formats (activations as Q8_0 / Q8_1). Fewer
 // instructions per weight than dequantizing to float32, at the price of rounding every activation
 // to 8 bits.
@@ -17,6 +18,8 @@
 #include <immintrin.h>
 #include <omp.h>
 
+#include <algorithm>
+#include <cmath>
 #include <cstdint>
 
 #include "quant_formats.h"
@@ -94,57 +97,88 @@ constexpr int64_t int8_block_bytes() {
   return F == kQuantTypeQ8_0 ? 34 : F == kQuantTypeQ4_0 ? 18 : 20;
 }
 
-// The int32 block sum of weight block `blk` against activation block x.
-template <bool kVnni, int F>
-inline __m256i block_dot(const uint8_t* blk, __m256i x) {
-  if constexpr (F == kQuantTypeQ4_1) {
-    return dot_u8_i8<kVnni>(nibbles32(blk + 4), x);  // unsigned nibbles against signed x
-  } else {
-    const __m256i wq = F == kQuantTypeQ8_0 ? _mm256_loadu_si256(reinterpret_cast<const __m256i*>(blk + 2))
-                                           : _mm256_sub_epi8(nibbles32(blk + 2), _mm256_set1_epi8(8));
-    // signed x signed as unsigned x signed: |w| (as u8, so |-128| = 128) against x carrying w's sign
-    return dot_u8_i8<kVnni>(_mm256_sign_epi8(wq, wq), _mm256_sign_epi8(x, wq));
-  }
-}
-
-// out[t * n_out + n0 + r] for R weight rows starting at n0 and every token: the rows share each
-// activation block load, and their R independent accumulators keep the FMA pipes busy.
-template <bool kVnni, int F, int R>
-inline void int8_act_row_group(const Int8Activations& a, const uint8_t* w, int64_t row_bytes, int64_t n_tokens,
-                               int64_t k, int64_t n_out, int64_t n0, float* out) {
+// out[(t0 + m) * n_out + n0 + r] for R weight rows from n0 and M tokens from t0: the rows share
+// each activation block load and the tokens each unpacked weight block; the R * M accumulators are
+// independent, so each output's sum is the same whatever the tile.
+template <bool kVnni, int F, int R, int M>
+inline void int8_act_tile(const Int8Activations& a, const uint8_t* w, int64_t row_bytes, int64_t k, int64_t n_out,
+                          int64_t n0, int64_t t0, float* out) {
   constexpr int64_t kBytes = int8_block_bytes<F>();
   const int64_t n_blocks = k / 32;
-  for (int64_t t = 0; t < n_tokens; ++t) {
-    const int8_t* xq = a.q + t * k;
-    const float* xd = a.d + t * n_blocks;
-    const float* xs = a.s + t * n_blocks;
-    __m256 acc[R];
-    float acc_min[R];
-    for (int r = 0; r < R; ++r) acc[r] = _mm256_setzero_ps(), acc_min[r] = 0.0f;
-    for (int64_t b = 0; b < n_blocks; ++b) {
-      const __m256i x = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(xq + 32 * b));
-      for (int r = 0; r < R; ++r) {
-        const uint8_t* blk = w + (n0 + r) * row_bytes + b * kBytes;
-        const __m256i isum = block_dot<kVnni, F>(blk, x);
-        if constexpr (F == kQuantTypeQ4_1) acc_min[r] += half_to_float(blk + 2) * xs[b];
-        acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(isum), _mm256_set1_ps(half_to_float(blk) * xd[b]), acc[r]);
-      }
+  __m256 acc[R][M];
+  float acc_min[R][M];
+  for (int r = 0; r < R; ++r)
+    for (int m = 0; m < M; ++m) acc[r][m] = _mm256_setzero_ps(), acc_min[r][m] = 0.0f;
+  for (int64_t b = 0; b < n_blocks; ++b) {
+    __m256i x[M];
+    float xd[M];
+    for (int m = 0; m < M; ++m) {
+      x[m] = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(a.q + (t0 + m) * k + 32 * b));
+      xd[m] = a.d[(t0 + m) * n_blocks + b];
     }
     for (int r = 0; r < R; ++r) {
-      alignas(32) float l[8];
-      _mm256_store_ps(l, acc[r]);
-      out[t * n_out + n0 + r] = hsum8_tree(l) + acc_min[r];
+      const uint8_t* blk = w + (n0 + r) * row_bytes + b * kBytes;
+      const float dw = half_to_float(blk);
+      if constexpr (F == kQuantTypeQ4_1) {
+        const __m256i u = nibbles32(blk + 4);  // unsigned nibbles against signed x
+        const float mw = half_to_float(blk + 2);
+        for (int m = 0; m < M; ++m) {
+          acc_min[r][m] = std::fma(mw, a.s[(t0 + m) * n_blocks + b], acc_min[r][m]);  // explicit: no contraction choice
+          acc[r][m] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot_u8_i8<kVnni>(u, x[m])), _mm256_set1_ps(dw * xd[m]),
+                                      acc[r][m]);
+        }
+      } else {
+        const __m256i wq = F == kQuantTypeQ8_0 ? _mm256_loadu_si256(reinterpret_cast<const __m256i*>(blk + 2))
+                                               : _mm256_sub_epi8(nibbles32(blk + 2), _mm256_set1_epi8(8));
+        // signed x signed as unsigned x signed: |w| (as u8, so |-128| = 128) against x carrying w's sign
+        const __m256i u = _mm256_sign_epi8(wq, wq);
+        for (int m = 0; m < M; ++m)
+          acc[r][m] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot_u8_i8<kVnni>(u, _mm256_sign_epi8(x[m], wq))),
+                                      _mm256_set1_ps(dw * xd[m]), acc[r][m]);
+      }
     }
+  }
+  for (int r = 0; r < R; ++r)
+    for (int m = 0; m < M; ++m) {
+      alignas(32) float l[8];
+      _mm256_store_ps(l, acc[r][m]);
+      out[(t0 + m) * n_out + n0 + r] = hsum8_tree(l) + acc_min[r][m];
+    }
+}
+
+// Rows [n0, n0 + R) against every token: tiles of 4 tokens, then the remainder.
+template <bool kVnni, int F, int R>
+inline void int8_act_rows_all_tokens(const Int8Activations& a, const uint8_t* w, int64_t row_bytes,
+                                     int64_t n_tokens, int64_t k, int64_t n_out, int64_t n0, float* out) {
+  int64_t t = 0;
+  for (; t + 4 <= n_tokens; t += 4) int8_act_tile<kVnni, F, R, 4>(a, w, row_bytes, k, n_out, n0, t, out);
+  switch (n_tokens - t) {
+    case 3: int8_act_tile<kVnni, F, R, 3>(a, w, row_bytes, k, n_out, n0, t, out); break;
+    case 2: int8_act_tile<kVnni, F, R, 2>(a, w, row_bytes, k, n_out, n0, t, out); break;
+    case 1: int8_act_tile<kVnni, F, R, 1>(a, w, row_bytes, k, n_out, n0, t, out); break;
+    default: break;
   }
 }
 
-// out[t, n] for n in [n0, n1): groups of 4 rows, then single rows.
+// out[t, n] for n in [n0, n1) and every token. A single token takes 4 rows at a time (4 FMA
+// chains); more tokens take panels of rows small enough to stay in L2 while every token tile
+// passes over them (each weight byte read from memory once), 2 rows x 4 tokens at a time.
 template <bool kVnni, int F>
 inline void int8_act_rows(const Int8Activations& a, const uint8_t* w, int64_t row_bytes, int64_t n_tokens,
                           int64_t k, int64_t n_out, int64_t n0, int64_t n1, float* out) {
-  int64_t n = n0;
-  for (; n + 4 <= n1; n += 4) int8_act_row_group<kVnni, F, 4>(a, w, row_bytes, n_tokens, k, n_out, n, out);
-  for (; n < n1; ++n) int8_act_row_group<kVnni, F, 1>(a, w, row_bytes, n_tokens, k, n_out, n, out);
+  if (n_tokens == 1) {
+    int64_t n = n0;
+    for (; n + 4 <= n1; n += 4) int8_act_tile<kVnni, F, 4, 1>(a, w, row_bytes, k, n_out, n, 0, out);
+    for (; n < n1; ++n) int8_act_tile<kVnni, F, 1, 1>(a, w, row_bytes, k, n_out, n, 0, out);
+    return;
+  }
+  const int64_t panel = std::max<int64_t>(2, ((int64_t{64} << 10) / row_bytes) & ~int64_t{1});
+  for (int64_t p0 = n0; p0 < n1; p0 += panel) {
+    const int64_t p1 = std::min(n1, p0 + panel);
+    int64_t n = p0;
+    for (; n + 2 <= p1; n += 2) int8_act_rows_all_tokens<kVnni, F, 2>(a, w, row_bytes, n_tokens, k, n_out, n, out);
+    for (; n < p1; ++n) int8_act_rows_all_tokens<kVnni, F, 1>(a, w, row_bytes, n_tokens, k, n_out, n, out);
+  }
 }
 
 // out[T, N] (float32) = the int8-activation products of every weight row; the rows are cut into
