@@ -97,12 +97,12 @@ constexpr int64_t int8_block_bytes() {
   return F == kQuantTypeQ8_0 ? 34 : F == kQuantTypeQ4_0 ? 18 : 20;
 }
 
-// out[(t0 + m) * n_out + n0 + r] for R weight rows from n0 and M tokens from t0: the rows share
-// each activation block load and the tokens each unpacked weight block; the R * M accumulators are
-// independent, so each output's sum is the same whatever the tile.
+// out[(t0 + m) * n_out + n0 + r * stride] for R weight rows (n0, n0 + stride, ...) and M tokens
+// from t0: the rows share each activation block load and the tokens each unpacked weight block;
+// the R * M accumulators are independent, so each output's sum is the same whatever the tile.
 template <bool kVnni, int F, int R, int M>
 inline void int8_act_tile(const Int8Activations& a, const uint8_t* w, int64_t row_bytes, int64_t k, int64_t n_out,
-                          int64_t n0, int64_t t0, float* out) {
+                          int64_t n0, int64_t stride, int64_t t0, float* out) {
   constexpr int64_t kBytes = int8_block_bytes<F>();
   const int64_t n_blocks = k / 32;
   __m256 acc[R][M];
@@ -117,7 +117,7 @@ inline void int8_act_tile(const Int8Activations& a, const uint8_t* w, int64_t ro
       xd[m] = a.d[(t0 + m) * n_blocks + b];
     }
     for (int r = 0; r < R; ++r) {
-      const uint8_t* blk = w + (n0 + r) * row_bytes + b * kBytes;
+      const uint8_t* blk = w + (n0 + r * stride) * row_bytes + b * kBytes;
       const float dw = half_to_float(blk);
       if constexpr (F == kQuantTypeQ4_1) {
         const __m256i u = nibbles32(blk + 4);  // unsigned nibbles against signed x
@@ -142,7 +142,7 @@ inline void int8_act_tile(const Int8Activations& a, const uint8_t* w, int64_t ro
     for (int m = 0; m < M; ++m) {
       alignas(32) float l[8];
       _mm256_store_ps(l, acc[r][m]);
-      out[(t0 + m) * n_out + n0 + r] = hsum8_tree(l) + acc_min[r][m];
+      out[(t0 + m) * n_out + n0 + r * stride] = hsum8_tree(l) + acc_min[r][m];
     }
 }
 
@@ -151,25 +151,28 @@ template <bool kVnni, int F, int R>
 inline void int8_act_rows_all_tokens(const Int8Activations& a, const uint8_t* w, int64_t row_bytes,
                                      int64_t n_tokens, int64_t k, int64_t n_out, int64_t n0, float* out) {
   int64_t t = 0;
-  for (; t + 4 <= n_tokens; t += 4) int8_act_tile<kVnni, F, R, 4>(a, w, row_bytes, k, n_out, n0, t, out);
+  for (; t + 4 <= n_tokens; t += 4) int8_act_tile<kVnni, F, R, 4>(a, w, row_bytes, k, n_out, n0, 1, t, out);
   switch (n_tokens - t) {
-    case 3: int8_act_tile<kVnni, F, R, 3>(a, w, row_bytes, k, n_out, n0, t, out); break;
-    case 2: int8_act_tile<kVnni, F, R, 2>(a, w, row_bytes, k, n_out, n0, t, out); break;
-    case 1: int8_act_tile<kVnni, F, R, 1>(a, w, row_bytes, k, n_out, n0, t, out); break;
+    case 3: int8_act_tile<kVnni, F, R, 3>(a, w, row_bytes, k, n_out, n0, 1, t, out); break;
+    case 2: int8_act_tile<kVnni, F, R, 2>(a, w, row_bytes, k, n_out, n0, 1, t, out); break;
+    case 1: int8_act_tile<kVnni, F, R, 1>(a, w, row_bytes, k, n_out, n0, 1, t, out); break;
     default: break;
   }
 }
 
 // out[t, n] for n in [n0, n1) and every token. A single token takes 4 rows at a time (4 FMA
-// chains); more tokens take panels of rows small enough to stay in L2 while every token tile
-// passes over them (each weight byte read from memory once), 2 rows x 4 tokens at a time.
+// chains), one from each quarter of the range, so that the weights are read as 4 long forward
+// streams (the hardware prefetchers follow those better than one; skinny_gemm.cpp measured the
+// same for the float kernels). More tokens take panels of rows small enough to stay in L2 while
+// every token tile passes over them (each weight byte read from memory once), 2 rows x 4 tokens
+// at a time.
 template <bool kVnni, int F>
 inline void int8_act_rows(const Int8Activations& a, const uint8_t* w, int64_t row_bytes, int64_t n_tokens,
                           int64_t k, int64_t n_out, int64_t n0, int64_t n1, float* out) {
   if (n_tokens == 1) {
-    int64_t n = n0;
-    for (; n + 4 <= n1; n += 4) int8_act_tile<kVnni, F, 4, 1>(a, w, row_bytes, k, n_out, n, 0, out);
-    for (; n < n1; ++n) int8_act_tile<kVnni, F, 1, 1>(a, w, row_bytes, k, n_out, n, 0, out);
+    const int64_t quarter = (n1 - n0) / 4;
+    for (int64_t j = 0; j < quarter; ++j) int8_act_tile<kVnni, F, 4, 1>(a, w, row_bytes, k, n_out, n0 + j, quarter, 0, out);
+    for (int64_t n = n0 + 4 * quarter; n < n1; ++n) int8_act_tile<kVnni, F, 1, 1>(a, w, row_bytes, k, n_out, n, 1, 0, out);
     return;
   }
   const int64_t panel = std::max<int64_t>(2, ((int64_t{64} << 10) / row_bytes) & ~int64_t{1});
