@@ -217,3 +217,34 @@ def test_formats_without_int8_kernels_are_unchanged():
     x = rows(gen, 3, k, torch.float32)
     assert torch.equal(_C.quant_linear(x, w, 14, k, None, None, int8_activations=True),
                        _C.quant_linear(x, w, 14, k, None, None))
+
+
+@pytest.mark.parametrize("fmt", ["Q4_1", "Q8_0", "Q4_0"])
+def test_a_models_logits_with_int8_activations(tmp_path, fmt):
+    """A tiny GGUF model with the mode on: a request's logits are the same bits alone and among
+    batch-mates (prefill and decode), and stay near the float-activation logits (the rounding of
+    8-bit activations, not a different computation)."""
+    from gguf import GGMLQuantizationType as T
+    from gguf_models import VOCAB, write_gguf
+
+    from orca_ext.models import load_model
+    from orca_ext.models.batch import ForwardBatch
+
+    path = tmp_path / "m.gguf"
+    write_gguf(path, "llama", lambda name: T[fmt], seed=3)
+    model = load_model(path)
+    model.allocate_kv_cache(192)
+    g = torch.Generator().manual_seed(1)
+    a, b, c = (torch.randint(0, VOCAB, (n,), generator=g).tolist() for n in (9, 14, 2))
+    with modes.using(int8_quant_activations=True, batch_invariant=True):
+        alone = model(ForwardBatch.build([(a, 0, 0)]))[0]
+        alone_next = model(ForwardBatch.build([([5], len(a), 0)]))[0]
+        mixed = model(ForwardBatch.build([(b, 0, 0), (a, 0, 64), (c, 0, 128)]))[1]
+        mixed_next = model(ForwardBatch.build([([9], len(b), 0), ([5], len(a), 64), ([1, 2], len(c), 128)]))[1]
+    with modes.using(int8_quant_activations=False, batch_invariant=True):
+        float_acts = model(ForwardBatch.build([(a, 0, 0)]))[0]
+    assert torch.equal(alone, mixed)
+    assert torch.equal(alone_next, mixed_next)
+    assert not torch.equal(alone, float_acts)
+    spread = float_acts.std().item()
+    assert (alone - float_acts).abs().max().item() < 0.1 * spread + 1e-6
