@@ -2,9 +2,12 @@
 
 16 fixed chat prompts x 32 greedy tokens (EOS ignored), one Server per model; a prompt counts
 as changed when its 32 token ids differ from the float32 folder's anywhere, and the first
-differing position is reported.
+differing position is reported. --activations int8 serves the files with the mode
+int8_quant_activations (activations rounded per 32-block to int8 in the Q8_0/Q4_0/Q4_1 products);
+the float32 reference always runs with float32 activations.
 
-    python bench/greedy_formats.py [--models a.gguf b.gguf ...] [--out bench/out/greedy_formats.json]
+    python bench/greedy_formats.py [--models a.gguf b.gguf ...] [--activations float32 int8]
+        [--out bench/out/greedy_formats.json]
 """
 from __future__ import annotations
 
@@ -22,7 +25,14 @@ PROMPTS = [
 ]
 
 
-def run(model: str, quantization: str) -> list[list[int]]:
+def run(model: str, quantization: str, int8_activations: bool = False) -> list[list[int]]:
+    from orca_ext import modes
+
+    with modes.using(int8_quant_activations=int8_activations):
+        return _run(model, quantization)
+
+
+def _run(model: str, quantization: str) -> list[list[int]]:
     from orca_ext import SamplingParams, Server
 
     params = SamplingParams(max_tokens=32, ignore_eos=True)
@@ -37,20 +47,22 @@ def main(argv: list[str] | None = None) -> None:
 
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--models", nargs="*", default=None)
+    p.add_argument("--activations", nargs="+", default=["float32"], choices=["float32", "int8"])
     p.add_argument("--out", type=Path, default=None)
     args = p.parse_args(argv)
     reference = run(str(default_model_path()), "none")
     rows = []
     for model in args.models or [str(default_gguf_path())]:
-        got = run(model, "auto")
-        first = [next((i for i, (a, b) in enumerate(zip(g, r)) if a != b), None) for g, r in zip(got, reference)]
-        changed = [i for i, f in enumerate(first) if f is not None]
-        rows.append({"model": Path(model).name, "changed": len(changed), "of": len(PROMPTS),
-                     "first_difference": {PROMPTS[i]: first[i] for i in changed}})
-        print(json.dumps(rows[-1]), flush=True)
-    print("| file | prompts whose 32 greedy tokens change vs float32 |\n|---|---|")
+        for acts in args.activations:
+            got = run(model, "auto", int8_activations=acts == "int8")
+            first = [next((i for i, (a, b) in enumerate(zip(g, r)) if a != b), None) for g, r in zip(got, reference)]
+            changed = [i for i, f in enumerate(first) if f is not None]
+            rows.append({"model": Path(model).name, "activations": acts, "changed": len(changed), "of": len(PROMPTS),
+                         "first_difference": {PROMPTS[i]: first[i] for i in changed}})
+            print(json.dumps(rows[-1]), flush=True)
+    print("| file | activations | prompts whose 32 greedy tokens change vs float32 |\n|---|---|---|")
     for r in rows:
-        print(f"| {r['model']} | {r['changed']} / {r['of']} |")
+        print(f"| {r['model']} | {r['activations']} | {r['changed']} / {r['of']} |")
     if args.out:
         args.out.parent.mkdir(parents=True, exist_ok=True)
         args.out.write_text(json.dumps(rows, indent=1))

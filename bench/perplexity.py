@@ -10,7 +10,9 @@ sees at least ctx/2 tokens of context), PPL = exp(mean NLL). The mean over every
 every window ("all positions") is printed as well.
 
 Per model file, our side runs with --quantization auto (blocks) and, with --compare-none, none
-(dequantized at load: the float path on the same numbers). The llama.cpp side runs when
+(dequantized at load: the float path on the same numbers). --activations picks the products of
+the blocks: float32 (the default), int8 (the mode int8_quant_activations: activations rounded per
+32-block to int8, as llama.cpp's quantized dot products do), or both (one column each). The llama.cpp side runs when
 --llama-bin names a folder holding llama-perplexity.
 
 Formats other than the embedded Q4_1: --make-formats Q8_0 Q4_0 Q4_K_M converts our float32
@@ -72,8 +74,16 @@ def llama_tokens(llama_bin: Path, model_path: str, text: str) -> list[int]:
 
 @torch.inference_mode()
 def our_perplexity(model_path: str, text: str, ctx: int, quantization: str, max_windows: int | None,
-                   ids: list[int] | None = None) -> dict:
+                   ids: list[int] | None = None, int8_activations: bool = False) -> dict:
     """`ids`: the text's tokens from elsewhere (llama.cpp's), else our tokenizer's."""
+    from orca_ext import modes
+
+    with modes.using(int8_quant_activations=int8_activations):
+        return _our_perplexity(model_path, text, ctx, quantization, max_windows, ids)
+
+
+def _our_perplexity(model_path: str, text: str, ctx: int, quantization: str, max_windows: int | None,
+                    ids: list[int] | None) -> dict:
     from orca_ext.models import load_model, load_tokenizer
     from orca_ext.models.batch import ForwardBatch
 
@@ -162,6 +172,8 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--llama-tokens", action="store_true",
                    help="score llama.cpp's tokenization of the text (llama-server /tokenize) instead of ours; "
                         "the tokenizers split some whitespace runs differently")
+    p.add_argument("--activations", nargs="+", default=["float32"], choices=["float32", "int8"],
+                   help="products of the blocks: float32 activations, int8 (int8_quant_activations), or both")
     p.add_argument("--cache", type=Path, default=cache_root() / "perplexity")
     p.add_argument("--out", type=Path, default=None)
     args = p.parse_args(argv)
@@ -179,8 +191,10 @@ def main(argv: list[str] | None = None) -> None:
     rows = []
     for name, path in models.items():
         ids = llama_tokens(args.llama_bin, path, text) if args.llama_tokens else None
-        row = {"model": name, "path": path, "tokens": "llama.cpp" if ids else "ours",
-               "ours": our_perplexity(path, text, args.ctx, "auto", args.max_windows, ids)}
+        row = {"model": name, "path": path, "tokens": "llama.cpp" if ids else "ours"}
+        for acts in args.activations:
+            row["ours" if acts == "float32" else "ours_int8"] = our_perplexity(
+                path, text, args.ctx, "auto", args.max_windows, ids, int8_activations=acts == "int8")
         if args.compare_none:
             row["ours_dequantized"] = our_perplexity(path, text, args.ctx, "none", args.max_windows, ids)
         if binary is not None:
@@ -188,14 +202,18 @@ def main(argv: list[str] | None = None) -> None:
         rows.append(row)
         print(json.dumps(row), flush=True)
     print(f"\n{args.text}, ctx {args.ctx}, scored positions ctx/2..ctx-2 of each window (llama-perplexity's)")
-    print("| file | ours (blocks) | ours (dequantized) | llama.cpp | ours / llama.cpp | all positions (ours) |")
-    print("|---|---|---|---|---|---|")
+    print("| file | activations | ours (blocks) | ours (dequantized) | llama.cpp | ours / llama.cpp | all positions (ours) |")
+    print("|---|---|---|---|---|---|---|")
     for r in rows:
-        o = r["ours"]["ppl"]
         d = r.get("ours_dequantized", {}).get("ppl")
         ll = r.get("llama_cpp", {}).get("ppl")
-        print(f"| {r['model']} | {o:.4f} | {'' if d is None else f'{d:.4f}'} | {'' if ll is None else f'{ll:.4f}'} | "
-              f"{'' if ll is None else f'{o / ll:.4f}'} | {r['ours']['ppl_all_positions']:.4f} |")
+        for key, acts in (("ours", "float32"), ("ours_int8", "int8")):
+            if key not in r:
+                continue
+            o = r[key]["ppl"]
+            print(f"| {r['model']} | {acts} | {o:.4f} | {'' if d is None else f'{d:.4f}'} | "
+                  f"{'' if ll is None else f'{ll:.4f}'} | {'' if ll is None else f'{o / ll:.4f}'} | "
+                  f"{r[key]['ppl_all_positions']:.4f} |")
     if args.out:
         args.out.parent.mkdir(parents=True, exist_ok=True)
         args.out.write_text(json.dumps({"text": args.text, "ctx": args.ctx, "machine": platform.processor() or

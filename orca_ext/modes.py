@@ -6,6 +6,9 @@ and read by the ops and the model's forward, instead of flags threaded through e
     fused_rope_on_cpu    CPU layers without a q/k norm run rope and the KV write as one kernel
                          (bit-identical to the two steps; benchmarks compare the two)
     huge_pages           CPU weights and KV pools live in transparent huge pages (Linux)
+    int8_quant_activations  CPU products of Q8_0/Q4_0/Q4_1 weights quantize each activation row
+                         per 32-block to int8 and take integer dot products, as llama.cpp does
+                         (docs/DESIGN.md section 4); other formats and CUDA are unaffected
 
 `set_modes` replaces the process's modes; `using(**changes)` overrides some of them for a block
 (benchmarks and tests that compare both settings in one process) and restores them after.
@@ -27,6 +30,7 @@ class Modes:
     batch_invariant: bool = False
     fused_rope_on_cpu: bool = True
     huge_pages: bool = True
+    int8_quant_activations: bool = False
 
     def __post_init__(self) -> None:
         for field in dataclasses.fields(self):

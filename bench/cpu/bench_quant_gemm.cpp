@@ -10,7 +10,7 @@
 //    (2048x2048, 8192x2048, 2048x8192) at T = 1, 4, 16, 64, 512, rotating over enough weight
 //    copies (>= 96 MiB) that weights come from memory, and prints GB/s of weight bytes read next
 //    to the streaming-read ceiling (arguments at main() narrow the T and the layers).
-// 3. Side by side, the int8-activation design (quant_kernels.h: quant_linear_int8_activations) for
+// 3. Side by side, the int8-activation design (quant_kernels.h: quant_linear with QuantActivations::kInt8) for
 //    Q8_0, Q4_0 and Q4_1: validated against a bound on its activation rounding, timed as "-int8act".
 //    It has no token tiling (every token re-reads the activations per weight row), so its large-T
 //    numbers understate what a tiled version would reach.
@@ -157,6 +157,10 @@ bool check_case(const QuantFormat& f, int64_t Tn, int64_t K, int64_t N, uint64_t
   return true;
 }
 
+void int8_linear(const float* x, const uint8_t* w, int type, float* out, int64_t Tn, int64_t K, int64_t N) {
+  orca::cpu::quant_linear<float>(x, w, type, nullptr, nullptr, out, Tn, K, N, orca::cpu::QuantActivations::kInt8);
+}
+
 // The int8-activation design: each activation moves by at most half its block's step
 // (amax / 127 / 2) when rounded to int8, so |error| <= sum over blocks of amax_b / 254 * sum |w| in
 // the block, plus float32 accumulation.
@@ -166,7 +170,8 @@ bool check_int8_activations(const QuantFormat& f, int64_t Tn, int64_t K, int64_t
   const std::vector<double> wd = dequantized(f, w, N, K);
   bench::Vec<float> x(Tn * K), out(Tn * N);
   bench::fill_random(x, rng, -2.0f, 2.0f);
-  if (!orca::cpu::quant_linear_int8_activations(x.data(), w.data(), f.type, out.data(), Tn, K, N)) return true;
+  if (!orca::cpu::quant_int8_supported(f.type)) return true;
+  int8_linear(x.data(), w.data(), f.type, out.data(), Tn, K, N);
   size_t bad = 0;
   double worst = 0.0;
   for (int64_t t = 0; t < Tn; ++t)
@@ -268,11 +273,10 @@ void perf(const bench::Ceilings& c, const std::vector<int64_t>& tokens, const ch
                         static_cast<long long>(Tn));
           bench::report(name, t, flops, w_bytes, c);
           // The int8-activation design on the same weights, where the format has it.
-          if (!orca::cpu::quant_linear_int8_activations(x.data(), ws[0].data(), f.type, out.data(), Tn, l.k, l.n))
-            continue;
+          if (!orca::cpu::quant_int8_supported(f.type)) continue;
           const bench::Timing t8 = bench::time_calls(
               [&] {
-                orca::cpu::quant_linear_int8_activations(x.data(), ws[at].data(), f.type, out.data(), Tn, l.k, l.n);
+                int8_linear(x.data(), ws[at].data(), f.type, out.data(), Tn, l.k, l.n);
                 at = (at + 1) % ws.size();
               },
               reps, 1);

@@ -100,12 +100,99 @@ detail::Activations float_activations(const T* x, int64_t n_tokens, int64_t k) {
                                             [=](int64_t t, float* dst) { detail::load_row(x + t * k, dst, k); });
 }
 
+// ---- int8 activations (quant_int8_act.h) ----
+
+bool use_int8(int qtype, QuantActivations acts) {
+  return acts == QuantActivations::kInt8 && quant_int8_supported(qtype);
+}
+
+// q [T, K] int8 and d, s [T, K / 32] of the rows fill_row(t, float* dst) writes.
+template <typename FillRow>
+detail::Int8Rows int8_activations(int64_t n_tokens, int64_t k, FillRow&& fill_row) {
+  const int64_t n_blocks = k / 32;
+  int8_t* q = detail::thread_scratch<int8_t>(4, static_cast<size_t>(n_tokens * k));
+  float* d = detail::thread_scratch<float>(3, static_cast<size_t>(2 * n_tokens * n_blocks));
+  float* s = d + n_tokens * n_blocks;
+  const bool parallel = n_tokens > 1 && n_tokens * k >= (int64_t{1} << 15);
+#pragma omp parallel for schedule(static) if (parallel)
+  for (int64_t t = 0; t < n_tokens; ++t) {
+    float* row = detail::thread_scratch<float>(5, static_cast<size_t>(k));
+    fill_row(t, row);
+    detail::int8_quantize_row(row, k, q + t * k, d + t * n_blocks, s + t * n_blocks);
+  }
+  return {q, d, s};
+}
+
+// acc [T, n_rows] float32 = the int8 products of every weight row (the path's kernel).
+float* int8_products(const detail::Int8Rows& a, const uint8_t* qweight, int qtype, int64_t n_tokens, int64_t k,
+                     int64_t n_rows) {
+  float* acc = detail::thread_scratch<float>(7, static_cast<size_t>(n_tokens * n_rows));
+  const int64_t rb = row_bytes(qtype, k);
+  if (quant_path() == QuantPath::kAvx512 && detail::cpu_has_avx512vnni())
+    detail::int8_act_linear_avx512vnni(a.q, a.d, a.s, qweight, qtype, rb, n_tokens, k, n_rows, acc);
+  else
+    detail::int8_act_linear_avx2(a.q, a.d, a.s, qweight, qtype, rb, n_tokens, k, n_rows, acc);
+  return acc;
+}
+
+// out = acc + bias (+ residual), one rounding to T.
+template <typename T>
+void bias_epilogue(const float* acc, const T* bias, const T* residual, T* out, int64_t n_tokens, int64_t n_out) {
+  for (int64_t t = 0; t < n_tokens; ++t) {
+    const float* a = acc + t * n_out;
+    const T* r = residual != nullptr ? residual + t * n_out : nullptr;
+    T* o = out + t * n_out;
+    for (int64_t n = 0; n < n_out; ++n) {
+      float v = a[n];
+      if (bias != nullptr) v += to_float(bias[n]);
+      if (r != nullptr) v += to_float(r[n]);
+      o[n] = from_float<T>(v);
+    }
+  }
+}
+
+// silu(g) = g * sigmoid(g), computed as the float-activation kernels do (skinny_gemm.cpp).
+inline float silu(float g) {
+  const float e = detail::exp2_nonpos(-std::fabs(g) * 1.4426950408889634f);
+  const float s = (g >= 0.0f ? 1.0f : e) / (1.0f + e);
+  return g * s;
+}
+
+// out[t, i] = silu(acc[t, i] + bias[i]) * (acc[t, I + i] + bias[I + i]), rounded to T.
+template <typename T>
+void silu_mul_epilogue(const float* acc, const T* bias, T* out, int64_t n_tokens, int64_t n_inter) {
+  for (int64_t t = 0; t < n_tokens; ++t) {
+    const float* a = acc + t * 2 * n_inter;
+    T* o = out + t * n_inter;
+    for (int64_t i = 0; i < n_inter; ++i) {
+      float g = a[i], u = a[n_inter + i];
+      if (bias != nullptr) g += to_float(bias[i]), u += to_float(bias[n_inter + i]);
+      o[i] = from_float<T>(silu(g) * u);
+    }
+  }
+}
+
 }  // namespace
+
+bool quant_int8_supported(int qtype) {
+#if defined(__AVX2__)
+  return qtype == kQuantTypeQ8_0 || qtype == kQuantTypeQ4_0 || qtype == kQuantTypeQ4_1;
+#else
+  (void)qtype;
+  return false;
+#endif
+}
 
 template <typename T>
 void quant_linear(const T* x, const uint8_t* qweight, int qtype, const T* bias, const T* residual, T* out,
-                  int64_t n_tokens, int64_t k, int64_t n_out) {
+                  int64_t n_tokens, int64_t k, int64_t n_out, QuantActivations acts) {
   if (n_tokens <= 0 || n_out <= 0) return;
+  if (use_int8(qtype, acts)) {
+    const detail::Int8Rows a =
+        int8_activations(n_tokens, k, [=](int64_t t, float* dst) { detail::load_row(x + t * k, dst, k); });
+    bias_epilogue(int8_products(a, qweight, qtype, n_tokens, k, n_out), bias, residual, out, n_tokens, n_out);
+    return;
+  }
   const auto fn = panel_for(qtype);
   const detail::Activations a = float_activations(x, n_tokens, k);
   detail::stream_quant_weights<T>(a, qweight, row_bytes(qtype, k), fn, bias, residual, out, n_tokens, k, n_out,
@@ -114,8 +201,14 @@ void quant_linear(const T* x, const uint8_t* qweight, int qtype, const T* bias, 
 
 template <typename T>
 void quant_linear_silu_mul(const T* x, const uint8_t* qweight, int qtype, const T* bias, T* out, int64_t n_tokens,
-                           int64_t k, int64_t n_inter) {
+                           int64_t k, int64_t n_inter, QuantActivations acts) {
   if (n_tokens <= 0 || n_inter <= 0) return;
+  if (use_int8(qtype, acts)) {
+    const detail::Int8Rows a =
+        int8_activations(n_tokens, k, [=](int64_t t, float* dst) { detail::load_row(x + t * k, dst, k); });
+    silu_mul_epilogue(int8_products(a, qweight, qtype, n_tokens, k, 2 * n_inter), bias, out, n_tokens, n_inter);
+    return;
+  }
   const auto fn = panel_for(qtype);
   const detail::Activations a = float_activations(x, n_tokens, k);
   detail::stream_quant_weights<T>(a, qweight, row_bytes(qtype, k), fn, bias, nullptr, out, n_tokens, k, 2 * n_inter,
@@ -124,14 +217,20 @@ void quant_linear_silu_mul(const T* x, const uint8_t* qweight, int qtype, const 
 
 template <typename T>
 void quant_rmsnorm_qkv(const T* x, const T* norm_weight, const uint8_t* qweight, int qtype, const T* bias, T* out,
-                       int64_t n_tokens, int64_t k, int64_t n_out, float eps) {
+                       int64_t n_tokens, int64_t k, int64_t n_out, float eps, QuantActivations acts) {
   if (n_tokens <= 0 || n_out <= 0) return;
-  const auto fn = panel_for(qtype);
-  const detail::Activations a = detail::prepare_activations<float>(n_tokens, k, [=](int64_t t, float* dst) {
+  const auto normed_row = [=](int64_t t, float* dst) {
     detail::rms_normalize_row(x + t * k, norm_weight, dst, k, eps);
     if (std::is_same<T, bf16>::value)  // what the unfused rms_norm would have stored
       for (int64_t i = 0; i < k; ++i) dst[i] = to_float(from_float<bf16>(dst[i]));
-  });
+  };
+  if (use_int8(qtype, acts)) {
+    const detail::Int8Rows a = int8_activations(n_tokens, k, normed_row);
+    bias_epilogue<T>(int8_products(a, qweight, qtype, n_tokens, k, n_out), bias, nullptr, out, n_tokens, n_out);
+    return;
+  }
+  const auto fn = panel_for(qtype);
+  const detail::Activations a = detail::prepare_activations<float>(n_tokens, k, normed_row);
   detail::stream_quant_weights<T>(a, qweight, row_bytes(qtype, k), fn, bias, nullptr, out, n_tokens, k, n_out,
                                   detail::Epilogue::kBias);
 }
@@ -149,53 +248,18 @@ void quant_embedding(const uint8_t* qweight, int qtype, const int64_t* token_ids
   }
 }
 
-bool quant_linear_int8_activations(const float* x, const uint8_t* qweight, int qtype, float* out, int64_t n_tokens,
-                                   int64_t k, int64_t n_out) {
-#if defined(__AVX2__)
-  if (qtype != kQuantTypeQ8_0 && qtype != kQuantTypeQ4_0 && qtype != kQuantTypeQ4_1) return false;
-  const int64_t n_blocks = k / 32;
-  int8_t* q = detail::thread_scratch<int8_t>(4, static_cast<size_t>(n_tokens * k));
-  float* d = detail::thread_scratch<float>(3, static_cast<size_t>(2 * n_tokens * n_blocks));
-  float* s = d + n_tokens * n_blocks;
-  for (int64_t t = 0; t < n_tokens; ++t)
-    for (int64_t b = 0; b < n_blocks; ++b) {  // as llama.cpp's quantize_row_q8_0: scale amax / 127
-      const float* xb = x + t * k + 32 * b;
-      float amax = 0.0f;
-      for (int i = 0; i < 32; ++i) amax = std::max(amax, std::fabs(xb[i]));
-      const float scale = amax / 127.0f, inv = scale != 0.0f ? 1.0f / scale : 0.0f;
-      int sum = 0;
-      for (int i = 0; i < 32; ++i) {
-        const int v = static_cast<int>(std::nearbyint(xb[i] * inv));
-        q[t * k + 32 * b + i] = static_cast<int8_t>(v);
-        sum += v;
-      }
-      d[t * n_blocks + b] = scale;
-      s[t * n_blocks + b] = scale * static_cast<float>(sum);
-    }
-  const int64_t rb = row_bytes(qtype, k);
-  if (quant_path() == QuantPath::kAvx512 && detail::cpu_has_avx512vnni())
-    detail::int8_act_linear_avx512vnni(q, d, s, qweight, qtype, rb, n_tokens, k, n_out, out);
-  else
-    detail::int8_act_linear_avx2(q, d, s, qweight, qtype, rb, n_tokens, k, n_out, out);
-  return true;
-#else
-  (void)x, (void)qweight, (void)qtype, (void)out, (void)n_tokens, (void)k, (void)n_out;
-  return false;
-#endif
-}
-
 template void quant_linear<float>(const float*, const uint8_t*, int, const float*, const float*, float*, int64_t,
-                                  int64_t, int64_t);
+                                  int64_t, int64_t, QuantActivations);
 template void quant_linear<bf16>(const bf16*, const uint8_t*, int, const bf16*, const bf16*, bf16*, int64_t, int64_t,
-                                 int64_t);
+                                 int64_t, QuantActivations);
 template void quant_linear_silu_mul<float>(const float*, const uint8_t*, int, const float*, float*, int64_t, int64_t,
-                                           int64_t);
+                                           int64_t, QuantActivations);
 template void quant_linear_silu_mul<bf16>(const bf16*, const uint8_t*, int, const bf16*, bf16*, int64_t, int64_t,
-                                          int64_t);
+                                          int64_t, QuantActivations);
 template void quant_rmsnorm_qkv<float>(const float*, const float*, const uint8_t*, int, const float*, float*, int64_t,
-                                       int64_t, int64_t, float);
+                                       int64_t, int64_t, float, QuantActivations);
 template void quant_rmsnorm_qkv<bf16>(const bf16*, const bf16*, const uint8_t*, int, const bf16*, bf16*, int64_t,
-                                      int64_t, int64_t, float);
+                                      int64_t, int64_t, float, QuantActivations);
 template void quant_embedding<float>(const uint8_t*, int, const int64_t*, float*, int64_t, int64_t);
 template void quant_embedding<bf16>(const uint8_t*, int, const int64_t*, bf16*, int64_t, int64_t);
 

@@ -80,6 +80,15 @@ void int8_act_linear_avx2(const int8_t* q, const float* d, const float* s, const
 #endif
 }
 
+void int8_quantize_row(const float* x, int64_t k, int8_t* q, float* d, float* s) {
+#ifdef ORCA_QUANT_AVX2
+  quantize_row_int8(x, k, q, d, s);
+#else
+  (void)x, (void)k, (void)q, (void)d, (void)s;
+  throw std::logic_error("the int8-activation kernels need AVX2");
+#endif
+}
+
 void dequant_row(int type, const uint8_t* row, int64_t k, float* out) {
   dispatch_quant_format(type, [&](auto f) {
     for (int64_t c = 0; c < k / kChunk; ++c) dequant_chunk<decltype(f)::value>(row, c, out + c * kChunk);

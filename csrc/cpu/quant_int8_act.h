@@ -1,17 +1,25 @@
-// The int8-activation design of the 32-element formats (Q8_0, Q4_0, Q4_1), kept for comparison
-// in bench_quant_gemm: each activation block of 32 is quantized to int8 (scale amax / 127, round
-// to nearest), each weight block meets it in one integer dot product (AVX2: vpmaddubsw +
-// vpmaddwd; AVX-512 VNNI: vpdpbusd), and the block's sum enters a float32 accumulator scaled by
-// d_w * d_x. Fewer instructions per weight than dequantizing to float32, at the price of
-// rounding every activation to 8 bits; the ops (quant_kernels.h) keep float32 activations.
-// Q8_0 weights must lie in [-127, 127], as ggml's quantizer writes them: the sign trick below
-// (|x| against w with x's sign) cannot negate -128.
+// The int8-activation kernels of the 32-element formats (Q8_0, Q4_0, Q4_1): each activation block
+// of 32 is quantized to int8 (quantize_row_int8: scale amax / 127, round to nearest even), each
+// weight block meets it in one integer dot product (AVX2: vpmaddubsw + vpmaddwd; AVX-512 VNNI:
+// vpdpbusd, the same exact int32 sums), and the block's sum enters an 8-lane float32 accumulator
+// scaled by d_w * d_x; Q4_1's minimum adds m * (d_x * sum(q_x)) to a scalar float32 sum (one fma
+// per block). This is
+// the dot product llama.cpp runs on these formats (activations as Q8_0 / Q8_1). Fewer
+// instructions per weight than dequantizing to float32, at the price of rounding every activation
+// to 8 bits.
+//
+// Reduction order: an output's block sums enter its accumulator in block order; the lanes are
+// summed by hsum8_tree, then the minimum term is added. It depends only on K, never on T, the
+// batch, the thread count or the path (both paths compute the same int32 block sums), so a row's
+// outputs are bit-identical whatever else is in the batch.
 //
 // Like quant_blocks.h, everything is local to the including unit (compiled for its target).
 #pragma once
 #include <immintrin.h>
 #include <omp.h>
 
+#include <algorithm>
+#include <cmath>
 #include <cstdint>
 
 #include "quant_formats.h"
@@ -30,12 +38,50 @@ struct Int8Activations {
   const float* s;
 };
 
+// One row of K (a multiple of 32) to int8 blocks: d = amax / 127, q = round_even(x * (1 / d))
+// (q = 0 where amax = 0), s = d * sum(q). |q| <= 127, which the dot products below rely on.
+inline void quantize_row_int8(const float* x, int64_t k, int8_t* q, float* d, float* s) {
+  const __m256 sign_bit = _mm256_set1_ps(-0.0f);
+  for (int64_t b = 0; b < k / 32; ++b) {
+    const float* xb = x + 32 * b;
+    __m256 v[4];
+    __m256 amax = _mm256_setzero_ps();
+    for (int i = 0; i < 4; ++i) {
+      v[i] = _mm256_loadu_ps(xb + 8 * i);
+      amax = _mm256_max_ps(amax, _mm256_andnot_ps(sign_bit, v[i]));
+    }
+    alignas(32) float l[8];
+    _mm256_store_ps(l, amax);
+    float m = l[0];
+    for (int i = 1; i < 8; ++i) m = m > l[i] ? m : l[i];
+    const float scale = m / 127.0f, inv = scale != 0.0f ? 1.0f / scale : 0.0f;
+    const __m256 vinv = _mm256_set1_ps(inv);
+    __m256i r[4];
+    for (int i = 0; i < 4; ++i)
+      r[i] = _mm256_cvtps_epi32(
+          _mm256_round_ps(_mm256_mul_ps(v[i], vinv), _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC));
+    // int32 -> int16 -> int8 packs work within 128-bit lanes: restore element order after.
+    const __m256i p16a = _mm256_packs_epi32(r[0], r[1]), p16b = _mm256_packs_epi32(r[2], r[3]);
+    const __m256i p8 = _mm256_permutevar8x32_epi32(_mm256_packs_epi16(p16a, p16b),
+                                                   _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7));
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(q + 32 * b), p8);
+    const __m256i sum32 = _mm256_add_epi32(_mm256_add_epi32(r[0], r[1]), _mm256_add_epi32(r[2], r[3]));
+    alignas(32) int32_t si[8];
+    _mm256_store_si256(reinterpret_cast<__m256i*>(si), sum32);
+    int sum = 0;
+    for (int i = 0; i < 8; ++i) sum += si[i];
+    d[b] = scale;
+    s[b] = scale * static_cast<float>(sum);
+  }
+}
+
 template <bool kVnni>
 inline __m256i dot_u8_i8(__m256i u, __m256i s) {  // 8 int32 lanes, each the sum of 4 products u8 * i8
   if constexpr (kVnni) {
     return _mm256_dpbusd_epi32(_mm256_setzero_si256(), u, s);
   } else {
-    return _mm256_madd_epi16(_mm256_maddubs_epi16(u, s), _mm256_set1_epi16(1));  // |u*s| pairs <= 2*255*127
+    // exact: adjacent pairs |u * s| <= 2 * 128 * 127 (Q8_0's |w| <= 128, |x| <= 127) fit int16
+    return _mm256_madd_epi16(_mm256_maddubs_epi16(u, s), _mm256_set1_epi16(1));
   }
 }
 
@@ -46,42 +92,100 @@ inline __m256i nibbles32(const uint8_t* qs) {
   return _mm256_set_m128i(_mm_and_si128(_mm_srli_epi16(q, 4), mask), _mm_and_si128(q, mask));
 }
 
-// out[t, n] = sum over blocks of d_w * d_x * (integer dot) (+ m * s for Q4_1), n in [n0, n1).
-template <bool kVnni, int F>
-inline void int8_act_rows(const Int8Activations& a, const uint8_t* w, int64_t row_bytes, int64_t n_tokens,
-                          int64_t k, int64_t n_out, int64_t n0, int64_t n1, float* out) {
-  constexpr int64_t kBytes = F == kQuantTypeQ8_0 ? 34 : F == kQuantTypeQ4_0 ? 18 : 20;
+template <int F>
+constexpr int64_t int8_block_bytes() {
+  return F == kQuantTypeQ8_0 ? 34 : F == kQuantTypeQ4_0 ? 18 : 20;
+}
+
+// out[(t0 + m) * n_out + n0 + r * stride] for R weight rows (n0, n0 + stride, ...) and M tokens
+// from t0: the rows share each activation block load and the tokens each unpacked weight block;
+// the R * M accumulators are independent, so each output's sum is the same whatever the tile.
+template <bool kVnni, int F, int R, int M>
+inline void int8_act_tile(const Int8Activations& a, const uint8_t* w, int64_t row_bytes, int64_t k, int64_t n_out,
+                          int64_t n0, int64_t stride, int64_t t0, float* out) {
+  constexpr int64_t kBytes = int8_block_bytes<F>();
   const int64_t n_blocks = k / 32;
-  for (int64_t n = n0; n < n1; ++n) {
-    const uint8_t* row = w + n * row_bytes;
-    for (int64_t t = 0; t < n_tokens; ++t) {
-      const int8_t* xq = a.q + t * k;
-      const float* xd = a.d + t * n_blocks;
-      __m256 acc = _mm256_setzero_ps();
-      float acc_min = 0.0f;
-      for (int64_t b = 0; b < n_blocks; ++b) {
-        const uint8_t* blk = row + b * kBytes;
-        const __m256i x = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(xq + 32 * b));
-        __m256i isum;
-        if constexpr (F == kQuantTypeQ4_1) {
-          isum = dot_u8_i8<kVnni>(nibbles32(blk + 4), x);
-          acc_min += half_to_float(blk + 2) * a.s[t * n_blocks + b];
-        } else {
-          const __m256i wq = F == kQuantTypeQ8_0
-                                 ? _mm256_loadu_si256(reinterpret_cast<const __m256i*>(blk + 2))
-                                 : _mm256_sub_epi8(nibbles32(blk + 2), _mm256_set1_epi8(8));
-          // signed x signed as unsigned x signed: |x| against w carrying x's sign
-          isum = dot_u8_i8<kVnni>(_mm256_sign_epi8(x, x), _mm256_sign_epi8(wq, x));
-        }
-        acc = _mm256_fmadd_ps(_mm256_cvtepi32_ps(isum), _mm256_set1_ps(half_to_float(blk) * xd[b]), acc);
-      }
-      alignas(32) float l[8];
-      _mm256_store_ps(l, acc);
-      out[t * n_out + n] = hsum8_tree(l) + acc_min;
+  __m256 acc[R][M];
+  float acc_min[R][M];
+  for (int r = 0; r < R; ++r)
+    for (int m = 0; m < M; ++m) acc[r][m] = _mm256_setzero_ps(), acc_min[r][m] = 0.0f;
+  for (int64_t b = 0; b < n_blocks; ++b) {
+    __m256i x[M];
+    float xd[M];
+    for (int m = 0; m < M; ++m) {
+      x[m] = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(a.q + (t0 + m) * k + 32 * b));
+      xd[m] = a.d[(t0 + m) * n_blocks + b];
     }
+    for (int r = 0; r < R; ++r) {
+      const uint8_t* blk = w + (n0 + r * stride) * row_bytes + b * kBytes;
+      const float dw = half_to_float(blk);
+      if constexpr (F == kQuantTypeQ4_1) {
+        const __m256i u = nibbles32(blk + 4);  // unsigned nibbles against signed x
+        const float mw = half_to_float(blk + 2);
+        for (int m = 0; m < M; ++m) {
+          acc_min[r][m] = std::fma(mw, a.s[(t0 + m) * n_blocks + b], acc_min[r][m]);  // explicit: no contraction choice
+          acc[r][m] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot_u8_i8<kVnni>(u, x[m])), _mm256_set1_ps(dw * xd[m]),
+                                      acc[r][m]);
+        }
+      } else {
+        const __m256i wq = F == kQuantTypeQ8_0 ? _mm256_loadu_si256(reinterpret_cast<const __m256i*>(blk + 2))
+                                               : _mm256_sub_epi8(nibbles32(blk + 2), _mm256_set1_epi8(8));
+        // signed x signed as unsigned x signed: |w| (as u8, so |-128| = 128) against x carrying w's sign
+        const __m256i u = _mm256_sign_epi8(wq, wq);
+        for (int m = 0; m < M; ++m)
+          acc[r][m] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot_u8_i8<kVnni>(u, _mm256_sign_epi8(x[m], wq))),
+                                      _mm256_set1_ps(dw * xd[m]), acc[r][m]);
+      }
+    }
+  }
+  for (int r = 0; r < R; ++r)
+    for (int m = 0; m < M; ++m) {
+      alignas(32) float l[8];
+      _mm256_store_ps(l, acc[r][m]);
+      out[(t0 + m) * n_out + n0 + r * stride] = hsum8_tree(l) + acc_min[r][m];
+    }
+}
+
+// Rows [n0, n0 + R) against every token: tiles of 4 tokens, then the remainder.
+template <bool kVnni, int F, int R>
+inline void int8_act_rows_all_tokens(const Int8Activations& a, const uint8_t* w, int64_t row_bytes,
+                                     int64_t n_tokens, int64_t k, int64_t n_out, int64_t n0, float* out) {
+  int64_t t = 0;
+  for (; t + 4 <= n_tokens; t += 4) int8_act_tile<kVnni, F, R, 4>(a, w, row_bytes, k, n_out, n0, 1, t, out);
+  switch (n_tokens - t) {
+    case 3: int8_act_tile<kVnni, F, R, 3>(a, w, row_bytes, k, n_out, n0, 1, t, out); break;
+    case 2: int8_act_tile<kVnni, F, R, 2>(a, w, row_bytes, k, n_out, n0, 1, t, out); break;
+    case 1: int8_act_tile<kVnni, F, R, 1>(a, w, row_bytes, k, n_out, n0, 1, t, out); break;
+    default: break;
   }
 }
 
+// out[t, n] for n in [n0, n1) and every token. A single token takes 4 rows at a time (4 FMA
+// chains), one from each quarter of the range, so that the weights are read as 4 long forward
+// streams (the hardware prefetchers follow those better than one; skinny_gemm.cpp measured the
+// same for the float kernels). More tokens take panels of rows small enough to stay in L2 while
+// every token tile passes over them (each weight byte read from memory once), 2 rows x 4 tokens
+// at a time.
+template <bool kVnni, int F>
+inline void int8_act_rows(const Int8Activations& a, const uint8_t* w, int64_t row_bytes, int64_t n_tokens,
+                          int64_t k, int64_t n_out, int64_t n0, int64_t n1, float* out) {
+  if (n_tokens == 1) {
+    const int64_t quarter = (n1 - n0) / 4;
+    for (int64_t j = 0; j < quarter; ++j) int8_act_tile<kVnni, F, 4, 1>(a, w, row_bytes, k, n_out, n0 + j, quarter, 0, out);
+    for (int64_t n = n0 + 4 * quarter; n < n1; ++n) int8_act_tile<kVnni, F, 1, 1>(a, w, row_bytes, k, n_out, n, 1, 0, out);
+    return;
+  }
+  const int64_t panel = std::max<int64_t>(2, ((int64_t{64} << 10) / row_bytes) & ~int64_t{1});
+  for (int64_t p0 = n0; p0 < n1; p0 += panel) {
+    const int64_t p1 = std::min(n1, p0 + panel);
+    int64_t n = p0;
+    for (; n + 2 <= p1; n += 2) int8_act_rows_all_tokens<kVnni, F, 2>(a, w, row_bytes, n_tokens, k, n_out, n, out);
+    for (; n < p1; ++n) int8_act_rows_all_tokens<kVnni, F, 1>(a, w, row_bytes, n_tokens, k, n_out, n, out);
+  }
+}
+
+// out[T, N] (float32) = the int8-activation products of every weight row; the rows are cut into
+// one contiguous range per thread (each weight byte read once, by one thread).
 template <bool kVnni>
 inline void int8_act_linear(const Int8Activations& a, const uint8_t* w, int type, int64_t row_bytes,
                             int64_t n_tokens, int64_t k, int64_t n_out, float* out) {

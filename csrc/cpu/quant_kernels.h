@@ -46,6 +46,17 @@ bool quant_path_supported(QuantPath path);
 QuantPath quant_path();
 void set_quant_path(QuantPath path);
 
+// How the products treat the activations:
+//  kFloat32  x widened exactly to float32, weights dequantized in registers (every format; the
+//            reduction order described above).
+//  kInt8     each row's 32-blocks quantized to int8 and integer block dot products, as llama.cpp
+//            computes these formats (quant_int8_act.h has the rounding and the reduction order);
+//            for the formats of quant_int8_supported() on AVX2 CPUs, all others take kFloat32.
+// Either way a row's outputs depend only on that row, the weights and the (process-wide) path.
+enum class QuantActivations : int { kFloat32 = 0, kInt8 = 1 };
+// Whether kInt8 changes the products of ggml type qtype on this build and CPU.
+bool quant_int8_supported(int qtype);
+
 // The callers below have checked: qtype is supported, k is a positive multiple of its block size,
 // qweight rows are k / block_elems * block_bytes bytes.
 
@@ -57,7 +68,8 @@ void quant_linear(const T* x,              // [T, K]
                   const T* bias,      // [N] or nullptr
                   const T* residual,  // [T, N] or nullptr; may alias out
                   T* out,             // [T, N]
-                  int64_t n_tokens, int64_t k, int64_t n_out);
+                  int64_t n_tokens, int64_t k, int64_t n_out,
+                  QuantActivations acts = QuantActivations::kFloat32);
 
 // out[T, I] = silu(x * Wg^T + bg) * (x * Wu^T + bu); rows [0, I) of W are gates, [I, 2I) ups.
 template <typename T>
@@ -66,7 +78,8 @@ void quant_linear_silu_mul(const T* x,              // [T, K]
                            int qtype,
                            const T* bias,  // [2I] or nullptr
                            T* out,         // [T, I]
-                           int64_t n_tokens, int64_t k, int64_t n_inter);
+                           int64_t n_tokens, int64_t k, int64_t n_inter,
+                           QuantActivations acts = QuantActivations::kFloat32);
 
 // out[T, N] = quant_linear(rms_norm(x) * norm_weight, W, bias); the norm as in rmsnorm_qkv.
 template <typename T>
@@ -76,7 +89,8 @@ void quant_rmsnorm_qkv(const T* x,              // [T, K]
                        int qtype,
                        const T* bias,  // [N] or nullptr
                        T* out,         // [T, N]
-                       int64_t n_tokens, int64_t k, int64_t n_out, float eps);
+                       int64_t n_tokens, int64_t k, int64_t n_out, float eps,
+                       QuantActivations acts = QuantActivations::kFloat32);
 
 // out[t] = dequantized row token_ids[t] of W, rounded to T. The caller has checked every id.
 template <typename T>
@@ -85,16 +99,6 @@ void quant_embedding(const uint8_t* qweight,  // [V, row_bytes]
                      const int64_t* token_ids,  // [T]
                      T* out,                    // [T, K]
                      int64_t n_tokens, int64_t k);
-
-// For bench_quant_gemm only: the int8-activation design of quant_linear (quant_int8_act.h) for
-// Q8_0, Q4_0 and Q4_1, float32 x, no bias: x rounded per 32-block to int8, integer block dot
-// products (VNNI on the avx512 path where the CPU has it, else AVX2). Returns false, computing
-// nothing, for other types or a CPU without AVX2.
-bool quant_linear_int8_activations(const float* x,              // [T, K]
-                                   const uint8_t* qweight,      // [N, row_bytes]
-                                   int qtype,
-                                   float* out,  // [T, N]
-                                   int64_t n_tokens, int64_t k, int64_t n_out);
 
 }  // namespace cpu
 }  // namespace orca

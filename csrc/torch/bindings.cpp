@@ -112,21 +112,28 @@ PYBIND11_MODULE(_C, m) {
   // Quantized weights in ggml block formats (docs/DESIGN.md section 4).
   m.def("quant_linear", &orca::quant_linear, py::arg("x"), py::arg("qweight"), py::arg("qtype"), py::arg("k"),
         py::arg("bias") = py::none(), py::arg("residual") = py::none(), py::arg("batch_invariant") = false,
+        py::arg("int8_activations") = false,
         "quant_linear(x[T,K], qweight[N,row_bytes] uint8, qtype, k, bias[N] or None, residual[T,N] or None, "
-        "batch_invariant=False) -> [T,N] = x W^T + bias + residual, W in ggml type qtype (quant_types())");
+        "batch_invariant=False, int8_activations=False) -> [T,N] = x W^T + bias + residual, W in ggml type "
+        "qtype (quant_types()); int8_activations: CPU products on int8-quantized activations (quant_int8_types())");
   m.def("quant_linear_silu_mul", &orca::quant_linear_silu_mul, py::arg("x"), py::arg("qweight"), py::arg("qtype"),
         py::arg("k"), py::arg("bias") = py::none(), py::arg("batch_invariant") = false,
+        py::arg("int8_activations") = false,
         "quant_linear_silu_mul(x[T,K], qweight[2I,row_bytes] uint8, qtype, k, bias[2I] or None, "
-        "batch_invariant=False) -> [T,I] = silu(gate) * up");
+        "batch_invariant=False, int8_activations=False) -> [T,I] = silu(gate) * up");
   m.def("quant_rmsnorm_qkv", &orca::quant_rmsnorm_qkv, py::arg("x"), py::arg("norm_weight"), py::arg("qweight"),
         py::arg("qtype"), py::arg("k"), py::arg("bias"), py::arg("eps"), py::arg("batch_invariant") = false,
+        py::arg("int8_activations") = false,
         "quant_rmsnorm_qkv(x[T,K], norm_weight[K], qweight[N,row_bytes] uint8, qtype, k, bias[N] or None, eps, "
-        "batch_invariant=False) -> [T,N] = quant_linear(rms_norm(x) * norm_weight, qweight, bias)");
+        "batch_invariant=False, int8_activations=False) -> [T,N] = quant_linear(rms_norm(x) * norm_weight, "
+        "qweight, bias)");
   m.def("quant_embedding", &orca::quant_embedding, py::arg("qweight"), py::arg("qtype"), py::arg("k"),
         py::arg("token_ids"), py::arg("dtype"),
         "quant_embedding(qweight[V,row_bytes] uint8, qtype, k, token_ids[T] int64, dtype) -> [T,K]: the "
         "dequantized rows");
   m.def("quant_types", &orca::quant_types, "The ggml type ids the quant_* ops accept.");
+  m.def("quant_int8_types", &orca::quant_int8_types,
+        "The ggml type ids whose CPU products int8_activations=True changes (int8-quantized activations).");
   m.def("cpu_quant_path", &orca::cpu_ops::quant_path, "The instruction path of the CPU quantized kernels.");
   m.def("set_cpu_quant_path", &orca::cpu_ops::set_quant_path, py::arg("path"),
         "avx2, or avx512 where the CPU has AVX-512F (they round differently).");

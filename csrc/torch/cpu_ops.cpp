@@ -243,10 +243,14 @@ void slab_move(at::Tensor& pools, const at::Tensor& moves) {
 
 namespace {
 constexpr cpu::QuantPath kQuantPaths[] = {cpu::QuantPath::kAvx2, cpu::QuantPath::kAvx512};
+cpu::QuantActivations activations(bool int8) {
+  return int8 ? cpu::QuantActivations::kInt8 : cpu::QuantActivations::kFloat32;
+}
 }  // namespace
 
 at::Tensor quant_linear(const at::Tensor& x, const at::Tensor& qweight, int64_t qtype, int64_t k,
-                        const std::optional<at::Tensor>& bias, const std::optional<at::Tensor>& residual) {
+                        const std::optional<at::Tensor>& bias, const std::optional<at::Tensor>& residual,
+                        bool int8_activations) {
   const int64_t n_tokens = x.size(0), n_out = qweight.size(0);
   at::Tensor out = at::empty({n_tokens, n_out}, x.options());
   if (n_tokens == 0 || n_out == 0) return out;
@@ -254,26 +258,28 @@ at::Tensor quant_linear(const at::Tensor& x, const at::Tensor& qweight, int64_t 
     using T = decltype(tag);
     cpu::quant_linear<T>(ptr<T>(x), ptr<uint8_t>(qweight), static_cast<int>(qtype),
                          bias.has_value() ? ptr<T>(*bias) : nullptr, residual.has_value() ? ptr<T>(*residual) : nullptr,
-                         ptr<T>(out), n_tokens, k, n_out);
+                         ptr<T>(out), n_tokens, k, n_out, activations(int8_activations));
   });
   return out;
 }
 
 at::Tensor quant_linear_silu_mul(const at::Tensor& x, const at::Tensor& qweight, int64_t qtype, int64_t k,
-                                 const std::optional<at::Tensor>& bias) {
+                                 const std::optional<at::Tensor>& bias, bool int8_activations) {
   const int64_t n_tokens = x.size(0), n_inter = qweight.size(0) / 2;
   at::Tensor out = at::empty({n_tokens, n_inter}, x.options());
   if (n_tokens == 0 || n_inter == 0) return out;
   dispatch_float(x.scalar_type(), [&](auto tag) {
     using T = decltype(tag);
     cpu::quant_linear_silu_mul<T>(ptr<T>(x), ptr<uint8_t>(qweight), static_cast<int>(qtype),
-                                  bias.has_value() ? ptr<T>(*bias) : nullptr, ptr<T>(out), n_tokens, k, n_inter);
+                                  bias.has_value() ? ptr<T>(*bias) : nullptr, ptr<T>(out), n_tokens, k, n_inter,
+                                  activations(int8_activations));
   });
   return out;
 }
 
 at::Tensor quant_rmsnorm_qkv(const at::Tensor& x, const at::Tensor& norm_weight, const at::Tensor& qweight,
-                             int64_t qtype, int64_t k, const std::optional<at::Tensor>& bias, double eps) {
+                             int64_t qtype, int64_t k, const std::optional<at::Tensor>& bias, double eps,
+                             bool int8_activations) {
   const int64_t n_tokens = x.size(0), n_out = qweight.size(0);
   at::Tensor out = at::empty({n_tokens, n_out}, x.options());
   if (n_tokens == 0 || n_out == 0) return out;
@@ -281,7 +287,7 @@ at::Tensor quant_rmsnorm_qkv(const at::Tensor& x, const at::Tensor& norm_weight,
     using T = decltype(tag);
     cpu::quant_rmsnorm_qkv<T>(ptr<T>(x), ptr<T>(norm_weight), ptr<uint8_t>(qweight), static_cast<int>(qtype),
                               bias.has_value() ? ptr<T>(*bias) : nullptr, ptr<T>(out), n_tokens, k, n_out,
-                              static_cast<float>(eps));
+                              static_cast<float>(eps), activations(int8_activations));
   });
   return out;
 }

@@ -66,23 +66,26 @@ at::Tensor linear_silu_mul(const at::Tensor& x,                            // [T
                            bool batch_invariant);
 
 // The quantized ops (csrc/cpu/quant_kernels.h). ops.cpp has checked qtype, k and row_bytes.
+// int8_activations: cpu::QuantActivations::kInt8 (else kFloat32).
 at::Tensor quant_linear(const at::Tensor& x,                        // [T, K]
                         const at::Tensor& qweight,                  // [N, row_bytes] uint8
                         int64_t qtype, int64_t k,
                         const std::optional<at::Tensor>& bias,      // [N]
-                        const std::optional<at::Tensor>& residual);  // [T, N]; -> [T, N]
+                        const std::optional<at::Tensor>& residual,  // [T, N]; -> [T, N]
+                        bool int8_activations);
 
 at::Tensor quant_linear_silu_mul(const at::Tensor& x,                    // [T, K]
                                  const at::Tensor& qweight,              // [2I, row_bytes] uint8
                                  int64_t qtype, int64_t k,
-                                 const std::optional<at::Tensor>& bias);  // [2I]; -> [T, I]
+                                 const std::optional<at::Tensor>& bias,  // [2I]; -> [T, I]
+                                 bool int8_activations);
 
 at::Tensor quant_rmsnorm_qkv(const at::Tensor& x,                    // [T, K]
                              const at::Tensor& norm_weight,          // [K]
                              const at::Tensor& qweight,              // [N, row_bytes] uint8
                              int64_t qtype, int64_t k,
                              const std::optional<at::Tensor>& bias,  // [N]
-                             double eps);                            // -> [T, N]
+                             double eps, bool int8_activations);     // -> [T, N]
 
 // Checks every id against [0, V) before reading (a ValueError names the bad id).
 at::Tensor quant_embedding(const at::Tensor& qweight,    // [V, row_bytes] uint8

@@ -442,7 +442,7 @@ std::optional<at::Tensor> check_quant_bias(const at::Tensor& x, const std::optio
 
 at::Tensor quant_linear(const at::Tensor& x_in, const at::Tensor& qweight_in, int64_t qtype, int64_t k,
                         const std::optional<at::Tensor>& bias_in, const std::optional<at::Tensor>& residual_in,
-                        bool batch_invariant) {
+                        bool batch_invariant, bool int8_activations) {
   (void)batch_invariant;  // CPU: invariant at every T; CUDA: the kernel's own contract
   const at::Tensor qweight = check_quant_weight(qweight_in, qtype, k, "[N, row_bytes]");
   check_quant_input(x_in, qweight, k);
@@ -462,11 +462,12 @@ at::Tensor quant_linear(const at::Tensor& x_in, const at::Tensor& qweight_in, in
   if (x.is_cuda()) return cuda_ops::quant_linear(x, qweight, qtype, k, bias, residual);
 #endif
   TORCH_CHECK(x.is_cpu(), "x is a CUDA tensor but orca_ext._C was built without CUDA support");
-  return cpu_ops::quant_linear(x, qweight, qtype, k, bias, residual);
+  return cpu_ops::quant_linear(x, qweight, qtype, k, bias, residual, int8_activations);
 }
 
 at::Tensor quant_linear_silu_mul(const at::Tensor& x_in, const at::Tensor& qweight_in, int64_t qtype, int64_t k,
-                                 const std::optional<at::Tensor>& bias_in, bool batch_invariant) {
+                                 const std::optional<at::Tensor>& bias_in, bool batch_invariant,
+                                 bool int8_activations) {
   (void)batch_invariant;
   const at::Tensor qweight = check_quant_weight(qweight_in, qtype, k, "[2*I, row_bytes]");
   check_quant_input(x_in, qweight, k);
@@ -478,12 +479,12 @@ at::Tensor quant_linear_silu_mul(const at::Tensor& x_in, const at::Tensor& qweig
   if (x.is_cuda()) return cuda_ops::quant_linear_silu_mul(x, qweight, qtype, k, bias);
 #endif
   TORCH_CHECK(x.is_cpu(), "x is a CUDA tensor but orca_ext._C was built without CUDA support");
-  return cpu_ops::quant_linear_silu_mul(x, qweight, qtype, k, bias);
+  return cpu_ops::quant_linear_silu_mul(x, qweight, qtype, k, bias, int8_activations);
 }
 
 at::Tensor quant_rmsnorm_qkv(const at::Tensor& x_in, const at::Tensor& norm_weight_in, const at::Tensor& qweight_in,
                              int64_t qtype, int64_t k, const std::optional<at::Tensor>& bias_in, double eps,
-                             bool batch_invariant) {
+                             bool batch_invariant, bool int8_activations) {
   (void)batch_invariant;
   const at::Tensor qweight = check_quant_weight(qweight_in, qtype, k, "[N, row_bytes]");
   check_quant_input(x_in, qweight, k);
@@ -499,7 +500,7 @@ at::Tensor quant_rmsnorm_qkv(const at::Tensor& x_in, const at::Tensor& norm_weig
     return cuda_ops::quant_linear(cuda_ops::rms_norm(x, norm_weight, eps), qweight, qtype, k, bias, std::nullopt);
 #endif
   TORCH_CHECK(x.is_cpu(), "x is a CUDA tensor but orca_ext._C was built without CUDA support");
-  return cpu_ops::quant_rmsnorm_qkv(x, norm_weight, qweight, qtype, k, bias, eps);
+  return cpu_ops::quant_rmsnorm_qkv(x, norm_weight, qweight, qtype, k, bias, eps, int8_activations);
 }
 
 at::Tensor quant_embedding(const at::Tensor& qweight_in, int64_t qtype, int64_t k, const at::Tensor& token_ids_in,
@@ -519,5 +520,12 @@ at::Tensor quant_embedding(const at::Tensor& qweight_in, int64_t qtype, int64_t 
 }
 
 std::vector<int64_t> quant_types() { return std::vector<int64_t>(std::begin(cpu::kQuantTypes), std::end(cpu::kQuantTypes)); }
+
+std::vector<int64_t> quant_int8_types() {
+  std::vector<int64_t> types;
+  for (int t : cpu::kQuantTypes)
+    if (cpu::quant_int8_supported(t)) types.push_back(t);
+  return types;
+}
 
 }  // namespace orca

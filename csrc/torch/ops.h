@@ -118,20 +118,22 @@ at::Tensor linear_silu_mul(const at::Tensor& x,                            // [T
 // qweight is uint8 [N, row_bytes], each row K / block_elems blocks of ggml type `qtype` (the formats
 // and kernel contract: docs/DESIGN.md section 4; supported ids: quant_types()). CPU: the
 // weight-streaming kernels of csrc/cpu/quant_kernels.h, batch-invariant at every T (so
-// batch_invariant changes nothing there); CUDA: cuda_ops::quant_*.
+// batch_invariant changes nothing there); int8_activations selects their int8-activation products
+// (cpu::QuantActivations::kInt8) for the formats that have them; CUDA: cuda_ops::quant_*, which
+// always take the activations in their own dtype (int8_activations changes nothing there).
 at::Tensor quant_linear(const at::Tensor& x,                        // [T, K]
                         const at::Tensor& qweight,                  // [N, row_bytes] uint8
                         int64_t qtype, int64_t k,
                         const std::optional<at::Tensor>& bias,      // [N] or None
                         const std::optional<at::Tensor>& residual,  // [T, N] or None; -> [T, N]
-                        bool batch_invariant);
+                        bool batch_invariant, bool int8_activations);
 
 // silu(gate) * up of the fused gate_up projection: qweight holds I gate rows, then I up rows.
 at::Tensor quant_linear_silu_mul(const at::Tensor& x,                    // [T, K]
                                  const at::Tensor& qweight,              // [2I, row_bytes] uint8
                                  int64_t qtype, int64_t k,
                                  const std::optional<at::Tensor>& bias,  // [2I] or None; -> [T, I]
-                                 bool batch_invariant);
+                                 bool batch_invariant, bool int8_activations);
 
 // quant_linear(rms_norm(x) * norm_weight, qweight, bias): the fused norm + projection (QKV, and the
 // final norm + lm_head). CUDA: rms_norm, then quant_linear.
@@ -140,7 +142,8 @@ at::Tensor quant_rmsnorm_qkv(const at::Tensor& x,                    // [T, K]
                              const at::Tensor& qweight,              // [N, row_bytes] uint8
                              int64_t qtype, int64_t k,
                              const std::optional<at::Tensor>& bias,  // [N] or None
-                             double eps, bool batch_invariant);      // -> [T, N]
+                             double eps, bool batch_invariant,       // -> [T, N]
+                             bool int8_activations);
 
 // Rows token_ids of the dequantized [V, K] table, in `dtype`. CPU: every id is checked against [0, V).
 at::Tensor quant_embedding(const at::Tensor& qweight,    // [V, row_bytes] uint8
@@ -150,6 +153,8 @@ at::Tensor quant_embedding(const at::Tensor& qweight,    // [V, row_bytes] uint8
 
 // The ggml type ids the quantized ops accept, ascending.
 std::vector<int64_t> quant_types();
+// The ggml type ids whose CPU products int8_activations changes on this build and CPU.
+std::vector<int64_t> quant_int8_types();
 
 // Slab compaction: for each row (src, dst, n) of `moves`, in order, rows [src, src+n) of every
 // pool are copied to [dst, dst+n) as if through a temporary. Any dtype; moves stay on the CPU.

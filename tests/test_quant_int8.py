@@ -1,0 +1,250 @@
+"""The int8-activation CPU products of Q8_0, Q4_0 and Q4_1 weights (`int8_activations=True` of
+`_C.quant_linear`, `_C.quant_linear_silu_mul`, `_C.quant_rmsnorm_qkv`; the process-wide mode
+`int8_quant_activations` in orca_ext/quant/kernels.py).
+
+The reference quantizes the activations as the contract says (per 32-block: d = amax / 127 in
+float32, q = round-half-even(x * (1 / d)), s = d * sum(q)), takes exact integer block dot products
+against the weight quants read from the raw block bytes here, then sums in float64. Weights are
+random bytes (every quant value, Q8_0's -128 included) with finite fp16 scales. Also: every
+instruction path gives the same bits, a row's outputs are bit-identical whatever shares the call,
+and the mode reaches the kernels."""
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+from orca_ext import modes
+from orca_ext.quant import kernels
+from orca_ext.quant.weight import QuantizedWeight
+
+_C = pytest.importorskip("orca_ext._C")
+
+INT8_TYPES = [int(t) for t in _C.quant_int8_types()]
+pytestmark = pytest.mark.skipif(not INT8_TYPES, reason="no int8-activation kernels on this build/CPU")
+QUANT_PATHS = _C.cpu_quant_paths()
+BLOCK_BYTES = {8: 34, 2: 18, 3: 20}
+NAMES = {8: "Q8_0", 2: "Q4_0", 3: "Q4_1"}
+DTYPES = [torch.float32, torch.bfloat16]
+
+
+@pytest.fixture(autouse=True)
+def _restore_path():
+    before = _C.cpu_quant_path()
+    yield
+    _C.set_cpu_quant_path(before)
+
+
+def random_blocks(qtype: int, n: int, k: int, seed: int) -> np.ndarray:
+    """[n, row_bytes] uint8: random quants, finite fp16 d (and Q4_1's m, either sign)."""
+    rng = np.random.default_rng(seed)
+    nb, nbytes = k // 32, BLOCK_BYTES[qtype]
+    raw = rng.integers(0, 256, size=(n, nb, nbytes), dtype=np.uint8)
+    scale = 1.0 / (32.0 * np.sqrt(k))
+    raw[..., 0:2] = (rng.uniform(0.2, 1.0, (n, nb)) * scale).astype(np.float16).view(np.uint8).reshape(n, nb, 2)
+    if qtype == 3:
+        raw[..., 2:4] = (rng.uniform(-8, 8, (n, nb)) * scale).astype(np.float16).view(np.uint8).reshape(n, nb, 2)
+    return raw.reshape(n, -1)
+
+
+def weight_quants(qtype: int, qweight: np.ndarray, k: int):
+    """(integer quants [N, K] int64, d [N, K/32] float64, m [N, K/32] float64 or None)."""
+    n, nb = qweight.shape[0], k // 32
+    blocks = qweight.reshape(n, nb, BLOCK_BYTES[qtype])
+    d = blocks[..., 0:2].copy().view(np.float16).reshape(n, nb).astype(np.float64)
+    if qtype == 8:
+        q = blocks[..., 2:34].view(np.int8).astype(np.int64)
+        return q.reshape(n, k), d, None
+    packed = blocks[..., 2:18] if qtype == 2 else blocks[..., 4:20]
+    nib = np.concatenate([packed & 0x0F, packed >> 4], axis=-1).astype(np.int64)  # elements 0..15, 16..31
+    if qtype == 2:
+        return (nib - 8).reshape(n, k), d, None
+    m = blocks[..., 2:4].copy().view(np.float16).reshape(n, nb).astype(np.float64)
+    return nib.reshape(n, k), d, m
+
+
+def quantize_activations(x: torch.Tensor):
+    """The contract's int8 rows of float32 x [T, K]: (q [T, K] int64, d [T, K/32], s [T, K/32]),
+    d and s as the float32 values the kernels hold."""
+    t, k = x.shape
+    xb = x.float().reshape(t, k // 32, 32)
+    amax = xb.abs().amax(dim=-1)
+    d = amax / 127.0  # float32 division
+    inv = torch.where(d != 0, 1.0 / torch.where(d != 0, d, torch.ones_like(d)), torch.zeros_like(d))
+    q = torch.round(xb * inv.unsqueeze(-1))  # float32 product, ties to even
+    s = d * q.sum(dim=-1)  # float32 product of the exact integer sum
+    return q.reshape(t, k).to(torch.int64).numpy(), d.double().numpy(), s.double().numpy()
+
+
+def reference(x: torch.Tensor, qtype: int, qweight: np.ndarray, k: int):
+    """(out [T, N] float64, mass [T, N]: the sum of |x_i w_i| and |m s| terms, which bounds every
+    partial sum the float32 accumulation forms)."""
+    wq, wd, wm = weight_quants(qtype, qweight, k)
+    xq, xd, xs = quantize_activations(x)
+    t, n, nb = x.shape[0], wq.shape[0], k // 32
+    isum = np.einsum("tbi,nbi->tnb", xq.reshape(t, nb, 32), wq.reshape(n, nb, 32))  # exact int64
+    abs_isum = np.einsum("tbi,nbi->tnb", np.abs(xq).reshape(t, nb, 32), np.abs(wq).reshape(n, nb, 32))
+    scales = wd[None] * xd[:, None]
+    out, mass = (isum * scales).sum(-1), (abs_isum * scales).sum(-1)
+    if wm is not None:
+        mins = wm[None] * xs[:, None]
+        out, mass = out + mins.sum(-1), mass + np.abs(mins).sum(-1)
+    return torch.from_numpy(out), torch.from_numpy(mass)
+
+
+def assert_close(got, ref, mass, k, dtype, what):
+    """|got - ref| <= half an output ulp + float32 rounding of the block scale products and of the
+    accumulation (k/32 additions per lane or to the minimum sum, 3 tree levels, the minimum term,
+    bias and residual)."""
+    out_rtol = 2.0 ** -8 if dtype == torch.bfloat16 else 2.0 ** -24
+    bound = out_rtol * ref.abs() + (k // 32 + 7) * 2.0 ** -24 * mass + 1e-30
+    err = (got.double() - ref).abs()
+    bad = err > bound
+    assert not bad.any(), (f"{what}: {int(bad.sum())} of {bad.numel()} outside the bound; worst excess "
+                           f"{float((err - bound).max()):.3g}, err {float(err.max()):.3g}")
+
+
+def rows(gen, t, k, dtype, zero_row=None):
+    x = torch.randn(t, k, generator=gen) * torch.rand(t, 1, generator=gen) * 3
+    if zero_row is not None:
+        x[zero_row] = 0.0  # amax = 0: every q and d is 0
+    return x.to(dtype)
+
+
+@pytest.mark.parametrize("qtype", [8, 2, 3], ids=lambda q: NAMES[q])
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("path", QUANT_PATHS)
+def test_linear_matches_integer_reference(qtype, dtype, path):
+    _C.set_cpu_quant_path(path)
+    gen = torch.Generator().manual_seed(qtype * 7 + len(path))
+    for t, k, n in [(1, 32, 1), (3, 32 * 9, 37), (17, 32 * 23, 13), (5, 32 * 48, 70)]:
+        qweight = random_blocks(qtype, n, k, seed=t * 1000 + k + n)
+        x = rows(gen, t, k, dtype, zero_row=t - 1 if t > 1 else None)
+        bias = (torch.randn(n, generator=gen) * 0.1).to(dtype)
+        residual = (torch.randn(t, n, generator=gen)).to(dtype)
+        w = torch.from_numpy(qweight)
+        ref, mass = reference(x, qtype, qweight, k)
+        got = _C.quant_linear(x, w, qtype, k, None, None, int8_activations=True)
+        assert_close(got, ref, mass, k, dtype, f"{NAMES[qtype]} T={t} K={k} N={n}")
+        got = _C.quant_linear(x, w, qtype, k, bias, residual, int8_activations=True)
+        ref_br = ref + bias.double() + residual.double()
+        assert_close(got, ref_br, mass + bias.double().abs() + residual.double().abs(), k, dtype,
+                     f"{NAMES[qtype]} +bias+residual T={t} K={k} N={n}")
+
+
+@pytest.mark.parametrize("qtype", [8, 2, 3], ids=lambda q: NAMES[q])
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+def test_silu_mul_and_rmsnorm_qkv(qtype, dtype):
+    gen = torch.Generator().manual_seed(qtype)
+    t, k, inter = 6, 32 * 11, 29
+    qweight = torch.from_numpy(random_blocks(qtype, 2 * inter, k, seed=qtype + 5))
+    x = rows(gen, t, k, dtype)
+    bias = (torch.randn(2 * inter, generator=gen) * 0.1).to(dtype)
+    # silu_mul: the epilogue on the float32 sums of quant_linear (same activations, same sums)
+    sums = _C.quant_linear(x.float(), qweight, qtype, k, None, None, int8_activations=True).double()
+    sums = sums + bias.double()
+    gate, up = sums[:, :inter], sums[:, inter:]
+    ref = torch.nn.functional.silu(gate) * up
+    got = _C.quant_linear_silu_mul(x, qweight, qtype, k, bias, int8_activations=True)
+    tol = (2.0 ** -8 if dtype == torch.bfloat16 else 2.0 ** -20) * ref.abs() + 1e-6 * (gate.abs() * up.abs() + 1e-3)
+    assert ((got.double() - ref).abs() <= tol).all(), float((got.double() - ref).abs().max())
+    # rmsnorm_qkv: the same products on the rows _C.rms_norm stores (bit for bit)
+    norm_weight = (1 + 0.1 * torch.randn(k, generator=gen)).to(dtype)
+    fused = _C.quant_rmsnorm_qkv(x, norm_weight, qweight, qtype, k, bias, 1e-6, int8_activations=True)
+    unfused = _C.quant_linear(_C.rms_norm(x, norm_weight, 1e-6), qweight, qtype, k, bias, None,
+                              int8_activations=True)
+    assert torch.equal(fused, unfused)
+
+
+@pytest.mark.parametrize("qtype", [8, 2, 3], ids=lambda q: NAMES[q])
+def test_paths_agree_bit_for_bit(qtype):
+    if len(QUANT_PATHS) < 2:
+        pytest.skip("one quantized path on this CPU")
+    gen = torch.Generator().manual_seed(11)
+    k, n = 32 * 27, 41
+    w = torch.from_numpy(random_blocks(qtype, n, k, seed=3))
+    x = rows(gen, 9, k, torch.float32)
+    outs = []
+    for path in QUANT_PATHS:
+        _C.set_cpu_quant_path(path)
+        outs.append(_C.quant_linear(x, w, qtype, k, None, None, int8_activations=True))
+    assert all(torch.equal(outs[0], o) for o in outs[1:])
+
+
+@pytest.mark.parametrize("qtype", [8, 2, 3], ids=lambda q: NAMES[q])
+@pytest.mark.parametrize("path", QUANT_PATHS)
+def test_rows_are_batch_invariant(qtype, path):
+    _C.set_cpu_quant_path(path)
+    gen = torch.Generator().manual_seed(5)
+    k, n, inter = 32 * 18, 53, 23
+    w = torch.from_numpy(random_blocks(qtype, n, k, seed=9))
+    wg = torch.from_numpy(random_blocks(qtype, 2 * inter, k, seed=10))
+    norm_weight = torch.rand(k, generator=gen) + 0.5
+    big = rows(gen, 70, k, torch.float32)
+    full = _C.quant_linear(big, w, qtype, k, None, None, int8_activations=True)
+    full_mlp = _C.quant_linear_silu_mul(big, wg, qtype, k, None, int8_activations=True)
+    full_qkv = _C.quant_rmsnorm_qkv(big, norm_weight, w, qtype, k, None, 1e-5, int8_activations=True)
+    for lo, hi in [(0, 1), (13, 14), (5, 8), (20, 37), (69, 70)]:
+        part = big[lo:hi]
+        assert torch.equal(_C.quant_linear(part, w, qtype, k, None, None, int8_activations=True), full[lo:hi])
+        assert torch.equal(_C.quant_linear_silu_mul(part, wg, qtype, k, None, int8_activations=True),
+                           full_mlp[lo:hi])
+        assert torch.equal(_C.quant_rmsnorm_qkv(part, norm_weight, w, qtype, k, None, 1e-5,
+                                                int8_activations=True), full_qkv[lo:hi])
+
+
+def test_mode_selects_the_int8_products():
+    gen = torch.Generator().manual_seed(2)
+    k, n = 32 * 10, 19
+    w = QuantizedWeight(3, torch.from_numpy(random_blocks(3, n, k, seed=1)), n, k)
+    x = rows(gen, 4, k, torch.float32)
+    with modes.using(int8_quant_activations=True):
+        int8 = kernels.linear(x, w)
+    with modes.using(int8_quant_activations=False):
+        flt = kernels.linear(x, w)
+    assert torch.equal(int8, _C.quant_linear(x, w.data, 3, k, None, None, int8_activations=True))
+    assert torch.equal(flt, _C.quant_linear(x, w.data, 3, k, None, None))
+    assert not torch.equal(int8, flt)
+
+
+def test_formats_without_int8_kernels_are_unchanged():
+    gen = torch.Generator().manual_seed(4)
+    k, n = 256 * 2, 7
+    raw = np.random.default_rng(0).integers(0, 256, size=(n, 2, 210), dtype=np.uint8)
+    raw[..., 208:210] = np.full((n, 2), 1e-3, np.float16).view(np.uint8).reshape(n, 2, 2)
+    w = torch.from_numpy(raw.reshape(n, -1))
+    assert 14 not in INT8_TYPES
+    x = rows(gen, 3, k, torch.float32)
+    assert torch.equal(_C.quant_linear(x, w, 14, k, None, None, int8_activations=True),
+                       _C.quant_linear(x, w, 14, k, None, None))
+
+
+@pytest.mark.parametrize("fmt", ["Q4_1", "Q8_0", "Q4_0"])
+def test_a_models_logits_with_int8_activations(tmp_path, fmt):
+    """A tiny GGUF model with the mode on: a request's logits are the same bits alone and among
+    batch-mates (prefill and decode), and stay near the float-activation logits (the rounding of
+    8-bit activations, not a different computation)."""
+    from gguf import GGMLQuantizationType as T
+    from gguf_models import VOCAB, write_gguf
+
+    from orca_ext.models import load_model
+    from orca_ext.models.batch import ForwardBatch
+
+    path = tmp_path / "m.gguf"
+    write_gguf(path, "llama", lambda name: T[fmt], seed=3)
+    model = load_model(path)
+    model.allocate_kv_cache(192)
+    g = torch.Generator().manual_seed(1)
+    a, b, c = (torch.randint(0, VOCAB, (n,), generator=g).tolist() for n in (9, 14, 2))
+    with modes.using(int8_quant_activations=True, batch_invariant=True):
+        alone = model(ForwardBatch.build([(a, 0, 0)]))[0]
+        alone_next = model(ForwardBatch.build([([5], len(a), 0)]))[0]
+        mixed = model(ForwardBatch.build([(b, 0, 0), (a, 0, 64), (c, 0, 128)]))[1]
+        mixed_next = model(ForwardBatch.build([([9], len(b), 0), ([5], len(a), 64), ([1, 2], len(c), 128)]))[1]
+    with modes.using(int8_quant_activations=False, batch_invariant=True):
+        float_acts = model(ForwardBatch.build([(a, 0, 0)]))[0]
+    assert torch.equal(alone, mixed)
+    assert torch.equal(alone_next, mixed_next)
+    assert not torch.equal(alone, float_acts)
+    spread = float_acts.std().item()
+    assert (alone - float_acts).abs().max().item() < 0.1 * spread + 1e-6
