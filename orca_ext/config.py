@@ -18,7 +18,7 @@ import torch
 from .checks import check_choice, check_positive_int
 from .fairness import ADMISSION_POLICIES
 from .prefix_cache import DEFAULT_BLOCK_SIZE
-from .quant.formats import QUANTIZATION_MODES
+from .quant.formats import QUANT_ACTIVATIONS, QUANTIZATION_MODES
 from .resources import parse_bytes, requested_kv_bytes, resolve_device, resolve_dtype
 from .scheduler import SCHEDULERS
 
@@ -68,6 +68,7 @@ class EngineConfig:
     prefix_caching: bool = True                         # reuse finished requests' KV for shared prompt prefixes
     prefix_cache_block_size: int = DEFAULT_BLOCK_SIZE   # tokens per key of the prefix index
     quantization: str = "auto"                          # GGUF weights: 'auto' (blocks as stored) | 'none' (dequantize)
+    quant_activations: str = "float32"                  # CPU products of Q8_0/Q4_0/Q4_1: 'float32' | 'int8'
 
     def __post_init__(self) -> None:
         for name in ("max_batch_size", "max_undelivered_outputs", "tensor_parallel_size",
@@ -79,6 +80,7 @@ class EngineConfig:
         check_choice("scheduler", self.scheduler, SCHEDULERS)
         check_choice("admission", self.admission, ADMISSION_POLICIES)
         check_choice("quantization", self.quantization, QUANTIZATION_MODES)
+        check_choice("quant_activations", self.quant_activations, QUANT_ACTIVATIONS)
         if self.admission == "fair" and self.scheduler != "orca":
             raise ValueError(f"admission='fair' needs scheduler='orca', got scheduler={self.scheduler!r}")
         if self.max_kv_per_client is not None:

@@ -84,7 +84,8 @@ class Server:
         config = self.config = config.resolve(model if is_model_object(model) else None)
         # Set before the executor starts: CUDA graphs capture the forward under these modes, and
         # parallel workers take them with them.
-        modes.update(batch_invariant=config.batch_invariant)
+        modes.update(batch_invariant=config.batch_invariant,
+                     int8_quant_activations=config.quant_activations == "int8")
 
         started = make_executor(model, config, tokenizer)
         executor, spec, tokenizer = started.executor, started.spec, started.tokenizer

@@ -248,3 +248,49 @@ def test_a_models_logits_with_int8_activations(tmp_path, fmt):
     assert not torch.equal(alone, float_acts)
     spread = float_acts.std().item()
     assert (alone - float_acts).abs().max().item() < 0.1 * spread + 1e-6
+
+
+def test_quant_activations_option_sets_the_servers_mode(tmp_path):
+    """`quant_activations` is validated, parsed from --quant-activations, and a Server built with
+    'int8' serves its GGUF with the int8 products (the tokens of the mode set by hand)."""
+    import argparse
+
+    from gguf import GGMLQuantizationType as T
+    from gguf_models import write_gguf
+
+    from orca_ext import SamplingParams, Server
+    from orca_ext.config import EngineConfig
+    from orca_ext.options import add_engine_arguments
+
+    with pytest.raises(ValueError, match="quant_activations"):
+        EngineConfig(quant_activations="int4")
+    parser = argparse.ArgumentParser()
+    add_engine_arguments(parser)
+    assert EngineConfig.from_args(parser.parse_args([])).quant_activations == "float32"
+    assert EngineConfig.from_args(parser.parse_args(["--quant-activations", "int8"])).quant_activations == "int8"
+
+    path = tmp_path / "m.gguf"
+    write_gguf(path, "llama", lambda name: T.Q4_1, seed=5)
+    params = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True)
+    prompt = [3, 17, 40, 2, 9, 11, 5]
+
+    def tokens(**options):
+        with Server(str(path), device="cpu", n_slots=128, **options) as server:
+            return list(server.generate(prompt, params)[0].token_ids)
+
+    with modes.using():  # the Servers set the process's modes; restore them after
+        as_int8 = tokens(quant_activations="int8")
+        assert modes.current().int8_quant_activations
+        tokens(quant_activations="float32")
+        assert not modes.current().int8_quant_activations
+    with modes.using(int8_quant_activations=True):
+        from orca_ext.models import load_model
+        from orca_ext.models.batch import ForwardBatch
+        model = load_model(path)
+        model.allocate_kv_cache(64)
+        ids, reference = list(prompt), []
+        for step in range(12):
+            logits = model(ForwardBatch.build([(ids if step == 0 else ids[-1:], 0 if step == 0 else len(ids) - 1, 0)]))
+            reference.append(int(logits[0].argmax()))
+            ids.append(reference[-1])
+    assert as_int8 == reference
