@@ -79,6 +79,52 @@ void set_bf16_path(Bf16Path path) {
   g_bf16_path.store(static_cast<int>(path), std::memory_order_relaxed);
 }
 
+// ---- float32 path selection -------------------------------------------------------------------
+
+const char* f32_path_name(F32Path path) {
+  switch (path) {
+    case F32Path::kAvx2: return "avx2";
+    case F32Path::kAvx512: return "avx512";
+  }
+  return "unknown";
+}
+
+bool f32_path_supported(F32Path path) {
+  static const bool avx512 = detail::cpu_has_avx512_f32();
+  return path != F32Path::kAvx512 || avx512;
+}
+
+namespace {
+
+std::atomic<int> g_f32_path{-1};  // -1: not chosen yet
+
+F32Path initial_f32_path() {
+  const F32Path best = f32_path_supported(F32Path::kAvx512) ? F32Path::kAvx512 : F32Path::kAvx2;
+  const char* env = std::getenv("ORCA_CPU_F32_PATH");
+  // As for bf16: only avx2 can be forced onto a CPU; anything else (avx512, auto, an unknown or
+  // unsupported value) keeps the best path, which _C.cpu_f32_path() reports.
+  if (env != nullptr && std::strcmp(env, "avx2") == 0) return F32Path::kAvx2;
+  return best;
+}
+
+}  // namespace
+
+F32Path f32_path() {
+  int p = g_f32_path.load(std::memory_order_relaxed);
+  if (p < 0) {
+    int expected = -1;
+    g_f32_path.compare_exchange_strong(expected, static_cast<int>(initial_f32_path()));
+    p = g_f32_path.load(std::memory_order_relaxed);
+  }
+  return static_cast<F32Path>(p);
+}
+
+void set_f32_path(F32Path path) {
+  if (!f32_path_supported(path))
+    throw std::invalid_argument(std::string("this CPU cannot run the float32 path ") + f32_path_name(path));
+  g_f32_path.store(static_cast<int>(path), std::memory_order_relaxed);
+}
+
 namespace detail {
 namespace {
 
@@ -211,8 +257,10 @@ void stream_weights(const Activations& a, const T* w, const T* bias, const T* re
                     int64_t k, int64_t n_rows, Epilogue epilogue) {
   if (n_tokens <= 0 || n_rows <= 0) return;
   if constexpr (std::is_same<T, float>::value) {
-    run_panels<T, float, float>(static_cast<const float*>(a.rows), a.ld, &panel_avx2, w, k, bias, residual, out,
-                                n_tokens, k, n_rows, epilogue);
+    PanelFn<float, float> fn = &panel_avx2;
+    if (f32_path() == F32Path::kAvx512) fn = &panel_avx512;
+    run_panels<T, float, float>(static_cast<const float*>(a.rows), a.ld, fn, w, k, bias, residual, out, n_tokens, k,
+                                n_rows, epilogue);
   } else if (!a.bf16_rows) {
     run_panels<T, float, bf16>(static_cast<const float*>(a.rows), a.ld, &panel_avx2, w, k, bias, residual, out,
                                n_tokens, k, n_rows, epilogue);
