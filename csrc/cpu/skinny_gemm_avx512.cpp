@@ -75,7 +75,10 @@ inline void panel_block(const float* __restrict x, int64_t ldx, const float* con
     for (int m = 0; m < MB; ++m) xv[m] = _mm512_load_ps(x + m * ldx + k);
 #pragma GCC unroll 8
     for (int j = 0; j < kRows; ++j) {
-      const __m512 wv = _mm512_loadu_ps(wr[j] + k);
+      __m512 wv = _mm512_loadu_ps(wr[j] + k);
+      // One load per weight vector: GCC would otherwise fold it into each of the MB FMAs as a
+      // memory operand, MB loads where one does (the loads, not the FMAs, then bound the loop).
+      asm("" : "+v"(wv));
 #pragma GCC unroll 8
       for (int m = 0; m < MB; ++m) acc[m][j] = _mm512_fmadd_ps(xv[m], wv, acc[m][j]);
     }
