@@ -300,6 +300,26 @@ def test_float32_paths_round_differently_but_both_hold():
     assert not torch.equal(outs[0], outs[1])
 
 
+@pytest.mark.parametrize("n_tokens", [1, 2, 3, 31, 77])
+def test_native_bf16_path_equals_its_emulation(streaming_everywhere, n_tokens):
+    """The native vdpbf16ps kernel (16-lane blocks of 3 tokens x 8 rows, lanes summed by shuffles)
+    performs exactly the arithmetic its scalar emulation spells out (4 x 4 blocks, one lane at a
+    time): the bits agree at every T and at K with a tail."""
+    if "avx512_bf16" not in BF16_PATHS:
+        pytest.skip("this CPU has no AVX512-BF16")
+    gen = torch.Generator().manual_seed(n_tokens)
+    k, n = 581, 1031  # many outputs: a float32 difference shows only where it crosses a bf16 rounding
+    x = rand(gen, n_tokens, k).bfloat16()
+    w = rand(gen, 2 * n, k, scale=1 / math.sqrt(k)).bfloat16()
+    b = rand(gen, 2 * n).bfloat16()
+    outs = []
+    for path in ("avx512_bf16", "avx512_bf16_emulated"):
+        with path_forced(torch.bfloat16, path):
+            outs.append((_C.linear(x, w, b, None), _C.linear_silu_mul(x, w, b)))
+    for native, emulated, name in zip(outs[0], outs[1], ("linear", "linear_silu_mul")):
+        assert torch.equal(native, emulated), f"{name}: native bf16 path differs from its emulation"
+
+
 def test_float32_path_from_environment():
     """ORCA_CPU_F32_PATH=avx2 forces the portable path (read once, at first use); unset or auto
     picks the widest one the CPU has."""
