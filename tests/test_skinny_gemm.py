@@ -254,11 +254,12 @@ def test_batch_invariance(dtype_path, trial):
 
 
 @pytest.mark.parametrize("path", F32_PATHS)
-@pytest.mark.parametrize("k,n", [(581, 67), (1043, 40)])
+@pytest.mark.parametrize("k,n", [(581, 67), (1043, 40), (2053, 100)])
 def test_float32_prefill_sizes(streaming_everywhere, path, k, n):
-    """Every float32 path at prompt-sized T (the token blocks, their remainders and the token tiles
-    of the driver): within the float64 bound, and each request of a ragged batch bit-identical to
-    the same rows run alone."""
+    """Every float32 path at prompt-sized T (the token blocks, their remainders, the token tiles
+    of the driver and, at K = 2053, several blocks of panels per thread, each run over all tiles):
+    within the float64 bound, and each request of a ragged batch bit-identical to the same rows run
+    alone."""
     gen = torch.Generator().manual_seed(k * 1000 + n)
     w = rand(gen, 2 * n, k, scale=1 / math.sqrt(k)).float()
     b = rand(gen, 2 * n).float()

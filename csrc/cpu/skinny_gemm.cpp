@@ -195,6 +195,16 @@ inline int64_t token_tile_rows(int64_t ld, size_t elem_bytes) {
   return std::max<int64_t>(12, rows / 12 * 12);
 }
 
+// Panels per block: about 256 KiB of weight rows, which fit L2 next to a token tile (192 KiB) on
+// a 512 KiB L2. A thread runs every token tile against one block before it moves on, so at large
+// T a weight row comes from memory once and from L2 for the other tiles, and the activation tiles
+// come from the last-level cache once per block. Walking all panels per tile instead streamed the
+// weights from memory once per tile: a Llama-3.2-1B-sized layer (K = 2048, 24-token tiles) at
+// T = 128 ran 45-53 GFLOP/s on one Zen 4 core that way and 58-67 with blocks (loaded machine).
+inline int64_t panels_per_block(int64_t panel_row_bytes) {
+  return std::max<int64_t>(1, (int64_t{256} << 10) / (kPanelRows * std::max<int64_t>(panel_row_bytes, 1)));
+}
+
 template <typename T, typename XT, typename WT>
 void run_panels(const XT* x, int64_t ldx, PanelFn<XT, WT> panel_fn, const WT* w, int64_t w_stride, const T* bias,
                 const T* residual, T* out, int64_t n_tokens, int64_t k, int64_t n_rows, Epilogue epilogue) {
@@ -223,10 +233,12 @@ void run_panels(const XT* x, int64_t ldx, PanelFn<XT, WT> panel_fn, const WT* w,
     // Slot 5 is free here: prepare_activations used it only before this region.
     float* gate = silu ? thread_scratch<float>(5, static_cast<size_t>(2 * tile * range)) : nullptr;
     float* up = silu ? gate + tile * range : nullptr;
-    if (tg < tile_groups) {
+    const int64_t block = panels_per_block(w_stride * static_cast<int64_t>(sizeof(WT)) * (silu ? 2 : 1));
+    for (int64_t i0 = 0; tg < tile_groups && i0 < stream_len; i0 += block) {
+      const int64_t i1 = std::min(stream_len, i0 + block);
       for (int64_t tt = tg; tt < n_tiles; tt += tile_groups) {
         const int64_t t0 = tt * tile, tb = std::min(tile, n_tokens - t0);
-        for (int64_t i = 0; i < stream_len; ++i) {
+        for (int64_t i = i0; i < i1; ++i) {
           // Output i of each stream; the streams that are already done form a suffix, and their
           // columns repeat the last live row (computed, never written).
           int64_t idx[kPanelRows];
@@ -244,7 +256,11 @@ void run_panels(const XT* x, int64_t ldx, PanelFn<XT, WT> panel_fn, const WT* w,
             write_panel(c, tb, idx, ng, bias, residual != nullptr ? residual + t0 * n_out : nullptr,
                         out + t0 * n_out, n_out);
         }
-        if (silu) silu_mul_range(gate, up, range, tb, range, out + t0 * n_out + o_begin, n_out);
+        if (silu)  // the block's outputs: [i0, i1) of each stream
+          for (int64_t s = 0; s < per_panel; ++s) {
+            const int64_t lo = s * stream_len + i0, n = std::min(range, s * stream_len + i1) - lo;
+            if (n > 0) silu_mul_range(gate + lo, up + lo, range, tb, n, out + t0 * n_out + o_begin + lo, n_out);
+          }
       }
     }
   }
