@@ -302,14 +302,16 @@ def test_float32_paths_round_differently_but_both_hold():
 
 
 @pytest.mark.parametrize("n_tokens", [1, 2, 3, 31, 77])
-def test_native_bf16_path_equals_its_emulation(streaming_everywhere, n_tokens):
-    """The native vdpbf16ps kernel (16-lane blocks of 3 tokens x 8 rows, lanes summed by shuffles)
-    performs exactly the arithmetic its scalar emulation spells out (4 x 4 blocks, one lane at a
-    time): the bits agree at every T and at K with a tail."""
+# Many outputs: a float32 difference shows only where it crosses a bf16 rounding.
+@pytest.mark.parametrize("k,n", [(581, 1031), (2085, 300)])
+def test_native_bf16_path_equals_its_emulation(streaming_everywhere, n_tokens, k, n):
+    """The native vdpbf16ps kernel (16-lane blocks of 3 tokens x 8 rows, or 6 tokens x 4 rows once a
+    panel outgrows L1; lanes summed by shuffles) performs exactly the arithmetic its scalar
+    emulation spells out (4 x 4 blocks, one lane at a time): the bits agree at every T and at K
+    with a tail."""
     if "avx512_bf16" not in BF16_PATHS:
         pytest.skip("this CPU has no AVX512-BF16")
     gen = torch.Generator().manual_seed(n_tokens)
-    k, n = 581, 1031  # many outputs: a float32 difference shows only where it crosses a bf16 rounding
     x = rand(gen, n_tokens, k).bfloat16()
     w = rand(gen, 2 * n, k, scale=1 / math.sqrt(k)).bfloat16()
     b = rand(gen, 2 * n).bfloat16()
