@@ -9,8 +9,9 @@
 // best. On a 2-core Zen 2, all projections of a T = 1 step ran 1.16x (float32) and 1.47x (bf16)
 // faster than with 8 neighbouring rows per panel, whose 8 streams are a few KiB long each
 // (bench_skinny_gemm; bench/RESULTS.md). Software prefetching gained nothing on top.
-// At large T each thread walks its panels once per token tile (sized to keep the tile in L2), so
-// a weight panel is reused by the whole tile while it sits in L1. When there are fewer panels
+// At large T each thread walks its panels in blocks of ~256 KiB of weights, and runs every token
+// tile (sized to keep the tile in L2) against one block before the next: a panel is reused by the
+// whole tile while it sits in L1, and by the other tiles from L2. When there are fewer panels
 // than threads (tiny outputs, many tokens), the threads split the token tiles instead.
 #include <omp.h>
 
