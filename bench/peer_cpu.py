@@ -8,6 +8,10 @@ Per dtype (float32 <-> GGUF F32, bfloat16 <-> GGUF BF16) and per round, each sys
   * batches: N requests with prompts and outputs U[16,128] (random ids, EOS ignored), all sent at
     t = 0, with the batch limit 16 and 32 (our max_batch_size; llama-server --parallel). Reports
     output tok/s and the cores the system kept busy (CPU seconds per wall second of the run).
+  * prompt processing: one prompt of N random tokens (--prompt-lengths, default 512 and 2048; the
+    shapes of llama-bench's pp512 / pp2048) and one output token. Ours: N / the request's wall
+    time, through the engine's own chunked prefill; llama.cpp: llama-bench -p N -n 0 (its
+    prompt-processing tok/s on the same GGUF).
 Systems alternate inside each round; the report keeps min and median over rounds. The streaming
 read bandwidth of this machine (`_C.stream_read`, all threads, on huge pages like the engine's
 weights) is measured before every round and right before each single-stream case; the
@@ -169,7 +173,40 @@ def ours(model_dir: str, dtype: str, batch: int, jobs, stream: bool) -> dict:
     return r
 
 
+def ours_prompt(model_dir: str, dtype: str, prompt: list[int]) -> dict:
+    """Prompt processing: one request of len(prompt) tokens and a single output token."""
+    from orca_ext import SamplingParams, Server
+
+    with Server(model_dir, device="cpu", dtype=dtype, max_batch_size=1) as server:
+        server.generate([prompt[:8]], SamplingParams(max_tokens=1, ignore_eos=True))  # warm-up
+        with CpuMeter() as meter:
+            server.generate([prompt], SamplingParams(max_tokens=1, ignore_eos=True))
+    return dict(tok_s=len(prompt) / meter.wall, wall_s=meter.wall, cores_busy=meter.cores)
+
+
+def prompt_ids(n: int, seed: int, vocab: int, special: set[int]) -> list[int]:
+    rng = random.Random(seed)
+    normal = [i for i in range(vocab) if i not in special]
+    return [rng.choice(normal) for _ in range(n)]
+
+
 # -- llama.cpp ------------------------------------------------------------------------------------
+def llama_bench_prompt(binary: Path, gguf: Path, threads: int, n: int) -> dict:
+    """llama-bench's pp<n>: prompt-processing tok/s (one repetition, after its own warm-up)."""
+    import resource
+
+    def children_cpu() -> float:
+        r = resource.getrusage(resource.RUSAGE_CHILDREN)
+        return r.ru_utime + r.ru_stime
+
+    cpu0, t0 = children_cpu(), time.perf_counter()
+    out = subprocess.run([str(binary), "-m", str(gguf), "-p", str(n), "-n", "0", "-t", str(threads), "-r", "1",
+                          "-o", "json"], check=True, capture_output=True, text=True, timeout=1800)
+    wall = time.perf_counter() - t0
+    rows = json.loads(out.stdout)
+    return dict(tok_s=float(rows[0]["avg_ts"]), wall_s=wall, cores_busy=(children_cpu() - cpu0) / wall)
+
+
 def convert_gguf(llama_dir: Path, model_dir: str, dtype: str, cache: Path) -> Path:
     out = cache / f"{Path(model_dir).name}-{GGUF_TYPES[dtype]}.gguf"
     if out.exists():
@@ -263,6 +300,8 @@ def main(argv=None) -> int:
                    help="GGUF files both engines serve as they are (ours: blocks, float32 activations), "
                         "e.g. the embedded SmolLM2-135M-Instruct.Q4_1.gguf")
     p.add_argument("--batch-limits", type=int, nargs="*", default=[16, 32], help="none: single streams only")
+    p.add_argument("--prompt-lengths", type=int, nargs="*", default=[512, 2048],
+                   help="prompt-processing rows (llama-bench -p N); none: skip them")
     p.add_argument("--requests", type=int, default=32)
     p.add_argument("--rounds", type=int, default=2)
     p.add_argument("--threads", type=int, default=int(os.environ.get("OMP_NUM_THREADS", os.cpu_count() or 1)))
@@ -287,6 +326,10 @@ def main(argv=None) -> int:
     if binary is not None and not binary.exists():
         log.warning("no llama-server at %s: running our engine only", binary)
         binary = None
+    bench_binary = binary.parent / "llama-bench" if binary is not None else None
+    if bench_binary is not None and not bench_binary.exists():
+        log.warning("no llama-bench next to llama-server: prompt-processing rows for our engine only")
+        bench_binary = None
     precisions = [Precision(d, args.model, d, convert_gguf(args.llama_dir, args.model, d, args.gguf_cache)
                             if binary else None) for d in args.dtypes]
     precisions += [Precision(g.name, str(g), "float32", g if binary else None, gguf_weight_bytes(g))
@@ -314,6 +357,18 @@ def main(argv=None) -> int:
                     runs.setdefault(f"{dtype}/{case}/{name}", []).append(r)
                     log.info("  %-9s %-8s %-9s %7.1f tok/s%s, %.2f cores busy", dtype, case, name, r["tok_s"],
                              f" (decode {r['decode_tok_s']:.1f})" if "decode_tok_s" in r else "", r["cores_busy"])
+            for n in args.prompt_lengths:
+                prompt = prompt_ids(n, n, spec.vocab_size, special)
+                systems = [("ours", lambda: ours_prompt(prec.our_model, prec.our_dtype, prompt))]
+                if prec.llama_gguf is not None and bench_binary is not None:
+                    systems.append(("llama.cpp", lambda: llama_bench_prompt(bench_binary, prec.llama_gguf,
+                                                                            args.threads, n)))
+                if rnd % 2:
+                    systems.reverse()
+                for name, fn in systems:
+                    r = fn()
+                    runs.setdefault(f"{dtype}/pp{n}/{name}", []).append(r)
+                    log.info("  %-9s pp%-6d %-9s %7.1f tok/s", dtype, n, name, r["tok_s"])
 
     context = 128 + 64  # mean context of the single stream's decode steps
     report = dict(date=time.strftime("%Y-%m-%d %H:%M"), machine=platform.processor() or platform.machine(),

@@ -154,12 +154,16 @@ def test_avx2_path_equals_linear_on_dequantized_weights(qtype):
     w = _C.quant_embedding(qw, qtype, k, torch.arange(n), torch.float32)
     gen = torch.Generator().manual_seed(qtype)
     x, b = rand(gen, 23, k).float(), rand(gen, n).float()
+    f32_before = _C.cpu_f32_path()
     try:
         _C.set_cpu_quant_path("avx2")
+        _C.set_cpu_f32_path("avx2")  # the float32 linear's avx2 path (the default may be avx512)
         got = _C.quant_linear(x, qw, qtype, k, b)
+        expected = _C.linear(x, w, b, batch_invariant=True)
     finally:
         _C.set_cpu_quant_path(before)
-    assert torch.equal(got, _C.linear(x, w, b, batch_invariant=True))
+        _C.set_cpu_f32_path(f32_before)
+    assert torch.equal(got, expected)
 
 
 @pytest.mark.parametrize("qtype", sorted(FORMATS))

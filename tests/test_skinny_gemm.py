@@ -1,11 +1,12 @@
 """The CPU weight-streaming projections (`_C.linear`, `_C.linear_silu_mul`, and `_C.rmsnorm_qkv`
 on the same kernels) against float64 references, on awkward sizes, in float32 and bfloat16, on
-every bf16 instruction path this CPU can run -- always including the scalar emulation of the
-AVX512-BF16 path, so that its blocking and tails are tested on CPUs without the instructions.
+every float32 and bf16 instruction path this CPU can run -- always including the scalar emulation
+of the AVX512-BF16 path, so that its blocking and tails are tested on CPUs without the instructions.
 Also: a token's outputs are bit-identical whatever else shares the call (batch invariance), and
 the ATen path above the crossover is correct too."""
 from __future__ import annotations
 
+import contextlib
 import math
 import os
 import random
@@ -22,6 +23,7 @@ _C = pytest.importorskip("orca_ext._C")
 DTYPES = [torch.float32, torch.bfloat16]
 DTYPE_NAMES = {torch.float32: "float32", torch.bfloat16: "bfloat16"}
 BF16_PATHS = _C.cpu_bf16_paths()
+F32_PATHS = _C.cpu_f32_paths()
 
 
 @pytest.fixture(params=BF16_PATHS)
@@ -45,33 +47,48 @@ def streaming_everywhere():
 
 
 def cases(dtype):
-    """(dtype, path) pairs: float32 has one path; bfloat16 runs on each."""
-    return [(dtype, None)] if dtype == torch.float32 else [(dtype, p) for p in BF16_PATHS]
+    """(dtype, path) pairs: each dtype runs on each of its instruction paths."""
+    return [(dtype, p) for p in (F32_PATHS if dtype == torch.float32 else BF16_PATHS)]
 
 
 ALL_CASES = cases(torch.float32) + cases(torch.bfloat16)
 
 
-@pytest.fixture(params=ALL_CASES, ids=lambda c: f"{DTYPE_NAMES[c[0]]}-{c[1] or 'avx2'}")
+@contextlib.contextmanager
+def path_forced(dtype, path):
+    """Runs the body on one instruction path of dtype's kernels, then restores the previous one."""
+    get, put = ((_C.cpu_f32_path, _C.set_cpu_f32_path) if dtype == torch.float32
+                else (_C.cpu_bf16_path, _C.set_cpu_bf16_path))
+    before = get()
+    put(path)
+    try:
+        yield
+    finally:
+        put(before)
+
+
+@pytest.fixture(params=ALL_CASES, ids=lambda c: f"{DTYPE_NAMES[c[0]]}-{c[1]}")
 def dtype_path(request):
     dtype, path = request.param
-    before = _C.cpu_bf16_path()
-    if path is not None:
-        _C.set_cpu_bf16_path(path)
-    yield dtype
-    _C.set_cpu_bf16_path(before)
+    with path_forced(dtype, path):
+        yield dtype
 
 
 def rand(gen, *shape, scale=1.0):
     return torch.randn(*shape, generator=gen, dtype=torch.float64) * scale
 
 
+def accumulation_terms(k):
+    """Roundings on the longest path of a k-term float32 dot product, on any path (see above)."""
+    return k // 8 + 7
+
+
 def assert_within_bound(got, ref, mass, dtype, k, what, extra=0.0):
     """|got - ref| <= half an ulp of the output + a rigorous bound on float32 accumulation over k
-    terms (each lane adds at most k/8 products, then a 3-level tree, then bias and residual)
-    + extra."""
+    terms (each lane adds at most ceil(k/8) products on the 8-lane paths, ceil(k/16) on the 16-lane
+    ones, then a 3- or 4-level tree, then bias and residual) + extra."""
     out_rtol = 2.0 ** -8 if dtype == torch.bfloat16 else 2.0 ** -24
-    bound = out_rtol * ref.abs() + (k // 8 + 6) * 2.0 ** -24 * mass + extra + 1e-30
+    bound = out_rtol * ref.abs() + accumulation_terms(k) * 2.0 ** -24 * mass + extra + 1e-30
     err = (got.double() - ref).abs()
     bad = err > bound
     assert not bad.any(), (f"{what}: {int(bad.sum())} of {bad.numel()} out of bound; worst err "
@@ -113,7 +130,7 @@ def test_linear_silu_mul(dtype_path, streaming_everywhere, n_tokens, k, n_inter,
     # 1.1 |u| dg + |silu(g)| du; silu itself adds ~1e-7 relative; then the output is rounded.
     gate, up = reference.linear(x64, w64, b64).chunk(2, dim=-1)
     mass = (x64.abs() @ w64.abs().T + (0 if b64 is None else b64.abs())).chunk(2, dim=-1)
-    acc = (k // 8 + 6) * 2.0 ** -24
+    acc = accumulation_terms(k) * 2.0 ** -24
     bound = (1.1 * up.abs() * acc * mass[0] + torch.nn.functional.silu(gate).abs() * acc * mass[1]
              + 1e-6 * expected.abs())
     out_rtol = 2.0 ** -8 if dtype == torch.bfloat16 else 2.0 ** -24
@@ -236,6 +253,95 @@ def test_batch_invariance(dtype_path, trial):
             assert torch.equal(g, a[0]), f"{name}: token at row {at} of a {size}-token batch differs from alone"
 
 
+@pytest.mark.parametrize("path", F32_PATHS)
+@pytest.mark.parametrize("k,n", [(581, 67), (1043, 40), (2053, 100)])
+def test_float32_prefill_sizes(streaming_everywhere, path, k, n):
+    """Every float32 path at prompt-sized T (the token blocks, their remainders, the token tiles
+    of the driver and, at K = 2053, several blocks of panels per thread, each run over all tiles):
+    within the float64 bound, and each request of a ragged batch bit-identical to the same rows run
+    alone."""
+    gen = torch.Generator().manual_seed(k * 1000 + n)
+    w = rand(gen, 2 * n, k, scale=1 / math.sqrt(k)).float()
+    b = rand(gen, 2 * n).float()
+    nw = (1 + 0.1 * rand(gen, k)).float()
+    lengths = [1, 3, 31, 32, 33, 77, 513]
+    x = rand(gen, sum(lengths), k).float()
+    with path_forced(torch.float32, path):
+        whole = (_C.linear(x, w, b, None), _C.linear_silu_mul(x, w, b), _C.rmsnorm_qkv(x, nw, w, b, 1e-6))
+        start = 0
+        for length in lengths:
+            rows = x[start:start + length]
+            alone = (_C.linear(rows, w, b, None), _C.linear_silu_mul(rows, w, b), _C.rmsnorm_qkv(rows, nw, w, b, 1e-6))
+            for got, part, name in zip(whole, alone, ("linear", "linear_silu_mul", "rmsnorm_qkv")):
+                assert torch.equal(got[start:start + length], part), f"{name}: request of {length} rows differs"
+            start += length
+    x64, w64, b64 = x.double(), w.double(), b.double()
+    mass = x64.abs() @ w64.abs().T + b64.abs()
+    assert_within_bound(whole[0], reference.linear(x64, w64, b64), mass, torch.float32, k, f"linear/{path}")
+    gate, up = reference.linear(x64, w64, b64).chunk(2, dim=-1)
+    g_mass, u_mass = mass.chunk(2, dim=-1)
+    acc = accumulation_terms(k) * 2.0 ** -24
+    expected = torch.nn.functional.silu(gate) * up
+    bound = (1.1 * up.abs() * acc * g_mass + torch.nn.functional.silu(gate).abs() * acc * u_mass
+             + 1e-6 * expected.abs() + 2.0 ** -24 * expected.abs() + 1e-30)
+    assert ((whole[1].double() - expected).abs() <= bound).all(), f"linear_silu_mul/{path} out of bound"
+
+
+def test_float32_paths_round_differently_but_both_hold():
+    """The paths are distinct kernels (the test above would not notice if both ran one path): on
+    enough random sums, 8-lane and 16-lane accumulation differ in some last bits."""
+    if len(F32_PATHS) < 2:
+        pytest.skip("this CPU has one float32 path")
+    gen = torch.Generator().manual_seed(5)
+    x, w = rand(gen, 40, 777).float(), rand(gen, 64, 777).float()
+    outs = []
+    for path in F32_PATHS:
+        with path_forced(torch.float32, path):
+            outs.append(_C.linear(x, w))
+    assert not torch.equal(outs[0], outs[1])
+
+
+@pytest.mark.parametrize("n_tokens", [1, 2, 3, 31, 77])
+# Many outputs: a float32 difference shows only where it crosses a bf16 rounding.
+@pytest.mark.parametrize("k,n", [(581, 1031), (2085, 300)])
+def test_native_bf16_path_equals_its_emulation(streaming_everywhere, n_tokens, k, n):
+    """The native vdpbf16ps kernel (16-lane blocks of 3 tokens x 8 rows, or 6 tokens x 4 rows once a
+    panel outgrows L1; lanes summed by shuffles) performs exactly the arithmetic its scalar
+    emulation spells out (4 x 4 blocks, one lane at a time): the bits agree at every T and at K
+    with a tail."""
+    if "avx512_bf16" not in BF16_PATHS:
+        pytest.skip("this CPU has no AVX512-BF16")
+    gen = torch.Generator().manual_seed(n_tokens)
+    x = rand(gen, n_tokens, k).bfloat16()
+    w = rand(gen, 2 * n, k, scale=1 / math.sqrt(k)).bfloat16()
+    b = rand(gen, 2 * n).bfloat16()
+    outs = []
+    for path in ("avx512_bf16", "avx512_bf16_emulated"):
+        with path_forced(torch.bfloat16, path):
+            outs.append((_C.linear(x, w, b, None), _C.linear_silu_mul(x, w, b)))
+    for native, emulated, name in zip(outs[0], outs[1], ("linear", "linear_silu_mul")):
+        assert torch.equal(native, emulated), f"{name}: native bf16 path differs from its emulation"
+
+
+def test_float32_path_from_environment():
+    """ORCA_CPU_F32_PATH=avx2 forces the portable path (read once, at first use); unset or auto
+    picks the widest one the CPU has."""
+    code = "import orca_ext._C as C; print(C.cpu_f32_path(), ' '.join(C.cpu_f32_paths()))"
+    results = {}
+    for value in ("avx2", "auto", None):
+        env = {k: v for k, v in os.environ.items() if k != "ORCA_CPU_F32_PATH"}
+        if value is not None:
+            env["ORCA_CPU_F32_PATH"] = value
+        out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=120)
+        assert out.returncode == 0, out.stderr
+        results[value] = out.stdout.split()
+    assert results["avx2"][0] == "avx2"
+    supported = results[None][1:]
+    assert "avx2" in supported
+    best = "avx512" if "avx512" in supported else "avx2"
+    assert results[None][0] == best and results["auto"][0] == best
+
+
 def test_ops_dispatch_and_non_contiguous_inputs():
     gen = torch.Generator().manual_seed(3)
     x = rand(gen, 40, 5).float().t()                 # [5, 40] non-contiguous
@@ -267,6 +373,7 @@ def test_zero_sizes():
     (lambda: _C.set_cpu_stream_max_tokens("float32", -1), "max_tokens must be >= 0"),
     (lambda: _C.set_cpu_stream_max_tokens("float16", 4), "dtype must be"),
     (lambda: _C.set_cpu_bf16_path("sse2"), "unknown bf16 path"),
+    (lambda: _C.set_cpu_f32_path("sse2"), "unknown float32 path"),
 ])
 def test_bad_input(call, match):
     with pytest.raises(ValueError, match=match):

@@ -2,8 +2,8 @@
 // their driver).
 // 1. Validates against the scalar double-precision reference (bench/common/reference.h) on random
 //    data of awkward sizes (K and N not multiples of any vector width, T across the block
-//    shapes), float32 and bf16, every bf16 path this CPU can run (avx2, the scalar emulation of avx512_bf16, and the native
-//    avx512_bf16 where present). Also checks bit-for-bit batch invariance: each token's outputs
+//    shapes), float32 on every float32 path this CPU can run (avx2, avx512), and bf16 on every bf16
+//    path (avx2, the scalar emulation of avx512_bf16, and the native avx512_bf16 where present). Also checks bit-for-bit batch invariance: each token's outputs
 //    from a 13-token call equal those of the token alone, with 1 thread and with all threads.
 //    Exits 1 on any mismatch.
 // 2. Times SmolLM2-135M-Instruct (H = 576, I = 1536, 30 layers, tied 49152-row lm_head): every
@@ -11,8 +11,14 @@
 //    reads from memory, and prints GB/s next to the streaming-read ceiling measured here. Then
 //    each projection alone at T = 1, and gate_up over a range of T (GFLOP/s next to the FMA
 //    ceiling), rotating over 30 weight copies so that weights come from memory, not cache.
+// 3. Prefill: every projection of one layer at T = 1, 8, 32, 128, 512 for SmolLM2-135M and for a
+//    Llama-3.2-1B-like layer (H = 2048, I = 8192, 32 x 64 query and 8 x 64 kv heads), on each
+//    float32 path, in GFLOP/s against the FMA peak. The peak is the larger of the ymm and (where
+//    the CPU has AVX-512F) zmm FMA-chain probes: cores that split 512-bit FMAs into two halves
+//    (Zen 4) have the same peak for both, cores with two 512-bit FMA units twice the ymm one.
 #include <omp.h>
 
+#include <algorithm>
 #include <cmath>
 #include <cstdio>
 #include <cstring>
@@ -26,6 +32,7 @@ namespace {
 
 using orca::bf16;
 using orca::cpu::Bf16Path;
+using orca::cpu::F32Path;
 
 // A rigorous bound on float32 accumulation error: each lane adds at most K/8 products (one
 // rounding each), then 3 tree adds, then bias and residual.
@@ -39,6 +46,12 @@ constexpr double out_rtol() {  // rounding of the stored result: half an ulp
 template <typename T>
 const char* dtype_name() {
   return sizeof(T) == 2 ? "bf16" : "f32";
+}
+
+template <typename T>
+const char* path_label() {
+  return sizeof(T) == 2 ? orca::cpu::bf16_path_name(orca::cpu::bf16_path())
+                        : orca::cpu::f32_path_name(orca::cpu::f32_path());
 }
 
 bool report_case(const char* name, size_t bad, size_t n, double worst) {
@@ -79,7 +92,7 @@ bool check_linear(int64_t Tn, int64_t K, int64_t N, bool with_bias, bool with_re
   }
   char name[160];
   std::snprintf(name, sizeof name, "linear<%s,%s> T=%lld K=%lld N=%lld bias=%d residual=%d", dtype_name<T>(),
-                orca::cpu::bf16_path_name(orca::cpu::bf16_path()), static_cast<long long>(Tn),
+                path_label<T>(), static_cast<long long>(Tn),
                 static_cast<long long>(K), static_cast<long long>(N), with_bias, with_residual);
   return report_case(name, bad, ref.size(), worst);
 }
@@ -122,7 +135,7 @@ bool check_silu_mul(int64_t Tn, int64_t K, int64_t I, bool with_bias, uint64_t s
     }
   char name[160];
   std::snprintf(name, sizeof name, "linear_silu_mul<%s,%s> T=%lld K=%lld I=%lld bias=%d", dtype_name<T>(),
-                orca::cpu::bf16_path_name(orca::cpu::bf16_path()), static_cast<long long>(Tn),
+                path_label<T>(), static_cast<long long>(Tn),
                 static_cast<long long>(K), static_cast<long long>(I), with_bias);
   return report_case(name, bad, static_cast<size_t>(Tn * I), worst);
 }
@@ -165,7 +178,7 @@ bool check_batch_invariance(int64_t K, int64_t N, uint64_t seed) {
   omp_set_num_threads(max_threads);
   char name[160];
   std::snprintf(name, sizeof name, "batch invariance <%s,%s> K=%lld N=%lld (linear, silu_mul, rmsnorm_qkv)",
-                dtype_name<T>(), orca::cpu::bf16_path_name(orca::cpu::bf16_path()), static_cast<long long>(K),
+                dtype_name<T>(), path_label<T>(), static_cast<long long>(K),
                 static_cast<long long>(N));
   return report_case(name, ok ? 0 : 1, 1, 0.0);
 }
@@ -191,6 +204,13 @@ bool validate_all(uint64_t seed) {
   ok &= check_batch_invariance<T>(581, 67, ++seed);
   ok &= check_batch_invariance<T>(64, 260, ++seed);
   return ok;
+}
+
+std::vector<F32Path> runnable_f32_paths() {
+  std::vector<F32Path> paths;
+  for (F32Path p : {F32Path::kAvx2, F32Path::kAvx512})
+    if (orca::cpu::f32_path_supported(p)) paths.push_back(p);
+  return paths;
 }
 
 std::vector<Bf16Path> runnable_bf16_paths() {
@@ -318,20 +338,117 @@ void perf(const char* label, const Model<T>& m, const bench::Ceilings& c) {
     }
 }
 
+// ---- prefill sweep ----------------------------------------------------------------------------
+
+#if defined(__x86_64__) && defined(__GNUC__)
+// The zmm form of bench::fma_chains: 12 independent 16-lane chains.
+__attribute__((target("avx512f"), noinline)) float fma_chains_zmm(int64_t iters, float seed) {
+  constexpr int kChains = 12, kLanes = 16;
+  float acc[kChains][kLanes];
+  for (int c = 0; c < kChains; ++c)
+    for (int l = 0; l < kLanes; ++l) acc[c][l] = seed * static_cast<float>(c + l + 1);
+  const float a = 0.999999f, b = 1e-7f;
+  for (int64_t it = 0; it < iters; ++it)
+    for (int c = 0; c < kChains; ++c)
+      for (int l = 0; l < kLanes; ++l) acc[c][l] = acc[c][l] * a + b;
+  float s = 0.0f;
+  for (int c = 0; c < kChains; ++c)
+    for (int l = 0; l < kLanes; ++l) s += acc[c][l];
+  return s;
+}
+
+double measure_fma_gflops_zmm() {
+  __builtin_cpu_init();
+  if (!__builtin_cpu_supports("avx512f")) return 0.0;
+  const int64_t iters = 10000000;
+  volatile float sink = 0.0f;
+  int threads = 1;
+  auto run = [&] {
+    float total = 0.0f;
+#pragma omp parallel reduction(+ : total)
+    {
+#pragma omp single
+      threads = omp_get_num_threads();
+      total += fma_chains_zmm(iters, 1e-3f * static_cast<float>(omp_get_thread_num() + 1));
+    }
+    sink = total;
+  };
+  const double t = bench::time_calls(run, 5, 1).best;
+  return 2.0 * 12 * 16 * static_cast<double>(iters) * threads / t * 1e-9;
+}
+#else
+double measure_fma_gflops_zmm() { return 0.0; }
+#endif
+
+struct LayerShape {
+  const char* name;
+  int64_t hidden, qkv, inter;
+};
+
+// One layer's projections (qkv with its norm, o + residual, gate_up + SiLU, down + residual) over
+// T tokens, float32 weights; each call's FLOPs and the weight bytes against the ceilings.
+void prefill_sweep(const LayerShape& s, const bench::Ceilings& c) {
+  bench::Rng rng(7);
+  bench::Vec<float> norm(s.hidden), qkv_w(s.qkv * s.hidden), o_w(s.hidden * s.hidden), gu_w(2 * s.inter * s.hidden),
+      down_w(s.hidden * s.inter);
+  for (auto* v : {&norm, &qkv_w, &o_w, &gu_w, &down_w}) bench::fill_random(*v, rng, -0.05f, 0.05f);
+  const double weight_elems = static_cast<double>(s.qkv * s.hidden + s.hidden * s.hidden + 2 * s.inter * s.hidden +
+                                                  s.hidden * s.inter);
+  for (int64_t Tn : {int64_t{1}, int64_t{8}, int64_t{32}, int64_t{128}, int64_t{512}}) {
+    bench::Vec<float> x(Tn * s.hidden), qkv(Tn * s.qkv), act(Tn * s.inter), res(Tn * s.hidden), out(Tn * s.hidden);
+    bench::fill_random(x, rng, -1.0f, 1.0f);
+    bench::fill_random(act, rng, -1.0f, 1.0f);
+    bench::fill_random(res, rng, -1.0f, 1.0f);
+    for (F32Path path : runnable_f32_paths()) {
+      orca::cpu::set_f32_path(path);
+      const bench::Timing t = bench::time_calls(
+          [&] {
+            orca::cpu::rmsnorm_qkv<float>(x.data(), norm.data(), qkv_w.data(), nullptr, qkv.data(), Tn, s.hidden,
+                                          s.qkv, 1e-5f);
+            orca::cpu::linear<float>(x.data(), o_w.data(), nullptr, res.data(), out.data(), Tn, s.hidden, s.hidden);
+            orca::cpu::linear_silu_mul<float>(x.data(), gu_w.data(), nullptr, act.data(), Tn, s.hidden, s.inter);
+            orca::cpu::linear<float>(act.data(), down_w.data(), nullptr, res.data(), out.data(), Tn, s.inter,
+                                     s.hidden);
+          },
+          Tn >= 128 ? 7 : 21, 3);
+      char name[96];
+      std::snprintf(name, sizeof name, "layer %s f32/%s T=%lld", s.name, orca::cpu::f32_path_name(path),
+                    static_cast<long long>(Tn));
+      bench::report(name, t, 2.0 * static_cast<double>(Tn) * weight_elems, 4.0 * weight_elems, c);
+    }
+  }
+}
+
 }  // namespace
 
 int main(int argc, char** argv) {
-  bool ok = validate_all<float>(1000);
+  bool ok = true;
+  for (F32Path path : runnable_f32_paths()) {
+    orca::cpu::set_f32_path(path);
+    ok &= validate_all<float>(1000 + 50 * static_cast<uint64_t>(path));
+  }
+  ok &= check_linear<float>(513, 581, 67, true, true, 7);  // prompt-sized T: token blocks and remainders
   for (Bf16Path path : runnable_bf16_paths()) {
     orca::cpu::set_bf16_path(path);
     ok &= validate_all<bf16>(2000 + 100 * static_cast<uint64_t>(path));
   }
-  return bench::finish_main(argc, argv, ok, [](const bench::Ceilings& c) {
+  return bench::finish_main(argc, argv, ok, [](const bench::Ceilings& measured) {
+    bench::Ceilings c = measured;
+    const double zmm = measure_fma_gflops_zmm();
+    if (zmm > 0.0) std::printf("zmm FMA %.1f GFLOP/s; the peak below is the larger of ymm and zmm\n", zmm);
+    c.fma_gflops = std::max(c.fma_gflops, zmm);
     bench::Rng rng(42);
     {
       const Model<float> m(rng);
-      perf<float>("f32", m, c);
+      for (F32Path path : runnable_f32_paths()) {
+        orca::cpu::set_f32_path(path);
+        char label[48];
+        std::snprintf(label, sizeof label, "f32/%s", orca::cpu::f32_path_name(path));
+        perf<float>(label, m, c);
+      }
     }
+    prefill_sweep(LayerShape{"SmolLM2-135M 576/960/1536", 576, 960, 1536}, c);
+    prefill_sweep(LayerShape{"Llama-3.2-1B-like 2048/3072/8192", 2048, 3072, 8192}, c);
     const Model<bf16> m(rng);
     for (Bf16Path path : runnable_bf16_paths()) {
       if (path == Bf16Path::kAvx512Bf16Emulated) continue;  // a test aid, far too slow to time

@@ -121,13 +121,15 @@ void slab_move(void* pools,               // [P, S, row_bytes]
 //
 // Reduction order: every output element is the dot product of one activation row with one weight
 // row, accumulated in a fixed lane pattern over k, then summed across lanes by a fixed tree. The
-// pattern depends only on K and the bf16 path (below), never on T, on the output's position in
-// the batch, or on the thread count: a token's outputs are bit-identical whatever else is in the
-// batch. bf16 paths: `avx2` converts bf16 to float32 and uses 8-lane FMAs (lane l sums the k with
-// k % 8 == l); `avx512_bf16` uses vdpbf16ps (16 lanes, each summing pairs of k, 32 k per step).
-// The two round differently, so bf16 outputs differ in the last bits between machines with and
-// without AVX512-BF16 (float32 always uses the avx2 pattern and is identical on every x86-64-v3
-// CPU). bf16 activations are used as stored; a fused norm's output is rounded to bf16 first.
+// pattern depends only on K and the instruction path (below), never on T, on the output's
+// position in the batch, or on the thread count: a token's outputs are bit-identical whatever else
+// is in the batch. float32 paths: `avx2` uses 8-lane FMAs (lane l sums the k with k % 8 == l);
+// `avx512` uses 16-lane FMAs (k % 16 == l) and one more level of the same lane tree. bf16 paths:
+// `avx2` converts bf16 to float32 and uses the 8-lane pattern; `avx512_bf16` uses vdpbf16ps (16
+// lanes, each summing pairs of k, 32 k per step). Different paths round differently, so outputs
+// differ in the last bits between machines with and without the wider instructions (or between
+// paths forced on one machine). bf16 activations are used as stored; a fused norm's output is
+// rounded to bf16 first.
 
 // The instruction paths of the bf16 kernels. kAvx512Bf16Emulated runs the native path's blocking,
 // masks and tails with scalar code that performs the vdpbf16ps arithmetic, so that they are tested
@@ -141,6 +143,17 @@ bool bf16_path_supported(Bf16Path path);
 // a path this CPU cannot run.
 Bf16Path bf16_path();
 void set_bf16_path(Bf16Path path);
+
+// The instruction paths of the float32 kernels: the portable x86-64-v3 one, and 512-bit FMAs on
+// CPUs with AVX-512 F/BW/VL/DQ (skinny_gemm_avx512.cpp).
+enum class F32Path : int { kAvx2 = 0, kAvx512 = 1 };
+const char* f32_path_name(F32Path path);
+bool f32_path_supported(F32Path path);
+// The path float32 kernels use: the best supported one, or ORCA_CPU_F32_PATH=avx2|avx512|auto read
+// once at first use, or the last set_f32_path(). set_f32_path throws std::invalid_argument for a
+// path this CPU cannot run.
+F32Path f32_path();
+void set_f32_path(F32Path path);
 
 // out[T, N] = x[T, K] * W[N, K]^T + bias[N] (+ residual[T, N]). residual may alias out.
 template <typename T>

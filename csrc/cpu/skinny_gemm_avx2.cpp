@@ -34,7 +34,13 @@ struct Avx2Ops {
   static constexpr int kRows = 3;  // 3 x 4 accumulators + 3 activations + 1 weight = 16 ymm
   static Acc zero() { return _mm256_setzero_ps(); }
   static X load_x(const float* p) { return _mm256_load_ps(p); }
-  static W load_w(const float* p) { return _mm256_loadu_ps(p); }
+  static W load_w(const float* p) {
+    __m256 w = _mm256_loadu_ps(p);
+    // One load per weight vector: GCC would otherwise fold it into each of the kRows FMAs that
+    // use it as a memory operand, kRows loads where one does.
+    asm("" : "+x"(w));
+    return w;
+  }
   static W load_w(const bf16* p) {  // bf16 -> float32: zero-extend to 32 bits, shift into the top half
     const __m128i h = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
     return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(h), 16));

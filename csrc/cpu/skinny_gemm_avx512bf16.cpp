@@ -2,8 +2,8 @@
 // accumulates them into 16 float32 lanes in one instruction, reading bf16 weights directly (half
 // the bytes of float32, no conversion). The build targets x86-64-v3, so this unit alone is
 // compiled for AVX-512 (the pragma below) and is only called when cpu_has_avx512bf16() is true.
-// Its arithmetic is mirrored by EmulatedDpOps in skinny_gemm_avx2.cpp, which the tests run on
-// CPUs without the instructions.
+// Blocking and lane sums: skinny_gemm_zmm.h. Its arithmetic is mirrored by EmulatedDpOps in
+// skinny_gemm_avx2.cpp, which the tests run on CPUs without the instructions.
 #include <cstdint>
 
 #include "cpu_kernels.h"
@@ -14,7 +14,11 @@
 
 #pragma GCC push_options
 #pragma GCC target("avx512f,avx512bw,avx512bf16")
-#include "skinny_gemm_blocks.h"
+// GCC 12's own avx512fintrin.h trips -W(maybe-)uninitialized (its _mm512_undefined operands).
+#pragma GCC diagnostic push
+#pragma GCC diagnostic ignored "-Wmaybe-uninitialized"
+#pragma GCC diagnostic ignored "-Wuninitialized"
+#include "skinny_gemm_zmm.h"
 
 namespace orca {
 namespace cpu {
@@ -23,37 +27,29 @@ namespace {
 
 struct Avx512Bf16Ops {
   using XT = bf16;
-  using Acc = __m512;
+  using WT = bf16;
   using X = __m512bh;
   using W = __m512bh;
   static constexpr int kStep = 32;
-  static constexpr int kRows = 4;  // 4 x 4 accumulators + 4 activations + 1 weight of 32 zmm
-  static Acc zero() { return _mm512_setzero_ps(); }
   static X load_x(const bf16* p) { return (__m512bh)_mm512_load_si512(p); }  // 64-byte aligned rows
   static W load_w(const bf16* p) { return (__m512bh)_mm512_loadu_si512(p); }
   static W load_w_tail(const bf16* p, int rem) {  // 0 < rem < 32; masked-off elements are not read
     const __mmask32 keep = static_cast<__mmask32>((uint32_t{1} << rem) - 1u);
     return (__m512bh)_mm512_maskz_loadu_epi16(keep, p);
   }
-  static Acc dot(Acc acc, X x, W w) { return _mm512_dpbf16_ps(acc, x, w); }
-  static float hsum(Acc v) {  // lanes (i, i+8), then the 8-lane tree of the other paths
-    alignas(64) float l[16];
-    _mm512_store_ps(l, v);
-    float h[8];
-    for (int i = 0; i < 8; ++i) h[i] = l[i] + l[i + 8];
-    return hsum8_tree(h);
-  }
+  static __m512 dot(__m512 acc, X x, W w) { return _mm512_dpbf16_ps(acc, x, w); }
 };
 
 }  // namespace
 
 void panel_avx512bf16(const bf16* x, int64_t ldx, int64_t M, const bf16* const* w, int64_t K, float* c) {
-  panel<Avx512Bf16Ops, bf16>(x, ldx, M, w, K, c);
+  zmm_panel<Avx512Bf16Ops>(x, ldx, M, w, K, c);
 }
 
 }  // namespace detail
 }  // namespace cpu
 }  // namespace orca
+#pragma GCC diagnostic pop
 #pragma GCC pop_options
 
 namespace orca {

@@ -8,7 +8,7 @@
 //     token tile, a panel kernel runs all tile rows against the panel's rows (full K each), then
 //     the epilogue (bias, residual or SiLU * up, rounding) writes the panel's outputs.
 // The panel kernels live in one translation unit per instruction set (skinny_gemm_avx2.cpp,
-// skinny_gemm_avx512bf16.cpp) and are reached through plain function pointers, so AVX-512 code
+// skinny_gemm_avx512.cpp, skinny_gemm_avx512bf16.cpp) and are reached through plain function pointers, so AVX-512 code
 // is only ever executed on CPUs that report it.
 #pragma once
 #include <algorithm>
@@ -37,6 +37,8 @@ void panel_avx2(const float* x, int64_t ldx, int64_t M, const bf16* const* w, in
 void panel_avx512bf16(const bf16* x, int64_t ldx, int64_t M, const bf16* const* w, int64_t K, float* c);
 void panel_avx512bf16_emulated(const bf16* x, int64_t ldx, int64_t M, const bf16* const* w, int64_t K, float* c);
 bool cpu_has_avx512bf16();
+void panel_avx512(const float* x, int64_t ldx, int64_t M, const float* const* w, int64_t K, float* c);
+bool cpu_has_avx512_f32();  // AVX-512 F, BW, VL, DQ: what panel_avx512 is compiled for
 
 // Activation rows as the panel kernels read them.
 struct Activations {

@@ -149,6 +149,10 @@ PYBIND11_MODULE(_C, m) {
   m.def("set_cpu_bf16_path", &orca::cpu_ops::set_bf16_path, py::arg("path"),
         "avx2, avx512_bf16 (where the CPU has it) or avx512_bf16_emulated (a slow scalar emulation, for tests).");
   m.def("cpu_bf16_paths", &orca::cpu_ops::bf16_paths, "The bf16 paths this CPU can run.");
+  m.def("cpu_f32_path", &orca::cpu_ops::f32_path, "The instruction path of the CPU float32 kernels.");
+  m.def("set_cpu_f32_path", &orca::cpu_ops::set_f32_path, py::arg("path"),
+        "avx2, or avx512 where the CPU has AVX-512 F/BW/VL/DQ (they round differently).");
+  m.def("cpu_f32_paths", &orca::cpu_ops::f32_paths, "The float32 paths this CPU can run.");
   m.def("stream_read", &orca::cpu_ops::stream_read, py::arg("words"), py::call_guard<py::gil_scoped_release>(),
         "Reads a contiguous int64 tensor once with all threads (the streaming-read bandwidth probe); "
         "returns the XOR of its words.");

@@ -62,6 +62,7 @@ bool use_aten(const at::Tensor& x) { return x.size(0) > crossover(x.scalar_type(
 
 constexpr cpu::Bf16Path kBf16Paths[] = {cpu::Bf16Path::kAvx2, cpu::Bf16Path::kAvx512Bf16,
                                         cpu::Bf16Path::kAvx512Bf16Emulated};
+constexpr cpu::F32Path kF32Paths[] = {cpu::F32Path::kAvx2, cpu::F32Path::kAvx512};
 
 }  // namespace
 
@@ -89,6 +90,25 @@ std::vector<std::string> bf16_paths() {
   std::vector<std::string> names;
   for (cpu::Bf16Path p : kBf16Paths)
     if (cpu::bf16_path_supported(p)) names.emplace_back(cpu::bf16_path_name(p));
+  return names;
+}
+
+std::string f32_path() { return cpu::f32_path_name(cpu::f32_path()); }
+
+void set_f32_path(const std::string& name) {
+  for (cpu::F32Path p : kF32Paths) {
+    if (name != cpu::f32_path_name(p)) continue;
+    TORCH_CHECK_VALUE(cpu::f32_path_supported(p), "this CPU cannot run the float32 path ", name);
+    cpu::set_f32_path(p);
+    return;
+  }
+  TORCH_CHECK_VALUE(false, "unknown float32 path \"", name.substr(0, 32), "\"; expected avx2 or avx512");
+}
+
+std::vector<std::string> f32_paths() {
+  std::vector<std::string> names;
+  for (cpu::F32Path p : kF32Paths)
+    if (cpu::f32_path_supported(p)) names.emplace_back(cpu::f32_path_name(p));
   return names;
 }
 

@@ -116,6 +116,10 @@ constexpr int64_t kStreamMaxTokensBf16 = int64_t{1} << 30;
 std::string bf16_path();
 void set_bf16_path(const std::string& name);
 std::vector<std::string> bf16_paths();
+// The instruction path of the float32 kernels: "avx2" or "avx512". f32_paths(): those this CPU runs.
+std::string f32_path();
+void set_f32_path(const std::string& name);
+std::vector<std::string> f32_paths();
 
 // Reads every word of a contiguous CPU int64 tensor once with all threads (the streaming-read
 // ceiling of the benchmarks) and returns their XOR.
