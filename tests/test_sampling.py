@@ -183,3 +183,36 @@ def test_seeded_request_samples_the_same_whatever_its_batch_mates():
 def test_logits_shape_is_checked():
     with pytest.raises(ValueError, match="logits"):
         Sampler()(torch.zeros(3, 5), [req(SamplingParams())])
+
+
+def test_draw_never_picks_a_masked_token_and_follows_the_probabilities():
+    from orca_ext.sampling import draw
+
+    gen = torch.Generator().manual_seed(11)
+    vocab = 49_152
+    probs = torch.zeros(4, vocab)
+    probs[0, 0] = 1.0                      # only the first token
+    probs[1, vocab - 1] = 1.0              # only the last token
+    probs[2, [7, 9000, vocab - 2]] = torch.tensor([0.2, 0.3, 0.5])  # masked tokens all around
+    probs[3] = torch.softmax(torch.randn(vocab, generator=gen), dim=-1)
+    counts = torch.zeros(3)
+    for _ in range(2000):
+        picked = draw(probs, [gen] * 4).tolist()
+        assert picked[0] == 0 and picked[1] == vocab - 1
+        assert picked[2] in (7, 9000, vocab - 2)
+        assert 0 <= picked[3] < vocab
+        counts[[7, 9000, vocab - 2].index(picked[2])] += 1
+    assert total_variation(counts.double() / counts.sum(), torch.tensor([0.2, 0.3, 0.5], dtype=torch.float64)) < 0.04
+
+
+def test_draw_takes_one_number_per_row_from_each_rows_generator():
+    from orca_ext.sampling import draw
+
+    probs = torch.softmax(torch.randn(3, 1000, generator=torch.Generator().manual_seed(1)), dim=-1)
+    alone = [draw(probs[i:i + 1], [torch.Generator().manual_seed(5 + i)]).item() for i in range(3)]
+    together = draw(probs, [torch.Generator().manual_seed(5 + i) for i in range(3)]).tolist()
+    assert together == alone
+    gen = torch.Generator().manual_seed(5)
+    draw(probs[:1], [gen])
+    assert torch.rand(1, generator=gen, dtype=torch.float64).item() != \
+        torch.rand(1, generator=torch.Generator().manual_seed(5), dtype=torch.float64).item()
