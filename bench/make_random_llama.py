@@ -171,8 +171,9 @@ def greedy_agreement(gguf: Path, folder: Path, llama_dir: Path, threads: int, n_
     rng = random.Random(1234)
     prompts = [[rng.choice(normal) for _ in range(prompt_len)] for _ in range(n_prompts)]
     with Server(str(gguf), device="cpu", dtype="float32", max_batch_size=n_prompts) as server:
-        ours = [list(o.token_ids) for o in
-                server.generate(prompts, SamplingParams(max_tokens=n_tokens, temperature=0.0, ignore_eos=True))]
+        outs = server.generate(prompts, SamplingParams(max_tokens=n_tokens, temperature=0.0, ignore_eos=True,
+                                                       logprobs=2))
+    ours = [list(o.token_ids) for o in outs]
     theirs = []
     with LlamaServer(llama_dir / "build" / "bin" / "llama-server", gguf, 1, threads) as server:
         for prompt in prompts:
@@ -184,9 +185,18 @@ def greedy_agreement(gguf: Path, folder: Path, llama_dir: Path, threads: int, n_
                 theirs.append(json.loads(r.read())["tokens"])
     first_diff = [next((i for i, (a, b) in enumerate(zip(o, t)) if a != b), None if len(o) == len(t) else
                        min(len(o), len(t))) for o, t in zip(ours, theirs)]
-    log.info("%s: first differing greedy position per prompt (None: all %d equal): %s", gguf.name, n_tokens,
-             first_diff)
-    return dict(ours=ours, llama_cpp=theirs, first_difference=first_diff)
+    # Where the streams part: our top-2 log-probability gap there, and whether llama.cpp's token is
+    # our second choice (a near tie that 8-bit activations can flip, not a different model).
+    at_split = []
+    for o, t, i in zip(outs, theirs, first_diff):
+        if i is None or i >= len(o.logprobs):
+            at_split.append(None)
+            continue
+        top = o.logprobs[i].top
+        at_split.append(dict(position=i, our_gap=top[0][1] - top[1][1], theirs_is_our_second=t[i] == top[1][0]))
+    log.info("%s: first differing greedy position per prompt (None: all %d equal): %s; there: %s", gguf.name,
+             n_tokens, first_diff, at_split)
+    return dict(ours=ours, llama_cpp=theirs, first_difference=first_diff, at_split=at_split)
 
 
 def main(argv=None) -> int:
