@@ -24,6 +24,9 @@ makes what is missing.
     python bench/make_random_llama.py --llama-dir /tmp/llamacpp/llama_cpp_python-0.3.36/vendor/llama.cpp \\
         [--formats BF16 Q8_0 Q4_1 Q4_K_M [F32]] [--out ~/.cache/orca_ext/gguf] [--seed 0]
 prints the folder and the GGUF paths (one per line, last lines) for bench/peer_cpu.py --model/--ggufs.
+--agree then runs both engines on each GGUF (ours in process, llama-server) on the same token-id
+prompts and writes where their greedy tokens part, with our top-2 gap there, to
+<out>/<name>-agreement.json: random weights make near ties, which 8-bit activations can flip.
 """
 from __future__ import annotations
 
