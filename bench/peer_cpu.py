@@ -33,7 +33,8 @@ llama.cpp's source):
 The GGUFs are converted from our float32 checkpoint by that tree's convert_hf_to_gguf.py (cached).
 
     python bench/peer_cpu.py --llama-dir /tmp/llamacpp/llama_cpp_python-0.3.36/vendor/llama.cpp \\
-        [--dtypes float32 bfloat16] [--ggufs FILE.gguf ...] [--rounds 2] [--out bench/out/peer_cpu.json]
+        [--dtypes float32 bfloat16] [--ggufs FILE.gguf ...] [--quant-activations float32 int8] [--rounds 2] \\
+        [--out bench/out/peer_cpu.json]
 --ggufs runs both engines on the same quantized file as shipped (the bytes per token of the read
 bound are then the file's tensor bytes).
 """
@@ -66,12 +67,14 @@ GGUF_TYPES = {"float32": "f32", "bfloat16": "bf16"}
 
 class Precision:
     """One row group of the comparison: what our engine loads (a folder in a dtype, or a GGUF
-    served as its blocks with float32 activations) and the GGUF llama.cpp runs (None: ours only)."""
+    served as its blocks with float32 or int8 activations) and the GGUF llama.cpp runs (None:
+    ours only)."""
 
     def __init__(self, label: str, our_model: str, our_dtype: str, llama_gguf: Optional[Path],
-                 weight_bytes: Optional[float] = None):
+                 weight_bytes: Optional[float] = None, quant_activations: str = "float32"):
         self.label, self.our_model, self.our_dtype, self.llama_gguf = label, our_model, our_dtype, llama_gguf
         self.weight_bytes = weight_bytes  # bytes of weights one decode step reads (None: from the dtype)
+        self.quant_activations = quant_activations  # EngineConfig.quant_activations for our side
 
 
 def gguf_weight_bytes(path: Path) -> float:
@@ -155,10 +158,11 @@ def stream_prompt(seed: int, vocab: int, special: set[int]) -> list[int]:
 
 
 # -- our engine -----------------------------------------------------------------------------------
-def ours(model_dir: str, dtype: str, batch: int, jobs, stream: bool) -> dict:
+def ours(model_dir: str, dtype: str, batch: int, jobs, stream: bool, quant_activations: str = "float32") -> dict:
     from orca_ext import SamplingParams, Server
 
-    with Server(model_dir, device="cpu", dtype=dtype, max_batch_size=batch) as server:
+    with Server(model_dir, device="cpu", dtype=dtype, max_batch_size=batch,
+                quant_activations=quant_activations) as server:
         server.generate([jobs[0][0][:8]], SamplingParams(max_tokens=4, ignore_eos=True))  # warm-up
         with CpuMeter() as meter:
             ids = [server.submit(p, SamplingParams(max_tokens=o, ignore_eos=True)) for p, o in jobs]
@@ -173,11 +177,12 @@ def ours(model_dir: str, dtype: str, batch: int, jobs, stream: bool) -> dict:
     return r
 
 
-def ours_prompt(model_dir: str, dtype: str, prompt: list[int]) -> dict:
+def ours_prompt(model_dir: str, dtype: str, prompt: list[int], quant_activations: str = "float32") -> dict:
     """Prompt processing: one request of len(prompt) tokens and a single output token."""
     from orca_ext import SamplingParams, Server
 
-    with Server(model_dir, device="cpu", dtype=dtype, max_batch_size=1) as server:
+    with Server(model_dir, device="cpu", dtype=dtype, max_batch_size=1,
+                quant_activations=quant_activations) as server:
         server.generate([prompt[:8]], SamplingParams(max_tokens=1, ignore_eos=True))  # warm-up
         with CpuMeter() as meter:
             server.generate([prompt], SamplingParams(max_tokens=1, ignore_eos=True))
@@ -299,6 +304,9 @@ def main(argv=None) -> int:
     p.add_argument("--ggufs", nargs="*", type=Path, default=[],
                    help="GGUF files both engines serve as they are (ours: blocks, float32 activations), "
                         "e.g. the embedded SmolLM2-135M-Instruct.Q4_1.gguf")
+    p.add_argument("--quant-activations", nargs="+", default=["float32"], choices=["float32", "int8"],
+                   help="our products of each --ggufs file: float32 and/or int8 activations (one row group "
+                        "each; llama.cpp runs once per file, beside the first)")
     p.add_argument("--batch-limits", type=int, nargs="*", default=[16, 32], help="none: single streams only")
     p.add_argument("--prompt-lengths", type=int, nargs="*", default=[512, 2048],
                    help="prompt-processing rows (llama-bench -p N); none: skip them")
@@ -332,8 +340,9 @@ def main(argv=None) -> int:
         bench_binary = None
     precisions = [Precision(d, args.model, d, convert_gguf(args.llama_dir, args.model, d, args.gguf_cache)
                             if binary else None) for d in args.dtypes]
-    precisions += [Precision(g.name, str(g), "float32", g if binary else None, gguf_weight_bytes(g))
-                   for g in args.ggufs]
+    precisions += [Precision(g.name if acts == "float32" else f"{g.name}+{acts}", str(g), "float32",
+                             g if binary and i == 0 else None, gguf_weight_bytes(g), acts)
+                   for g in args.ggufs for i, acts in enumerate(args.quant_activations)]
 
     cases = [("stream", 1, single)] + [(f"batch{b}", b, jobs) for b in args.batch_limits]
     runs: dict[str, list[dict]] = {}
@@ -346,7 +355,8 @@ def main(argv=None) -> int:
             for case, limit, work in cases:
                 if case == "stream":  # the ceiling right next to the runs it bounds
                     ceilings.append(read_bandwidth_gbs())
-                systems = [("ours", lambda: ours(prec.our_model, prec.our_dtype, limit, work, case == "stream"))]
+                systems = [("ours", lambda: ours(prec.our_model, prec.our_dtype, limit, work, case == "stream",
+                                                 prec.quant_activations))]
                 if prec.llama_gguf is not None:
                     systems.append(("llama.cpp", lambda: llama(binary, prec.llama_gguf, args.threads, limit, work,
                                                                case == "stream")))
@@ -359,7 +369,8 @@ def main(argv=None) -> int:
                              f" (decode {r['decode_tok_s']:.1f})" if "decode_tok_s" in r else "", r["cores_busy"])
             for n in args.prompt_lengths:
                 prompt = prompt_ids(n, n, spec.vocab_size, special)
-                systems = [("ours", lambda: ours_prompt(prec.our_model, prec.our_dtype, prompt))]
+                systems = [("ours", lambda: ours_prompt(prec.our_model, prec.our_dtype, prompt,
+                                                        prec.quant_activations))]
                 if prec.llama_gguf is not None and bench_binary is not None:
                     systems.append(("llama.cpp", lambda: llama_bench_prompt(bench_binary, prec.llama_gguf,
                                                                             args.threads, n)))
