@@ -40,7 +40,7 @@ def main() -> int:
     p.add_argument("--shape-out", default=str(REPO / "bench" / "sim_cpu_shape.json"))
     args = p.parse_args()
     trace = fit_trace(args.requests, args.seed)
-    with Server(max_batch_size=args.max_batch_size, record_iterations=True) as server:
+    with Server(max_batch_size=args.max_batch_size, record_iterations=True, prefix_caching=False) as server:
         replay(server, synthetic(2, float("inf"), (8, 16), (2, 4), seed=99), prefix="warmup-")  # not fitted
         skip = len(server.iterations())
         measured = replay(server, trace, seed=args.seed, prefix="fit-")

@@ -53,8 +53,10 @@ from orca_ext.sim.trace import synthetic  # noqa: E402
 HANDOFF_GRID_S = [0.0, *np.geomspace(2e-4, 0.2, 31)]
 
 METRICS = ("output_tokens_per_s", "median_normalized_latency_s", "p99_ttft_s")
-CONFIGS = {"orca": dict(scheduler="orca"), "static": dict(scheduler="static"),
-           "orca-pp2": dict(scheduler="orca", pipeline_parallel_size=2)}
+# Prefix caching off: every repeat replays the same prompts, which the engine's cache would serve
+# from the repeat before (the simulator's cache sees only the shared prefixes a trace declares).
+CONFIGS = {"orca": dict(scheduler="orca", prefix_caching=False), "static": dict(scheduler="static", prefix_caching=False),
+           "orca-pp2": dict(scheduler="orca", pipeline_parallel_size=2, prefix_caching=False)}
 
 
 def read_worker_traces(folder: Path, n_stages: int) -> list[dict]:

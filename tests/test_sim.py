@@ -5,6 +5,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import math
+import random
 
 import numpy as np
 import pytest
@@ -17,7 +18,7 @@ from orca_ext.sim.fit import Calibration, calibration_from_records, fit_hardware
 from orca_ext.sim.loop import simulate
 from orca_ext.sim.plan import SLO, plan
 from orca_ext.sim.presets import MODELS, load_hardware, save_hardware
-from orca_ext.sim.trace import TraceRequest, load_jsonl, save_jsonl, synthetic
+from orca_ext.sim.trace import TraceRequest, load_jsonl, prompt_tokens, save_jsonl, synthetic
 from orca_ext.sim.work import Work
 
 WHOLE = dict(max_num_batched_tokens=None)
@@ -236,6 +237,18 @@ def test_trace_jsonl_round_trip_and_errors(tmp_path):
     bad.write_text('{"arrival": 0, "prompt_len": 1048576, "output_len": 1}\n' * 65)
     with pytest.raises(ValueError, match=r":65: the trace's prompts pass"):
         load_jsonl(bad)
+    shared = synthetic(4, 2.0, (3, 9), (1, 4), seed=1, shared_prefix=16)
+    save_jsonl(shared, path)
+    assert load_jsonl(path) == shared and all(r.prefix_len == 16 for r in shared)
+    assert [prompt_tokens(i, r)[:16] for i, r in enumerate(shared)] == [prompt_tokens(0, shared[0])[:16]] * 4
+    assert len({t for i, r in enumerate(shared) for t in prompt_tokens(i, r)[16:]}) == \
+        sum(r.prompt_len - 16 for r in shared)  # nothing else is shared
+    bad.write_text('{"arrival": 0, "prompt_len": 3, "output_len": 2, "prefix_id": 1, "prefix_len": 4}\n')
+    with pytest.raises(ValueError, match=r":1: prefix_len must be in \[0, prompt_len=3\]"):
+        load_jsonl(bad)
+    bad.write_text('{"arrival": 0, "prompt_len": 3, "output_len": 2, "prefix_id": -1, "prefix_len": 2}\n')
+    with pytest.raises(ValueError, match=r":1: prefix_id"):
+        load_jsonl(bad)
 
 
 def test_a_request_larger_than_the_cache_is_refused():
@@ -275,13 +288,15 @@ def test_cli_simulates_and_plans(tmp_path, capsys):
     assert math.isfinite(summary["p99_ttft_s"])
 
 
-@pytest.mark.parametrize("options, n_slots", [
-    (dict(max_batch_size=4, max_num_batched_tokens=16), 400),           # chunked prefill
-    (dict(max_batch_size=3, max_num_batched_tokens=None), 400),         # whole prompts
-    (dict(scheduler="static", max_batch_size=4), 400),
-    (dict(max_batch_size=6, max_num_batched_tokens=24), 70),            # a full cache, one compaction
+@pytest.mark.parametrize("options, n_slots, shared_prefix", [
+    (dict(max_batch_size=4, max_num_batched_tokens=16), 400, 0),           # chunked prefill
+    (dict(max_batch_size=3, max_num_batched_tokens=None), 400, 0),         # whole prompts
+    (dict(scheduler="static", max_batch_size=4), 400, 0),
+    (dict(max_batch_size=6, max_num_batched_tokens=24), 70, 0),            # a full cache, one compaction
+    (dict(max_batch_size=4, max_num_batched_tokens=16, prefix_caching=True,
+          prefix_cache_block_size=4), 400, 21),                            # one system prompt, cached
 ])
-def test_the_simulator_makes_the_engines_batches(options, n_slots):
+def test_the_simulator_makes_the_engines_batches(options, n_slots, shared_prefix):
     # All requests queued at t=0 with one batch in flight: the engine's batches do not depend on
     # time, so the real Engine (fake model) and the simulator must select the same ones.
     from fake_model import FakeModel
@@ -291,19 +306,32 @@ def test_the_simulator_makes_the_engines_batches(options, n_slots):
     from orca_ext.sampling_params import SamplingParams
     from orca_ext.scheduler import make_scheduler
 
-    trace = synthetic(14, float("inf"), (1, 40), (1, 30), seed=8)
-    config = EngineConfig(**options)
+    from orca_ext.prefix_cache import PrefixCache
+
+    trace = synthetic(14, float("inf"), (1, 40), (1, 30), seed=8, shared_prefix=shared_prefix)
+    config = EngineConfig(**{"prefix_caching": False, **options})
     sim = simulate(trace, config, ConstantCost(), n_slots, device_type="cpu")
     resolved = dataclasses.replace(config, max_num_batched_tokens=None if config.scheduler == "static"
                                    else config.max_num_batched_tokens)
-    engine = Engine(LocalExecutor(FakeModel()), make_scheduler(resolved, n_slots), record_iterations=True)
+    cache = PrefixCache(n_slots, config.prefix_cache_block_size) if config.prefix_caching else None
+    engine = Engine(LocalExecutor(FakeModel()), make_scheduler(resolved, n_slots), record_iterations=True,
+                    prefix_cache=cache)
+    # The fake model's vocabulary is small: the same simulated id becomes the same random id, so
+    # the prompts share exactly what the simulated ones share (a chance match of a whole block of
+    # random ids aside, which this seed does not have).
+    rng, small = random.Random(0), {}
     for i, r in enumerate(trace):
-        engine.add_request(Request(str(i), [3] * r.prompt_len, SamplingParams(max_tokens=r.output_len, ignore_eos=True)))
+        ids = [small.setdefault(t, rng.randrange(1, 100)) for t in prompt_tokens(i, r)]
+        engine.add_request(Request(str(i), ids, SamplingParams(max_tokens=r.output_len, ignore_eos=True)))
     while engine.has_work():
         engine.step()
     assert [(tuple(map(int, rec.request_ids)), rec.chunk_sizes) for rec in engine.records] == \
         [(it.requests, it.chunk_sizes) for it in sim.iterations]
     assert sim.num_compactions == engine.num_compactions == (1 if n_slots == 70 else 0)
+    if shared_prefix:  # later requests take the system prompt's rows from the cache, in both
+        assert cache.stats.hit_tokens >= shared_prefix
+        computed = sum(it.prefill_tokens for it in sim.iterations)
+        assert computed == sum(r.prompt_len for r in trace) - cache.stats.hit_tokens
 
 
 def test_the_fit_workload_spans_one_to_sixteen_rows():

@@ -3,8 +3,9 @@
     simulate --model-shape gpt3-175b --hardware a100-40gb -tp 8 -pp 2 --requests 500 --rate 2
     simulate --trace t.jsonl --model-shape gpt3-13b --hardware h200 --plan --slo-latency 0.05
 
-The trace is a JSONL file (--trace; {"arrival", "prompt_len", "output_len"} per line) or a
-synthetic one (--requests, --rate, --burstiness, --prompt-len, --output-len, --seed). Model
+The trace is a JSONL file (--trace; {"arrival", "prompt_len", "output_len"} per line, optionally
+"prefix_id" and "prefix_len" for shared prompt prefixes) or a synthetic one (--requests, --rate,
+--burstiness, --prompt-len, --output-len, --seed, --shared-prefix). Model
 shapes and hardware are presets (orca_ext/sim/presets.py) or JSON files (a fit on this machine:
 bench/sim_calibrate.py). The engine options (--scheduler, --max-batch-size,
 --max-num-batched-tokens, -tp, -pp, --n-slots, ...) are the engine's own.
@@ -38,6 +39,8 @@ def build_parser() -> argparse.ArgumentParser:
     t.add_argument("--prompt-len", type=int, nargs=2, default=[32, 512], metavar=("LO", "HI"))
     t.add_argument("--output-len", type=int, nargs=2, default=[1, 512], metavar=("LO", "HI"))
     t.add_argument("--seed", type=int, default=0)
+    t.add_argument("--shared-prefix", type=int, default=0,
+                   help="tokens of one system prompt every synthetic prompt starts with (the prefix cache's case)")
     g = p.add_argument_group("plan")
     g.add_argument("--plan", action="store_true", help="search replicas x TP x PP x max_batch_size")
     g.add_argument("--slo-latency", type=float, default=None, help="median normalised latency, s/token")
@@ -57,7 +60,8 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     try:
         shape, hw = load_shape(args.model_shape), load_hardware(args.hardware)
         trace = (load_jsonl(args.trace) if args.trace else
-                 synthetic(args.requests, args.rate, args.prompt_len, args.output_len, args.seed, args.burstiness))
+                 synthetic(args.requests, args.rate, args.prompt_len, args.output_len, args.seed, args.burstiness,
+                           args.shared_prefix))
         config = EngineConfig.from_args(args)
     except (OSError, ValueError, TypeError) as exc:
         print(f"error: {exc}", file=sys.stderr)

@@ -1,7 +1,7 @@
 """The discrete-event serving loop: the engine's own scheduler on a virtual clock.
 
-The scheduler (`make_scheduler`: orca, static, fair; chunked prefill; slab compaction) and the
-request state machine (`Request`, `RequestState`) are the engine's, unchanged. This loop stands
+The scheduler (`make_scheduler`: orca, static, fair; chunked prefill; slab compaction; the prefix
+cache when `config.prefix_caching`, over the ids of trace.prompt_tokens) and the request state machine (`Request`, `RequestState`) are the engine's, unchanged. This loop stands
 in for Engine.step_one / step_with_batch_queue, whose clock is the wall clock: it launches a batch
 whenever fewer than n_workers are in flight and the scheduler selects one, otherwise it waits for
 the oldest batch in flight or the next arrival, whichever comes first, and postprocesses batches
@@ -11,7 +11,8 @@ from a cost model (cost.py), and each emitting row gets one placeholder token.
 Timing of a batch: it crosses the cost model's n_stages one after the other (stage_time of each,
 handoff_time between two), a stage taking the next batch once it has passed the previous one on;
 after its tokens return, the driver spends host_time on it before it selects again. A slab
-compaction (the scheduler's slab_mover) delays the launch by the time to copy the moved KV rows.
+compaction (the scheduler's slab_mover) and the prefix cache's row copies (its slab_copier)
+delay the next launch by the time to copy the KV rows they move.
 """
 from __future__ import annotations
 
@@ -24,11 +25,12 @@ from typing import Optional, Sequence
 import numpy as np
 
 from ..config import CHUNK_BUDGET_BY_DEVICE, EngineConfig
+from ..prefix_cache import PrefixCache
 from ..request import Request
 from ..sampling_params import SamplingParams
 from ..scheduler import make_scheduler
 from .cost import CostModel
-from .trace import TraceRequest
+from .trace import TraceRequest, prompt_tokens
 from .work import Work
 
 
@@ -108,13 +110,18 @@ def simulate(trace: Sequence[TraceRequest], config: EngineConfig, cost: CostMode
     (the engine's pipeline depth). Deterministic: the same inputs give the same result."""
     config = sim_config(config, device_type)
     sched = make_scheduler(config, n_slots, cost.n_stages)
-    moved = [0]  # KV bytes of the pending compaction
+    moved = [0]  # KV bytes of the pending compaction and prefix cache copies
 
     def slab_mover(moves) -> None:
         moved[0] += sum(req.num_cached for req, _, _ in moves) * kv_bytes_per_token
 
+    def slab_copier(rows) -> None:  # (src, dst, n) KV rows
+        moved[0] += sum(n for _, _, n in rows) * kv_bytes_per_token
+
     if config.slab_compaction:
         sched.slab_mover = slab_mover
+    if config.prefix_caching:
+        sched.attach_prefix_cache(PrefixCache(n_slots, config.prefix_cache_block_size), slab_copier)
     arrivals = sorted(range(len(trace)), key=lambda i: trace[i].arrival)
     for i in arrivals:
         if trace[i].prompt_len + trace[i].output_len > n_slots:
@@ -130,7 +137,7 @@ def simulate(trace: Sequence[TraceRequest], config: EngineConfig, cost: CostMode
         while nxt < len(arrivals) and trace[arrivals[nxt]].arrival <= now:
             i = arrivals[nxt]
             r = trace[i]
-            req = Request(str(i), [0] * r.prompt_len, SamplingParams(max_tokens=r.output_len, ignore_eos=True))
+            req = Request(str(i), prompt_tokens(i, r), SamplingParams(max_tokens=r.output_len, ignore_eos=True))
             sched.add(req)
             nxt += 1
         if len(inflight) < cost.n_stages:
