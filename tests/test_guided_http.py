@@ -11,12 +11,10 @@ import re
 import threading
 
 import httpx
-import openai
 import pytest
 from pydantic import BaseModel, Field
 
-from http_utils import ServerProcess
-from tool_models import make_tool_model
+from tool_models import WEATHER, tool_client, tool_server  # noqa: F401 (fixtures)
 
 N_PARSE = 8
 
@@ -27,31 +25,14 @@ class Person(BaseModel):
     member: bool
 
 
-WEATHER = {"type": "function", "function": {
-    "name": "get_weather", "description": "Weather forecast for a city",
-    "parameters": {"type": "object", "properties": {"city": {"type": "string", "maxLength": 12},
-                                                    "days": {"type": "integer", "minimum": 1, "maximum": 7}},
-                   "required": ["city", "days"], "additionalProperties": False}}}
 TIME = {"type": "function", "function": {
     "name": "get_time", "description": "Current time in a timezone",
     "parameters": {"type": "object", "properties": {"tz": {"type": "string", "enum": ["UTC", "CET"]}},
                    "required": ["tz"], "additionalProperties": False}}}
 
 
-@pytest.fixture(scope="module")
-def server(tmp_path_factory, tokenizer_dir):
-    model = make_tool_model(tmp_path_factory.mktemp("tool_model"), tokenizer_dir)
-    with ServerProcess("--model", str(model), "--n-slots", "4096") as sp:
-        yield sp
-
-
-@pytest.fixture(scope="module")
-def client(server):
-    return openai.OpenAI(base_url=server.url("/v1"), api_key="none", max_retries=0, timeout=300)
-
-
-def _model(client) -> str:
-    return client.models.list().data[0].id
+def _model(tool_client) -> str:
+    return tool_client.models.list().data[0].id
 
 
 def _check_weather(call) -> None:
@@ -64,10 +45,10 @@ def _check_weather(call) -> None:
 
 # -- structured outputs ----------------------------------------------------------------------------
 
-def test_parse_with_pydantic_gives_a_valid_object_every_time(client):
-    model = _model(client)
+def test_parse_with_pydantic_gives_a_valid_object_every_time(tool_client):
+    model = _model(tool_client)
     for i in range(N_PARSE):
-        done = client.chat.completions.parse(
+        done = tool_client.chat.completions.parse(
             model=model, messages=[{"role": "user", "content": f"Describe person number {i}."}],
             response_format=Person, max_tokens=200, temperature=1.0, seed=i)
         choice = done.choices[0]
@@ -76,19 +57,19 @@ def test_parse_with_pydantic_gives_a_valid_object_every_time(client):
         assert Person.model_validate_json(choice.message.content) == choice.message.parsed
 
 
-def test_choice_regex_and_json_object(client):
-    model = _model(client)
+def test_choice_regex_and_json_object(tool_client):
+    model = _model(tool_client)
     msgs = [{"role": "user", "content": "Pick one."}]
     for seed in range(3):
-        r = client.chat.completions.create(model=model, messages=msgs, max_tokens=20, temperature=1.0, seed=seed,
+        r = tool_client.chat.completions.create(model=model, messages=msgs, max_tokens=20, temperature=1.0, seed=seed,
                                            extra_body={"guided_choice": ["alpha", "beta (b)", "gamma?"]})
         assert r.choices[0].message.content in ("alpha", "beta (b)", "gamma?")
-        r = client.completions.create(model=model, prompt="Code:", max_tokens=20, temperature=1.0, seed=seed,
+        r = tool_client.completions.create(model=model, prompt="Code:", max_tokens=20, temperature=1.0, seed=seed,
                                       extra_body={"guided_regex": r"[A-F]{2}-[0-9]{3}"})
         assert re.fullmatch(r"[A-F]{2}-[0-9]{3}", r.choices[0].text), r.choices[0].text
     # json_object: a random model may fill an open object until max_tokens; what it wrote is
     # then a prefix of a JSON object, and the text starts one.
-    r = client.chat.completions.create(model=model, messages=msgs, max_tokens=30, seed=1,
+    r = tool_client.chat.completions.create(model=model, messages=msgs, max_tokens=30, seed=1,
                                        response_format={"type": "json_object"})
     text = r.choices[0].message.content
     assert text.startswith("{")
@@ -103,9 +84,9 @@ def _error(r: httpx.Response, param: str) -> str:
     return err["message"]
 
 
-def test_bad_and_oversize_constraints_are_400s_naming_the_problem(server, client):
-    model = _model(client)
-    url = server.url("/v1/chat/completions")
+def test_bad_and_oversize_constraints_are_400s_naming_the_problem(tool_server, tool_client):
+    model = _model(tool_client)
+    url = tool_server.url("/v1/chat/completions")
     base = {"model": model, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 4}
 
     def post(**extra):
@@ -139,9 +120,9 @@ def test_bad_and_oversize_constraints_are_400s_naming_the_problem(server, client
     assert "used twice" in _error(post(tools=[WEATHER, WEATHER]), "tools")
 
 
-def test_bad_schemas_do_not_stop_other_requests(server, client):
+def test_bad_schemas_do_not_stop_other_requests(tool_server, tool_client):
     """A client sending invalid schemas in a loop gets 400s while another's request completes."""
-    model = _model(client)
+    model = _model(tool_client)
     stop = threading.Event()
     started = threading.Event()
     codes: list[int] = []
@@ -153,7 +134,7 @@ def test_bad_schemas_do_not_stop_other_requests(server, client):
                     break
                 if len(codes) == 3:
                     started.set()
-                codes.append(h.post(server.url("/v1/chat/completions"), json={
+                codes.append(h.post(tool_server.url("/v1/chat/completions"), json={
                     "model": model, "messages": [{"role": "user", "content": "x"}],
                     "guided_json": {"type": "object", "properties": {f"p{k}": {"type": "nope"}}}}).status_code)
 
@@ -161,7 +142,7 @@ def test_bad_schemas_do_not_stop_other_requests(server, client):
     t.start()
     try:
         assert started.wait(120)
-        r = client.chat.completions.create(model=model, messages=[{"role": "user", "content": "Hello"}],
+        r = tool_client.chat.completions.create(model=model, messages=[{"role": "user", "content": "Hello"}],
                                            max_tokens=16, extra_body={"guided_choice": ["yes", "no"]})
         assert r.choices[0].message.content in ("yes", "no")
     finally:
@@ -173,12 +154,12 @@ def test_bad_schemas_do_not_stop_other_requests(server, client):
 
 # -- tool calling -----------------------------------------------------------------------------------
 
-def test_tool_round_trip(client):
+def test_tool_round_trip(tool_client):
     """call (forced by tool_choice) -> tool result -> final answer, with the tool rendered by the
     template each time."""
-    model = _model(client)
+    model = _model(tool_client)
     msgs = [{"role": "user", "content": "What is the weather in Paris for 3 days?"}]
-    first = client.chat.completions.create(model=model, messages=msgs, tools=[WEATHER, TIME],
+    first = tool_client.chat.completions.create(model=model, messages=msgs, tools=[WEATHER, TIME],
                                            tool_choice="required", parallel_tool_calls=False,
                                            max_tokens=120, temperature=1.0, seed=3)
     choice = first.choices[0]
@@ -192,21 +173,21 @@ def test_tool_round_trip(client):
         assert json.loads(call.function.arguments)["tz"] in ("UTC", "CET")
     msgs += [choice.message.model_dump(exclude_none=True),
              {"role": "tool", "tool_call_id": call.id, "content": json.dumps({"forecast": "sunny"})}]
-    final = client.chat.completions.create(model=model, messages=msgs, tools=[WEATHER, TIME], tool_choice="none",
+    final = tool_client.chat.completions.create(model=model, messages=msgs, tools=[WEATHER, TIME], tool_choice="none",
                                            max_tokens=12, seed=4)
     assert final.choices[0].message.tool_calls is None
     assert isinstance(final.choices[0].message.content, str)
     assert final.choices[0].finish_reason in ("stop", "length")
 
 
-def test_named_function_is_always_called_validly(client):
+def test_named_function_is_always_called_validly(tool_client):
     """One call (parallel_tool_calls false) or several: each names the function and its
     arguments follow its schema. (A random model may go on calling until max_tokens; the call cut
     short then has the arguments written so far.)"""
-    model = _model(client)
+    model = _model(tool_client)
     for seed in range(4):
         parallel = seed % 2 == 0
-        r = client.chat.completions.create(
+        r = tool_client.chat.completions.create(
             model=model, messages=[{"role": "user", "content": f"Forecast {seed}"}], tools=[TIME, WEATHER],
             tool_choice={"type": "function", "function": {"name": "get_weather"}}, parallel_tool_calls=parallel,
             max_tokens=150, temperature=1.0, seed=seed)
@@ -222,11 +203,11 @@ def test_named_function_is_always_called_validly(client):
         assert calls[-1].function.name == "get_weather"
 
 
-def test_auto_tool_choice_parses_only_well_formed_calls(client):
+def test_auto_tool_choice_parses_only_well_formed_calls(tool_client):
     """With tool_choice auto the model writes freely; whatever it wrote is either content or a
     well-formed call (a random model writes content)."""
-    model = _model(client)
-    r = client.chat.completions.create(model=model, messages=[{"role": "user", "content": "Hi"}], tools=[WEATHER],
+    model = _model(tool_client)
+    r = tool_client.chat.completions.create(model=model, messages=[{"role": "user", "content": "Hi"}], tools=[WEATHER],
                                        max_tokens=16, seed=2)
     msg = r.choices[0].message
     assert msg.tool_calls is None and isinstance(msg.content, str)

@@ -11,17 +11,10 @@ from __future__ import annotations
 import json
 
 import httpx
-import openai
 import pytest
 
-from http_utils import ServerProcess
-from tool_models import make_tool_model
+from tool_models import WEATHER, tool_client, tool_server  # noqa: F401 (fixtures)
 
-WEATHER = {"type": "function", "function": {
-    "name": "get_weather", "description": "Weather forecast for a city",
-    "parameters": {"type": "object", "properties": {"city": {"type": "string", "maxLength": 12},
-                                                    "days": {"type": "integer", "minimum": 1, "maximum": 7}},
-                   "required": ["city", "days"], "additionalProperties": False}}}
 NOTE = {"type": "function", "function": {
     "name": "save_note", "description": "Save a note",
     "parameters": {"type": "object", "properties": {"text": {"type": "string", "maxLength": 24},
@@ -31,20 +24,8 @@ NOTE = {"type": "function", "function": {
 
 
 @pytest.fixture(scope="module")
-def server(tmp_path_factory, tokenizer_dir):
-    model = make_tool_model(tmp_path_factory.mktemp("tool_model"), tokenizer_dir)
-    with ServerProcess("--model", str(model), "--n-slots", "4096") as sp:
-        yield sp
-
-
-@pytest.fixture(scope="module")
-def client(server):
-    return openai.OpenAI(base_url=server.url("/v1"), api_key="none", max_retries=0, timeout=300)
-
-
-@pytest.fixture(scope="module")
-def model(client) -> str:
-    return client.models.list().data[0].id
+def model(tool_client) -> str:
+    return tool_client.models.list().data[0].id
 
 
 def _accumulate(chunks) -> dict[int, dict]:
@@ -84,11 +65,11 @@ def _streamed(c: dict) -> list[tuple[str, str]]:
     ({"type": "function", "function": {"name": "save_note"}}, True),
     ({"type": "function", "function": {"name": "get_weather"}}, False),
 ])
-def test_stream_accumulates_to_the_whole_answer_per_choice(client, model, tool_choice, parallel):
+def test_stream_accumulates_to_the_whole_answer_per_choice(tool_client, model, tool_choice, parallel):
     kw = dict(model=model, messages=[{"role": "user", "content": "Weather, then a note."}], tools=[WEATHER, NOTE],
               tool_choice=tool_choice, parallel_tool_calls=parallel, n=3, max_tokens=120, temperature=1.0, seed=5)
-    whole = client.chat.completions.create(**kw)
-    streamed = _accumulate(client.chat.completions.create(stream=True, **kw))
+    whole = tool_client.chat.completions.create(**kw)
+    streamed = _accumulate(tool_client.chat.completions.create(stream=True, **kw))
     assert sorted(streamed) == [0, 1, 2]
     for choice in whole.choices:
         c = streamed[choice.index]
@@ -102,13 +83,13 @@ def test_stream_accumulates_to_the_whole_answer_per_choice(client, model, tool_c
             assert isinstance(json.loads(arguments), dict)
 
 
-def test_call_cut_short_by_max_tokens_keeps_the_arguments_so_far(client, model):
+def test_call_cut_short_by_max_tokens_keeps_the_arguments_so_far(tool_client, model):
     cut_in_arguments = 0
     for max_tokens in (16, 19, 22, 25):
         kw = dict(model=model, messages=[{"role": "user", "content": "Note this."}], tools=[NOTE],
                   tool_choice="required", max_tokens=max_tokens, temperature=1.0, seed=8)
-        whole = client.chat.completions.create(**kw).choices[0]
-        c = _accumulate(client.chat.completions.create(stream=True, **kw))[0]
+        whole = tool_client.chat.completions.create(**kw).choices[0]
+        c = _accumulate(tool_client.chat.completions.create(stream=True, **kw))[0]
         assert whole.finish_reason == c["finish_reason"] == "length"
         assert _streamed(c) == _whole(whole)
         if _whole(whole):   # past the header: the call with the arguments written so far
@@ -122,7 +103,7 @@ def test_call_cut_short_by_max_tokens_keeps_the_arguments_so_far(client, model):
     assert cut_in_arguments >= 2
 
 
-def test_text_before_the_call_streams_as_content(client, model):
+def test_text_before_the_call_streams_as_content(tool_client, model):
     """tool_choice auto, the output shaped by a regex: the prose streams as content, the markup
     never reaches the client, the call streams as deltas."""
     regex = (r'Let me check[a-z ]{0,6}\. <tool_call>\n\{"name": "get_weather", "arguments": '
@@ -130,19 +111,19 @@ def test_text_before_the_call_streams_as_content(client, model):
     for seed in range(3):
         kw = dict(model=model, messages=[{"role": "user", "content": "Weather?"}], tools=[WEATHER], max_tokens=80,
                   temperature=1.0, seed=seed, extra_body={"guided_regex": regex})
-        whole = client.chat.completions.create(**kw).choices[0]
-        c = _accumulate(client.chat.completions.create(stream=True, **kw))[0]
+        whole = tool_client.chat.completions.create(**kw).choices[0]
+        c = _accumulate(tool_client.chat.completions.create(stream=True, **kw))[0]
         assert whole.finish_reason == c["finish_reason"] == "tool_calls"
         assert whole.message.content.startswith("Let me check") and "<tool_call>" not in whole.message.content
         assert c["content"].strip() == whole.message.content
         assert _streamed(c) == _whole(whole) and _whole(whole)[0][0] == "get_weather"
 
 
-def test_raw_chunks_have_openais_shape(server, model):
+def test_raw_chunks_have_openais_shape(tool_server, model):
     body = {"model": model, "messages": [{"role": "user", "content": "Weather?"}], "tools": [WEATHER],
             "tool_choice": "required", "max_tokens": 60, "temperature": 1.0, "seed": 3, "stream": True}
     deltas = []
-    with httpx.stream("POST", server.url("/v1/chat/completions"), json=body, timeout=300) as r:
+    with httpx.stream("POST", tool_server.url("/v1/chat/completions"), json=body, timeout=300) as r:
         assert r.status_code == 200
         for line in r.iter_lines():
             if line.startswith("data: ") and line != "data: [DONE]":
@@ -163,13 +144,13 @@ def test_raw_chunks_have_openais_shape(server, model):
     assert opened and fragments > len(opened)
 
 
-def test_sdk_stream_helper_accumulates_the_same_calls(client, model):
+def test_sdk_stream_helper_accumulates_the_same_calls(tool_client, model):
     """The SDK's chat.completions.stream helper accumulates argument deltas itself."""
     kw = dict(model=model, messages=[{"role": "user", "content": "Weather?"}], tools=[WEATHER, NOTE],
               tool_choice="required", max_tokens=120, temperature=1.0, seed=21)
-    whole = client.chat.completions.create(**kw).choices[0]
+    whole = tool_client.chat.completions.create(**kw).choices[0]
     argument_events = 0
-    with client.chat.completions.stream(**kw) as stream:
+    with tool_client.chat.completions.stream(**kw) as stream:
         for ev in stream:
             argument_events += ev.type == "tool_calls.function.arguments.delta"
         final = stream.get_final_completion().choices[0]

@@ -8,6 +8,11 @@ from __future__ import annotations
 
 from pathlib import Path
 
+import openai
+import pytest
+
+from http_utils import ServerProcess
+
 QWEN_TOOLS_TEMPLATE = r"""{%- if tools %}
 {{- '<|im_start|>system\n' }}
 {%- if messages[0]['role'] == 'system' %}{{- messages[0]['content'] + '\n\n' }}{%- endif %}
@@ -47,3 +52,24 @@ def make_tool_model(directory: str | Path, tokenizer_dir: str | Path) -> Path:
     path = make_tiny_model(directory, "qwen3", tokenizer_dir=tokenizer_dir)
     (Path(path) / "chat_template.jinja").write_text(QWEN_TOOLS_TEMPLATE)
     return Path(path)
+
+
+WEATHER = {"type": "function", "function": {
+    "name": "get_weather", "description": "Weather forecast for a city",
+    "parameters": {"type": "object", "properties": {"city": {"type": "string", "maxLength": 12},
+                                                    "days": {"type": "integer", "minimum": 1, "maximum": 7}},
+                   "required": ["city", "days"], "additionalProperties": False}}}
+
+
+@pytest.fixture(scope="module")
+def tool_server(tmp_path_factory, tokenizer_dir):
+    """`python -m orca_ext serve` on the tool model, for one test module (import the fixture)."""
+    model = make_tool_model(tmp_path_factory.mktemp("tool_model"), tokenizer_dir)
+    with ServerProcess("--model", str(model), "--n-slots", "4096") as sp:
+        yield sp
+
+
+@pytest.fixture(scope="module")
+def tool_client(tool_server):
+    """The openai client of tool_server."""
+    return openai.OpenAI(base_url=tool_server.url("/v1"), api_key="none", max_retries=0, timeout=300)
