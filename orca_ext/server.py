@@ -34,11 +34,17 @@ from .sampling import SamplingParams
 from .prefix_cache import PrefixCache
 from .scheduler import make_scheduler
 from .executor_factory import is_model_object, make_executor
+from .kernel_thread import KernelThread
 from .validation import LockedTokenizer, Prompt, RequestValidator
 
 log = logging.getLogger(__name__)
 
 SHUTDOWN_WAIT_S = 30.0           # how long shutdown() lets parallel workers finish the running step
+
+
+def _now(fn):
+    """fn() on the calling thread (KernelThread.call's signature)."""
+    return fn()
 
 
 def _engine_config(config: Optional[EngineConfig], options: dict) -> EngineConfig:
@@ -87,7 +93,15 @@ class Server:
         modes.update(batch_invariant=config.batch_invariant,
                      int8_quant_activations=config.quant_activations == "int8")
 
-        started = make_executor(model, config, tokenizer)
+        # One thread loads, sizes the cache and runs the loop (kernel_thread.py says why). Parallel
+        # workers run the kernels in their own processes: their start-up stays on this thread.
+        kernels = KernelThread("orca-engine-loop")
+        on_kernels = kernels.call if config.tensor_parallel_size * config.pipeline_parallel_size == 1 else _now
+        try:
+            started = on_kernels(lambda: make_executor(model, config, tokenizer))
+        except BaseException:
+            kernels.stop()
+            raise
         executor, spec, tokenizer = started.executor, started.spec, started.tokenizer
         try:
             self._plan_kv(executor, spec)
@@ -95,12 +109,14 @@ class Server:
             self._outputs = OutputBroker(lock, config.max_undelivered_outputs)
             prefix_cache = (PrefixCache(self.n_slots, config.prefix_cache_block_size)
                             if config.prefix_caching else None)
-            self._engine = Engine(executor, make_scheduler(config, self.n_slots, executor.n_workers),
-                                  record_iterations=config.record_iterations,
-                                  slab_compaction=config.slab_compaction, lock=lock,
-                                  publish=self._outputs.publish, prefix_cache=prefix_cache)
+            scheduler = make_scheduler(config, self.n_slots, executor.n_workers)
+            self._engine = on_kernels(lambda: Engine(  # allocates the KV cache
+                executor, scheduler, record_iterations=config.record_iterations,
+                slab_compaction=config.slab_compaction, lock=lock, publish=self._outputs.publish,
+                prefix_cache=prefix_cache))
         except BaseException:
             executor.shutdown()
+            kernels.stop()
             raise
         self._lock = lock
         self.model_path = started.model_path
@@ -117,8 +133,8 @@ class Server:
         self._validator = RequestValidator(self.prompt_encoder, self.vocab_size, self.max_model_len, self.n_slots)
         self._closed = False
         self._busy_seconds = 0.0
-        self._thread = threading.Thread(target=self._loop, name="orca-engine-loop", daemon=True)
-        self._thread.start()
+        self._thread = kernels.thread
+        kernels.run_forever(self._loop)
 
     def _plan_kv(self, executor, spec) -> None:
         """n_slots and max_model_len: the config's, else from the KV budget (each worker's own,

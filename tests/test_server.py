@@ -543,3 +543,40 @@ def test_model_folder_without_tokenizer_serves_token_ids(tiny_model_dir, tmp_pat
         assert len(out.token_ids) == 3 and out.text == ""
         with pytest.raises(InvalidRequestError, match="tokenizer"):
             server.submit("text")
+
+
+def test_one_thread_loads_allocates_and_runs_the_model():
+    """The kernels' OpenMP pools are per calling thread: the model's load, its KV allocation and
+    every forward run on the Server's loop thread, not on the thread that built the Server."""
+    seen = {}
+
+    class Recording(FakeModel):
+        def allocate_kv_cache(self, n_slots):
+            seen.setdefault("allocate", threading.current_thread())
+            return super().allocate_kv_cache(n_slots)
+
+        def forward(self, batch):
+            seen.setdefault("forward", threading.current_thread())
+            return super().forward(batch)
+
+    with Server(Recording(), n_slots=64) as server:
+        server.generate([[1, 2, 3]], SamplingParams(max_tokens=3, ignore_eos=True))
+        assert seen["allocate"] is server._thread and seen["forward"] is server._thread
+        assert server._thread is not threading.current_thread()
+
+
+def test_a_failed_start_leaves_no_loop_thread():
+    def loops() -> int:
+        return sum(t.name == "orca-engine-loop" for t in threading.enumerate())
+
+    class NoMemory(FakeModel):
+        def allocate_kv_cache(self, n_slots):
+            raise MemoryError("no room for the KV cache")
+
+    before = loops()
+    with pytest.raises(MemoryError, match="no room"):
+        Server(NoMemory(), n_slots=64)
+    deadline = time.monotonic() + 10
+    while loops() > before and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert loops() == before
