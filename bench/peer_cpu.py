@@ -90,8 +90,16 @@ def gguf_weight_bytes(path: Path) -> float:
 
 # -- machine --------------------------------------------------------------------------------------
 def read_bandwidth_gbs(mib: int = 512, reps: int = 5) -> float:
-    """Streaming-read ceiling of this process: the best of `reps` reads of a `mib` MiB buffer, in
-    huge pages where the platform allows (as the engine's CPU weights are)."""
+    """Streaming-read ceiling of this process, measured on a short-lived thread: OpenMP keeps a
+    worker pool per thread that runs parallel regions, and a second live pool beside the Server's
+    loop thread makes its kernels' workers sleep between regions (orca_ext/kernel_thread.py)."""
+    with concurrent.futures.ThreadPoolExecutor(max_workers=1) as pool:
+        return pool.submit(_read_bandwidth_gbs, mib, reps).result()
+
+
+def _read_bandwidth_gbs(mib: int, reps: int) -> float:
+    """The best of `reps` reads of a `mib` MiB buffer, in huge pages where the platform allows (as
+    the engine's CPU weights are)."""
     from orca_ext import _C
     from orca_ext.models import huge_pages
 
