@@ -18,6 +18,7 @@ logits and an error, so only its request fails.
 from __future__ import annotations
 
 import itertools
+import threading
 from collections import OrderedDict
 from typing import Optional, Sequence
 
@@ -58,22 +59,26 @@ def _flat(rows: Sequence[int], lists: Sequence[Sequence[int]], vocab: int, devic
 
 # The [n, 2] tensor of a logit_bias map, kept for the maps of the rows of recent steps: a request
 # reads the same map every step. Keyed by the map's id, with the map itself kept alive beside its
-# tensor, so an id is never reused while its entry stays.
+# tensor, so an id is never reused while its entry stays. Samplers of several servers (or a
+# driver's listener thread) may share it: the lock keeps lookup, reordering and eviction whole.
 _BIAS_PAIRS: "OrderedDict[int, tuple[tuple, torch.Tensor]]" = OrderedDict()
+_BIAS_PAIRS_LOCK = threading.Lock()
 BIAS_PAIRS_KEPT = 256
 
 
 def _bias_pairs(bias: tuple) -> torch.Tensor:
     """bias ((id, value), ...) -> [n, 2] float64 tensor, converted once per map."""
     key = id(bias)
-    entry = _BIAS_PAIRS.get(key)
-    if entry is not None and entry[0] is bias:
-        _BIAS_PAIRS.move_to_end(key)
-        return entry[1]
+    with _BIAS_PAIRS_LOCK:
+        entry = _BIAS_PAIRS.get(key)
+        if entry is not None and entry[0] is bias:
+            _BIAS_PAIRS.move_to_end(key)
+            return entry[1]
     pairs = torch.tensor(bias, dtype=torch.float64).view(-1, 2)
-    _BIAS_PAIRS[key] = (bias, pairs)
-    if len(_BIAS_PAIRS) > BIAS_PAIRS_KEPT:
-        _BIAS_PAIRS.popitem(last=False)
+    with _BIAS_PAIRS_LOCK:
+        _BIAS_PAIRS[key] = (bias, pairs)
+        if len(_BIAS_PAIRS) > BIAS_PAIRS_KEPT:
+            _BIAS_PAIRS.popitem(last=False)
     return pairs
 
 
