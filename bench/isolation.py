@@ -56,6 +56,7 @@ requests are sent back to back):
   logits_controls_max  accepted: the largest logit_bias map allowed (1,024 ids), every penalty
                      on, top logprobs 5, temperature 1: the most work the batched sampler's logits
                      controls and logprobs do for one row
+  logprobs_top5 / logit_bias_max / penalties_max  the three parts of logits_controls_max alone
 
 kv_hog and long_prompt_hog are legal requests from one client: what stops them is the server's admission
 policy (`--admission fair`, `--max-kv-per-client`), not a limit. Run them under both policies:
@@ -106,6 +107,8 @@ log = logging.getLogger("bench.isolation")
 
 VICTIM_PROMPT = "Write a short story about a lighthouse keeper who finds a message in a bottle."
 VICTIM_TOKENS = 16
+# Every penalty on, at values that change the logits of every token seen (logits_controls_max).
+MAX_PENALTIES = {"presence_penalty": 2.0, "frequency_penalty": -2.0, "repetition_penalty": 1.3, "min_tokens": 16}
 ATTACKER_ADDRESS = "127.0.0.2"  # a second loopback address: a different client to the server
 HOLDING_ADDRESSES = [f"127.0.0.{2 + i}" for i in range(8)]  # connection_holding's clients (.2 - .9)
 HUGE_LENGTH = 1_000_000_000  # a declared Content-Length no body will ever fill
@@ -439,6 +442,7 @@ def attacks(model: str, port: int, n_slots: int = 0, long_prompt_words: int = 12
     def base_url(url: str) -> str:
         return url.rsplit("/v1/", 1)[0]
 
+    max_bias = {str(i * 47 % 49152): (i % 201) - 100.0 for i in range(1024)}  # the most entries allowed
     return {
         "benign_client": lambda c, u, s: _accepted_loop(c, u, _body(model, temperature=1.0), s),
         "one_token_client": lambda c, u, s: _accepted_loop(c, u, _body(model, max_tokens=1), s),
@@ -462,9 +466,11 @@ def attacks(model: str, port: int, n_slots: int = 0, long_prompt_words: int = 12
         "schema_worst_case": lambda c, u, s: _fresh_loop(
             c, u, lambda k: _body(model, ignore_eos=False, guided_json=_worst_schema(k)), s),
         "logits_controls_max": lambda c, u, s: _accepted_loop(c, u, _body(
-            model, temperature=1.0, logprobs=5, presence_penalty=2.0, frequency_penalty=-2.0,
-            repetition_penalty=1.3, min_tokens=16, logit_bias={str(i * 47 % 49152): (i % 201) - 100.0
-                                                               for i in range(1024)}), s),
+            model, temperature=1.0, logprobs=5, **MAX_PENALTIES, logit_bias=max_bias), s),
+        # logits_controls_max's three parts alone, to tell which one costs the others
+        "logprobs_top5": lambda c, u, s: _accepted_loop(c, u, _body(model, temperature=1.0, logprobs=5), s),
+        "logit_bias_max": lambda c, u, s: _accepted_loop(c, u, _body(model, temperature=1.0, logit_bias=max_bias), s),
+        "penalties_max": lambda c, u, s: _accepted_loop(c, u, _body(model, temperature=1.0, **MAX_PENALTIES), s),
         "schema_invalid": lambda c, u, s: _fresh_loop(
             c, u, lambda k: _body(model, guided_json={"type": "object", "properties": {
                 f"p{k}": {"type": "string", "pattern": "(" * 200}}}), s),

@@ -28,7 +28,7 @@ import torch
 def apply_controls(logits: torch.Tensor, requests: Sequence, errors: list[Optional[str]]) -> torch.Tensor:
     """logits [B, V] float32 -> a copy with each controlled row's controls applied. `errors[i]`
     is set for a row whose controls failed."""
-    rows = [i for i, r in enumerate(requests) if r.params.controls_logits and getattr(r, "emits_token", True)]
+    rows = [i for i, r in enumerate(requests) if r.params.controls_logits and r.emits_token]
     if not rows:
         return logits
     out = logits.clone()

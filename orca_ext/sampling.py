@@ -138,7 +138,7 @@ class Sampler:
         finite = [math.isfinite(m) for m in maxima]
         sampled: list[int] = []
         for i, req in enumerate(requests):
-            if not getattr(req, "emits_token", True):
+            if not req.emits_token:
                 # A prompt chunk that is not the last: no token, and no draw from its generator,
                 # so a seeded request samples the same stream however its prompt was split.
                 # (Parallel workers' rows carry the same flag, SamplingRow.emits_token.)

@@ -79,16 +79,21 @@ class DriverRows:
                 result.tokens[i] = None
                 result.errors[i] = f"sampling failed: {type(exc).__name__}: {exc}"
             return result
-        n = len(result.tokens)
         for j, i in enumerate(self.indices):
             result.tokens[i] = mine.tokens[j]
             result.errors[i] = mine.errors[j]
-            if mine.logprobs is not None and mine.logprobs[j] is not None:
-                if result.logprobs is None:
-                    result.logprobs = [None] * n
-                result.logprobs[i] = mine.logprobs[j]
-            if mine.prompt_logprobs is not None and mine.prompt_logprobs[j] is not None:
-                if result.prompt_logprobs is None:
-                    result.prompt_logprobs = [None] * n
-                result.prompt_logprobs[i] = mine.prompt_logprobs[j]
+        result.logprobs = _scatter(result.logprobs, mine.logprobs, self.indices, len(result.tokens))
+        result.prompt_logprobs = _scatter(result.prompt_logprobs, mine.prompt_logprobs, self.indices,
+                                          len(result.tokens))
         return result
+
+
+def _scatter(into: Optional[list], mine: Optional[list], indices: list[int], n: int) -> Optional[list]:
+    """`into` (a batch's per-row entries, or None for none) with mine[j] placed at row indices[j]
+    where mine has one; the list is made when the first entry arrives."""
+    for j, i in enumerate(indices):
+        if mine is not None and mine[j] is not None:
+            if into is None:
+                into = [None] * n
+            into[i] = mine[j]
+    return into
