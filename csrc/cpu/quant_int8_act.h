@@ -156,13 +156,17 @@ inline void int8_act_tile(const Int8Rows& a, const uint8_t* w, int64_t row_bytes
     int8_act_tile_32<kVnni, F, R, M>(a, w, row_bytes, k, n_out, n0, stride, t0, out);
 }
 
-// Rows [n0, n0 + R) against every token: tiles of 4 tokens, then the remainder.
-template <bool kVnni, int F, int R>
+// Rows [n0, n0 + R) against every token: tiles of MT tokens, then the remainder.
+template <bool kVnni, int F, int R, int MT = 4>
 inline void int8_act_rows_all_tokens(const Int8Rows& a, const uint8_t* w, int64_t row_bytes,
                                      int64_t n_tokens, int64_t k, int64_t n_out, int64_t n0, float* out) {
   int64_t t = 0;
-  for (; t + 4 <= n_tokens; t += 4) int8_act_tile<kVnni, F, R, 4>(a, w, row_bytes, k, n_out, n0, 1, t, out);
+  for (; t + MT <= n_tokens; t += MT) int8_act_tile<kVnni, F, R, MT>(a, w, row_bytes, k, n_out, n0, 1, t, out);
   switch (n_tokens - t) {
+    case 7: if constexpr (MT > 7) int8_act_tile<kVnni, F, R, 7>(a, w, row_bytes, k, n_out, n0, 1, t, out); break;
+    case 6: if constexpr (MT > 6) int8_act_tile<kVnni, F, R, 6>(a, w, row_bytes, k, n_out, n0, 1, t, out); break;
+    case 5: if constexpr (MT > 5) int8_act_tile<kVnni, F, R, 5>(a, w, row_bytes, k, n_out, n0, 1, t, out); break;
+    case 4: if constexpr (MT > 4) int8_act_tile<kVnni, F, R, 4>(a, w, row_bytes, k, n_out, n0, 1, t, out); break;
     case 3: int8_act_tile<kVnni, F, R, 3>(a, w, row_bytes, k, n_out, n0, 1, t, out); break;
     case 2: int8_act_tile<kVnni, F, R, 2>(a, w, row_bytes, k, n_out, n0, 1, t, out); break;
     case 1: int8_act_tile<kVnni, F, R, 1>(a, w, row_bytes, k, n_out, n0, 1, t, out); break;
@@ -175,7 +179,7 @@ inline void int8_act_rows_all_tokens(const Int8Rows& a, const uint8_t* w, int64_
 // streams (the hardware prefetchers follow those better than one; skinny_gemm.cpp measured the
 // same for the float kernels). More tokens take panels of rows small enough to stay in L2 while
 // every token tile passes over them (each weight byte read from memory once), 2 rows x 4 tokens
-// at a time.
+// at a time (the 256-element formats: 1 row x 8 tokens).
 template <bool kVnni, int F>
 inline void int8_act_rows(const Int8Rows& a, const uint8_t* w, int64_t row_bytes, int64_t n_tokens,
                           int64_t k, int64_t n_out, int64_t n0, int64_t n1, float* out) {
@@ -186,11 +190,16 @@ inline void int8_act_rows(const Int8Rows& a, const uint8_t* w, int64_t row_bytes
     return;
   }
   const int64_t panel = std::max<int64_t>(2, ((int64_t{64} << 10) / row_bytes) & ~int64_t{1});
+  // The 256-element formats take 1 row x 8 tokens: a row's super-block is unpacked (scales,
+  // nibbles) once for 8 tokens, which outweighs sharing the activation loads between 2 rows.
+  constexpr bool kSuperFormat = F == kQuantTypeQ4_K || F == kQuantTypeQ6_K;
   for (int64_t p0 = n0; p0 < n1; p0 += panel) {
     const int64_t p1 = std::min(n1, p0 + panel);
     int64_t n = p0;
-    for (; n + 2 <= p1; n += 2) int8_act_rows_all_tokens<kVnni, F, 2>(a, w, row_bytes, n_tokens, k, n_out, n, out);
-    for (; n < p1; ++n) int8_act_rows_all_tokens<kVnni, F, 1>(a, w, row_bytes, n_tokens, k, n_out, n, out);
+    if constexpr (!kSuperFormat)
+      for (; n + 2 <= p1; n += 2) int8_act_rows_all_tokens<kVnni, F, 2>(a, w, row_bytes, n_tokens, k, n_out, n, out);
+    for (; n < p1; ++n)
+      int8_act_rows_all_tokens<kVnni, F, 1, kSuperFormat ? 8 : 4>(a, w, row_bytes, n_tokens, k, n_out, n, out);
   }
 }
 

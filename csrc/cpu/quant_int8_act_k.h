@@ -88,6 +88,21 @@ inline __m256i dot_scaled(__m256i acc, __m256i u, const int8_t* s, __m256i scale
   }
 }
 
+// Integer dependency chains per token and super-block: fewer than 4 tokens leave too few
+// independent vpdpwssd chains to hide its latency, so their sub-blocks alternate between two
+// chains, added (exactly) at the end.
+template <int M>
+constexpr int kChains = M < 4 ? 2 : 1;
+
+template <int M>
+inline __m256i chain_sum(const __m256i (&isum)[kChains<M>][M], int m) {
+  if constexpr (kChains<M> == 2) {
+    return _mm256_add_epi32(isum[0][m], isum[1][m]);
+  } else {
+    return isum[0][m];
+  }
+}
+
 // Byte-shuffle controls that broadcast int16 lane j of a 128-bit half to all 8 lanes.
 alignas(32) constexpr int8_t kBroadcast16[8][32] = {
 #define ORCA_B16(j) {2 * j, 2 * j + 1, 2 * j, 2 * j + 1, 2 * j, 2 * j + 1, 2 * j, 2 * j + 1, \
@@ -141,8 +156,9 @@ inline void q4k_int8_tile(const Int8Rows& a, const uint8_t* w, int64_t row_bytes
       const __m128i scmn = q4k_scales_mins(blk + 4);
       const __m256i sc16 = _mm256_broadcastsi128_si256(_mm_cvtepu8_epi16(scmn));  // sc_j in int16 lane j, both halves
       const __m256i mn_pairs = _mm256_cvtepu8_epi16(_mm_unpackhi_epi8(scmn, scmn));  // lanes 2j, 2j+1: mn_j
-      __m256i isum[2][M];  // two dependency chains per token (even, odd sub-blocks), added exactly at the end
-      for (int m = 0; m < M; ++m) isum[0][m] = isum[1][m] = _mm256_setzero_si256();
+      __m256i isum[kChains<M>][M];
+      for (int c = 0; c < kChains<M>; ++c)
+        for (int m = 0; m < M; ++m) isum[c][m] = _mm256_setzero_si256();
       const uint8_t* qs = blk + 16;
       for (int p = 0; p < 4; ++p) {  // sub-blocks 2p (low nibbles) and 2p + 1 (high) share qs[32p ..]
         const __m256i qv = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(qs + 32 * p));
@@ -152,7 +168,7 @@ inline void q4k_int8_tile(const Int8Rows& a, const uint8_t* w, int64_t row_bytes
         for (int m = 0; m < M; ++m) {
           const int8_t* x = a.q + (t0 + m) * k + b * kSuperBlock + 64 * p;
           isum[0][m] = dot_scaled<kVnni>(isum[0][m], lo, x, s0);
-          isum[1][m] = dot_scaled<kVnni>(isum[1][m], hi, x + 32, s1);
+          isum[kChains<M> - 1][m] = dot_scaled<kVnni>(isum[kChains<M> - 1][m], hi, x + 32, s1);
         }
       }
       const float d = half_to_float(blk), dmin = half_to_float(blk + 2);
@@ -161,7 +177,7 @@ inline void q4k_int8_tile(const Int8Rows& a, const uint8_t* w, int64_t row_bytes
         const __m256i bs = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(a.bsums + 16 * xb));
         const __m256i msum = _mm256_madd_epi16(mn_pairs, bs);  // lane j: mn_j * (bsum_2j + bsum_2j+1)
         const float xd = a.d[xb];
-        const __m256i isum_m = _mm256_add_epi32(isum[0][m], isum[1][m]);
+        const __m256i isum_m = chain_sum<M>(isum, m);
         acc[r][m] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(isum_m), _mm256_set1_ps(d * xd), acc[r][m]);
         acc[r][m] = _mm256_fnmadd_ps(_mm256_cvtepi32_ps(msum), _mm256_set1_ps(dmin * xd), acc[r][m]);
       }
@@ -191,12 +207,12 @@ inline void q6k_int8_tile(const Int8Rows& a, const uint8_t* w, int64_t row_bytes
       const uint8_t* blk = w + (n0 + r * stride) * row_bytes + b * 210;
       const __m128i sc8 = _mm_loadu_si128(reinterpret_cast<const __m128i*>(blk + 192));
       const __m256i sc16 = _mm256_cvtepi8_epi16(sc8);  // sc_j in int16 lane j
-      __m256i isum[2][M];  // two dependency chains per token (even, odd chunks), added exactly at the end
+      __m256i isum[kChains<M>][M];
       for (int m = 0; m < M; ++m) {  // -32 * sum_j sc_j * bsum_j: q6 - 32 without a signed weight
         const __m256i bs =
             _mm256_loadu_si256(reinterpret_cast<const __m256i*>(a.bsums + 16 * ((t0 + m) * n_super + b)));
         isum[0][m] = _mm256_sub_epi32(_mm256_setzero_si256(), _mm256_slli_epi32(_mm256_madd_epi16(sc16, bs), 5));
-        isum[1][m] = _mm256_setzero_si256();
+        if constexpr (kChains<M> == 2) isum[1][m] = _mm256_setzero_si256();
       }
       for (int h = 0; h < 2; ++h) {
         const uint8_t* ql = blk + 64 * h;
@@ -215,13 +231,14 @@ inline void q6k_int8_tile(const Int8Rows& a, const uint8_t* w, int64_t row_bytes
         for (int c = 0; c < 4; ++c) {
           const __m256i s = _mm256_shuffle_epi8(sch, load_control(kPairBroadcast16[c]));
           for (int m = 0; m < M; ++m)
-            isum[c & 1][m] = dot_scaled<kVnni>(isum[c & 1][m], q6[c], a.q + (t0 + m) * k + b * kSuperBlock + 128 * h + 32 * c, s);
+            isum[c % kChains<M>][m] = dot_scaled<kVnni>(isum[c % kChains<M>][m], q6[c],
+                                                        a.q + (t0 + m) * k + b * kSuperBlock + 128 * h + 32 * c, s);
         }
       }
       const float d = half_to_float(blk + 208);
       for (int m = 0; m < M; ++m) {
         const float xd = a.d[(t0 + m) * n_super + b];
-        const __m256i isum_m = _mm256_add_epi32(isum[0][m], isum[1][m]);
+        const __m256i isum_m = chain_sum<M>(isum, m);
         acc[r][m] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(isum_m), _mm256_set1_ps(d * xd), acc[r][m]);
       }
     }
