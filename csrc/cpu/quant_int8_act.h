@@ -100,7 +100,7 @@ constexpr int64_t int8_block_bytes() {
 // the R * M accumulators are independent, so each output's sum is the same whatever the tile.
 template <bool kVnni, int F, int R, int M>
 inline void int8_act_tile_32(const Int8Rows& a, const uint8_t* w, int64_t row_bytes, int64_t k, int64_t n_out,
-                          int64_t n0, int64_t stride, int64_t t0, float* out) {
+                             int64_t n0, int64_t stride, int64_t t0, float* out) {
   constexpr int64_t kBytes = int8_block_bytes<F>();
   const int64_t n_blocks = k / 32;
   __m256 acc[R][M];
