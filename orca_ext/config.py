@@ -68,7 +68,7 @@ class EngineConfig:
     prefix_caching: bool = True                         # reuse finished requests' KV for shared prompt prefixes
     prefix_cache_block_size: int = DEFAULT_BLOCK_SIZE   # tokens per key of the prefix index
     quantization: str = "auto"                          # GGUF weights: 'auto' (blocks as stored) | 'none' (dequantize)
-    quant_activations: str = "float32"                  # CPU products of Q8_0/Q4_0/Q4_1: 'float32' | 'int8'
+    quant_activations: str = "float32"                  # CPU products of GGUF blocks: 'float32' | 'int8'
 
     def __post_init__(self) -> None:
         for name in ("max_batch_size", "max_undelivered_outputs", "tensor_parallel_size",

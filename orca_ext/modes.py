@@ -6,9 +6,10 @@ and read by the ops and the model's forward, instead of flags threaded through e
     fused_rope_on_cpu    CPU layers without a q/k norm run rope and the KV write as one kernel
                          (bit-identical to the two steps; benchmarks compare the two)
     huge_pages           CPU weights and KV pools live in transparent huge pages (Linux)
-    int8_quant_activations  CPU products of Q8_0/Q4_0/Q4_1 weights quantize each activation row
-                         per 32-block to int8 and take integer dot products, as llama.cpp does
-                         (docs/DESIGN.md section 4); other formats and CUDA are unaffected
+    int8_quant_activations  CPU products of quantized weights (Q8_0/Q4_0/Q4_1/Q4_K/Q6_K) quantize
+                         each activation row to int8 (per 32-block; Q4_K/Q6_K per 256-block)
+                         and take integer dot products, as llama.cpp does (docs/DESIGN.md
+                         section 4); CUDA is unaffected
 
 `set_modes` replaces the process's modes; `using(**changes)` overrides some of them for a block
 (benchmarks and tests that compare both settings in one process) and restores them after.

@@ -11,9 +11,8 @@
 //    copies (>= 96 MiB) that weights come from memory, and prints GB/s of weight bytes read next
 //    to the streaming-read ceiling (arguments at main() narrow the T and the layers).
 // 3. Side by side, the int8-activation design (quant_kernels.h: quant_linear with QuantActivations::kInt8) for
-//    Q8_0, Q4_0 and Q4_1: validated against a bound on its activation rounding, timed as "-int8act".
-//    It has no token tiling (every token re-reads the activations per weight row), so its large-T
-//    numbers understate what a tiled version would reach.
+//    every format that has it (activations per 32-block for Q8_0, Q4_0, Q4_1, per 256-block for
+//    Q4_K, Q6_K): validated against a bound on its activation rounding, timed as "-int8act".
 #include <omp.h>
 
 #include <algorithm>
@@ -163,7 +162,7 @@ void int8_linear(const float* x, const uint8_t* w, int type, float* out, int64_t
 
 // The int8-activation design: each activation moves by at most half its block's step
 // (amax / 127 / 2) when rounded to int8, so |error| <= sum over blocks of amax_b / 254 * sum |w| in
-// the block, plus float32 accumulation.
+// the block, plus float32 accumulation. The block is the format's: 32 or 256 elements.
 bool check_int8_activations(const QuantFormat& f, int64_t Tn, int64_t K, int64_t N, uint64_t seed) {
   bench::Rng rng(seed);
   const bench::Vec<uint8_t> w = random_qweight(f, N, K, rng);
@@ -177,9 +176,10 @@ bool check_int8_activations(const QuantFormat& f, int64_t Tn, int64_t K, int64_t
   for (int64_t t = 0; t < Tn; ++t)
     for (int64_t n = 0; n < N; ++n) {
       double ref = 0.0, mass = 0.0, bound = 0.0;
-      for (int64_t b = 0; b < K / 32; ++b) {
+      const int64_t blk = f.block_elems;
+      for (int64_t b = 0; b < K / blk; ++b) {
         double amax = 0.0, wabs = 0.0;
-        for (int64_t i = 32 * b; i < 32 * b + 32; ++i) {
+        for (int64_t i = blk * b; i < blk * b + blk; ++i) {
           const double xv = x[t * K + i], wv = wd[static_cast<size_t>(n * K + i)];
           ref += xv * wv;
           mass += std::fabs(xv * wv);

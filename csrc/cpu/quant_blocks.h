@@ -6,9 +6,10 @@
 //   static constexpr int kRows;        activation rows per block when there are many tokens
 //   Acc zero();  X load_x(const float*);  W load_w(const float*);  Acc dot(Acc, X, W);  float hsum(Acc);
 //
-// Per 32-element chunk, each of the block's weight rows is dequantized (quant_formats.h) into a
-// 32-float buffer that stays in L1 (and mostly in registers), then every activation row of the
-// block consumes it kStep elements at a time. Each output's accumulator takes its k range in
+// Per unit (kDequantUnit: 32 elements; a whole 256-element super-block of Q4_K, so that its d
+// and packed scales are decoded once), each of the block's weight rows is dequantized (quant_formats.h)
+// into a float buffer that stays in L1, then every activation row of the block consumes it kStep
+// elements at a time. Each output's accumulator takes its k range in
 // kStep steps from k = 0 upwards, then one hsum, whatever the block shape: the blocking (chosen
 // from T) never changes a result.
 //
@@ -26,22 +27,23 @@ namespace cpu {
 namespace detail {
 namespace {
 
-// c[m * ldc + j] = dot(x row m, dequantized w[j]) for m < MB, j < NB; K = 32 * n_chunks.
+// c[m * ldc + j] = dot(x row m, dequantized w[j]) for m < MB, j < NB; K = kDequantUnit<F> * n_units.
 template <class Ops, int F, int MB, int NB>
-inline void quant_dot_block(const float* __restrict x, int64_t ldx, const uint8_t* const* w, int64_t n_chunks,
+inline void quant_dot_block(const float* __restrict x, int64_t ldx, const uint8_t* const* w, int64_t n_units,
                             float* __restrict c, int64_t ldc) {
+  constexpr int kUnit = kDequantUnit<F>;
   typename Ops::Acc acc[MB][NB];
 #pragma GCC unroll 8
   for (int m = 0; m < MB; ++m)
 #pragma GCC unroll 8
     for (int j = 0; j < NB; ++j) acc[m][j] = Ops::zero();
-  alignas(64) float wt[NB][kChunk];
-  for (int64_t ch = 0; ch < n_chunks; ++ch) {
+  alignas(64) float wt[NB][kUnit];
+  for (int64_t u = 0; u < n_units; ++u) {
 #pragma GCC unroll 8
-    for (int j = 0; j < NB; ++j) dequant_chunk<F>(w[j], ch, wt[j]);
-    const float* xc = x + ch * kChunk;
+    for (int j = 0; j < NB; ++j) dequant_unit<F>(w[j], u, wt[j]);
+    const float* xc = x + u * kUnit;
 #pragma GCC unroll 4
-    for (int s = 0; s < kChunk; s += Ops::kStep) {
+    for (int s = 0; s < kUnit; s += Ops::kStep) {
       typename Ops::X xv[MB];
 #pragma GCC unroll 8
       for (int m = 0; m < MB; ++m) xv[m] = Ops::load_x(xc + m * ldx + s);
@@ -65,7 +67,7 @@ template <class Ops, int F>
 inline void quant_panel(const float* x, int64_t ldx, int64_t M, const uint8_t* const* w, int64_t K, float* c) {
   constexpr int R = kPanelRows;
   static_assert(R == 8, "the blocks below cover 8 weight rows");
-  const int64_t n_chunks = K / kChunk;
+  const int64_t n_chunks = K / kDequantUnit<F>;
   if (M == 1) {
     quant_dot_block<Ops, F, 1, 8>(x, ldx, w, n_chunks, c, R);
     return;

@@ -106,21 +106,39 @@ bool use_int8(int qtype, QuantActivations acts) {
   return acts == QuantActivations::kInt8 && quant_int8_supported(qtype);
 }
 
-// q [T, K] int8 and d, s [T, K / 32] of the rows fill_row(t, float* dst) writes.
+// The elements per activation scale the int8 kernels of ggml type qtype read: the block of the
+// 32-element formats, the super-block of the 256-element ones.
+int64_t int8_act_block(int qtype) { return quant_format(qtype)->block_elems; }
+
+// The int8 rows (detail::Int8Rows, for qtype's block) of the rows fill_row(t, float* dst) writes.
 template <typename FillRow>
-detail::Int8Rows int8_activations(int64_t n_tokens, int64_t k, FillRow&& fill_row) {
-  const int64_t n_blocks = k / 32;
+detail::Int8Rows int8_activations(int qtype, int64_t n_tokens, int64_t k, FillRow&& fill_row) {
+  const int64_t block = int8_act_block(qtype);
   int8_t* q = detail::thread_scratch<int8_t>(4, static_cast<size_t>(n_tokens * k));
-  float* d = detail::thread_scratch<float>(3, static_cast<size_t>(2 * n_tokens * n_blocks));
-  float* s = d + n_tokens * n_blocks;
+  detail::Int8Rows a{block, q, nullptr, nullptr, nullptr};
+  float* d = nullptr;
+  float* s = nullptr;
+  int16_t* bsums = nullptr;
+  if (block == 32) {  // d and s per 32-block
+    d = detail::thread_scratch<float>(3, static_cast<size_t>(2 * n_tokens * (k / 32)));
+    s = d + n_tokens * (k / 32);
+    a.d = d, a.s = s;
+  } else {  // d per 256-block, bsums per 16
+    d = detail::thread_scratch<float>(3, static_cast<size_t>(n_tokens * (k / 256)));
+    bsums = detail::thread_scratch<int16_t>(6, static_cast<size_t>(n_tokens * (k / 16)));
+    a.d = d, a.bsums = bsums;
+  }
   const bool parallel = n_tokens > 1 && n_tokens * k >= (int64_t{1} << 15);
 #pragma omp parallel for schedule(static) if (parallel)
   for (int64_t t = 0; t < n_tokens; ++t) {
     float* row = detail::thread_scratch<float>(5, static_cast<size_t>(k));
     fill_row(t, row);
-    detail::int8_quantize_row(row, k, q + t * k, d + t * n_blocks, s + t * n_blocks);
+    if (block == 32)
+      detail::int8_quantize_row(row, k, q + t * k, d + t * (k / 32), s + t * (k / 32));
+    else
+      detail::int8_quantize_row_256(row, k, q + t * k, d + t * (k / 256), bsums + t * (k / 16));
   }
-  return {q, d, s};
+  return a;
 }
 
 // acc [T, n_rows] float32 = the int8 products of every weight row (the path's kernel).
@@ -129,9 +147,9 @@ float* int8_products(const detail::Int8Rows& a, const uint8_t* qweight, int qtyp
   float* acc = detail::thread_scratch<float>(7, static_cast<size_t>(n_tokens * n_rows));
   const int64_t rb = row_bytes(qtype, k);
   if (quant_path() == QuantPath::kAvx512 && detail::cpu_has_avx512vnni())
-    detail::int8_act_linear_avx512vnni(a.q, a.d, a.s, qweight, qtype, rb, n_tokens, k, n_rows, acc);
+    detail::int8_act_linear_avx512vnni(a, qweight, qtype, rb, n_tokens, k, n_rows, acc);
   else
-    detail::int8_act_linear_avx2(a.q, a.d, a.s, qweight, qtype, rb, n_tokens, k, n_rows, acc);
+    detail::int8_act_linear_avx2(a, qweight, qtype, rb, n_tokens, k, n_rows, acc);
   return acc;
 }
 
@@ -176,7 +194,8 @@ void silu_mul_epilogue(const float* acc, const T* bias, T* out, int64_t n_tokens
 
 bool quant_int8_supported(int qtype) {
 #if defined(__AVX2__)
-  return qtype == kQuantTypeQ8_0 || qtype == kQuantTypeQ4_0 || qtype == kQuantTypeQ4_1;
+  return qtype == kQuantTypeQ8_0 || qtype == kQuantTypeQ4_0 || qtype == kQuantTypeQ4_1 || qtype == kQuantTypeQ4_K ||
+         qtype == kQuantTypeQ6_K;
 #else
   (void)qtype;
   return false;
@@ -189,7 +208,7 @@ void quant_linear(const T* x, const uint8_t* qweight, int qtype, const T* bias, 
   if (n_tokens <= 0 || n_out <= 0) return;
   if (use_int8(qtype, acts)) {
     const detail::Int8Rows a =
-        int8_activations(n_tokens, k, [=](int64_t t, float* dst) { detail::load_row(x + t * k, dst, k); });
+        int8_activations(qtype, n_tokens, k, [=](int64_t t, float* dst) { detail::load_row(x + t * k, dst, k); });
     bias_epilogue(int8_products(a, qweight, qtype, n_tokens, k, n_out), bias, residual, out, n_tokens, n_out);
     return;
   }
@@ -205,7 +224,7 @@ void quant_linear_silu_mul(const T* x, const uint8_t* qweight, int qtype, const 
   if (n_tokens <= 0 || n_inter <= 0) return;
   if (use_int8(qtype, acts)) {
     const detail::Int8Rows a =
-        int8_activations(n_tokens, k, [=](int64_t t, float* dst) { detail::load_row(x + t * k, dst, k); });
+        int8_activations(qtype, n_tokens, k, [=](int64_t t, float* dst) { detail::load_row(x + t * k, dst, k); });
     silu_mul_epilogue(int8_products(a, qweight, qtype, n_tokens, k, 2 * n_inter), bias, out, n_tokens, n_inter);
     return;
   }
@@ -225,7 +244,7 @@ void quant_rmsnorm_qkv(const T* x, const T* norm_weight, const uint8_t* qweight,
       for (int64_t i = 0; i < k; ++i) dst[i] = to_float(from_float<bf16>(dst[i]));
   };
   if (use_int8(qtype, acts)) {
-    const detail::Int8Rows a = int8_activations(n_tokens, k, normed_row);
+    const detail::Int8Rows a = int8_activations(qtype, n_tokens, k, normed_row);
     bias_epilogue<T>(int8_products(a, qweight, qtype, n_tokens, k, n_out), bias, nullptr, out, n_tokens, n_out);
     return;
   }

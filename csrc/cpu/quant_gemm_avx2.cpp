@@ -70,12 +70,12 @@ using QuantBaselineOps = QuantScalarLanesOps;
 
 PanelFn<float, uint8_t> quant_panel_avx2(int type) { return quant_panel_for<QuantBaselineOps>(type); }
 
-void int8_act_linear_avx2(const int8_t* q, const float* d, const float* s, const uint8_t* w, int type,
-                          int64_t row_bytes, int64_t n_tokens, int64_t k, int64_t n_out, float* out) {
+void int8_act_linear_avx2(const Int8Rows& a, const uint8_t* w, int type, int64_t row_bytes, int64_t n_tokens,
+                          int64_t k, int64_t n_out, float* out) {
 #ifdef ORCA_QUANT_AVX2
-  int8_act_linear<false>(Int8Activations{q, d, s}, w, type, row_bytes, n_tokens, k, n_out, out);
+  int8_act_linear<false>(a, w, type, row_bytes, n_tokens, k, n_out, out);
 #else
-  (void)q, (void)d, (void)s, (void)w, (void)type, (void)row_bytes, (void)n_tokens, (void)k, (void)n_out, (void)out;
+  (void)a, (void)w, (void)type, (void)row_bytes, (void)n_tokens, (void)k, (void)n_out, (void)out;
   throw std::logic_error("the int8-activation kernels need AVX2");
 #endif
 }
@@ -85,6 +85,15 @@ void int8_quantize_row(const float* x, int64_t k, int8_t* q, float* d, float* s)
   quantize_row_int8(x, k, q, d, s);
 #else
   (void)x, (void)k, (void)q, (void)d, (void)s;
+  throw std::logic_error("the int8-activation kernels need AVX2");
+#endif
+}
+
+void int8_quantize_row_256(const float* x, int64_t k, int8_t* q, float* d, int16_t* bsums) {
+#ifdef ORCA_QUANT_AVX2
+  quantize_row_int8_256(x, k, q, d, bsums);
+#else
+  (void)x, (void)k, (void)q, (void)d, (void)bsums;
   throw std::logic_error("the int8-activation kernels need AVX2");
 #endif
 }

@@ -50,9 +50,9 @@ struct QuantAvx512Ops {
 
 PanelFn<float, uint8_t> quant_panel_avx512(int type) { return quant_panel_for<QuantAvx512Ops>(type); }
 
-void int8_act_linear_avx512vnni(const int8_t* q, const float* d, const float* s, const uint8_t* w, int type,
-                                int64_t row_bytes, int64_t n_tokens, int64_t k, int64_t n_out, float* out) {
-  int8_act_linear<true>(Int8Activations{q, d, s}, w, type, row_bytes, n_tokens, k, n_out, out);
+void int8_act_linear_avx512vnni(const Int8Rows& a, const uint8_t* w, int type, int64_t row_bytes, int64_t n_tokens,
+                                int64_t k, int64_t n_out, float* out) {
+  int8_act_linear<true>(a, w, type, row_bytes, n_tokens, k, n_out, out);
 }
 
 }  // namespace detail
@@ -85,8 +85,7 @@ namespace orca {
 namespace cpu {
 namespace detail {
 PanelFn<float, uint8_t> quant_panel_avx512(int) { throw std::logic_error("the avx512 path exists only on x86-64"); }
-void int8_act_linear_avx512vnni(const int8_t*, const float*, const float*, const uint8_t*, int, int64_t, int64_t,
-                                int64_t, int64_t, float*) {
+void int8_act_linear_avx512vnni(const Int8Rows&, const uint8_t*, int, int64_t, int64_t, int64_t, int64_t, float*) {
   throw std::logic_error("the avx512 path exists only on x86-64");
 }
 bool cpu_has_avx512f() { return false; }

@@ -1,4 +1,8 @@
-// The int8-activation kernels of the 32-element formats (Q8_0, Q4_0, Q4_1): each activation block
+// The int8-activation kernels: the 32-element formats (Q8_0, Q4_0, Q4_1) here, the 256-element
+// ones (Q4_K, Q6_K) in quant_int8_act_k.h, on one driver (int8_act_linear) that splits the rows
+// among threads and tiles rows and tokens.
+//
+// 32-element formats: each activation block
 // of 32 is quantized to int8 (quantize_row_int8: scale amax / 127, round to nearest even), each
 // weight block meets it in one integer dot product (AVX2: vpmaddubsw + vpmaddwd; AVX-512 VNNI:
 // vpdpbusd, the same exact int32 sums), and the block's sum enters an 8-lane float32 accumulator
@@ -23,20 +27,14 @@
 #include <cstdint>
 
 #include "quant_formats.h"
+#include "quant_int8_act_k.h"  // the 256-element formats
+#include "quant_panels.h"      // Int8Rows
 #include "skinny_gemm_blocks.h"  // hsum8_tree
 
 namespace orca {
 namespace cpu {
 namespace detail {
 namespace {
-
-// Activations as the int8 kernels read them: q [T, K] int8, and per 32-block d (the scale) and
-// s = d * sum(q) (for Q4_1's minimum), [T, K / 32] each.
-struct Int8Activations {
-  const int8_t* q;
-  const float* d;
-  const float* s;
-};
 
 // One row of K (a multiple of 32) to int8 blocks: d = amax / 127, q = round_even(x * (1 / d))
 // (q = 0 where amax = 0), s = d * sum(q). |q| <= 127, which the dot products below rely on.
@@ -101,8 +99,8 @@ constexpr int64_t int8_block_bytes() {
 // from t0: the rows share each activation block load and the tokens each unpacked weight block;
 // the R * M accumulators are independent, so each output's sum is the same whatever the tile.
 template <bool kVnni, int F, int R, int M>
-inline void int8_act_tile(const Int8Activations& a, const uint8_t* w, int64_t row_bytes, int64_t k, int64_t n_out,
-                          int64_t n0, int64_t stride, int64_t t0, float* out) {
+inline void int8_act_tile_32(const Int8Rows& a, const uint8_t* w, int64_t row_bytes, int64_t k, int64_t n_out,
+                             int64_t n0, int64_t stride, int64_t t0, float* out) {
   constexpr int64_t kBytes = int8_block_bytes<F>();
   const int64_t n_blocks = k / 32;
   __m256 acc[R][M];
@@ -146,13 +144,29 @@ inline void int8_act_tile(const Int8Activations& a, const uint8_t* w, int64_t ro
     }
 }
 
-// Rows [n0, n0 + R) against every token: tiles of 4 tokens, then the remainder.
-template <bool kVnni, int F, int R>
-inline void int8_act_rows_all_tokens(const Int8Activations& a, const uint8_t* w, int64_t row_bytes,
+// The tile of format F: the 32-element formats above, Q4_K and Q6_K in quant_int8_act_k.h.
+template <bool kVnni, int F, int R, int M>
+inline void int8_act_tile(const Int8Rows& a, const uint8_t* w, int64_t row_bytes, int64_t k, int64_t n_out,
+                          int64_t n0, int64_t stride, int64_t t0, float* out) {
+  if constexpr (F == kQuantTypeQ4_K)
+    q4k_int8_tile<kVnni, R, M>(a, w, row_bytes, k, n_out, n0, stride, t0, out);
+  else if constexpr (F == kQuantTypeQ6_K)
+    q6k_int8_tile<kVnni, R, M>(a, w, row_bytes, k, n_out, n0, stride, t0, out);
+  else
+    int8_act_tile_32<kVnni, F, R, M>(a, w, row_bytes, k, n_out, n0, stride, t0, out);
+}
+
+// Rows [n0, n0 + R) against every token: tiles of MT tokens, then the remainder.
+template <bool kVnni, int F, int R, int MT = 4>
+inline void int8_act_rows_all_tokens(const Int8Rows& a, const uint8_t* w, int64_t row_bytes,
                                      int64_t n_tokens, int64_t k, int64_t n_out, int64_t n0, float* out) {
   int64_t t = 0;
-  for (; t + 4 <= n_tokens; t += 4) int8_act_tile<kVnni, F, R, 4>(a, w, row_bytes, k, n_out, n0, 1, t, out);
+  for (; t + MT <= n_tokens; t += MT) int8_act_tile<kVnni, F, R, MT>(a, w, row_bytes, k, n_out, n0, 1, t, out);
   switch (n_tokens - t) {
+    case 7: if constexpr (MT > 7) int8_act_tile<kVnni, F, R, 7>(a, w, row_bytes, k, n_out, n0, 1, t, out); break;
+    case 6: if constexpr (MT > 6) int8_act_tile<kVnni, F, R, 6>(a, w, row_bytes, k, n_out, n0, 1, t, out); break;
+    case 5: if constexpr (MT > 5) int8_act_tile<kVnni, F, R, 5>(a, w, row_bytes, k, n_out, n0, 1, t, out); break;
+    case 4: if constexpr (MT > 4) int8_act_tile<kVnni, F, R, 4>(a, w, row_bytes, k, n_out, n0, 1, t, out); break;
     case 3: int8_act_tile<kVnni, F, R, 3>(a, w, row_bytes, k, n_out, n0, 1, t, out); break;
     case 2: int8_act_tile<kVnni, F, R, 2>(a, w, row_bytes, k, n_out, n0, 1, t, out); break;
     case 1: int8_act_tile<kVnni, F, R, 1>(a, w, row_bytes, k, n_out, n0, 1, t, out); break;
@@ -165,9 +179,9 @@ inline void int8_act_rows_all_tokens(const Int8Activations& a, const uint8_t* w,
 // streams (the hardware prefetchers follow those better than one; skinny_gemm.cpp measured the
 // same for the float kernels). More tokens take panels of rows small enough to stay in L2 while
 // every token tile passes over them (each weight byte read from memory once), 2 rows x 4 tokens
-// at a time.
+// at a time (the 256-element formats: 1 row x 8 tokens).
 template <bool kVnni, int F>
-inline void int8_act_rows(const Int8Activations& a, const uint8_t* w, int64_t row_bytes, int64_t n_tokens,
+inline void int8_act_rows(const Int8Rows& a, const uint8_t* w, int64_t row_bytes, int64_t n_tokens,
                           int64_t k, int64_t n_out, int64_t n0, int64_t n1, float* out) {
   if (n_tokens == 1) {
     const int64_t quarter = (n1 - n0) / 4;
@@ -176,18 +190,23 @@ inline void int8_act_rows(const Int8Activations& a, const uint8_t* w, int64_t ro
     return;
   }
   const int64_t panel = std::max<int64_t>(2, ((int64_t{64} << 10) / row_bytes) & ~int64_t{1});
+  // The 256-element formats take 1 row x 8 tokens: a row's super-block is unpacked (scales,
+  // nibbles) once for 8 tokens, which outweighs sharing the activation loads between 2 rows.
+  constexpr bool kSuperFormat = F == kQuantTypeQ4_K || F == kQuantTypeQ6_K;
   for (int64_t p0 = n0; p0 < n1; p0 += panel) {
     const int64_t p1 = std::min(n1, p0 + panel);
     int64_t n = p0;
-    for (; n + 2 <= p1; n += 2) int8_act_rows_all_tokens<kVnni, F, 2>(a, w, row_bytes, n_tokens, k, n_out, n, out);
-    for (; n < p1; ++n) int8_act_rows_all_tokens<kVnni, F, 1>(a, w, row_bytes, n_tokens, k, n_out, n, out);
+    if constexpr (!kSuperFormat)
+      for (; n + 2 <= p1; n += 2) int8_act_rows_all_tokens<kVnni, F, 2>(a, w, row_bytes, n_tokens, k, n_out, n, out);
+    for (; n < p1; ++n)
+      int8_act_rows_all_tokens<kVnni, F, 1, kSuperFormat ? 8 : 4>(a, w, row_bytes, n_tokens, k, n_out, n, out);
   }
 }
 
 // out[T, N] (float32) = the int8-activation products of every weight row; the rows are cut into
 // one contiguous range per thread (each weight byte read once, by one thread).
 template <bool kVnni>
-inline void int8_act_linear(const Int8Activations& a, const uint8_t* w, int type, int64_t row_bytes,
+inline void int8_act_linear(const Int8Rows& a, const uint8_t* w, int type, int64_t row_bytes,
                             int64_t n_tokens, int64_t k, int64_t n_out, float* out) {
 #pragma omp parallel
   {
@@ -197,6 +216,8 @@ inline void int8_act_linear(const Int8Activations& a, const uint8_t* w, int type
       case kQuantTypeQ8_0: int8_act_rows<kVnni, kQuantTypeQ8_0>(a, w, row_bytes, n_tokens, k, n_out, n0, n1, out); break;
       case kQuantTypeQ4_0: int8_act_rows<kVnni, kQuantTypeQ4_0>(a, w, row_bytes, n_tokens, k, n_out, n0, n1, out); break;
       case kQuantTypeQ4_1: int8_act_rows<kVnni, kQuantTypeQ4_1>(a, w, row_bytes, n_tokens, k, n_out, n0, n1, out); break;
+      case kQuantTypeQ4_K: int8_act_rows<kVnni, kQuantTypeQ4_K>(a, w, row_bytes, n_tokens, k, n_out, n0, n1, out); break;
+      case kQuantTypeQ6_K: int8_act_rows<kVnni, kQuantTypeQ6_K>(a, w, row_bytes, n_tokens, k, n_out, n0, n1, out); break;
       default: break;
     }
   }

@@ -49,9 +49,10 @@ void set_quant_path(QuantPath path);
 // How the products treat the activations:
 //  kFloat32  x widened exactly to float32, weights dequantized in registers (every format; the
 //            reduction order described above).
-//  kInt8     each row's 32-blocks quantized to int8 and integer block dot products, as llama.cpp
-//            computes these formats (quant_int8_act.h has the rounding and the reduction order);
-//            for the formats of quant_int8_supported() on AVX2 CPUs, all others take kFloat32.
+//  kInt8     each row quantized to int8 (per 32-block for Q8_0/Q4_0/Q4_1, per 256-block for
+//            Q4_K/Q6_K) and integer dot products, as llama.cpp computes these formats
+//            (quant_int8_act.h and quant_int8_act_k.h have the rounding and the reduction order);
+//            every format on AVX2 CPUs (quant_int8_supported()); without AVX2, kFloat32.
 // Either way a row's outputs depend only on that row, the weights and the (process-wide) path.
 enum class QuantActivations : int { kFloat32 = 0, kInt8 = 1 };
 // Whether kInt8 changes the products of ggml type qtype on this build and CPU.

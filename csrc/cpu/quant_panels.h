@@ -14,22 +14,28 @@ PanelFn<float, uint8_t> quant_panel_avx2(int type);
 PanelFn<float, uint8_t> quant_panel_avx512(int type);  // call only when cpu_has_avx512f()
 bool cpu_has_avx512f();
 
-// int8 activations of T rows (quant_int8_act.h: Int8Activations): q [T, K], d and s [T, K / 32].
+// int8 activations of T rows as the int8 kernels read them (quant_int8_act.h). The block is that
+// of the weight format: 32 for Q8_0, Q4_0, Q4_1 (int8_quantize_row), 256 for Q4_K and Q6_K
+// (int8_quantize_row_256).
 struct Int8Rows {
-  const int8_t* q;
-  const float* d;
-  const float* s;
+  int64_t block;         // elements per activation scale: 32 or 256
+  const int8_t* q;       // [T, K]
+  const float* d;        // [T, K / block] the scales
+  const float* s;        // [T, K / 32] d * sum(q) of each 32-block (block 32; else nullptr)
+  const int16_t* bsums;  // [T, K / 16] sum(q) of each 16 elements (block 256; else nullptr)
 };
 
-// The int8-activation kernels (quant_int8_act.h) over n_out rows: q [T, K] int8 activations, d and
-// s [T, K / 32] their block scales and scale * sum; Q8_0, Q4_0, Q4_1 only. The avx512 form uses
-// VNNI; both give the same results. They need AVX2 (they throw std::logic_error without it).
-// int8_quantize_row: one row x [K] to q [K], d and s [K / 32] (one implementation for both paths).
+// The int8-activation products of n_out weight rows of ggml type `type` into out [T, n_out]
+// (float32), for a's block (int8_act_block(type)). The avx512 form uses VNNI; both give the same
+// results. They need AVX2 (they throw std::logic_error without it).
+// int8_quantize_row: one row x [K] to q [K], d and s [K / 32]; int8_quantize_row_256: to q [K],
+// d [K / 256] and bsums [K / 16] (one implementation each for both paths).
 void int8_quantize_row(const float* x, int64_t k, int8_t* q, float* d, float* s);
-void int8_act_linear_avx2(const int8_t* q, const float* d, const float* s, const uint8_t* w, int type,
-                          int64_t row_bytes, int64_t n_tokens, int64_t k, int64_t n_out, float* out);
-void int8_act_linear_avx512vnni(const int8_t* q, const float* d, const float* s, const uint8_t* w, int type,
-                                int64_t row_bytes, int64_t n_tokens, int64_t k, int64_t n_out, float* out);
+void int8_quantize_row_256(const float* x, int64_t k, int8_t* q, float* d, int16_t* bsums);
+void int8_act_linear_avx2(const Int8Rows& a, const uint8_t* w, int type, int64_t row_bytes, int64_t n_tokens,
+                          int64_t k, int64_t n_out, float* out);
+void int8_act_linear_avx512vnni(const Int8Rows& a, const uint8_t* w, int type, int64_t row_bytes, int64_t n_tokens,
+                                int64_t k, int64_t n_out, float* out);
 bool cpu_has_avx512vnni();
 
 // out[K] = row K of ggml type `type`, dequantized as every panel kernel sees it (baseline code).

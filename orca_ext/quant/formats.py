@@ -30,9 +30,10 @@ import torch
 # EngineConfig.quantization: "auto" serves quantized GGUF matrices as their blocks, "none"
 # dequantizes them to the activation dtype at load.
 QUANTIZATION_MODES = ("auto", "none")
-# What the CPU products of Q8_0/Q4_0/Q4_1 blocks multiply: float32 activations (the same numbers
-# as the float path on the dequantized weights), or activations rounded per 32-block to int8 with
-# integer dot products, as llama.cpp does (faster, moves perplexity by ~0.3%).
+# What the CPU products of the blocks multiply: float32 activations (the same numbers as the float
+# path on the dequantized weights), or activations rounded to int8 (per 32-block for Q8_0/Q4_0/
+# Q4_1, per 256-block for Q4_K/Q6_K) with integer dot products, as llama.cpp does (faster, moves
+# perplexity by 0.06-0.6%).
 QUANT_ACTIVATIONS = ("float32", "int8")
 
 

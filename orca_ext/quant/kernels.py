@@ -7,9 +7,9 @@ kernel on it).
     quant_rmsnorm_qkv(x, norm_weight, qweight, qtype, k, bias, eps, batch_invariant) -> [T, N]
     quant_embedding(qweight, qtype, k, token_ids, dtype)                      -> [T, K]
 
-The compiled CPU products of the formats in `_C.quant_int8_types()` take int8-quantized
-activations when the process-wide mode `int8_quant_activations` (modes.py) is on, read at each
-call; the mode changes nothing for other formats, the fallback or CUDA.
+The compiled CPU products of the formats in `_C.quant_int8_types()` (every compiled format on
+AVX2 CPUs) take int8-quantized activations when the process-wide mode `int8_quant_activations`
+(modes.py) is on, read at each call; the mode changes nothing for the fallback or CUDA.
 
 `qweight` is QuantizedWeight.data (uint8 [N, row_bytes]); a format the compiled kernels do not
 list in `_C.quant_types()` takes the fallback. The fallback's result is exactly the
