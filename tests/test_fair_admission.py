@@ -457,6 +457,32 @@ def test_with_one_stage_a_burst_stays_in_one_batch():
         assert len(run_batch(s)) == 8
 
 
+# -- one client: fair admission is Algorithm 1 ----------------------------------------------------
+@settings(max_examples=25, deadline=None)
+@given(seed=st.integers(0, 2**32 - 1), max_bs=st.integers(1, 8), n_slots=st.integers(40, 200),
+       budget=st.one_of(st.none(), st.integers(0, 40)))
+def test_with_one_client_fair_admission_selects_the_same_batches_as_fcfs(seed, max_bs, n_slots, budget):
+    """Alone, a client is never capped and has no one to share with: the default fair policy
+    (its default cap included) selects exactly Algorithm 1's batches."""
+    def batches(admission):
+        rng = random.Random(seed)
+        config = EngineConfig(max_batch_size=max_bs, admission=admission,
+                              max_num_batched_tokens=None if budget is None else max_bs + budget)
+        s = make_scheduler(config, n_slots, 1, SlabAllocatorReference(n_slots))
+        out = []
+        for step in range(60):
+            if rng.random() < 0.5:
+                p = rng.randint(1, n_slots // 2)
+                s.add(mk(p, rng.randint(1, n_slots - p), "only", name=f"r{step}"))
+            if s.has_unfinished():
+                out.append([(r.request_id, r.num_scheduled) for r in run_batch(s)])
+        while s.has_unfinished():
+            out.append([(r.request_id, r.num_scheduled) for r in run_batch(s)])
+        return out
+
+    assert batches("fair") == batches("fcfs")
+
+
 # -- random workloads ----------------------------------------------------------------------------
 @settings(max_examples=60, deadline=None)
 @given(seed=st.integers(0, 2**32 - 1), n_workers=st.integers(1, 3), max_bs=st.integers(1, 6),
