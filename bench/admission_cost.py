@@ -1,12 +1,11 @@
 """What fair admission costs benign traffic: fcfs against fair (with its default KV cap), same
 model, workload and batch limit, rounds interleaved (the order alternates every round).
 
-  engine     one Server in this process per run: --requests requests (the throughput
-             benchmark's workload: prompt and output lengths uniform in [16, 128], EOS ignored),
-             all submitted at t=0, spread round-robin over --clients client keys. Reports wall
-             time, output tokens/s, iterations, and output tokens per CPU second of this process
-             (all its threads): on a shared machine other jobs slow the wall clock of a run, less
-             its CPU time.
+  engine     the default model's engine stepped in this process (loaded once): --requests
+             requests (the throughput benchmark's workload: prompt and output lengths uniform in
+             [16, 128], EOS ignored), all added before the first step, spread round-robin over
+             --clients client keys. Reports wall time, output tokens/s, iterations, median time
+             to first token, and output tokens per CPU second of this process.
   scheduler  the scheduler alone (no model: every request advances one token per iteration),
              the same workload over --clients clients: microseconds of CPU per iteration
              (schedule + complete), and whether the batches equal fcfs's.
@@ -18,6 +17,7 @@ model, workload and batch limit, rounds interleaved (the order alternates every 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import random
 import sys
@@ -40,24 +40,45 @@ def workload(n: int, seed: int, vocab: int = 49152) -> list[tuple[list[int], int
             for _ in range(n)]
 
 
-def engine_run(admission: str, jobs, n_clients: int, max_batch_size: int, n_slots) -> dict:
+def load_executor(max_batch_size: int, n_slots):
+    """The default model's executor, loaded once, and the KV slots a Server would give it."""
+    from orca_ext.default_model import default_model_path
+    from orca_ext.executor_factory import make_executor
     from orca_ext.server import Server
 
-    with Server(admission=admission, max_batch_size=max_batch_size, n_slots=n_slots) as server:
-        server.generate([jobs[0][0][:8]], SamplingParams(max_tokens=4, ignore_eos=True))  # warm-up
-        base = server.stats()
-        t0, c0 = time.perf_counter(), time.process_time()
-        ids = [server.submit(p, SamplingParams(max_tokens=o, ignore_eos=True), client=f"c{i % n_clients}")
-               for i, (p, o) in enumerate(jobs)]
-        outs = [server.result(rid) for rid in ids]
-        wall, cpu = time.perf_counter() - t0, time.process_time() - c0
-        st = server.stats()
-    tokens = sum(len(o.token_ids) for o in outs)
+    model = str(default_model_path())
+    config = EngineConfig(max_batch_size=max_batch_size, n_slots=n_slots)
+    with Server(model, config=config) as server:  # only for its KV sizing
+        n_slots = server.n_slots
+    config = config.resolve()
+    return make_executor(model, config).executor, config, n_slots
+
+
+def engine_run(admission: str, jobs, n_clients: int, executor, config, n_slots: int) -> dict:
+    """The engine stepped in this thread over requests all added first, so a run's schedule
+    depends only on the policy (a Server's loop would start on the first arrivals)."""
+    from orca_ext.engine import Engine
+
+    engine = Engine(executor, make_scheduler(dataclasses.replace(config, admission=admission), n_slots))
+    reqs = [Request(f"r{i}", p, SamplingParams(max_tokens=o, ignore_eos=True), client=f"c{i % n_clients}")
+            for i, (p, o) in enumerate(jobs)]
+    for r in reqs:
+        engine.add_request(r)
+    t0, c0 = time.perf_counter(), time.process_time()
+    steps = 0
+    first = {}
+    while engine.has_work():
+        engine.step()
+        steps += 1
+        for r in reqs:
+            if r.output_token_ids and r.request_id not in first:
+                first[r.request_id] = time.perf_counter() - t0
+    wall, cpu = time.perf_counter() - t0, time.process_time() - c0
+    tokens = sum(len(r.output_token_ids) for r in reqs)
     assert tokens == sum(o for _, o in jobs)
-    ttft = sorted(o.first_token_time - o.arrival_time for o in outs)
+    ttft = sorted(first.values())
     return {"admission": admission, "wall_s": wall, "cpu_s": cpu, "tok_s": tokens / wall, "tok_per_cpu_s": tokens / cpu,
-            "iterations": st["iterations"] - base["iterations"], "n_slots": st["n_slots"],
-            "ttft_p50_s": ttft[len(ttft) // 2]}
+            "iterations": steps, "n_slots": n_slots, "ttft_p50_s": ttft[len(ttft) // 2]}
 
 
 def scheduler_run(admission: str, jobs, n_clients: int, max_batch_size: int, n_slots: int, budget: int):
@@ -98,9 +119,11 @@ def main(argv=None) -> int:
     if args.mode == "engine":
         jobs = workload(args.requests, args.seed)
         n_clients = int(args.clients)
+        executor, config, n_slots = load_executor(args.max_batch_size, args.n_slots)
+        engine_run("fcfs", jobs[:2], 1, executor, config, n_slots)  # warm-up, not timed
         for rnd in range(args.rounds):
             for admission in (POLICIES if rnd % 2 == 0 else POLICIES[::-1]):
-                r = engine_run(admission, jobs, n_clients, args.max_batch_size, args.n_slots)
+                r = engine_run(admission, jobs, n_clients, executor, config, n_slots)
                 r.update(round=rnd + 1, clients=n_clients, mode="engine")
                 rows.append(r)
                 print(f"round {rnd + 1} {admission:>4}: {r['tok_s']:6.1f} tok/s, {r['tok_per_cpu_s']:6.1f} tok/CPU-s, "
