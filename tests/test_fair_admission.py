@@ -484,7 +484,7 @@ def test_with_one_client_fair_admission_selects_the_same_batches_as_fcfs(seed, m
 
 
 # -- random workloads ----------------------------------------------------------------------------
-@settings(max_examples=60, deadline=None)
+@settings(max_examples=200, deadline=None)
 @given(seed=st.integers(0, 2**32 - 1), n_workers=st.integers(1, 3), max_bs=st.integers(1, 6),
        n_slots=st.integers(16, 150), budget=st.one_of(st.none(), st.integers(0, 40)),
        cap=st.one_of(st.none(), st.integers(1, 150)), n_clients=st.integers(1, 4))
