@@ -4,7 +4,9 @@ The scheduler is driven directly with real Request objects (as in test_scheduler
 engine with the fake model, whose outputs must equal the request run alone whatever the policy.
 Fair admission: a victim behind a hog client is admitted within a bounded number of iterations
 (under FCFS it waits behind the hog), prompt chunks are shared between clients, the per-client KV
-cap holds, counters bank no idle credit, and nothing starves (a hypothesis property test).
+cap (a share of the cache by default) holds while another client is present and never binds a
+client alone, one client alone gets Algorithm 1's batches, counters bank no idle credit, and
+nothing starves (hypothesis property tests).
 Balance: with two batches in flight a burst is split over both; with one, nothing changes.
 """
 from __future__ import annotations
