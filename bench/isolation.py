@@ -59,9 +59,10 @@ requests are sent back to back):
   logprobs_top5 / logit_bias_max / penalties_max  the three parts of logits_controls_max alone
 
 kv_hog and long_prompt_hog are legal requests from one client: what stops them is the server's admission
-policy (`--admission fair`, `--max-kv-per-client`), not a limit. Run them under both policies:
+policy (`--admission`, `--max-kv-per-client`), not a limit. Without those two options the server
+runs with its own defaults; run them under both policies:
   python bench/isolation.py --attacks kv_hog,long_prompt_hog --admission fcfs
-  python bench/isolation.py --attacks kv_hog,long_prompt_hog --admission fair --max-kv-per-client half
+  python bench/isolation.py --attacks kv_hog,long_prompt_hog --admission fair --max-kv-per-client 0.5
 Next to the rate ratio the table gives the victims' median time to first token during the attack
 over that of the baselines around it (target: within 2x), and the CPU share this process (the
 victims' and the attacker's client side) took during the phase and its baselines: on a machine with
@@ -610,9 +611,11 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--cwd", default=str(REPO), help="checkout the server runs from")
     p.add_argument("--label", default="", help="a name for this run in the output")
     p.add_argument("--out", default=None, help="write the results as JSON here")
-    p.add_argument("--admission", default="fcfs", choices=["fcfs", "fair"], help="the server's admission policy")
+    p.add_argument("--admission", default=None, choices=["fcfs", "fair"],
+                   help="the server's admission policy (default: the server's default)")
     p.add_argument("--max-kv-per-client", default=None,
-                   help="the server's per-client KV cap with --admission fair: slots, or 'half' of the KV cache")
+                   help="the server's per-client KV cap with --admission fair: a share such as 0.5 ('half' "
+                        "is 0.5), slots, 'auto' or 'none' (default: the server's default)")
     p.add_argument("--long-prompt-words", type=int, default=1200,
                    help="words in long_prompt_hog's prompt (default 1200, about 1,200 tokens)")
     p.add_argument("-tp", "--tensor-parallel-size", type=int, default=1,
@@ -626,22 +629,22 @@ def main(argv: list[str] | None = None) -> int:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(message)s")
     logging.getLogger("httpx").setLevel(logging.WARNING)
     names = list(attacks("m", 0)) if args.attacks is None else args.attacks.split(",")
-    serve_args = ["--max-queue", "100000", "--log-level", "warning", "--admission", args.admission,
-                  "-tp", str(args.tensor_parallel_size)]
+    serve_args = ["--max-queue", "100000", "--log-level", "warning", "-tp", str(args.tensor_parallel_size)]
+    if args.admission is not None:
+        serve_args += ["--admission", args.admission]
     if not args.prefix_caching:
         serve_args.append("--no-prefix-caching")
     if args.model:
         serve_args += ["--model", args.model]
     env = {"ORCA_EXT_KV_CACHE_MEMORY": "512MiB", **({"ORCA_EXT_API_KEY": args.api_key} if args.api_key else {})}
-    if args.max_kv_per_client == "half":
-        with ServeProcess(*serve_args, python=args.python, cwd=args.cwd, env=env) as probe:
-            args.max_kv_per_client = str(kv_slots(probe, args.api_key) // 2)
+    if args.max_kv_per_client == "half":  # the spelling of earlier runs (bench/RESULTS.md)
+        args.max_kv_per_client = "0.5"
     if args.max_kv_per_client is not None:
         serve_args += ["--max-kv-per-client", args.max_kv_per_client]
     with ServeProcess(*serve_args, python=args.python, cwd=args.cwd, env=env) as server:
         result = asyncio.run(run(server, names, victims=args.victims, window=args.window, settle=args.settle,
                                  long_prompt_words=args.long_prompt_words, api_key=args.api_key))
-    result.update({"admission": args.admission, "max_kv_per_client": args.max_kv_per_client,
+    result.update({"admission": args.admission or "default", "max_kv_per_client": args.max_kv_per_client or "default",
                    "prefix_caching": args.prefix_caching,
                    "tensor_parallel_size": args.tensor_parallel_size, "model": args.model or "default",
                    "commit": _commit(args.cwd), "cpu": _cpu_model(), "cores": os.cpu_count()})

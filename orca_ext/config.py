@@ -16,7 +16,7 @@ from typing import Any, Optional, Union
 import torch
 
 from .checks import check_choice, check_positive_int
-from .fairness import ADMISSION_POLICIES
+from .fairness import ADMISSION_POLICIES, check_kv_cap
 from .prefix_cache import DEFAULT_BLOCK_SIZE
 from .quant.formats import QUANT_ACTIVATIONS, QUANTIZATION_MODES
 from .resources import parse_bytes, requested_kv_bytes, resolve_device, resolve_dtype
@@ -64,7 +64,9 @@ class EngineConfig:
     heartbeat_interval: float = DEFAULT_HEARTBEAT_INTERVAL_S  # parallel workers: seconds between heartbeats
     heartbeat_timeout: float = DEFAULT_HEARTBEAT_TIMEOUT_S    # parallel workers: silence that fails the server
     admission: str = "fcfs"                             # 'fcfs' (Algorithm 1) | 'fair' (per-client shares)
-    max_kv_per_client: Optional[int] = None             # fair: a client's reserved KV slots (None: no cap)
+    # fair: the KV slots one client may reserve while another is present: a share of the slots
+    # (float in (0, 1]), a count (int), 'auto' (fairness.DEFAULT_KV_SHARE) or None (no cap)
+    max_kv_per_client: Union[int, float, str, None] = "auto"
     prefix_caching: bool = True                         # reuse finished requests' KV for shared prompt prefixes
     prefix_cache_block_size: int = DEFAULT_BLOCK_SIZE   # tokens per key of the prefix index
     quantization: str = "auto"                          # GGUF weights: 'auto' (blocks as stored) | 'none' (dequantize)
@@ -83,10 +85,10 @@ class EngineConfig:
         check_choice("quant_activations", self.quant_activations, QUANT_ACTIVATIONS)
         if self.admission == "fair" and self.scheduler != "orca":
             raise ValueError(f"admission='fair' needs scheduler='orca', got scheduler={self.scheduler!r}")
-        if self.max_kv_per_client is not None:
-            check_positive_int("max_kv_per_client", self.max_kv_per_client)
-            if self.admission != "fair":
-                raise ValueError("max_kv_per_client needs admission='fair' (FCFS admits in arrival order only)")
+        check_kv_cap("max_kv_per_client", self.max_kv_per_client)
+        if self.max_kv_per_client not in ("auto", None) and self.admission != "fair":
+            raise ValueError(f"max_kv_per_client={self.max_kv_per_client!r} needs admission='fair' "
+                             "(FCFS admits in arrival order only)")
         for name in ("record_iterations", "enforce_eager", "slab_compaction", "prefix_caching"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"{name} must be True or False, got {getattr(self, name)!r}")

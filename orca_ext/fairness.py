@@ -22,20 +22,28 @@ whole token budget (the one iteration that every returning client would then wai
 The scheduler keeps Algorithm 1's no-skip rule over this order: a request that does not fit in
 the KV cache blocks every admission after it (admitted requests' prompt chunks still run), so
 the client with the least service is never overtaken while it waits for space, and nothing
-starves. The per-client cap is the one way past it: a client whose next admission would take
-its reserved slots above `max_kv_per_client` is left out of the selection (its requests wait,
-the others go ahead). A request larger than the cap is admitted when its client holds no other
+starves. The per-client cap is the one way past it: while another client is present, a client
+whose next admission would take its reserved slots above the cap is left out of the selection
+(its requests wait, the others go ahead). The cap is `max_kv_per_client` resolved against the
+cache (`kv_cap_slots`: by default DEFAULT_KV_SHARE of the slots). It is work-conserving: a
+client alone (no other client present) may fill the whole cache, so a single-user deployment
+keeps its full batch capacity; without preemption, slots it took while alone stay its own until
+those requests end. A request larger than the cap is admitted when its client holds no other
 slots, so no request waits forever.
 """
 from __future__ import annotations
 
 import heapq
 from collections import deque
-from typing import Callable, Iterator, Optional
+from typing import Callable, Iterator, Optional, Union
 
 from .request import RequestState
 
 ADMISSION_POLICIES = ("fcfs", "fair")  # fcfs: Algorithm 1's arrival order; fair: this module
+# max_kv_per_client='auto': this share of the KV slots under fair admission (no cap under fcfs).
+# Half: two present clients can each hold a full half, and a hog leaves at least half the cache
+# to the others (bench/RESULTS.md, "Isolation with every attack").
+DEFAULT_KV_SHARE = 0.5
 # Weights of the counters: a generated token costs twice a prompt token, as in the VTC paper (a
 # decode step streams the weights for one token, a prefill shares that cost over its chunk).
 PROMPT_WEIGHT = 1
@@ -59,8 +67,34 @@ RETURN_GRACE_SELECTIONS = 16
 MAX_IDLE_COUNTERS = 4096
 
 
+def check_kv_cap(name: str, value) -> None:
+    """`value` must be 'auto', None, a share of the KV slots (a float in (0, 1]) or a slot
+    count (an int >= 1); ValueError naming `name` and the limits otherwise."""
+    if value == "auto" or value is None:
+        return
+    if isinstance(value, float) and 0.0 < value <= 1.0:
+        return
+    if isinstance(value, int) and not isinstance(value, bool) and value >= 1:
+        return
+    raise ValueError(f"{name} must be 'auto', None, a share of the KV slots in (0, 1] (a float) or a "
+                     f"slot count >= 1 (an int), got {value!r}")
+
+
+def kv_cap_slots(value: Union[int, float, str, None], n_slots: int) -> Optional[int]:
+    """The per-client cap in slots of a cache of n_slots: a slot count as given, a share of the
+    slots rounded down (at least 1), 'auto' as DEFAULT_KV_SHARE, None as no cap."""
+    if value is None:
+        return None
+    if value == "auto":
+        value = DEFAULT_KV_SHARE
+    if isinstance(value, float):
+        return max(1, int(value * n_slots))
+    return value
+
+
 class FairShares:
-    """The counters of one scheduler, and the order in which it takes prompt tokens."""
+    """The counters of one scheduler, and the order in which it takes prompt tokens.
+    `max_kv_per_client`: the cap in slots (`kv_cap_slots`), None for none."""
 
     def __init__(self, max_kv_per_client: Optional[int] = None, token_budget: Optional[int] = None,
                  context_cost_tokens: int = CONTEXT_COST_TOKENS):
@@ -95,7 +129,7 @@ class FairShares:
             queue = queues[client]
             req = queue[0][1]
             if req.slab_start < 0:
-                if blocked or self._over_cap(reserved.get(client, 0), req):
+                if blocked or self._over_cap(client, reserved.get(client, 0), req):
                     continue  # this client waits; with the cap, the others go ahead
                 if not admit(req):
                     blocked = True
@@ -160,9 +194,14 @@ class FairShares:
         scale = self.context_cost_tokens
         return max(0, cost) * scale // (PROMPT_WEIGHT * (scale + context))
 
-    def _over_cap(self, held: int, req) -> bool:
+    def _over_cap(self, client, held: int, req) -> bool:
+        """req would take its client (holding `held` slots) past the cap while another client
+        is present (`active`: a request in the pool, or between two requests). Alone, a client
+        is never capped: holding it back would leave slots idle that nobody else wants."""
         cap = self.max_kv_per_client
-        return cap is not None and held > 0 and held + req.reservation > cap
+        if cap is None or held == 0 or held + req.reservation <= cap:
+            return False
+        return any(c != client for c in self.active)
 
     def _track(self, clients: set) -> None:
         """Lift clients that became present to the present minimum; keep the idle ones' counters.

@@ -9,7 +9,7 @@ from __future__ import annotations
 import argparse
 
 from .config import EngineConfig
-from .fairness import ADMISSION_POLICIES
+from .fairness import ADMISSION_POLICIES, DEFAULT_KV_SHARE
 from .quant.formats import QUANT_ACTIVATIONS, QUANTIZATION_MODES
 from .resources import DTYPES
 from .scheduler import SCHEDULERS
@@ -71,9 +71,12 @@ def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--admission", default=_DEFAULTS.admission, choices=list(ADMISSION_POLICIES),
                    help="fcfs = arrival order (Algorithm 1); fair = per-client fair shares of admission "
                         f"and prefill chunks (default {_DEFAULTS.admission})")
-    g.add_argument("--max-kv-per-client", type=_optional_int, default=_DEFAULTS.max_kv_per_client,
-                   help="with --admission fair: KV slots one client's admitted requests may reserve; "
-                        "its next request waits past it ('none': no cap, the default)")
+    g.add_argument("--max-kv-per-client", type=_kv_cap, default=_DEFAULTS.max_kv_per_client,
+                   metavar="SHARE|N|auto|none",
+                   help="with --admission fair: KV slots one client's admitted requests may reserve while "
+                        "another client is present (alone, a client may use the whole cache): a share of "
+                        "the slots such as 0.5, a slot count such as 4096, or 'none' (default auto: "
+                        f"{DEFAULT_KV_SHARE:g} of the slots)")
     g.add_argument("--prefix-caching", action=argparse.BooleanOptionalAction, default=_DEFAULTS.prefix_caching,
                    help="keep finished requests' KV rows in free slots and start requests that share "
                         "their prompt prefix from them (default on; evicted first when space is needed)")
@@ -99,4 +102,21 @@ def _positive_int_or(*words: str):
 
 
 _budget = _positive_int_or("none", "auto")          # --max-num-batched-tokens
-_optional_int = _positive_int_or("none")            # --max-kv-per-client
+
+
+def _kv_cap(value: str):
+    """--max-kv-per-client: 'auto', 'none', a share of the KV slots (with a decimal point, in
+    (0, 1]) or a slot count (an integer >= 1)."""
+    word = value.strip().lower()
+    if word in ("auto", "none"):
+        return None if word == "none" else word
+    expected = "a share of the KV slots in (0, 1] such as 0.5, a slot count >= 1, 'auto' or 'none'"
+    try:
+        number = float(word) if "." in word else int(word)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected {expected}, got {value!r}") from None
+    if isinstance(number, float) and not 0.0 < number <= 1.0:
+        raise argparse.ArgumentTypeError(f"a share of the KV slots must be in (0, 1], got {value}")
+    if isinstance(number, int) and number < 1:
+        raise argparse.ArgumentTypeError(f"a slot count must be >= 1, got {value}")
+    return number

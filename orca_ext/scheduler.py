@@ -21,7 +21,7 @@ import math
 from typing import Callable, Optional
 
 from .checks import check_positive_int
-from .fairness import FairShares
+from .fairness import FairShares, kv_cap_slots
 from .prefix_cache import PrefixCache, PrefixHit, common_prefix
 from .request import RequestState
 
@@ -321,11 +321,13 @@ class OrcaScheduler(_SchedulerBase):
 
 
 class FairScheduler(OrcaScheduler):
-    """The orca policy with client-aware admission (fairness.py)."""
+    """The orca policy with client-aware admission (fairness.py). `config.max_kv_per_client` (a
+    share of the slots, a slot count, 'auto' or None) becomes a cap in slots of this cache."""
 
     def __init__(self, config, *args, **kwargs):
         super().__init__(config, *args, **kwargs)
-        self.shares = FairShares(config.max_kv_per_client, self.max_num_batched_tokens)
+        self.max_kv_per_client = kv_cap_slots(config.max_kv_per_client, self.n_slots)
+        self.shares = FairShares(self.max_kv_per_client, self.max_num_batched_tokens)
 
     def _select(self) -> list:
         self.shares.begin()

@@ -4,13 +4,16 @@ The scheduler is driven directly with real Request objects (as in test_scheduler
 engine with the fake model, whose outputs must equal the request run alone whatever the policy.
 Fair admission: a victim behind a hog client is admitted within a bounded number of iterations
 (under FCFS it waits behind the hog), prompt chunks are shared between clients, the per-client KV
-cap holds, counters bank no idle credit, and nothing starves (a hypothesis property test).
+cap (a share of the cache by default) holds while another client is present and never binds a
+client alone, one client alone gets Algorithm 1's batches, counters bank no idle credit, and
+nothing starves (hypothesis property tests).
 Balance: with two batches in flight a burst is split over both; with one, nothing changes.
 """
 from __future__ import annotations
 
 import argparse
 import random
+import re
 
 import pytest
 from hypothesis import given, settings
@@ -22,7 +25,8 @@ from orca_ext import InvalidRequestError, Server
 from orca_ext.config import EngineConfig
 from orca_ext.engine import Engine
 from orca_ext.executor import LocalExecutor
-from orca_ext.fairness import CONTEXT_COST_TOKENS, MAX_IDLE_COUNTERS, OUTPUT_WEIGHT, PROMPT_WEIGHT, FairShares
+from orca_ext.fairness import (CONTEXT_COST_TOKENS, DEFAULT_KV_SHARE, MAX_IDLE_COUNTERS, OUTPUT_WEIGHT,
+                               PROMPT_WEIGHT, FairShares, kv_cap_slots)
 from orca_ext.options import add_engine_arguments
 from orca_ext.reference import SlabAllocatorReference
 from orca_ext.request import Request, RequestState
@@ -250,24 +254,112 @@ def test_the_kv_cap_holds_a_client_back_and_lets_the_others_go_ahead():
     assert reserved_by(s, "hog") == 60 and hog[2].state is RequestState.INITIATION
     s.complete(batch)
     while s.has_unfinished():
-        assert reserved_by(s, "hog") <= 70
+        if s.shares.active - {"hog"}:  # the victim in the pool, or between two requests
+            assert reserved_by(s, "hog") <= 70
         run_batch(s)
     assert all(r.finished for r in hog)  # waited, never rejected
 
 
 def test_a_request_larger_than_the_cap_runs_alone_for_its_client():
     s = sched(n_slots=300, cap=50)
+    other = mk(2, 20, "b")  # present, decoding
+    s.add(other)
+    run_batch(s)
     large, later = mk(60, 20, "a"), mk(5, 5, "a")
     s.add(large), s.add(later)
-    assert [r.request_id for r in s.schedule()] == [large.request_id]
+    assert [r.request_id for r in s.schedule()] == [other.request_id, large.request_id]
     assert later.slab_start == -1
 
 
+def test_a_share_cap_resolves_to_slots_of_the_cache():
+    assert kv_cap_slots(0.5, 1000) == 500 and kv_cap_slots(0.25, 1001) == 250
+    assert kv_cap_slots("auto", 301) == int(DEFAULT_KV_SHARE * 301) == 150
+    assert kv_cap_slots(1.0, 77) == 77 and kv_cap_slots(1e-9, 77) == 1  # at least one slot
+    assert kv_cap_slots(64, 1000) == 64 and kv_cap_slots(None, 1000) is None
+    assert sched(cap=0.25, n_slots=400).shares.max_kv_per_client == 100
+    # The default config is fair admission's default share, resolved by the scheduler.
+    default = make_scheduler(EngineConfig(admission="fair", max_num_batched_tokens=None), 1234,
+                             allocator=SlabAllocatorReference(1234))
+    assert default.max_kv_per_client == default.shares.max_kv_per_client == 617
+
+
+def test_a_lone_client_is_not_capped():
+    s = sched(max_bs=16, n_slots=300, cap=0.5)
+    burst = [mk(10, 20, "a") for _ in range(12)]  # 30 slots each: ten fill the cache
+    for r in burst:
+        s.add(r)
+    run_batch(s)
+    assert reserved_by(s, "a") == 300 and s.shares.max_kv_per_client == 150
+
+
+def test_a_second_client_arriving_makes_the_cap_bind_for_new_admissions():
+    s = sched(max_bs=16, n_slots=300, cap=0.5)  # 150 slots
+    hog = [mk(10, 20, "hog") for _ in range(6)]
+    for r in hog:
+        s.add(r)
+    run_batch(s)
+    assert reserved_by(s, "hog") == 180  # alone: past the cap
+    other = mk(2, 50, "b")
+    s.add(other)
+    run_batch(s)
+    assert other.slab_start >= 0 and s.n_rsrv == 232
+    later = [mk(10, 20, "hog") for _ in range(2)]  # 60 slots: they would fit in the 68 free
+    for r in later:
+        s.add(r)
+    for _ in range(5):
+        run_batch(s)
+        # Admitted before b came, the hog keeps its slots (no preemption); no new one joins them.
+        assert reserved_by(s, "hog") == 180 and all(r.slab_start < 0 for r in later)
+    other.mark_finished("abort"), s.remove(other)  # alone again: the free slots are the hog's
+    run_batch(s)
+    assert all(r.slab_start >= 0 for r in later)
+
+
+def test_the_cap_stops_binding_when_the_other_client_leaves():
+    s = sched(max_bs=16, n_slots=300, cap=0.5)
+    other = mk(2, 100, "b")
+    s.add(other)
+    run_batch(s)
+    hog = [mk(10, 20, "hog") for _ in range(8)]
+    for r in hog:
+        s.add(r)
+    run_batch(s)
+    assert reserved_by(s, "hog") == 150  # five of 30: the cap, while b is present
+    other.mark_finished("abort"), s.remove(other)  # gone (an abort: not between two requests)
+    run_batch(s)
+    assert reserved_by(s, "hog") == 240  # all eight: alone, the whole cache is its own
+
+
+def test_a_client_between_two_requests_still_caps_the_others():
+    s = sched(max_bs=16, n_slots=300, cap=0.5)
+    other = mk(2, 2, "b")
+    s.add(other)
+    run_batch(s), run_batch(s)
+    assert other.finished and other.finish_reason == "length"  # b left the pool after its length
+    hog = [mk(10, 20, "hog") for _ in range(8)]
+    for r in hog:
+        s.add(r)
+    run_batch(s)
+    assert reserved_by(s, "hog") == 150  # b may send its next request at once: it counts as present
+
+
+def test_kv_cap_config_values():
+    assert EngineConfig().max_kv_per_client == "auto"
+    for value in ("auto", None, 0.5, 1.0, 1, 4096):
+        assert EngineConfig(admission="fair", max_kv_per_client=value).max_kv_per_client == value
+    EngineConfig(admission="fcfs", max_kv_per_client="auto")  # the default means no cap under fcfs
+    EngineConfig(admission="fcfs", max_kv_per_client=None)
+    for bad in (0, -3, 0.0, 1.5, float("nan"), True, "half", "0.5"):
+        with pytest.raises(ValueError, match=r"max_kv_per_client must be 'auto', None, a share of the KV "
+                                             r"slots in \(0, 1\] \(a float\) or a slot count >= 1"):
+            EngineConfig(admission="fair", max_kv_per_client=bad)
+    with pytest.raises(ValueError, match="max_kv_per_client=0.5 needs admission='fair'"):
+        EngineConfig(admission="fcfs", max_kv_per_client=0.5)
+
+
 def test_cap_needs_fair_admission_and_fair_needs_the_orca_scheduler():
-    with pytest.raises(ValueError, match="max_kv_per_client needs admission='fair'"):
-        EngineConfig(max_kv_per_client=100)
-    with pytest.raises(ValueError, match="max_kv_per_client must be an integer >= 1"):
-        EngineConfig(admission="fair", max_kv_per_client=0)
+    with pytest.raises(ValueError, match="max_kv_per_client=100 needs admission='fair'"):
+        EngineConfig(admission="fcfs", max_kv_per_client=100)
     with pytest.raises(ValueError, match="admission must be one of 'fcfs', 'fair'"):
         EngineConfig(admission="lottery")
     with pytest.raises(ValueError, match="admission='fair' needs scheduler='orca'"):
@@ -280,11 +372,28 @@ def test_cli_flags_build_the_config():
     add_engine_arguments(parser)
     config = EngineConfig.from_args(parser.parse_args(["--admission", "fair", "--max-kv-per-client", "4096"]))
     assert (config.admission, config.max_kv_per_client) == ("fair", 4096)
+    config = EngineConfig.from_args(parser.parse_args(["--admission", "fair", "--max-kv-per-client", "0.25"]))
+    assert config.max_kv_per_client == 0.25
     defaults = EngineConfig.from_args(parser.parse_args([]))
-    assert (defaults.admission, defaults.max_kv_per_client) == ("fcfs", None)
+    assert (defaults.admission, defaults.max_kv_per_client) == (EngineConfig().admission, "auto")
     assert EngineConfig.from_args(parser.parse_args(["--max-kv-per-client", "none"])).max_kv_per_client is None
+    assert EngineConfig.from_args(parser.parse_args(["--max-kv-per-client", "AUTO"])).max_kv_per_client == "auto"
+
+
+@pytest.mark.parametrize("value, message", [
+    ("0", "a slot count must be >= 1, got 0"),
+    ("1.5", r"a share of the KV slots must be in \(0, 1\], got 1.5"),
+    ("0.0", r"a share of the KV slots must be in \(0, 1\], got 0.0"),
+    ("half", r"expected a share of the KV slots in \(0, 1\] such as 0.5, a slot count >= 1, 'auto' or 'none'"),
+])
+def test_cli_rejects_bad_caps_naming_the_flag_and_the_limit(value, message, capsys):
+    parser = argparse.ArgumentParser()
+    add_engine_arguments(parser)
     with pytest.raises(SystemExit):
-        parser.parse_args(["--max-kv-per-client", "0"])
+        parser.parse_args(["--max-kv-per-client", value])
+    err = capsys.readouterr().err
+    assert "argument --max-kv-per-client:" in err
+    assert re.search(message, err), err
 
 
 # -- counters ------------------------------------------------------------------------------------
@@ -350,8 +459,34 @@ def test_with_one_stage_a_burst_stays_in_one_batch():
         assert len(run_batch(s)) == 8
 
 
+# -- one client: fair admission is Algorithm 1 ----------------------------------------------------
+@settings(max_examples=25, deadline=None)
+@given(seed=st.integers(0, 2**32 - 1), max_bs=st.integers(1, 8), n_slots=st.integers(40, 200),
+       budget=st.one_of(st.none(), st.integers(0, 40)))
+def test_with_one_client_fair_admission_selects_the_same_batches_as_fcfs(seed, max_bs, n_slots, budget):
+    """Alone, a client is never capped and has no one to share with: the default fair policy
+    (its default cap included) selects exactly Algorithm 1's batches."""
+    def batches(admission):
+        rng = random.Random(seed)
+        config = EngineConfig(max_batch_size=max_bs, admission=admission,
+                              max_num_batched_tokens=None if budget is None else max_bs + budget)
+        s = make_scheduler(config, n_slots, 1, SlabAllocatorReference(n_slots))
+        out = []
+        for step in range(60):
+            if rng.random() < 0.5:
+                p = rng.randint(1, n_slots // 2)
+                s.add(mk(p, rng.randint(1, n_slots - p), "only", name=f"r{step}"))
+            if s.has_unfinished():
+                out.append([(r.request_id, r.num_scheduled) for r in run_batch(s)])
+        while s.has_unfinished():
+            out.append([(r.request_id, r.num_scheduled) for r in run_batch(s)])
+        return out
+
+    assert batches("fair") == batches("fcfs")
+
+
 # -- random workloads ----------------------------------------------------------------------------
-@settings(max_examples=60, deadline=None)
+@settings(max_examples=200, deadline=None)
 @given(seed=st.integers(0, 2**32 - 1), n_workers=st.integers(1, 3), max_bs=st.integers(1, 6),
        n_slots=st.integers(16, 150), budget=st.one_of(st.none(), st.integers(0, 40)),
        cap=st.one_of(st.none(), st.integers(1, 150)), n_clients=st.integers(1, 4))
@@ -361,6 +496,7 @@ def test_random_workloads_keep_caps_and_counters_and_starve_nobody(seed, n_worke
     s = sched("fair", max_bs, n_slots, n_workers, None if budget is None else max_bs + budget, cap)
     clients = [None] + [f"c{i}" for i in range(n_clients - 1)]
     last_counters: dict = {}
+    holding: set = set()  # requests holding a slab at the last check
 
     def check(inflight=None, all_reqs=None) -> None:
         assert s.n_rsrv <= s.n_slots
@@ -368,9 +504,6 @@ def test_random_workloads_keep_caps_and_counters_and_starve_nobody(seed, n_worke
         assert s.n_rsrv == sum(r.reservation for r in holders) == s.allocator.n_used
         for c in clients:
             mine = [r for r in s.pool if r.client == c]
-            held = [r for r in mine if r.slab_start >= 0]
-            if cap is not None and len(held) > 1:
-                assert sum(r.reservation for r in held) <= cap, "a client went over its KV cap"
             # No skipping within a client: its admitted requests are the oldest of its own.
             admitted = [r.slab_start >= 0 for r in mine]
             assert admitted == sorted(admitted, reverse=True)
@@ -380,12 +513,23 @@ def test_random_workloads_keep_caps_and_counters_and_starve_nobody(seed, n_worke
             assert s.shares.counters[c] >= s.shares.floor
         last_counters.clear()
         last_counters.update(s.shares.counters)
+        holding.clear()
+        holding.update(r.request_id for r in holders)
 
     def new_request():
         p = rng.randint(1, n_slots // 2)
         return mk(p, rng.randint(1, n_slots - p), rng.choice(clients))
 
     def on_batch(batch):
+        # The cap: while another client is present, a client's admissions in this selection
+        # keep its reserved slots within the cap (or are one request while it held none).
+        for c in clients:
+            held = [r for r in s.pool if r.client == c and r.slab_start >= 0]
+            new = [r for r in held if r.request_id not in holding]
+            if cap is not None and new and s.shares.active - {c}:
+                before = sum(r.reservation for r in held) - sum(r.reservation for r in new)
+                assert before + sum(r.reservation for r in new) <= cap or (before == 0 and len(new) == 1), \
+                    "a client went over its KV cap while another was present"
         assert len(batch) <= s.max_batch_size
         if s.max_num_batched_tokens is not None:
             assert sum(r.num_scheduled for r in batch) <= s.max_num_batched_tokens
@@ -404,16 +548,21 @@ def test_random_workloads_keep_caps_and_counters_and_starve_nobody(seed, n_worke
 
 
 # -- the engine and the server -------------------------------------------------------------------
-def engine_run(admission: str, cap=None):
+def engine_run(admission: str, cap=None, bystander: bool = False):
     """A hog client with six long requests, then a victim with one short one, through the engine
-    and the fake model; returns the requests and the index of the victim's first iteration."""
-    config = EngineConfig(max_batch_size=8, max_num_batched_tokens=32, admission=admission, max_kv_per_client=cap)
-    engine = Engine(LocalExecutor(FakeModel()), make_scheduler(config, 200), record_iterations=True)
+    and the fake model; returns the requests and the index of the victim's first iteration.
+    `bystander`: a third client's short request (10 more slots) is there before the hog's, and
+    prompts run whole (no chunk limit slows the hog's admissions: only the cap can)."""
+    config = EngineConfig(max_batch_size=8, max_num_batched_tokens=None if bystander else 32, admission=admission,
+                          max_kv_per_client=cap)
+    engine = Engine(LocalExecutor(FakeModel()), make_scheduler(config, 210 if bystander else 200),
+                    record_iterations=True)
     rng = random.Random(3)
     hog = [Request(f"hog{i}", [rng.randrange(101) for _ in range(40)], SamplingParams(max_tokens=25, ignore_eos=True),
                    client="hog") for i in range(6)]
     victim = Request("victim", [5, 6, 7], SamplingParams(max_tokens=5, ignore_eos=True), client="victim")
-    for r in hog:
+    others = [Request("bystander", [9], SamplingParams(max_tokens=9, ignore_eos=True), client="b")] if bystander else []
+    for r in others + hog:
         engine.add_request(r)
     for _ in range(3):
         engine.step()
@@ -421,7 +570,7 @@ def engine_run(admission: str, cap=None):
     while engine.has_work():
         engine.step()
     first = next(rec.index for rec in engine.records if "victim" in rec.request_ids)
-    for r in hog + [victim]:
+    for r in others + hog + [victim]:
         assert r.output_token_ids == fake_reference(r.prompt_token_ids, r.params.max_tokens), r.request_id
     return engine, first
 
@@ -429,13 +578,19 @@ def engine_run(admission: str, cap=None):
 def test_engine_fair_admission_serves_the_victim_within_bounded_iterations():
     _, fcfs_first = engine_run("fcfs")
     fair, fair_first = engine_run("fair")
-    _, capped_first = engine_run("fair", cap=130)
+    _, uncapped_first = engine_run("fair", bystander=True)
+    _, capped_first = engine_run("fair", cap=130, bystander=True)
+    _, alone_first = engine_run("fair", cap=130)
     # The hog's 65-slot requests: three fill 195 of 200 slots. Under FCFS the victim waits for
     # the other three; under fair it waits only for the first slab to come free; with the cap
-    # (two hog requests at a time) it is admitted at once.
+    # and another client present (two hog requests at a time) it is admitted at once, where
+    # without the cap it waits for the bystander's slots.
     assert fcfs_first > 45
     assert fair_first <= 30
-    assert capped_first <= 4
+    assert capped_first <= 4 < uncapped_first
+    # The cap holds a client back only while another is present: the hog that filled the cache
+    # alone keeps its slots (no preemption), so the victim waits as without a cap.
+    assert alone_first > 4
     # The hog kept its share while the victim ran: every iteration carried hog work.
     assert all(any(rid.startswith("hog") for rid in rec.request_ids) for rec in fair.records[:60])
 
