@@ -11,38 +11,41 @@ Applied to the raw logits of the rows whose params ask for any of them, in this 
 Temperature, top-k and top-p then work on the result, and reported logprobs are of it. Each
 control is a sparse gather/scatter over all the controlled rows' affected entries (never a pass
 over [rows, vocab]); the per-row work in Python is only flattening each row's token lists into
-one index list, and a logit_bias map (up to a thousand entries) is converted to a tensor once and
-reused on the request's later steps. A row whose controls fail is given -inf
-logits and an error, so only its request fails.
+one index list, and a logit_bias map (up to a thousand entries) is converted to tensors once and
+reused on the request's later steps. The controls change the sampler's logits in place. A row
+whose controls fail is given -inf logits and an error, so only its request fails.
 """
 from __future__ import annotations
 
 import itertools
 import threading
 from collections import OrderedDict
-from typing import Optional, Sequence
+from typing import NamedTuple, Optional, Sequence
 
 import torch
 
 
-def apply_controls(logits: torch.Tensor, requests: Sequence, errors: list[Optional[str]]) -> torch.Tensor:
-    """logits [B, V] float32 -> a copy with each controlled row's controls applied. `errors[i]`
-    is set for a row whose controls failed."""
+def apply_controls(logits: torch.Tensor, requests: Sequence, errors: list[Optional[str]]) -> None:
+    """Apply each controlled row's controls to logits [B, V] float32 (contiguous), in place: the
+    sampler consumes its logits. `errors[i]` is set, and row i set to -inf, for a row whose
+    controls failed. Only the controlled rows are copied, to restore them should the batched
+    pass fail part way: a fresh copy of the whole [B, V] each step (page faults and all) cost
+    more than the controls themselves."""
     rows = [i for i, r in enumerate(requests) if r.params.controls_logits and r.emits_token]
     if not rows:
-        return logits
-    out = logits.clone()
+        return
+    index = torch.tensor(rows, device=logits.device)
+    backup = logits.index_select(0, index)  # [R, V]
     try:
-        apply_to_rows(out, rows, [requests[i] for i in rows])
+        apply_to_rows(logits, rows, [requests[i] for i in rows])
     except Exception:
-        out.copy_(logits)
+        logits.index_copy_(0, index, backup)
         for i in rows:  # find the failing row: only its request fails
             try:
-                apply_to_rows(out, [i], [requests[i]])
+                apply_to_rows(logits, [i], [requests[i]])
             except Exception as exc:
-                out[i] = float("-inf")
+                logits[i] = float("-inf")
                 errors[i] = f"logits controls failed: {type(exc).__name__}: {exc}"
-    return out
 
 
 def _flat(rows: Sequence[int], lists: Sequence[Sequence[int]], vocab: int, device) -> tuple[torch.Tensor, torch.Tensor]:
@@ -57,17 +60,28 @@ def _flat(rows: Sequence[int], lists: Sequence[Sequence[int]], vocab: int, devic
     return flat.to(device), owner.to(device)
 
 
-# The [n, 2] tensor of a logit_bias map, kept for the maps of the rows of recent steps: a request
+# The tensors of a logit_bias map, kept for the maps of the rows of recent steps: a request
 # reads the same map every step. Keyed by the map's id, with the map itself kept alive beside its
-# tensor, so an id is never reused while its entry stays. Samplers of several servers (or a
+# tensors, so an id is never reused while its entry stays. Samplers of several servers (or a
 # driver's listener thread) may share it: the lock keeps lookup, reordering and eviction whole.
-_BIAS_PAIRS: "OrderedDict[int, tuple[tuple, torch.Tensor]]" = OrderedDict()
+_BIAS_PAIRS: "OrderedDict[int, tuple[tuple, BiasTensors]]" = OrderedDict()
 _BIAS_PAIRS_LOCK = threading.Lock()
 BIAS_PAIRS_KEPT = 256
 
 
-def _bias_pairs(bias: tuple) -> torch.Tensor:
-    """bias ((id, value), ...) -> [n, 2] float64 tensor, converted once per map."""
+class BiasTensors(NamedTuple):
+    """One logit_bias map as tensors: ids [n] int64, values [n] float32, and the largest id
+    (SamplingParams sorts the map by id and checks ids >= 0; the vocabulary bound is checked
+    against `top` each step, since one map may meet models of different vocabularies)."""
+    ids: torch.Tensor
+    values: torch.Tensor
+    top: int
+
+
+def _bias_pairs(bias: tuple) -> BiasTensors:
+    """bias ((id, value), ...) -> its BiasTensors, converted once per map. The values go through
+    float64 (exact for ids below 2**53 and for any Python float) to float32, as a Python float
+    would convert."""
     key = id(bias)
     with _BIAS_PAIRS_LOCK:
         entry = _BIAS_PAIRS.get(key)
@@ -75,26 +89,23 @@ def _bias_pairs(bias: tuple) -> torch.Tensor:
             _BIAS_PAIRS.move_to_end(key)
             return entry[1]
     pairs = torch.tensor(bias, dtype=torch.float64).view(-1, 2)
+    tensors = BiasTensors(pairs[:, 0].to(torch.int64), pairs[:, 1].to(torch.float32),
+                          int(bias[-1][0]) if bias else -1)
     with _BIAS_PAIRS_LOCK:
-        _BIAS_PAIRS[key] = (bias, pairs)
+        _BIAS_PAIRS[key] = (bias, tensors)
         if len(_BIAS_PAIRS) > BIAS_PAIRS_KEPT:
             _BIAS_PAIRS.popitem(last=False)
-    return pairs
+    return tensors
 
 
 def _bias_entries(rows: Sequence[int], params: Sequence, vocab: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """(flat index row * vocab + token id int64, bias float64) of every row's logit_bias. Each
-    row's (id, bias) pairs become one [n, 2] float64 tensor in one conversion (ids below 2**53 are
-    exact in float64, and a bias converts to float32 the same from float64 as from a Python float),
-    not a Python pass per entry: the map may have a thousand entries and this runs every step."""
-    pieces = [_bias_pairs(p.logit_bias) for p in params]
-    lengths = torch.tensor([len(p.logit_bias) for p in params], dtype=torch.int64)
-    pairs = torch.cat(pieces)
-    ids = pairs[:, 0]
-    if ids.numel() and (float(ids.min()) < 0 or float(ids.max()) >= vocab):
+    """(flat index row * vocab + token id int64, bias float32) of every row's logit_bias: per row
+    one offset added to its cached ids, not a Python pass per entry (a map may have a thousand
+    entries and this runs every step)."""
+    maps = [(row, _bias_pairs(p.logit_bias)) for row, p in zip(rows, params) if p.logit_bias]
+    if max(m.top for _, m in maps) >= vocab:
         raise IndexError(f"token id outside the vocabulary [0, {vocab})")
-    row_base = torch.repeat_interleave(torch.tensor(rows, dtype=torch.int64) * vocab, lengths)
-    return row_base + ids.to(torch.int64), pairs[:, 1]
+    return (torch.cat([m.ids + row * vocab for row, m in maps]), torch.cat([m.values for _, m in maps]))
 
 
 def apply_to_rows(x: torch.Tensor, rows: Sequence[int], requests: Sequence) -> None:

@@ -79,7 +79,7 @@ def draw(probs: torch.Tensor, generators: list[Optional[torch.Generator]]) -> to
     uniforms = torch.empty(len(generators), dtype=torch.float64, device=probs.device)
     for j, gen in enumerate(generators):
         uniforms[j:j + 1].uniform_(generator=gen)
-    cdf = probs.to(torch.float64).cumsum(dim=-1)  # [S, V]
+    cdf = probs.cumsum(dim=-1, dtype=torch.float64)  # [S, V]
     total = cdf[:, -1]
     # u * total can round up to total itself, which no token exceeds: cap it just below.
     target = torch.minimum(uniforms * total, torch.nextafter(total, torch.zeros_like(total)))
@@ -109,18 +109,20 @@ def filter_logits(logits: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor
 
 
 class Sampler:
-    """Turns the [B, vocab] logits of one iteration into one token per request."""
+    """Turns the [B, vocab] logits of one iteration into one token per request. It consumes the
+    logits: logits controls and guided masks change them in place (a caller that needs them
+    afterwards passes a copy)."""
 
     def __call__(self, logits: torch.Tensor, requests: Sequence) -> SampleResult:
         n = len(requests)
         if logits.dim() != 2 or logits.shape[0] != n:
             raise ValueError(f"logits must be [B={n}, vocab], got {tuple(logits.shape)}")
-        logits = logits.float()
+        logits = logits.float().contiguous()  # controls and masks write it in place, through flat views
         errors: list[Optional[str]] = [None] * n
         if any(req.params.controls_logits for req in requests):
             # Penalties, logit_bias and min_tokens change the logits every later step reads
             # (greedy argmax, sampling, logprobs): a failing row gets -inf logits and its error.
-            logits = apply_controls(logits, requests, errors)
+            apply_controls(logits, requests, errors)
         # Guided rows: disallowed tokens -> -inf before anything is drawn (guided/masks.py), after
         # the controls, so that no logit_bias can bring back a token the grammar forbids.
         guided = guided_masks.guided_rows(requests)
@@ -211,12 +213,14 @@ class Sampler:
         index = torch.tensor(rows, device=device)
         # Shift each row so its maximum is exactly 0 before dividing: the scaled logits are then
         # in [-inf, 0] for any temperature, so nothing overflows to +inf and softmax has a 1.
-        sub = logits[index] - best[index].unsqueeze(1)
+        # (In place on the gathered copy: each fresh [S, V] buffer costs page faults.)
+        sub = logits[index]
+        sub.sub_(best[index].unsqueeze(1))
         # Clamped to float32's range: a huge temperature would otherwise become inf, and
         # -inf / inf is NaN. (Greedy rows never get here, so the lower end is >= GREEDY_TEMPERATURE.)
         temps = torch.tensor([min(p.temperature, _FLOAT32_MAX) for p in params],
                              device=device, dtype=torch.float32)
-        sub = sub / temps.unsqueeze(1)
+        sub.div_(temps.unsqueeze(1))
         if any(p.top_k > 0 or p.top_p < 1.0 for p in params):
             # top_k >= vocab keeps everything: clamping makes any accepted integer fit in int64.
             top_k = torch.tensor([min(p.top_k, vocab) for p in params], device=device, dtype=torch.int64)

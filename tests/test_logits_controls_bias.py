@@ -39,7 +39,8 @@ def reference(logits: torch.Tensor, requests: list) -> torch.Tensor:
 
 def check_step(rng: random.Random, requests: list) -> None:
     logits = torch.randn(len(requests), VOCAB) * 5
-    got = apply_controls(logits, requests, [None] * len(requests))
+    got = logits.clone()
+    apply_controls(got, requests, [None] * len(requests))  # in place
     want = reference(logits, requests)
     # float32 addition of one bias per entry: within one float32 rounding of the float64 sum.
     error = (got.double() - want).abs().max().item()
@@ -77,7 +78,8 @@ def test_a_bias_id_outside_the_vocabulary_fails_only_its_row():
     bad = Request("bad", [1], SamplingParams(max_tokens=4, logit_bias={VOCAB + 3: 1.0}))
     logits = torch.randn(2, VOCAB)
     errors = [None, None]
-    got = apply_controls(logits, [good, bad], errors)
+    got = logits.clone()
+    apply_controls(got, [good, bad], errors)
     assert errors[0] is None and "outside the vocabulary" in errors[1]
     assert torch.isneginf(got[1]).all()
     torch.testing.assert_close(got[0].double(), reference(logits[:1], [good])[0], rtol=0, atol=1e-3)
@@ -86,5 +88,6 @@ def test_a_bias_id_outside_the_vocabulary_fails_only_its_row():
 @pytest.mark.parametrize("value", [1e-7, -99.99999, 100.0, 0.1])
 def test_a_bias_converts_to_float32_as_the_python_value_does(value):
     r = Request("r", [1], SamplingParams(max_tokens=1, logit_bias={7: value}))
-    got = apply_controls(torch.zeros(1, 10), [r], [None])
+    got = torch.zeros(1, 10)
+    apply_controls(got, [r], [None])
     assert got[0, 7].item() == torch.tensor(value, dtype=torch.float32).item()

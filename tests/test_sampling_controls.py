@@ -72,7 +72,7 @@ def test_ragged_batch_equals_reference_row_by_row(seed):
     logits = torch.randn(n, VOCAB) * 4
     reqs = [make_request(rng, random_params(rng, sampled=i % 3 == 2), rng.randrange(0, 15)) for i in range(n)]
     reqs[0] = make_request(rng, SamplingParams(max_tokens=20, logprobs=3), 4)  # no controls at all
-    result = Sampler()(logits, reqs)
+    result = Sampler()(logits.clone(), reqs)  # the sampler consumes its logits
     assert result.errors == [None] * n
     for i, req in enumerate(reqs):
         ref = reference(logits[i], req)
@@ -99,7 +99,7 @@ def test_min_tokens_masks_stop_tokens_until_reached():
     logits[0, 7] = 50.0
     for n_out, expected_stop in [(0, False), (2, False), (3, True), (5, True)]:
         req = make_request(rng, params, n_out)
-        token = Sampler()(logits, [req]).tokens[0]
+        token = Sampler()(logits.clone(), [req]).tokens[0]
         assert (token in (EOS, 7)) == expected_stop, (n_out, token)
 
 
@@ -110,7 +110,7 @@ def test_a_failing_row_fails_alone():
     logits = torch.randn(3, VOCAB)
     good = [make_request(rng, SamplingParams(max_tokens=5, presence_penalty=1.0), 4) for _ in range(2)]
     bad = make_request(rng, SamplingParams(max_tokens=5, logit_bias={VOCAB + 5: 1.0}), 1)
-    result = Sampler()(logits, [good[0], bad, good[1]])
+    result = Sampler()(logits.clone(), [good[0], bad, good[1]])
     assert result.tokens[1] is None and "logits controls failed" in result.errors[1]
     for i, req in ((0, good[0]), (2, good[1])):
         assert result.errors[i] is None and result.tokens[i] == reference(logits[i], req).argmax().item()
