@@ -14,6 +14,7 @@ The first two pairs give the cost of a feature (1 - on/off); the last pair the g
 the prefill, which grows with the prompt length.
 
     python bench/api_cost.py --sampler          # the sampler alone: ms per call, on and off
+    python bench/api_cost.py --sampler --sampler-mix --requests 5   # one such row beside 4 greedy ones
 
 times one Sampler call over [requests, vocab] random logits per feature (median of 50), the part
 of an iteration the features add to; it resolves costs that a loaded machine's end-to-end noise
@@ -42,9 +43,11 @@ def run_case(server: Server, prompts: list[list[int]], params: list[SamplingPara
     return sum(len(o.token_ids) for o in outs) / elapsed
 
 
-def sampler_cost(batch: int, vocab: int, history: int) -> dict:
-    """Median ms of one Sampler call per feature over random [batch, vocab] logits, each request
-    with `history` generated tokens."""
+def sampler_cost(batch: int, vocab: int, history: int, mix: bool = False) -> dict:
+    """Median ms of one Sampler call (of 200) per feature over random [batch, vocab] logits, each request
+    with `history` generated tokens. mix: one request with the feature beside batch - 1 greedy
+    requests without any (a single client's cost to an iteration of others), instead of every
+    row with it."""
     import statistics
 
     import torch
@@ -54,27 +57,35 @@ def sampler_cost(batch: int, vocab: int, history: int) -> dict:
 
     rng = random.Random(0)
     base = dict(max_tokens=history + 16, temperature=1.0, seed=1)
+    bias_max = {i * 47 % vocab: (i % 201) - 100.0 for i in range(1024)}  # the most entries allowed
+    penalties_max = dict(presence_penalty=2.0, frequency_penalty=-2.0, repetition_penalty=1.3, min_tokens=16)
     variants = {
         "base": SamplingParams(**base),
         "logprobs5": SamplingParams(**base, logprobs=5),
         "penalties": SamplingParams(**base, presence_penalty=0.5, frequency_penalty=0.5, repetition_penalty=1.2,
                                     logit_bias={i: 1.0 for i in range(0, 1000, 10)}),
+        "bias_max": SamplingParams(**base, logit_bias=bias_max),
+        "penalties_max": SamplingParams(**base, **penalties_max),
+        "controls_max": SamplingParams(**base, logprobs=5, logit_bias=bias_max, **penalties_max),
     }
+    greedy = SamplingParams(max_tokens=history + 16)
     logits = torch.randn(batch, vocab)
     sampler = Sampler()
     out = {}
     for name, params in variants.items():
         reqs = []
         for i in range(batch):
-            r = Request(f"{name}{i}", [rng.randrange(vocab) for _ in range(256)], params)
+            own = params if not mix or i == batch - 1 else greedy
+            r = Request(f"{name}{i}", [rng.randrange(vocab) for _ in range(256)], own)
             r.output_token_ids = [rng.randrange(vocab) for _ in range(history)]
             reqs.append(r)
         times = []
-        for _ in range(50):
+        for _ in range(200):
+            x = logits.clone()  # the sampler consumes its logits
             t = time.perf_counter()
-            sampler(logits, reqs)
+            sampler(x, reqs)
             times.append(time.perf_counter() - t)
-        out[name] = round(1000 * statistics.median(times), 2)
+        out[name] = round(1000 * statistics.median(times), 3)
     return out
 
 
@@ -87,9 +98,12 @@ def main() -> None:
     ap.add_argument("--repeats", type=int, default=2)
     ap.add_argument("--device", default="auto")
     ap.add_argument("--sampler", action="store_true", help="time the sampler alone (see above)")
+    ap.add_argument("--sampler-mix", action="store_true",
+                    help="with --sampler: one row with the feature beside greedy rows (the others' iteration)")
     args = ap.parse_args()
     if args.sampler:
-        print(json.dumps({"batch": args.requests, "sampler_ms": sampler_cost(args.requests, 49152, args.max_tokens)},
+        print(json.dumps({"batch": args.requests, "mix": args.sampler_mix,
+                          "sampler_ms": sampler_cost(args.requests, 49152, args.max_tokens, args.sampler_mix)},
                          indent=2))
         return
     rng = random.Random(0)
