@@ -13,6 +13,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 import torch
+from int8_epilogue_checks import check_silu_mul_and_rmsnorm_qkv
 
 _C = pytest.importorskip("orca_ext._C")
 gguf = pytest.importorskip("gguf")
@@ -214,19 +215,7 @@ def test_silu_mul_and_rmsnorm_qkv(qtype, dtype):
     t, k, inter = 6, 256 * 3, 29
     qweight = torch.from_numpy(random_blocks(qtype, 2 * inter, k, seed=qtype + 5))
     x = rows(gen, t, k, dtype)
-    bias = (torch.randn(2 * inter, generator=gen) * 0.1).to(dtype)
-    sums = _C.quant_linear(x.float(), qweight, qtype, k, None, None, int8_activations=True).double()
-    sums = sums + bias.double()
-    gate, up = sums[:, :inter], sums[:, inter:]
-    ref = torch.nn.functional.silu(gate) * up
-    got = _C.quant_linear_silu_mul(x, qweight, qtype, k, bias, int8_activations=True)
-    tol = (2.0 ** -8 if dtype == torch.bfloat16 else 2.0 ** -20) * ref.abs() + 1e-6 * (gate.abs() * up.abs() + 1e-3)
-    assert ((got.double() - ref).abs() <= tol).all(), float((got.double() - ref).abs().max())
-    norm_weight = (1 + 0.1 * torch.randn(k, generator=gen)).to(dtype)
-    fused = _C.quant_rmsnorm_qkv(x, norm_weight, qweight, qtype, k, bias, 1e-6, int8_activations=True)
-    unfused = _C.quant_linear(_C.rms_norm(x, norm_weight, 1e-6), qweight, qtype, k, bias, None,
-                              int8_activations=True)
-    assert torch.equal(fused, unfused)
+    check_silu_mul_and_rmsnorm_qkv(_C, qweight, qtype, k, inter, x, gen)
 
 
 @pytest.mark.parametrize("qtype", [Q4_K, Q6_K], ids=lambda q: NAMES[q])

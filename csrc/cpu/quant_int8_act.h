@@ -48,11 +48,8 @@ inline void quantize_row_int8(const float* x, int64_t k, int8_t* q, float* d, fl
       v[i] = _mm256_loadu_ps(xb + 8 * i);
       amax = _mm256_max_ps(amax, _mm256_andnot_ps(sign_bit, v[i]));
     }
-    alignas(32) float l[8];
-    _mm256_store_ps(l, amax);
-    float m = l[0];
-    for (int i = 1; i < 8; ++i) m = m > l[i] ? m : l[i];
-    const float scale = m / 127.0f, inv = scale != 0.0f ? 1.0f / scale : 0.0f;
+    float inv;
+    const float scale = int8_scale(amax, &inv);
     const __m256 vinv = _mm256_set1_ps(inv);
     __m256i r[4];
     for (int i = 0; i < 4; ++i)
@@ -64,12 +61,8 @@ inline void quantize_row_int8(const float* x, int64_t k, int8_t* q, float* d, fl
                                                    _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7));
     _mm256_storeu_si256(reinterpret_cast<__m256i*>(q + 32 * b), p8);
     const __m256i sum32 = _mm256_add_epi32(_mm256_add_epi32(r[0], r[1]), _mm256_add_epi32(r[2], r[3]));
-    alignas(32) int32_t si[8];
-    _mm256_store_si256(reinterpret_cast<__m256i*>(si), sum32);
-    int sum = 0;
-    for (int i = 0; i < 8; ++i) sum += si[i];
     d[b] = scale;
-    s[b] = scale * static_cast<float>(sum);
+    s[b] = scale * static_cast<float>(hsum_epi32(sum32));
   }
 }
 

@@ -42,6 +42,18 @@ inline int hsum_epi32(__m256i v) {
   return s;
 }
 
+// The int8 scale of a block from the lane-wise maxima of |x| over it: d = max / 127, and *inv =
+// 1 / d (0 for an all-zero block, whose quants are then all 0).
+inline float int8_scale(__m256 amax, float* inv) {
+  alignas(32) float l[8];
+  _mm256_store_ps(l, amax);
+  float m = l[0];
+  for (int i = 1; i < 8; ++i) m = m > l[i] ? m : l[i];
+  const float scale = m / 127.0f;
+  *inv = scale != 0.0f ? 1.0f / scale : 0.0f;
+  return scale;
+}
+
 // One row of K (a multiple of 256) to int8 super-blocks: d = amax / 127 over the 256 elements,
 // q = round_even(x * (1 / d)) (q = 0 where amax = 0), bsums[i] = the sum of q over elements
 // 16i .. 16i+15. |q| <= 127, which the dot products below rely on.
@@ -51,11 +63,8 @@ inline void quantize_row_int8_256(const float* x, int64_t k, int8_t* q, float* d
     const float* xb = x + kSuperBlock * b;
     __m256 amax = _mm256_setzero_ps();
     for (int i = 0; i < 32; ++i) amax = _mm256_max_ps(amax, _mm256_andnot_ps(sign_bit, _mm256_loadu_ps(xb + 8 * i)));
-    alignas(32) float l[8];
-    _mm256_store_ps(l, amax);
-    float m = l[0];
-    for (int i = 1; i < 8; ++i) m = m > l[i] ? m : l[i];
-    const float scale = m / 127.0f, inv = scale != 0.0f ? 1.0f / scale : 0.0f;
+    float inv;
+    const float scale = int8_scale(amax, &inv);
     const __m256 vinv = _mm256_set1_ps(inv);
     for (int g = 0; g < 8; ++g) {  // 32 elements at a time
       const float* xg = xb + 32 * g;

@@ -1,0 +1,27 @@
+"""The fused epilogues of the int8-activation quantized products, checked against the unfused
+product, for any format: silu_mul on quant_linear's float32 sums, and rmsnorm_qkv bit for bit
+against quant_linear on the rows _C.rms_norm stores."""
+from __future__ import annotations
+
+import torch
+
+
+def check_silu_mul_and_rmsnorm_qkv(_C, qweight: torch.Tensor, qtype: int, k: int, inter: int,
+                                   x: torch.Tensor, gen: torch.Generator) -> None:
+    """qweight: [2 * inter, row bytes] blocks of qtype; x [T, k] in the activation dtype."""
+    dtype = x.dtype
+    bias = (torch.randn(2 * inter, generator=gen) * 0.1).to(dtype)
+    # silu_mul: the epilogue on the float32 sums of quant_linear (same activations, same sums)
+    sums = _C.quant_linear(x.float(), qweight, qtype, k, None, None, int8_activations=True).double()
+    sums = sums + bias.double()
+    gate, up = sums[:, :inter], sums[:, inter:]
+    ref = torch.nn.functional.silu(gate) * up
+    got = _C.quant_linear_silu_mul(x, qweight, qtype, k, bias, int8_activations=True)
+    tol = (2.0 ** -8 if dtype == torch.bfloat16 else 2.0 ** -20) * ref.abs() + 1e-6 * (gate.abs() * up.abs() + 1e-3)
+    assert ((got.double() - ref).abs() <= tol).all(), float((got.double() - ref).abs().max())
+    # rmsnorm_qkv: the same products on the rows _C.rms_norm stores (bit for bit)
+    norm_weight = (1 + 0.1 * torch.randn(k, generator=gen)).to(dtype)
+    fused = _C.quant_rmsnorm_qkv(x, norm_weight, qweight, qtype, k, bias, 1e-6, int8_activations=True)
+    unfused = _C.quant_linear(_C.rms_norm(x, norm_weight, 1e-6), qweight, qtype, k, bias, None,
+                              int8_activations=True)
+    assert torch.equal(fused, unfused)
