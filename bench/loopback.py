@@ -144,6 +144,16 @@ def percentile(values: list[float], q: float) -> float:
     return vals[lo] + (vals[hi] - vals[lo]) * (pos - lo)
 
 
+async def _read_within(reader: asyncio.StreamReader, seconds: float) -> bytes:
+    """reader.read, or asyncio.TimeoutError after `seconds`. asyncio.timeout where it exists
+    (3.11+): wait_for can swallow a cancellation that lands as the read completes, and an attack
+    loop built on it then keeps running after its phase cancelled it."""
+    if sys.version_info >= (3, 11):
+        async with asyncio.timeout(seconds):
+            return await reader.read(65536)
+    return await asyncio.wait_for(reader.read(65536), timeout=seconds)
+
+
 async def raw_exchange(port: int, local_address: str, data: bytes, *, trickle: bytes = b"", gap: float = 3.0,
                        limit: float = 600.0) -> tuple[str, float]:
     """Send `data` on a fresh connection from `local_address` to 127.0.0.1:`port`, then `trickle`
@@ -164,7 +174,7 @@ async def raw_exchange(port: int, local_address: str, data: bytes, *, trickle: b
             await writer.drain()
         while time.perf_counter() - start < limit:
             try:
-                chunk = await asyncio.wait_for(reader.read(65536), timeout=gap)
+                chunk = await _read_within(reader, gap)
             except asyncio.TimeoutError:
                 if trickle:
                     writer.write(trickle)
