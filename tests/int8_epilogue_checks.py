@@ -25,3 +25,22 @@ def check_silu_mul_and_rmsnorm_qkv(_C, qweight: torch.Tensor, qtype: int, k: int
     unfused = _C.quant_linear(_C.rms_norm(x, norm_weight, 1e-6), qweight, qtype, k, bias, None,
                               int8_activations=True)
     assert torch.equal(fused, unfused)
+
+
+def check_rows_batch_invariant(_C, w: torch.Tensor, wg: torch.Tensor, qtype: int, k: int,
+                               big: torch.Tensor, gen: torch.Generator) -> None:
+    """Each int8-activation product (linear, silu_mul with wg [2 * inter, ...], rmsnorm_qkv) of
+    a slice of the rows big [T, k] equals the same rows of the product of all of them, bit for
+    bit: a row's quantization and sums never depend on its batch-mates."""
+    norm_weight = torch.rand(k, generator=gen) + 0.5
+    full = _C.quant_linear(big, w, qtype, k, None, None, int8_activations=True)
+    full_mlp = _C.quant_linear_silu_mul(big, wg, qtype, k, None, int8_activations=True)
+    full_qkv = _C.quant_rmsnorm_qkv(big, norm_weight, w, qtype, k, None, 1e-5, int8_activations=True)
+    t = big.shape[0]
+    for lo, hi in [(0, 1), (13, 14), (5, 8), (20, 37), (t - 1, t)]:
+        part = big[lo:hi]
+        assert torch.equal(_C.quant_linear(part, w, qtype, k, None, None, int8_activations=True), full[lo:hi])
+        assert torch.equal(_C.quant_linear_silu_mul(part, wg, qtype, k, None, int8_activations=True),
+                           full_mlp[lo:hi])
+        assert torch.equal(_C.quant_rmsnorm_qkv(part, norm_weight, w, qtype, k, None, 1e-5,
+                                                int8_activations=True), full_qkv[lo:hi])

@@ -13,7 +13,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 import torch
-from int8_epilogue_checks import check_silu_mul_and_rmsnorm_qkv
+from int8_epilogue_checks import check_rows_batch_invariant, check_silu_mul_and_rmsnorm_qkv
 
 from orca_ext import modes
 from orca_ext.quant import kernels
@@ -166,18 +166,8 @@ def test_rows_are_batch_invariant(qtype, path):
     k, n, inter = 32 * 18, 53, 23
     w = torch.from_numpy(random_blocks(qtype, n, k, seed=9))
     wg = torch.from_numpy(random_blocks(qtype, 2 * inter, k, seed=10))
-    norm_weight = torch.rand(k, generator=gen) + 0.5
     big = rows(gen, 70, k, torch.float32)
-    full = _C.quant_linear(big, w, qtype, k, None, None, int8_activations=True)
-    full_mlp = _C.quant_linear_silu_mul(big, wg, qtype, k, None, int8_activations=True)
-    full_qkv = _C.quant_rmsnorm_qkv(big, norm_weight, w, qtype, k, None, 1e-5, int8_activations=True)
-    for lo, hi in [(0, 1), (13, 14), (5, 8), (20, 37), (69, 70)]:
-        part = big[lo:hi]
-        assert torch.equal(_C.quant_linear(part, w, qtype, k, None, None, int8_activations=True), full[lo:hi])
-        assert torch.equal(_C.quant_linear_silu_mul(part, wg, qtype, k, None, int8_activations=True),
-                           full_mlp[lo:hi])
-        assert torch.equal(_C.quant_rmsnorm_qkv(part, norm_weight, w, qtype, k, None, 1e-5,
-                                                int8_activations=True), full_qkv[lo:hi])
+    check_rows_batch_invariant(_C, w, wg, qtype, k, big, gen)
 
 
 def test_mode_selects_the_int8_products():
