@@ -10,10 +10,19 @@ Each client (its key: client_key in service.py) may run at most `per_client` job
 further jobs wait on the event loop, holding no thread. So one client occupies at most its share
 of the threads, and a job of any other client waits for at most one job of each client ahead of
 it. A job keeps its client's share until it has really finished, even when its caller has gone.
+
+`nice` lowers the threads' CPU priority (Linux: a thread's nice value is its own). Work that a
+client can make expensive at will, such as compiling a grammar, then runs on the cycles the
+engine's forward leaves: on a machine whose cores the forward fills, a compile at the default
+priority takes its CPU time out of every running request's next token.
 """
 from __future__ import annotations
 
 import asyncio
+import logging
+import os
+import sys
+import threading
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any, Callable, TypeVar
 
@@ -23,6 +32,21 @@ T = TypeVar("T")
 
 DEFAULT_PROMPT_THREADS = DEFAULT_POOL_SIZE
 DEFAULT_PROMPT_JOBS_PER_CLIENT = 1
+MAX_NICE = 19
+
+logger = logging.getLogger(__name__)
+
+
+def lower_thread_priority(nice: int) -> None:
+    """Raise the calling thread's nice value by `nice` (capped at MAX_NICE). Only where the nice
+    value is per thread (Linux); elsewhere setpriority would lower the whole process, engine included."""
+    if nice == 0 or not sys.platform.startswith("linux"):
+        return
+    tid = threading.get_native_id()
+    try:
+        os.setpriority(os.PRIO_PROCESS, tid, min(MAX_NICE, os.getpriority(os.PRIO_PROCESS, tid) + nice))
+    except OSError as exc:  # a sandbox may forbid it: the threads still work, at normal priority
+        logger.warning("could not lower the priority of thread %d: %s", tid, exc)
 
 
 class _Share:
@@ -35,14 +59,19 @@ class _Share:
 
 class PromptWorkers:
     def __init__(self, threads: int = DEFAULT_PROMPT_THREADS,
-                 per_client: int = DEFAULT_PROMPT_JOBS_PER_CLIENT) -> None:
+                 per_client: int = DEFAULT_PROMPT_JOBS_PER_CLIENT, *, nice: int = 0,
+                 name: str = "orca-prompts") -> None:
         if not isinstance(threads, int) or threads < 1:
             raise ValueError(f"prompt threads must be an integer >= 1 (got {threads!r})")
         if not isinstance(per_client, int) or not 1 <= per_client <= threads:
             raise ValueError(f"prompt jobs per client must be an integer in [1, {threads}] (got {per_client!r})")
+        if not isinstance(nice, int) or not 0 <= nice <= MAX_NICE:
+            raise ValueError(f"nice must be an integer in [0, {MAX_NICE}] (got {nice!r})")
         self.threads = threads
         self.per_client = per_client
-        self._pool = ThreadPoolExecutor(max_workers=threads, thread_name_prefix="orca-prompts")
+        self.nice = nice
+        self._pool = ThreadPoolExecutor(max_workers=threads, thread_name_prefix=name,
+                                        initializer=lower_thread_priority, initargs=(nice,))
         self._shares: dict[str, _Share] = {}
 
     @property

@@ -43,6 +43,7 @@ from .settings import DEFAULT_BODY_TIMEOUT
 logger = logging.getLogger(__name__)
 
 GRAMMAR_THREADS = 2
+GRAMMAR_NICE = 19   # lowest priority: see prompt_workers.lower_thread_priority
 
 
 def validation_error(exc: ValidationError) -> APIError:
@@ -129,8 +130,9 @@ class Service:
         self.metrics = Metrics(server.stats)
         self.prompt_workers = PromptWorkers(prompt_threads, prompt_jobs_per_client)
         # Structured outputs: grammars compile on threads of their own, shared fairly between clients
-        # like the prompt threads, so a slow schema delays neither prompts nor the engine.
-        self.grammar_workers = PromptWorkers(GRAMMAR_THREADS, 1)
+        # like the prompt threads, so a slow schema delays neither prompts nor the engine; at the
+        # lowest CPU priority, so a stream of fresh schemas takes only the cycles the forward leaves.
+        self.grammar_workers = PromptWorkers(GRAMMAR_THREADS, 1, nice=GRAMMAR_NICE, name="orca-grammars")
         self.grammars = (GrammarCompiler(lambda: llg_tokenizer(server.tokenizer, server.eos_token_ids,
                                                                server.vocab_size))
                          if server.tokenizer is not None else None)
