@@ -168,7 +168,7 @@ class CausalLM:
         q_end, k_end = nq * d, nq * d + nkv * d
         m = modes.current()  # batch_invariant is read by the ops themselves
         fused_rope = m.fused_rope_on_cpu and self.device.type == "cpu"
-        cos, sin = self.rope.gather(batch.positions)              # [T, D/2] each, once per forward
+        cos, sin = self.rope.gather(batch.positions, batch.max_position)  # [T, D/2] each, once per forward
         x = ops.embedding(batch.token_ids, self.embed, self.dtype) if hidden is None else hidden  # [T, H]
         plan = ops.ragged_attention_plan(batch.q_start, batch.q_len, batch.kv_start, batch.kv_len,
                                          t, self.n_slots, nq, nkv, d, self.dtype)

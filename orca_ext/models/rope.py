@@ -1,8 +1,11 @@
 """Rotary position embeddings on flat token tensors.
 
-The cos/sin tables cover every position up to max_position_embeddings once, at load time; each
-forward gathers the rows of its tokens' own positions (`batch.positions`), so requests at
-different positions share one rope call. Tables are float32 (like transformers, which computes
+Each forward gathers the cos/sin rows of its tokens' own positions (`batch.positions`), so
+requests at different positions share one rope call. On the CPU the tables grow on demand, in
+blocks of ROPE_BLOCK positions, up to max_position_embeddings: a 128k-position model served with
+short contexts does not keep 32 MiB of tables for positions it never reaches, and each block is
+computed alone, so a position's values do not depend on the order the blocks were needed in. On
+other devices the tables are built whole at load: a captured CUDA graph holds their addresses. Tables are float32 (like transformers, which computes
 `positions * inv_freq` in float32); rotation is done in float32 and cast back to the input dtype.
 Layout follows the Hugging Face "rotate_half" convention: the head dim is split into two halves
 [x1 | x2] and rotated as (x1*cos - x2*sin, x2*cos + x1*sin).
@@ -38,17 +41,41 @@ def inv_freq(rope: RopeConfig, head_dim: int) -> torch.Tensor:
     return torch.where(medium, smoothed, scaled)
 
 
+ROPE_BLOCK = 4096  # positions per table block on the CPU
+
+
 class RopeTables:
-    """cos/sin tables [max_positions, head_dim/2] float32 on the model's device."""
+    """cos/sin tables [positions, head_dim/2] float32 on the model's device, for positions below
+    max_positions; `gather` grows the CPU tables to cover the positions it is given."""
 
     def __init__(self, rope: RopeConfig, head_dim: int, max_positions: int, device: torch.device):
-        freq = inv_freq(rope, head_dim)
-        angles = torch.outer(torch.arange(max_positions, dtype=torch.float32), freq)  # [P, D/2]
-        self.cos = angles.cos().to(device)
-        self.sin = angles.sin().to(device)
+        self.freq = inv_freq(rope, head_dim)  # [D/2]
         self.max_positions = max_positions
         self.head_dim = head_dim
+        self.device = device
+        self.grows = device.type == "cpu"
+        empty = torch.empty(0, head_dim // 2, dtype=torch.float32)
+        self.cos, self.sin = empty, empty.clone()
+        self._cover(max_positions if not self.grows else min(ROPE_BLOCK, max_positions))
 
-    def gather(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """positions [T] int64 -> cos, sin [T, D/2] (contiguous, as the fused CPU kernel takes them)."""
+    def _cover(self, positions: int) -> None:
+        """Extend the tables to at least `positions` rows (whole blocks, at most max_positions)."""
+        have = self.cos.shape[0]
+        if positions <= have:
+            return
+        target = min(self.max_positions, -(-positions // ROPE_BLOCK) * ROPE_BLOCK)
+        cos, sin = [self.cos.cpu()], [self.sin.cpu()]
+        for start in range(have, target, ROPE_BLOCK):
+            rows = torch.arange(start, min(start + ROPE_BLOCK, target), dtype=torch.float32)
+            angles = torch.outer(rows, self.freq)  # [block, D/2]
+            cos.append(angles.cos())
+            sin.append(angles.sin())
+        self.cos = torch.cat(cos).to(self.device)
+        self.sin = torch.cat(sin).to(self.device)
+
+    def gather(self, positions: torch.Tensor, max_position: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        """positions [T] int64 (each below max_positions; `max_position`: their largest, when the
+        caller knows it) -> cos, sin [T, D/2] (contiguous, as the fused CPU kernel takes them)."""
+        if self.grows and positions.numel():
+            self._cover(1 + (int(positions.max()) if max_position is None else max_position))
         return self.cos[positions], self.sin[positions]
