@@ -9,6 +9,8 @@ from __future__ import annotations
 import json
 import re
 
+import time
+
 import pytest
 import torch
 
@@ -78,6 +80,28 @@ def test_cache_is_keyed_by_schema_text(compiler):
     # The same schema as pretty-printed text: the same compiled grammar.
     b = compiler.compile(json_schema_spec(json.dumps(SCHEMA, indent=3), "response_format"))
     assert a is b
+
+
+def test_the_compile_budget_counts_cpu_time_not_waiting(hf_tokenizer, monkeypatch):
+    """A compile that waits (a busy machine, its low priority) is not refused for the wait; one that
+    spends more CPU than the budget is, with the field and the limit named."""
+    from orca_ext.guided import spec as spec_module
+
+    tok = llg_tokenizer(hf_tokenizer, [hf_tokenizer.eos_token_id])
+    slow_to_start = spec_module.GuidedSpec.grammar
+
+    def waits_then_builds(self):
+        time.sleep(0.4)  # wall time passes, the thread's CPU time does not
+        return slow_to_start(self)
+
+    monkeypatch.setattr(spec_module.GuidedSpec, "grammar", waits_then_builds)
+    patient = GrammarCompiler(tok, timeout=0.2)
+    assert patient.compile(json_schema_spec(SCHEMA, "guided_json")).spec.kind == "json_schema"
+    monkeypatch.setattr(spec_module.GuidedSpec, "grammar", slow_to_start)
+    strict = GrammarCompiler(tok, timeout=1e-9)
+    with pytest.raises(InvalidRequestError, match=r"response_format took \d+\.\d s of CPU to compile; the limit is 1e-09 s") as err:
+        strict.compile(json_schema_spec(SCHEMA, "response_format"))
+    assert err.value.param == "response_format"
 
 
 # -- the batched mask against llguidance's per-token check -----------------------------------------
