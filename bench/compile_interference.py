@@ -28,6 +28,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # a checkout without an install
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
+from guided_cost import run as decode_rate  # noqa: E402  (output tokens/s of one batch)
 from isolation import _worst_schema  # noqa: E402
 from orca_ext import SamplingParams, Server  # noqa: E402
 from orca_ext.guided import GrammarCompiler, json_schema_spec, llg_tokenizer  # noqa: E402
@@ -61,13 +62,6 @@ class CompileLoad:
         self._stop.set()
         self._thread.join()
         self.workers.shutdown()
-
-
-def decode_rate(server: Server, prompts, params) -> float:
-    start = time.perf_counter()
-    rids = [server.submit(p, sp) for p, sp in zip(prompts, params)]
-    tokens = sum(len(server.result(r, timeout=3600).token_ids) for r in rids)
-    return tokens / (time.perf_counter() - start)
 
 
 def main(argv=None) -> int:
