@@ -195,6 +195,7 @@ def main(argv=None) -> int:
     if not batches or batches[0] < 1 or args.iters < 1 or args.context < 2:
         ap.error("--batches must be positive integers, --iters >= 1, --context >= 2")
     if args.dry_run:
+        preset_spec(args.preset, args.context)  # the spec a real run would build: its errors show here too
         device, dtype, preset, backend = torch.device("cpu"), torch.float32, "tiny", EagerReplayBackend()
     else:
         if not torch.cuda.is_available():

@@ -6,6 +6,9 @@ back through our own config parser as a served model folder would be."""
 from __future__ import annotations
 
 import importlib.util
+import json
+import os
+import subprocess
 import sys
 from pathlib import Path
 
@@ -49,6 +52,18 @@ def test_the_cuda_graphs_script_builds_its_default_preset():
                       if '"--preset"' in line)
     default = ap_default.split('default="')[1].split('"')[0]
     assert default in cuda_graphs.PRESETS and default != "tiny"
+
+
+@pytest.mark.parametrize("preset", sorted(set(cuda_graphs.PRESETS) - {"tiny"}))
+def test_the_cuda_graphs_dry_run_builds_the_spec_of_the_requested_preset(tmp_path, preset):
+    """--dry-run runs the tiny model on the CPU, but first builds the requested preset's spec."""
+    out = tmp_path / "graphs.json"
+    proc = subprocess.run([sys.executable, str(ROOT / "bench" / "cuda_graphs.py"), "--dry-run", "--preset", preset,
+                           "--batches", "1,3", "--iters", "1", "--context", "40", "--out", str(out)],
+                          capture_output=True, text=True, timeout=300, cwd=ROOT,
+                          env=dict(os.environ, OMP_NUM_THREADS="1"))
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:]
+    assert [row["batch"] for row in json.loads(out.read_text())["rows"]] == [1, 3]
 
 
 def served_spec(config, folder: Path) -> ModelSpec:
