@@ -501,10 +501,13 @@ if want build || { [ "$STEPS" != "preflight" ] && ! module_ok; }; then
   build_rc=$?
   cat "$BUILD_LOG" >> "$LOG"
   if [ "$build_rc" -ne 0 ]; then
-    # The CMake and compiler error lines (with the two lines after each: the source line and the
-    # caret, or the rest of a CMake message), into the log and build_errors.txt; then stop, so a
-    # fixed rerun still fits in the machine's time.
-    grep -n -i -E -A2 'CMake Error|error|FAILED:|undefined reference|fatal|Traceback' "$BUILD_LOG" | head -n 200 > "$BUILD_ERRORS"
+    # The CMake and compiler error lines, each with the lines after it (a compiler's source line
+    # and caret: 2; a CMake message: 8), into the log and build_errors.txt; then stop, so a fixed
+    # rerun still fits in the machine's time.
+    awk '{ l = tolower($0) }
+         l ~ /cmake error/ { n = 8 }
+         l ~ /error|failed:|undefined reference|fatal|traceback/ { if (n < 2) n = 2; printf "%d: %s\n", NR, $0; next }
+         n > 0 { printf "%d- %s\n", NR, $0; n-- }' "$BUILD_LOG" | head -n 200 > "$BUILD_ERRORS"
     [ -s "$BUILD_ERRORS" ] || tail -n 40 "$BUILD_LOG" > "$BUILD_ERRORS"  # no error line: the end of the log
     [ "$build_rc" -eq 124 ] || [ "$build_rc" -eq 137 ] && echo "(the build ran out of time: its cap or the deadline)" >> "$BUILD_ERRORS"
     { echo "==== build errors (also in build_errors.txt) ===="; cat "$BUILD_ERRORS"; echo "===="; } | tee -a "$LOG"
