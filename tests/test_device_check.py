@@ -298,6 +298,8 @@ def test_a_failed_build_ends_the_run_at_once_with_its_error_lines(tmp_path, fail
     assert any(error_line in line for line in r.summary["build_errors"])
     if failing == "build":  # the source line and caret come with the error
         assert "copy_plan(pools, n_pools);" in errors and "[1/40] Building CXX" not in errors
+    if failing == "configure":  # and the whole of a CMake message
+        assert "ORCA_CUDA=ON but no CUDA compiler (nvcc) was found" in errors
 
 
 def test_a_build_out_of_time_ends_the_run(tmp_path):
