@@ -10,10 +10,21 @@ PROMPT ?= What is continuous batching in LLM serving? Answer in two sentences.
 # torch, in a venv of its own (never .venv: pip would replace the CPU torch there), into a build
 # folder of its own, then import the module without a GPU and check that the CUDA dispatch is
 # compiled in. Catches build-path failures before a GPU is ever lent. Re-runs reuse venv and build.
-CUDA_VENV  ?= build/venv-cuda
+# The defaults match the GPU machine bench/device_check.sh first runs on: Python 3.12 and
+# torch 2.11.0 (its PyPI wheel carries CUDA 13.0, as the machine's nvcc). Another pairing is a
+# variable away, e.g. `make cuda-build-check CUDA_PYTHON_VERSION=3.11 CUDA_TORCH_VERSION=2.14.1`;
+# each pairing gets its own venv and build folder, so switching back rebuilds nothing.
+CUDA_PYTHON_VERSION ?= 3.12
+CUDA_TORCH_VERSION  ?= 2.11.0
+# The interpreter: pyenv's install of that version if there is one, else pythonX.Y on PATH (a pyenv
+# shim on PATH may name a version that is not selected, hence pyenv first).
+CUDA_PYTHON ?= $(shell p=$$(pyenv prefix $(CUDA_PYTHON_VERSION) 2>/dev/null) && [ -x "$$p/bin/python$(CUDA_PYTHON_VERSION)" ] \
+                 && echo "$$p/bin/python$(CUDA_PYTHON_VERSION)" || command -v python$(CUDA_PYTHON_VERSION))
+CUDA_TORCH ?= torch==$(CUDA_TORCH_VERSION)
+CUDA_TAG   := py$(CUDA_PYTHON_VERSION)-torch$(CUDA_TORCH_VERSION)
+CUDA_VENV  ?= build/venv-cuda-$(CUDA_TAG)
 CUDA_PY    := $(CUDA_VENV)/bin/python
-CUDA_TORCH ?= torch==2.14.1
-CUDA_BUILD ?= build/cuda-check
+CUDA_BUILD ?= build/cuda-check-$(CUDA_TAG)
 NVCC       ?= /usr/local/cuda/bin/nvcc
 JOBS       ?= $(shell nproc)
 
@@ -48,7 +59,10 @@ wheel: $(DEPS_STAMP)
 	$(PIP) wheel --no-build-isolation --no-deps -w dist .
 
 $(CUDA_VENV)/.torch-installed:
-	python3 -m venv $(CUDA_VENV)
+	@v=$$("$(CUDA_PYTHON)" -c 'import sys; print("%d.%d" % sys.version_info[:2])' 2>/dev/null); [ "$$v" = "$(CUDA_PYTHON_VERSION)" ] || \
+	  { echo "cuda-build-check: no working Python $(CUDA_PYTHON_VERSION) (tried '$(CUDA_PYTHON)'): install it" \
+	         "(e.g. pyenv install $(CUDA_PYTHON_VERSION)) or pass CUDA_PYTHON=/path/to/python$(CUDA_PYTHON_VERSION)"; exit 1; }
+	"$(CUDA_PYTHON)" -m venv $(CUDA_VENV)
 	$(CUDA_PY) -m pip install -q $(CUDA_TORCH) numpy
 	touch $@
 

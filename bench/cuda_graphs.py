@@ -58,6 +58,14 @@ PRESETS = {
 TARGET_HOST_US_AT_256 = 100.0
 
 
+def preset_spec(preset: str, context: int):
+    """The ModelSpec of `preset` with room for `context` positions: the preset's own
+    max_position_embeddings (8192 where it names none), raised to context + 1 if that is larger."""
+    fields = dict(PRESETS[preset])
+    fields["max_position_embeddings"] = max(fields.get("max_position_embeddings", 8192), context + 1)
+    return random_spec(**fields)
+
+
 def git_commit() -> str:
     try:
         return subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True, text=True,
@@ -187,13 +195,14 @@ def main(argv=None) -> int:
     if not batches or batches[0] < 1 or args.iters < 1 or args.context < 2:
         ap.error("--batches must be positive integers, --iters >= 1, --context >= 2")
     if args.dry_run:
+        preset_spec(args.preset, args.context)  # the spec a real run would build: its errors show here too
         device, dtype, preset, backend = torch.device("cpu"), torch.float32, "tiny", EagerReplayBackend()
     else:
         if not torch.cuda.is_available():
             log.error("no CUDA device (use --dry-run to check the flow on the CPU)")
             return 2
         device, dtype, preset, backend = torch.device("cuda"), getattr(torch, args.dtype), args.preset, None
-    spec = random_spec(**PRESETS[preset], max_position_embeddings=max(8192, args.context + 1))
+    spec = preset_spec(preset, args.context)
     model = random_causal_lm(spec, device, dtype, seed=args.seed)
     eager = CausalLM(model.spec, model.embed, model.layers, model.final_norm, model.lm_head, device, dtype)
     max_batch = max(batches)

@@ -83,13 +83,21 @@ class Deadline:
 
 
 # ---- model ---------------------------------------------------------------------------------------
-def make_model_dir(directory: Path, seed: int, cfg: dict, device: str) -> Path:
-    """Save a Qwen3-shaped model (`cfg`) with random bf16 weights and no tokenizer into `directory`."""
+def hf_config(cfg: dict):
+    """The transformers Qwen3Config of `cfg` (QWEN3_06B or TINY)."""
     import transformers
 
     # Token ids only: bos/eos/pad are ordinary ids here (EOS is ignored by every run).
     config = transformers.Qwen3Config(**cfg, bos_token_id=1, eos_token_id=2, pad_token_id=0)
     config.architectures = ["Qwen3ForCausalLM"]
+    return config
+
+
+def make_model_dir(directory: Path, seed: int, cfg: dict, device: str) -> Path:
+    """Save a Qwen3-shaped model (`cfg`) with random bf16 weights and no tokenizer into `directory`."""
+    import transformers
+
+    config = hf_config(cfg)
     torch.manual_seed(seed)
     with torch.device(device):
         model = transformers.Qwen3ForCausalLM(config).to(torch.bfloat16).eval()

@@ -45,13 +45,20 @@ SHAPE = dict(hidden_size=2048, intermediate_size=5632, num_hidden_layers=8, num_
              tie_word_embeddings=False)
 
 
+def hf_config():
+    """The transformers LlamaConfig of SHAPE."""
+    import transformers
+
+    config = transformers.LlamaConfig(**SHAPE)
+    config.architectures = ["LlamaForCausalLM"]
+    return config
+
+
 def build_model(folder: Path) -> Path:
     import transformers
 
     torch.manual_seed(0)
-    config = transformers.LlamaConfig(**SHAPE)
-    config.architectures = ["LlamaForCausalLM"]
-    model = transformers.LlamaForCausalLM(config).to(torch.bfloat16)
+    model = transformers.LlamaForCausalLM(hf_config()).to(torch.bfloat16)
     model.save_pretrained(str(folder), safe_serialization=True)
     return folder
 

@@ -8,11 +8,15 @@
 // No input rotation: the decode cases read 270-290 MB of K/V per call, several times the L2, and
 // the prefill case is compute-bound.
 // --small runs only small validation cases (for compute-sanitizer).
+// Cases of one shape share their random inputs and reference rows (made once, see Inputs), so the
+// sweep validates every variant without regenerating ~140 M random numbers per variant.
 // Sweep of the runtime knobs (RaggedAttentionTuning) on the decode cases, in the same run:
 //   --items-per-sm LIST   decode work items per SM (default 4,16,64)
 //   --decode-stages LIST  0 = the shared kernel, 2/3 = the decode kernel (default 0,2,3)
 // plus, per kernel, the attention alone from a plan built once (what each layer of a forward pass
 // pays) next to plan + attention.
+#include <map>
+#include <memory>
 #include <numeric>
 #include <sstream>
 
@@ -46,8 +50,25 @@ const void* upload_index(const std::vector<int>& v, std::vector<std::unique_ptr<
   return keep.back()->ptr;
 }
 
+// The inputs of one case shape (lengths, heads, index width, unowned rows, seed): random q, K and V
+// on the device, and the float64 reference of the rows validation checks. Built once per shape and
+// shared by every case of that shape: the knob sweep runs 24 variants over two decode shapes, each
+// ~140 M random numbers and a reference that one host thread would otherwise redo per variant.
 template <typename T>
-bool run_case(const Case& c, const Args& args, double copy_gbps, uint64_t seed) {
+struct Inputs {
+  int64_t n_tokens = 0, n_slots = 0;
+  std::vector<int> q_start, kv_start;
+  std::unique_ptr<DevBuf<T>> dq, dk, dv;
+  std::vector<std::unique_ptr<DevBuf<int32_t>>> keep32;
+  std::vector<std::unique_ptr<DevBuf<int64_t>>> keep64;
+  const void *d_qs = nullptr, *d_ql = nullptr, *d_ks = nullptr, *d_kl = nullptr;
+  std::vector<size_t> checked;    // element offset of each checked query row ([Hq, D] values)
+  std::vector<double> expected;   // [checked rows, Hq, D]
+};
+
+template <typename T>
+std::unique_ptr<Inputs<T>> make_inputs(const Case& c, uint64_t seed) {
+  auto in = std::make_unique<Inputs<T>>();
   std::mt19937_64 rng(seed);
   const int B = static_cast<int>(c.q_len.size());
   const int hq = c.hq, hkv = c.hkv, D = c.d;
@@ -55,30 +76,98 @@ bool run_case(const Case& c, const Args& args, double copy_gbps, uint64_t seed) 
   std::vector<int> order(B);
   std::iota(order.begin(), order.end(), 0);
   std::shuffle(order.begin(), order.end(), rng);
-  std::vector<int> q_start(B), kv_start(B);
-  int64_t n_tokens = 0;
-  for (int b : order) q_start[b] = static_cast<int>(n_tokens), n_tokens += c.q_len[b];
-  n_tokens += c.extra_rows;
+  in->q_start.resize(B);
+  in->kv_start.resize(B);
+  for (int b : order) in->q_start[b] = static_cast<int>(in->n_tokens), in->n_tokens += c.q_len[b];
+  in->n_tokens += c.extra_rows;
   std::shuffle(order.begin(), order.end(), rng);
-  int64_t n_slots = static_cast<int64_t>(rng() % 7);
-  for (int b : order) kv_start[b] = static_cast<int>(n_slots), n_slots += c.kv_len[b] + static_cast<int64_t>(rng() % 9);
-  n_slots += 3;
+  in->n_slots = static_cast<int64_t>(rng() % 7);
+  for (int b : order)
+    in->kv_start[b] = static_cast<int>(in->n_slots), in->n_slots += c.kv_len[b] + static_cast<int64_t>(rng() % 9);
+  in->n_slots += 3;
 
-  const std::vector<T> q = random_vec<T>(size_t(n_tokens) * hq * D, rng, 2.f);
-  const std::vector<T> kc = random_vec<T>(size_t(n_slots) * hkv * D, rng);
-  const std::vector<T> vc = random_vec<T>(size_t(n_slots) * hkv * D, rng);
-  DevBuf<T> dq(q), dk(kc), dv(vc), dout(size_t(n_tokens) * hq * D);
+  const std::vector<T> q = random_vec<T>(size_t(in->n_tokens) * hq * D, rng, 2.f);
+  const std::vector<T> kc = random_vec<T>(size_t(in->n_slots) * hkv * D, rng);
+  const std::vector<T> vc = random_vec<T>(size_t(in->n_slots) * hkv * D, rng);
+  in->dq = std::make_unique<DevBuf<T>>(q);
+  in->dk = std::make_unique<DevBuf<T>>(kc);
+  in->dv = std::make_unique<DevBuf<T>>(vc);
+  auto up = [&](const std::vector<int>& v) {
+    return c.int64_index ? upload_index<int64_t>(v, in->keep64) : upload_index<int32_t>(v, in->keep32);
+  };
+  in->d_qs = up(in->q_start);
+  in->d_ql = up(c.q_len);
+  in->d_ks = up(in->kv_start);
+  in->d_kl = up(c.kv_len);
+
+  // CPU reference (double) on a sample of rows of every request, all heads and dims.
+  const float scale = 1.f / std::sqrt(static_cast<float>(D));  // as run_case passes it
+  std::vector<double> o(size_t(hq) * D);
+  for (int b = 0; b < B; ++b) {
+    const int ql = c.q_len[b], kl = c.kv_len[b];
+    std::vector<int> rows;
+    if (ql <= c.sample_rows) {
+      rows.resize(ql);
+      std::iota(rows.begin(), rows.end(), 0);
+    } else {
+      rows = {0, ql - 1};
+      while (static_cast<int>(rows.size()) < c.sample_rows) rows.push_back(static_cast<int>(rng() % ql));
+    }
+    for (int i : rows) {
+      const size_t base = size_t(in->q_start[b] + i) * hq * D;
+      ref::attention_row(&q[base], kc.data(), vc.data(), in->kv_start[b], kl - ql + i + 1, hq, hkv, D, scale,
+                         ToDouble{}, o.data());
+      in->checked.push_back(base);
+      in->expected.insert(in->expected.end(), o.begin(), o.end());
+    }
+  }
+  return in;
+}
+
+template <typename T>
+std::map<std::string, std::unique_ptr<Inputs<T>>>& inputs_cache() {
+  static std::map<std::string, std::unique_ptr<Inputs<T>>> cache;
+  return cache;
+}
+
+// Frees the shared inputs when main returns, while the CUDA runtime is still up (a static's
+// destructor would run after its teardown, and cudaFree would fail there).
+struct InputsScope {
+  ~InputsScope() {
+    inputs_cache<__nv_bfloat16>().clear();
+    inputs_cache<__half>().clear();
+    inputs_cache<float>().clear();
+  }
+};
+
+// The shared inputs of `c`'s shape with `seed` (made on first use).
+template <typename T>
+const Inputs<T>& inputs_of(const Case& c, uint64_t seed) {
+  auto& cache = inputs_cache<T>();
+  std::ostringstream key;
+  key << seed << ' ' << c.hq << ' ' << c.hkv << ' ' << c.d << ' ' << c.int64_index << ' ' << c.extra_rows << ' '
+      << c.sample_rows << " q";
+  for (int x : c.q_len) key << ' ' << x;
+  key << " kv";
+  for (int x : c.kv_len) key << ' ' << x;
+  std::unique_ptr<Inputs<T>>& slot = cache[key.str()];
+  if (!slot) slot = make_inputs<T>(c, seed);
+  return *slot;
+}
+
+template <typename T>
+bool run_case(const Case& c, const Args& args, double copy_gbps, uint64_t seed) {
+  const Inputs<T>& in = inputs_of<T>(c, seed);
+  const int B = static_cast<int>(c.q_len.size());
+  const int hq = c.hq, hkv = c.hkv, D = c.d;
+  const int64_t n_tokens = in.n_tokens, n_slots = in.n_slots;
+  const void *d_qs = in.d_qs, *d_ql = in.d_ql, *d_ks = in.d_ks, *d_kl = in.d_kl;
+  const DevBuf<T>& dq = *in.dq;
+  const DevBuf<T>& dk = *in.dk;
+  const DevBuf<T>& dv = *in.dv;
+  DevBuf<T> dout(size_t(n_tokens) * hq * D);
   // NaN everywhere: a row the kernel neither computes nor zeroes fails the validation below.
   BENCH_CHECK(cudaMemset(dout.ptr, 0xff, dout.n * sizeof(T)));
-  std::vector<std::unique_ptr<DevBuf<int32_t>>> keep32;
-  std::vector<std::unique_ptr<DevBuf<int64_t>>> keep64;
-  auto up = [&](const std::vector<int>& v) {
-    return c.int64_index ? upload_index<int64_t>(v, keep64) : upload_index<int32_t>(v, keep32);
-  };
-  const void* d_qs = up(q_start);
-  const void* d_ql = up(c.q_len);
-  const void* d_ks = up(kv_start);
-  const void* d_kl = up(c.kv_len);
 
   const kern::DType dt = dtype_of<T>();
   const size_t ws_bytes = std::max(kern::ragged_attention_workspace_bytes(dt, n_tokens, B, hq, hkv, D),
@@ -117,28 +206,12 @@ bool run_case(const Case& c, const Args& args, double copy_gbps, uint64_t seed) 
   BENCH_CHECK(cudaDeviceSynchronize());
   const std::vector<T> out = dout.download();
 
-  // CPU reference (double) on a sample of rows of every request, all heads and dims.
   const double atol = sizeof(T) == 4 ? 1e-4 : (std::is_same<T, __half>::value ? 3e-3 : 1e-2);
   const double rtol = sizeof(T) == 4 ? 1e-4 : (std::is_same<T, __half>::value ? 1e-2 : 2e-2);
   Checker chk{atol, rtol};
-  std::vector<double> o(size_t(hq) * D);
-  for (int b = 0; b < B; ++b) {
-    const int ql = c.q_len[b], kl = c.kv_len[b];
-    std::vector<int> rows;
-    if (ql <= c.sample_rows) {
-      rows.resize(ql);
-      std::iota(rows.begin(), rows.end(), 0);
-    } else {
-      rows = {0, ql - 1};
-      while (static_cast<int>(rows.size()) < c.sample_rows) rows.push_back(static_cast<int>(rng() % ql));
-    }
-    for (int i : rows) {
-      const size_t base = size_t(q_start[b] + i) * hq * D;
-      ref::attention_row(&q[base], kc.data(), vc.data(), kv_start[b], kl - ql + i + 1, hq, hkv, D, scale, ToDouble{},
-                         o.data());
-      for (size_t e = 0; e < o.size(); ++e) chk.add(to_f(out[base + e]), o[e], "out", base + e);
-    }
-  }
+  const size_t row = size_t(hq) * D;
+  for (size_t r = 0; r < in.checked.size(); ++r)
+    for (size_t e = 0; e < row; ++e) chk.add(to_f(out[in.checked[r] + e]), in.expected[r * row + e], "out", in.checked[r] + e);
   for (size_t i = size_t(n_tokens - c.extra_rows) * hq * D; i < out.size(); ++i) chk.add(to_f(out[i]), 0.0, "unowned", i);
   const std::string label = c.name + " (" + type_name<T>() + ", D=" + std::to_string(D) + ", Hq/Hkv=" +
                             std::to_string(hq) + "/" + std::to_string(hkv) + ", B=" + std::to_string(B) + ")";
@@ -230,6 +303,7 @@ Sweep take_sweep_args(int& argc, char** argv) {
 }  // namespace
 
 int main(int argc, char** argv) {
+  const InputsScope inputs_scope;
   const Sweep sweep = take_sweep_args(argc, argv);
   const Args args = parse_args(argc, argv);
   bool ok = true;

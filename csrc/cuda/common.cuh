@@ -154,4 +154,8 @@ inline bool aligned16(const void* p) { return (reinterpret_cast<uintptr_t>(p) & 
 // Streaming multiprocessors of the current device (cached per device; 0 on error).
 int current_device_sm_count();
 
+// Largest pitch (bytes) of a 2-D memory copy on the current device, cudaDevAttrMaxPitch (cached per
+// device; 0 on error).
+size_t current_device_max_pitch();
+
 }  // namespace orca::kernels::detail

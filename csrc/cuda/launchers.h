@@ -157,8 +157,9 @@ cudaError_t ragged_attention(DType dtype, IndexType index_type,
 // ranges may overlap). Rows are opaque bytes (any dtype). `moves` is HOST memory: the launcher
 // walks it to enqueue device copies, so nothing is read back from the device. An overlapping move
 // is staged through `scratch` (any content, may be nullptr) when it holds more rows per pool than
-// the move's shift, else copied in pieces of `shift` rows. cudaErrorInvalidValue for a range
-// outside [0, S).
+// the move's shift, else copied in pieces of `shift` rows. Pools larger than the device's maximum
+// 2-D copy pitch (2^31 - 1 bytes) are copied pool by pool (the plan: slab_move_plan.h).
+// cudaErrorInvalidValue for a range outside [0, S).
 cudaError_t slab_move(void* pools,             // [P, S, row_bytes]
                       int64_t n_pools, int64_t n_slots, int64_t row_bytes,
                       const int64_t* moves,    // [M, 3] (src, dst, n), host memory

@@ -102,6 +102,29 @@ def test_decode_kernel_on_random_mixed_batches(decode_stages, dtype, head_dim):
                  f"decode_stages={decode_stages} {kinds}")
 
 
+@pytest.mark.parametrize("decode_stages", [0, 2, 3])
+@pytest.mark.parametrize("heads,head_dim,dtype", [((17, 1), 128, torch.bfloat16), ((32, 1), 128, torch.float16),
+                                                  ((40, 2), 64, torch.bfloat16), ((48, 2), 80, torch.float16),
+                                                  ((96, 4), 96, torch.bfloat16)])
+def test_gqa_groups_over_16_heads(decode_stages, heads, head_dim, dtype):
+    """With G > 16 query heads per KV head even a one-token decode packs G rows, more than a 16-row
+    decode tile holds: such decodes run as prefill items (128-row tiles, or several 16-row tiles
+    under the decode kernel). Every request of the long mixed batch is one, decodes over thousands
+    of keys included, with one plan reused across layers and with a plan built per call."""
+    n_q, n_kv = heads
+    idx, layer = long_mixed_batch(n_q * head_dim + decode_stages, n_q, n_kv, head_dim, dtype)
+    q0, k0, _ = layer()
+    plan = plan_for(q0, k0, idx, decode_stages=decode_stages)
+    scale = 1 / math.sqrt(head_dim)
+    for i in range(2):
+        q, k, v = layer()
+        out = _C.ragged_attention(q, k, v, *idx, scale, plan)
+        assert_close(out, expected_of(q, k, v, idx, scale), dtype, f"G={n_q // n_kv} layer {i}")
+    # Without a plan (one built per call) the result is the same.
+    out = _C.ragged_attention(q, k, v, *idx, scale)
+    assert_close(out, expected_of(q, k, v, idx, scale), dtype, f"G={n_q // n_kv} without a plan")
+
+
 @pytest.mark.parametrize("decode_stages", [0, 3])
 def test_unowned_rows_are_zeroed_by_every_launch(decode_stages):
     case = make_ragged_case(21, ["decode", "prefill", "prefix"], 8, 2, 64, torch.bfloat16, device=DEV)

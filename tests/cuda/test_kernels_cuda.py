@@ -208,6 +208,22 @@ def test_ragged_attention_cuda_core_fallback(dtype, head_dim):
     assert_close(out, reference_attention(case, scale), dtype, f"ragged_attention fallback D={head_dim}")
 
 
+@pytest.mark.parametrize("dtype", ALL_DTYPES)
+@pytest.mark.parametrize("heads", [(8, 2), (20, 1)])
+def test_ragged_attention_head_dim_256_on_the_cuda_core_kernel(dtype, heads):
+    """head_dim 256, the largest the CUDA-core kernel holds (kGenericMaxDim: 8 values per lane),
+    on mixed batches whose contexts span several 32-key steps; one more is refused by name."""
+    n_q, n_kv = heads
+    kinds = random_kinds(256 + n_q, 6)
+    case = make_ragged_case(256 * n_q, kinds, n_q, n_kv, 256, dtype, device=DEV, max_context=200)
+    scale = 1 / 16
+    out = _C.ragged_attention(case.q, case.k_cache, case.v_cache, *case.index_tensors(), scale)
+    assert_close(out, reference_attention(case, scale), dtype, f"ragged_attention D=256 {kinds}")
+    too_wide = make_ragged_case(3, ["decode", "prefill"], n_q, n_kv, 258, dtype, device=DEV)
+    with pytest.raises(ValueError, match="head_dim 258 is not supported"):
+        _C.ragged_attention(too_wide.q, too_wide.k_cache, too_wide.v_cache, *too_wide.index_tensors(), scale)
+
+
 def test_ragged_attention_uncovered_rows_are_zero():
     case = make_ragged_case(21, ["decode", "prefill", "prefix"], 8, 2, 64, torch.bfloat16, device=DEV)
     extra = torch.randn(5, 8, 64, device=DEV).to(torch.bfloat16)
@@ -336,6 +352,41 @@ def test_slab_move_matches_reference_bit_for_bit(dtype, shape):
     dev = pools.to(DEV)
     _C.slab_move(dev, torch.tensor(moves, dtype=torch.int64))
     assert torch.equal(dev.cpu(), expected)
+
+
+def test_slab_move_pools_over_2_gib_match_reference():
+    """Pools of over 2 GiB each, as a large model's KV cache has on this GPU: their pitch (one
+    pool's bytes) exceeds cudaDevAttrMaxPitch (2^31 - 1), which no 2-D device copy accepts, so the
+    moves go pool by pool. Disjoint moves across the 2 GiB mark, overlapping ones staged through
+    the scratch (a shift below its 10,922 rows per pool) and in shift-sized pieces (a larger one)."""
+    n_pools, heads, head_dim = 3, 8, 128  # a row: 8 KV heads x 128 int16 = 2 KiB, as a bf16 K pool's
+    row_bytes = heads * head_dim * 2
+    n_slots = 2**31 // row_bytes + 40_000  # rows from 2^20 on lie past 2 GiB into their pool
+    assert n_slots * row_bytes > 2**31 - 1
+    pool_bytes = n_pools * n_slots * row_bytes
+    free, _total = torch.cuda.mem_get_info()
+    if free < 2.5 * pool_bytes:
+        pytest.skip(f"needs {2.5 * pool_bytes / 2**30:.1f} GiB free on the GPU, has {free / 2**30:.1f}")
+    gen = torch.Generator(device=DEV).manual_seed(2**31)
+    # int16: any bit pattern compares equal to itself (bf16 NaNs would not)
+    pools = torch.randint(-2**15, 2**15, (n_pools, n_slots, heads, head_dim), dtype=torch.int16, device=DEV,
+                          generator=gen)
+    rng = random.Random(31)
+    high = n_slots - 70_000
+    moves = [
+        (rng.randrange(1000), high + rng.randrange(1000), 50_000),      # low -> past 2 GiB
+        (high + rng.randrange(1000), rng.randrange(1000), 60_001),      # past 2 GiB -> low
+        (2**20 - 5, 2**20 + 95, 30_000),                                # overlapping, shift 100: scratch
+        (high - 300_000, high - 300_007, 200_003),                      # overlapping the other way
+        (300_000, 350_000, 100_000),                                    # shift 50,000 > scratch: pieces
+        (n_slots - 100_000, n_slots - 160_000, 100_000),                # the last rows, pieces downward
+        (123, 123, 1000), (5, 9, 0),                                    # no-ops
+    ]
+    expected = pools.clone()
+    reference.slab_move(expected, moves)
+    _C.slab_move(pools, torch.tensor(moves, dtype=torch.int64))
+    torch.cuda.synchronize()
+    assert torch.equal(pools, expected)
 
 
 # ---- batch-invariant paths ---------------------------------------------------------------------------

@@ -552,13 +552,31 @@ __global__ void __launch_bounds__(kThreads, 2) ragged_attention_mma_kernel(Param
 // Prefill work, if an iteration has any, arrives as 16-row tiles (the plan was built with
 // prefill_rows = 16) and runs unsplit through the same routine: correct, but slower than the
 // shared kernel's 128-row tiles, so this kernel is meant for decode-only iterations.
+//
+// Its __launch_bounds__ minimum of blocks per SM is what the shared memory lets fit on a Hopper SM
+// (228 KiB, 1 KiB of it reserved per block, plus the kernel's few static bytes), at most 3: a
+// promise of more blocks than fit would only cap the registers (65536 / (128 threads x 3 blocks)
+// = 170 per thread) for no occupancy. At D = 128 and 3 stages a block takes
+// (16 x 136 + 2 x 3 x 64 x 136) x 2 B = 108,800 B, so 2 blocks fit and the registers are not
+// capped (2 blocks: 256 per thread, the hardware's 255). On an A100 (164 KiB per SM) the bound may
+// name more blocks than fit, which caps nothing below 3.
 template <typename T, int D, int STAGES>
 struct DecodeTile {
   static constexpr size_t BYTES = size_t(kDecodeRows * Tile<T, D>::LD + 2 * STAGES * Tile<T, D>::KV_ELEMS) * sizeof(T);
+  static constexpr size_t kSmemPerSm = 228 * 1024;     // sm_90
+  static constexpr size_t kReservedPerBlock = 1024;    // the system's share of each block's shared memory
+  static constexpr size_t kStaticBytes = 256;          // __shared__ variables (16 B today), rounded up
+  static constexpr size_t kFit = kSmemPerSm / (BYTES + kReservedPerBlock + kStaticBytes);
+  static constexpr int MIN_BLOCKS = kFit < 1 ? 1 : kFit > 3 ? 3 : static_cast<int>(kFit);
 };
+static_assert(DecodeTile<__nv_bfloat16, 128, 3>::BYTES == 108800 && DecodeTile<__nv_bfloat16, 128, 3>::MIN_BLOCKS == 2,
+              "head_dim 128, 3 stages: 108,800 B of shared memory per block, 2 blocks per SM");
+static_assert(DecodeTile<__nv_bfloat16, 128, 2>::MIN_BLOCKS == 3 && DecodeTile<__nv_bfloat16, 64, 3>::MIN_BLOCKS == 3,
+              "73,984 B (D 128, 2 stages) and 57,600 B (D 64, 3 stages) leave room for 3 blocks");
 
 template <typename T, int D, int STAGES>
-__global__ void __launch_bounds__(kThreads, 3) ragged_attention_decode_kernel(Params p) {
+__global__ void __launch_bounds__(kThreads, DecodeTile<T, D, STAGES>::MIN_BLOCKS)
+    ragged_attention_decode_kernel(Params p) {
   extern __shared__ __align__(16) unsigned char smem_raw[];
   T* smem = reinterpret_cast<T*>(smem_raw);
   run_work_list(p, [&](int4 it) {
