@@ -1,18 +1,20 @@
-"""Server CPU per refused oversize request head: what one head of `bench/isolation.py`'s
-oversize_head attack costs the server.
+"""Server CPU per refused request: what one request of `bench/isolation.py`'s oversize_head and
+oversize_body attacks costs the server.
 
 The `serve` transport (transport.make_config) runs in a thread of this process around the fake
 model of tests/fake_model.py; the client, in the main thread, opens a connection from 127.0.0.2,
-sends one request head of `--size` bytes in one write, reads the answer (or the close) and closes,
-`--heads` times in a row. Reported: the server thread's CPU time (utime + stime from
-/proc/self/task, so the client's own work is not counted) per head, for a client with budget left
-(every head answered 400) and for a client in debt (the budget's burst spent by the first head).
+sends one request in one write (a head of `--size` bytes; or a head declaring a 2 MiB body, then
+the body, over the 1 MiB body limit), reads the answer (or the close) and closes, `--requests`
+times in a row. Reported: the server thread's CPU time (its run time from /proc/self/task/*/schedstat, so
+the client's own work is not counted) per request, for a client with budget left (every request
+answered 400 or 413) and for a client in debt (the budget's burst spent by the first request).
 
-    python bench/refusal_cost.py --heads 2000 2>/dev/null
+    python bench/refusal_cost.py --requests 2000 2>/dev/null
 """
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import socket
 import sys
@@ -29,8 +31,8 @@ ATTACKER = "127.0.0.2"
 
 
 def thread_cpu_seconds(native_id: int) -> float:
-    fields = Path(f"/proc/self/task/{native_id}/stat").read_text().rsplit(")", 1)[1].split()
-    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+    """A thread's CPU time in ns resolution (schedstat's run time), not /proc stat's ticks."""
+    return int(Path(f"/proc/self/task/{native_id}/schedstat").read_text().split()[0]) / 1e9
 
 
 def free_port() -> int:
@@ -39,12 +41,12 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def one_head(port: int, head: bytes) -> str:
-    """Send `head` on a new connection; the answer's status, or how the connection ended."""
+def one_request(port: int, request: bytes) -> str:
+    """Send `request` on a new connection; the answer's status, or how the connection ended."""
     sock = socket.create_connection(("127.0.0.1", port), timeout=30, source_address=(ATTACKER, 0))
     try:
         try:
-            sock.sendall(head)
+            sock.sendall(request)
         except (BrokenPipeError, ConnectionResetError):
             pass
         data = b""
@@ -62,7 +64,7 @@ def one_head(port: int, head: bytes) -> str:
         sock.close()
 
 
-def measure(heads: int, size: int, budget_kwargs: dict) -> tuple[float, Counter]:
+def measure(requests: int, request: bytes, budget_kwargs: dict) -> tuple[float, Counter]:
     from fake_model import FakeModel, FakeTokenizer
     from orca_ext.http import create_app, transport
     from orca_ext.http.rejections import RejectionBudget
@@ -77,33 +79,32 @@ def measure(heads: int, size: int, budget_kwargs: dict) -> tuple[float, Counter]
     http = transport.DrainingServer(cfg, lambda hurry: app.state.service.drain(0.0, hurry))
     thread = threading.Thread(target=http.run, daemon=True)
     thread.start()
-    head = b"GET /health HTTP/1.1\r\nHost: 127.0.0.1\r\nX-Pad: " + b"a" * size + b"\r\n\r\n"
     statuses: Counter = Counter()
     try:
         deadline = time.monotonic() + 60
         while not http.started:
             assert time.monotonic() < deadline, "server did not start"
             time.sleep(0.05)
-        statuses[one_head(port, head)] += 1  # warm-up (and, with a tiny burst, the debt)
+        statuses[one_request(port, request)] += 1  # warm-up (and, with a tiny burst, the debt)
         time.sleep(0.2)
         cpu0 = thread_cpu_seconds(thread.native_id)
-        for _ in range(heads):
-            statuses[one_head(port, head)] += 1
+        for _ in range(requests):
+            statuses[one_request(port, request)] += 1
         time.sleep(0.2)  # the last connections' ends
         cpu = thread_cpu_seconds(thread.native_id) - cpu0
     finally:
         http.should_exit = True
         thread.join(60)
         server.shutdown()
-    return cpu / heads, statuses
+    return cpu / requests, statuses
 
 
 def main() -> None:
     import logging
 
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--heads", type=int, default=2000)
-    ap.add_argument("--size", type=int, default=100 << 10, help="bytes of the one header's value")
+    ap.add_argument("--requests", type=int, default=2000, help="requests of each kind and case")
+    ap.add_argument("--size", type=int, default=100 << 10, help="bytes of the oversize head's one header value")
     args = ap.parse_args()
     logging.basicConfig(level=logging.WARNING)  # warnings are written, as in `serve` (2>/dev/null to hide them)
     cases = {
@@ -112,9 +113,16 @@ def main() -> None:
         # not depend on how long an answer is held)
         "in debt": dict(rate=1.0, burst=1.0, max_delay=0.002),
     }
-    for name, kw in cases.items():
-        per_head, statuses = measure(args.heads, args.size, kw)
-        print(f"{name:12s} {per_head * 1e6:7.0f} us server CPU per head  {dict(statuses)}")
+    body = json.dumps({"model": "m", "prompt": "x" * (2 << 20)}).encode()
+    kinds = {
+        "oversize head": b"GET /health HTTP/1.1\r\nHost: 127.0.0.1\r\nX-Pad: " + b"a" * args.size + b"\r\n\r\n",
+        "oversize body": (b"POST /v1/completions HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: application/json\r\n"
+                          b"Content-Length: " + str(len(body)).encode() + b"\r\n\r\n" + body),
+    }
+    for kind, request in kinds.items():
+        for name, kw in cases.items():
+            per_request, statuses = measure(args.requests, request, kw)
+            print(f"{kind}, {name:12s} {per_request * 1e6:7.0f} us server CPU per request  {dict(statuses)}")
 
 
 if __name__ == "__main__":

@@ -4,13 +4,20 @@ Limits (all options of `serve`; defaults in settings.py):
 - --header-timeout (10 s): a connection must deliver a complete request line and headers this
   long after it opens (or after its previous response): slow-header clients cannot hold
   connections open forever.
-- request line + headers over 16 KiB get 400 and the connection is closed, whether they arrive
-  in pieces (h11's limit) or in one read (checked on the parsed request).
+- request line + headers over 16 KiB get 400 and the connection is closed, however they arrive:
+  the first read that takes a head past the limit without its end is refused there, and no byte
+  past the limit is ever parsed (h11's own limits and a check on the parsed request back this up).
+- malformed or oversize heads are charged to their client's rejection budget (rejections.py), as
+  the app's rejections are; while the client is in debt, such a head is not answered 400 but held
+  for the budget's delay, then answered with a fixed 429 and closed. Refusals are logged at most
+  once per REFUSAL_LOG_EVERY seconds of each kind, with a count, never once per request.
 - --keep-alive-timeout (5 s): an idle keep-alive connection is closed after this.
 - a response sent before its request's body was read (an error, or a route that reads no body)
   ends the connection: the server half-closes it at once and discards what the client still
-  sends for at most LINGER_SECONDS or LINGER_BYTES, then closes it. A declared body can never
-  keep a connection open past its response.
+  sends for at most LINGER_SECONDS or LINGER_BYTES, then closes it. A response that says
+  `Connection: close` (the 413 of an oversize body, a 408, the budget's 429) closes it at once
+  instead, leaving the rest unread: a client still writing then sees a reset, and must read while
+  it writes to see the answer. A declared body can never keep a connection open past its response.
 - --body-timeout (30 s, enforced by the service): the whole body must arrive within this.
 - --max-connections (2048) and --max-connections-per-client (256): connections.py; a refused
   connection gets the error at its first request, or is closed after REFUSED_WAIT seconds.
