@@ -213,7 +213,7 @@ def serving_protocol(timeout: float, limiter: ConnectionLimiter, keys: ClientKey
             lingering close, or while its client is in debt a held 429."""
             self._cancel_header_timer()
             refused_heads.refused(self._client_key, f"request line and headers over {MAX_HEADER_BYTES} bytes")
-            wait = self._charge(0)  # past the limit nothing is parsed: every such head costs alike
+            wait = self._charge()
             if wait > 0:
                 self._refuse_in_debt(wait)
                 return
@@ -226,7 +226,7 @@ def serving_protocol(timeout: float, limiter: ConnectionLimiter, keys: ClientKey
             connection and could destroy the answer before the client reads it. While the client
             is in debt, a held 429 instead."""
             refused_heads.refused(self._client_key, "malformed request line or headers")
-            wait = self._charge(0)
+            wait = self._charge()
             try:
                 output = self.conn.send(h11.Response(status_code=400, reason=b"Bad Request", headers=[
                     (b"content-type", b"text/plain; charset=utf-8"), (b"connection", b"close")]))
@@ -241,16 +241,17 @@ def serving_protocol(timeout: float, limiter: ConnectionLimiter, keys: ClientKey
             self.transport.write(output)
             self._linger()
 
-        def _charge(self, nbytes: int) -> float:
-            """Charge a request the transport refused (`nbytes` of it read) to its client: 0, or
-            the delay its answer must wait when the client was in debt already (as the app does
-            for the requests it rejects). A trusted proxy's connections carry many clients: they
-            are exempt, as from the connection limits (the app charges the client
+        def _charge(self) -> float:
+            """Charge a request the transport refused to its client, at the budget's minimum (no
+            head is parsed past MAX_HEADER_BYTES, so every refused head costs about the same): 0,
+            or the delay its answer must wait when the client was in debt already (as the app
+            does for the requests it rejects). A trusted proxy's connections carry many clients:
+            they are exempt, as from the connection limits (the app charges the client
             X-Forwarded-For names instead)."""
             if rejections is None or not self._connection or self._trusted:
                 return 0.0
             wait = rejections.delay(self._client_key)
-            rejections.charge(self._client_key, nbytes, self._connection)
+            rejections.charge(self._client_key, 0, self._connection)
             return wait
 
         def _refuse_in_debt(self, wait: float) -> None:
