@@ -73,7 +73,7 @@ def test_bad_heads_from_a_client_in_debt_end_in_429s_while_its_good_requests_are
         outcomes = [send_head(port, head) for _ in range(12)]
         assert outcomes[0] == "400"
         in_debt_from = next(i for i, o in enumerate(outcomes) if o != "400")
-        assert in_debt_from == 3, outcomes  # 16 KiB charged each: the third leaves 40 - 48 KiB
+        assert in_debt_from == 3, outcomes  # 16 KiB charged each: three take 48 KiB of 40
         assert set(outcomes[in_debt_from:]) <= {"429", "closed", "reset"}, outcomes
         assert budget.delay(ATTACKER) > 0
         # One more bad head, held far longer; meanwhile the same address is served elsewhere.
