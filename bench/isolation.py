@@ -14,9 +14,11 @@ stop checks) lowers that too, while other jobs on a shared machine slow tokens a
 this ratio stays meaningful when the wall-clock one is swamped by other load. (An attack that
 stalls the engine without using CPU shows only in the wall-clock rate.)
 
-Each victim connects from its own loopback address (127.0.0.10, .11, ...) and the attacker from
-127.0.0.2, so the server sees separate clients, as it would separate machines. Attacks (each is one client unless noted;
-requests are sent back to back):
+Each victim connects from its own loopback address (127.0.0.10, .11, ...) and each attack phase's
+attacker from addresses of its own (127.1.<phase>.2 and up), so the server sees separate clients, as
+it would separate machines, and no attack inherits what an earlier one left in the server's
+per-client state (a rejection debt outlasts a phase by minutes). Attacks (each is one client unless
+noted; requests are sent back to back):
   benign_client      a reference, not an attack: a fifth client with ordinary parameters
                      (temperature 1), i.e. what any extra client costs the victims
   one_token_client   a reference, not an attack: a fifth client whose requests ask for one token
@@ -27,7 +29,8 @@ requests are sent back to back):
   stop_strings_max   accepted: the most stop strings allowed, each as long as allowed, never matching
   stop_strings_huge  rejected by the limits: 1,000 stop strings of 1,000 characters
   huge_prompt        rejected: a 0.9 MB text prompt (longer than the context can hold)
-  oversize_body      rejected: a 2 MiB body (over --max-body-bytes)
+  oversize_body      rejected: a 2 MiB body (over --max-body-bytes), each on a new connection,
+                     read while written so that the early 413 ends the upload
   disconnect_churn   accepted, then the client hangs up after the first chunk (held to
                      one_token_client: hanging up may add nothing to that load)
   slow_headers       300 connections that send headers one byte every few seconds
@@ -39,7 +42,7 @@ requests are sent back to back):
                      back: each leaves a prefix cache entry no one will use, pushing out the entries
                      of the victims' shared prompt (one client's entries hold at most an equal share
                      of the slots; docs/DESIGN.md section 6, "Prefix caching")
-  connection_holding 2,047 connections from eight clients (127.0.0.2 - .9): GET /health declaring a
+  connection_holding 2,047 connections from eight clients (the phase's 8 addresses): GET /health declaring a
                      1 GB body, POSTs the server answers 404 / 415 / 401 without reading their
                      (1 GB, declared) body, and idle connections that send nothing; each sends a
                      body byte every 3 s and is reopened 3 s after the server closes it
@@ -102,7 +105,7 @@ from typing import Any, Awaitable, Callable
 import httpx
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from loopback import REPO, ServeProcess, raw_exchange, stream_completion  # noqa: E402
+from loopback import REPO, ServeProcess, raw_exchange, raw_upload, stream_completion  # noqa: E402
 
 log = logging.getLogger("bench.isolation")
 
@@ -110,9 +113,18 @@ VICTIM_PROMPT = "Write a short story about a lighthouse keeper who finds a messa
 VICTIM_TOKENS = 16
 # Every penalty on, at values that change the logits of every token seen (logits_controls_max).
 MAX_PENALTIES = {"presence_penalty": 2.0, "frequency_penalty": -2.0, "repetition_penalty": 1.3, "min_tokens": 16}
-ATTACKER_ADDRESS = "127.0.0.2"  # a second loopback address: a different client to the server
-HOLDING_ADDRESSES = [f"127.0.0.{2 + i}" for i in range(8)]  # connection_holding's clients (.2 - .9)
+ATTACK_ADDRESSES = 8  # loopback addresses per attack phase (connection_holding's eight clients)
 HUGE_LENGTH = 1_000_000_000  # a declared Content-Length no body will ever fill
+
+
+def attack_addresses(phase: int) -> list[str]:
+    """The loopback addresses of the `phase`-th attack phase (0, 1, ...): a block of its own,
+    127.1.<phase>.2 - .9, apart from the victims' and every other phase's. What an attack leaves
+    in the server's per-client state (a rejection debt that takes minutes to pay off, connections
+    still closing) then never falls on the attacks after it."""
+    if not 0 <= phase < 256:
+        raise ValueError(f"attack phase {phase}: at most 256 attack phases per run")
+    return [f"127.1.{phase}.{2 + i}" for i in range(ATTACK_ADDRESSES)]
 
 
 def victim_address(i: int) -> str:
@@ -265,12 +277,12 @@ async def _disconnect_loop(client, url, body, statuses: Counter) -> None:
             statuses[type(exc).__name__] += 1
 
 
-async def _slow_headers(port: int, statuses: Counter, n: int = 300, gap: float = 3.0) -> None:
+async def _slow_headers(port: int, address: str, statuses: Counter, n: int = 300, gap: float = 3.0) -> None:
     conns = []
     try:
         for _ in range(n):
             try:
-                r, w = await asyncio.open_connection("127.0.0.1", port, local_addr=(ATTACKER_ADDRESS, 0))
+                r, w = await asyncio.open_connection("127.0.0.1", port, local_addr=(address, 0))
             except OSError as exc:
                 statuses[type(exc).__name__] += 1
                 continue
@@ -332,16 +344,16 @@ def _holding_heads(api_key: str) -> dict[str, bytes]:
     return heads
 
 
-async def _connection_holding(port: int, api_key: str, statuses: Counter, n: int = 2047, gap: float = 3.0,
-                              backoff: float = 3.0) -> None:
-    """`n` connections from HOLDING_ADDRESSES (eight clients), each sending one of _holding_heads and
+async def _connection_holding(port: int, api_key: str, addresses: list[str], statuses: Counter, n: int = 2047,
+                              gap: float = 3.0, backoff: float = 3.0) -> None:
+    """`n` connections from `addresses` (eight clients), each sending one of _holding_heads and
     then a body byte every `gap` seconds, reopened `backoff` seconds after the server closes it."""
     heads = list(_holding_heads(api_key).items())
     open_now = [0]
 
     async def slot(i: int) -> None:
         kind, head = heads[i % len(heads)]
-        address = HOLDING_ADDRESSES[i % len(HOLDING_ADDRESSES)]
+        address = addresses[i % len(addresses)]
         await asyncio.sleep(random.random())  # spread the first opens over a second
         while True:
             open_now[0] += 1
@@ -409,20 +421,33 @@ async def _paced_raw_loop(client, url, payload: bytes, statuses: Counter, interv
         await asyncio.sleep(max(0.0, rng.uniform(*interval) - (time.perf_counter() - start)))
 
 
-async def _oversize_head(port: int, statuses: Counter, size: int = 100 << 10, connections: int = 2) -> None:
+async def _oversize_head(port: int, address: str, statuses: Counter, size: int = 100 << 10,
+                         connections: int = 2) -> None:
     """Request heads of `size` bytes (one header), each in one send, back to back."""
     head = b"GET /health HTTP/1.1\r\nHost: 127.0.0.1\r\nX-Pad: " + b"a" * size + b"\r\n\r\n"
 
     async def one() -> None:
         while True:
-            status, _ = await raw_exchange(port, ATTACKER_ADDRESS, head, gap=5.0, limit=10.0)
+            status, _ = await raw_exchange(port, address, head, gap=5.0, limit=10.0)
             statuses[status] += 1
 
     await asyncio.gather(*(one() for _ in range(connections)))
 
 
+def _post_head(api_key: str, length: int) -> bytes:
+    return (b"POST /v1/completions HTTP/1.1\r\nHost: 127.0.0.1\r\n" + _auth(api_key)
+            + f"Content-Type: application/json\r\nContent-Length: {length}\r\n\r\n".encode())
+
+
+async def _upload_loop(port: int, address: str, head: bytes, body: bytes, statuses: Counter) -> None:
+    """`head` + `body` on a new connection each time, back to back, reading while writing
+    (loopback.raw_upload): an early answer ends each upload, as it would a careful client's."""
+    while True:
+        statuses[await raw_upload(port, address, head, body)] += 1
+
+
 def attacks(model: str, port: int, n_slots: int = 0, long_prompt_words: int = 1200,
-            api_key: str = "") -> dict[str, Callable[[httpx.AsyncClient, str, Counter], Awaitable[None]]]:
+            api_key: str = "") -> dict[str, Callable[[httpx.AsyncClient, str, Counter, list[str]], Awaitable[None]]]:
     rng = random.Random(0)
     letters = "abcdefghijklmnopqrstuvwxyz"
     # Long random stops: they never occur in the text, so every character is checked against all.
@@ -445,34 +470,35 @@ def attacks(model: str, port: int, n_slots: int = 0, long_prompt_words: int = 12
 
     max_bias = {str(i * 47 % 49152): (i % 201) - 100.0 for i in range(1024)}  # the most entries allowed
     return {
-        "benign_client": lambda c, u, s: _accepted_loop(c, u, _body(model, temperature=1.0), s),
-        "one_token_client": lambda c, u, s: _accepted_loop(c, u, _body(model, max_tokens=1), s),
-        "top_k_overflow": lambda c, u, s: _accepted_loop(c, u, _body(model, temperature=1.0, top_k=2**63), s),
-        "tiny_temperature": lambda c, u, s: _accepted_loop(c, u, _body(model, temperature=1e-39), s),
-        "stop_strings_max": lambda c, u, s: _accepted_loop(c, u, _body(model, stop=max_stops), s),
-        "stop_strings_huge": lambda c, u, s: _raw_loop(c, u, huge_stops_body, s),
-        "huge_prompt": lambda c, u, s: _raw_loop(c, u, huge_prompt_body, s),
-        "oversize_body": lambda c, u, s: _raw_loop(c, u, oversize_body, s),
-        "disconnect_churn": lambda c, u, s: _disconnect_loop(c, u, _body(model), s),
-        "slow_headers": lambda c, u, s: _slow_headers(port, s),
-        "kv_hog": lambda c, u, s: _kv_hog(c, u, model, n_slots, s),
-        "long_prompt_hog": lambda c, u, s: _accepted_loop(c, u, long_prompt_body, s),
-        "cache_thrash": lambda c, u, s: _cache_thrash(c, u, model, s),
-        "connection_holding": lambda c, u, s: _connection_holding(port, api_key, s),
-        "shared_address": lambda c, u, s: _shared_address(port, api_key, u, s),
-        "metrics_flood": lambda c, u, s: _metrics_flood(c, base_url(u), s),
-        "chat_template_flood": lambda c, u, s: _raw_loop(c, chat_url(u), chat_flood_body, s),
-        "chat_template_paced": lambda c, u, s: _paced_raw_loop(c, chat_url(u), chat_flood_body, s, (1.0, 2.0)),
-        "oversize_head": lambda c, u, s: _oversize_head(port, s),
-        "schema_worst_case": lambda c, u, s: _fresh_loop(
+        "benign_client": lambda c, u, s, a: _accepted_loop(c, u, _body(model, temperature=1.0), s),
+        "one_token_client": lambda c, u, s, a: _accepted_loop(c, u, _body(model, max_tokens=1), s),
+        "top_k_overflow": lambda c, u, s, a: _accepted_loop(c, u, _body(model, temperature=1.0, top_k=2**63), s),
+        "tiny_temperature": lambda c, u, s, a: _accepted_loop(c, u, _body(model, temperature=1e-39), s),
+        "stop_strings_max": lambda c, u, s, a: _accepted_loop(c, u, _body(model, stop=max_stops), s),
+        "stop_strings_huge": lambda c, u, s, a: _raw_loop(c, u, huge_stops_body, s),
+        "huge_prompt": lambda c, u, s, a: _raw_loop(c, u, huge_prompt_body, s),
+        "oversize_body": lambda c, u, s, a: _upload_loop(port, a[0], _post_head(api_key, len(oversize_body)),
+                                                         oversize_body, s),
+        "disconnect_churn": lambda c, u, s, a: _disconnect_loop(c, u, _body(model), s),
+        "slow_headers": lambda c, u, s, a: _slow_headers(port, a[0], s),
+        "kv_hog": lambda c, u, s, a: _kv_hog(c, u, model, n_slots, s),
+        "long_prompt_hog": lambda c, u, s, a: _accepted_loop(c, u, long_prompt_body, s),
+        "cache_thrash": lambda c, u, s, a: _cache_thrash(c, u, model, s),
+        "connection_holding": lambda c, u, s, a: _connection_holding(port, api_key, a, s),
+        "shared_address": lambda c, u, s, a: _shared_address(port, api_key, u, s),
+        "metrics_flood": lambda c, u, s, a: _metrics_flood(c, base_url(u), s),
+        "chat_template_flood": lambda c, u, s, a: _raw_loop(c, chat_url(u), chat_flood_body, s),
+        "chat_template_paced": lambda c, u, s, a: _paced_raw_loop(c, chat_url(u), chat_flood_body, s, (1.0, 2.0)),
+        "oversize_head": lambda c, u, s, a: _oversize_head(port, a[0], s),
+        "schema_worst_case": lambda c, u, s, a: _fresh_loop(
             c, u, lambda k: _body(model, ignore_eos=False, guided_json=_worst_schema(k)), s),
-        "logits_controls_max": lambda c, u, s: _accepted_loop(c, u, _body(
+        "logits_controls_max": lambda c, u, s, a: _accepted_loop(c, u, _body(
             model, temperature=1.0, logprobs=5, **MAX_PENALTIES, logit_bias=max_bias), s),
         # logits_controls_max's three parts alone, to tell which one costs the others
-        "logprobs_top5": lambda c, u, s: _accepted_loop(c, u, _body(model, temperature=1.0, logprobs=5), s),
-        "logit_bias_max": lambda c, u, s: _accepted_loop(c, u, _body(model, temperature=1.0, logit_bias=max_bias), s),
-        "penalties_max": lambda c, u, s: _accepted_loop(c, u, _body(model, temperature=1.0, **MAX_PENALTIES), s),
-        "schema_invalid": lambda c, u, s: _fresh_loop(
+        "logprobs_top5": lambda c, u, s, a: _accepted_loop(c, u, _body(model, temperature=1.0, logprobs=5), s),
+        "logit_bias_max": lambda c, u, s, a: _accepted_loop(c, u, _body(model, temperature=1.0, logit_bias=max_bias), s),
+        "penalties_max": lambda c, u, s, a: _accepted_loop(c, u, _body(model, temperature=1.0, **MAX_PENALTIES), s),
+        "schema_invalid": lambda c, u, s, a: _fresh_loop(
             c, u, lambda k: _body(model, guided_json={"type": "object", "properties": {
                 f"p{k}": {"type": "string", "pattern": "(" * 200}}}), s),
     }
@@ -521,25 +547,28 @@ async def run(server: ServeProcess, names: list[str], *, victims: int, window: f
     phases_now: list[str] = []
     headers = auth_headers(api_key)
     limits = httpx.Limits(max_connections=None, max_keepalive_connections=32)
-    attacker_transport = httpx.AsyncHTTPTransport(local_address=ATTACKER_ADDRESS, limits=limits)
     victim_clients = [httpx.AsyncClient(timeout=httpx.Timeout(600.0), headers=headers,
                                         transport=httpx.AsyncHTTPTransport(local_address=victim_address(i),
                                                                            limits=limits))
                       for i in range(victims)]
-    async with contextlib.AsyncExitStack() as stack, \
-            httpx.AsyncClient(timeout=httpx.Timeout(600.0), headers=headers, transport=attacker_transport) as ac:
+    async with contextlib.AsyncExitStack() as stack:
         vtasks = [asyncio.create_task(victim(i, await stack.enter_async_context(vc)))
                   for i, vc in enumerate(victim_clients)]
         await asyncio.sleep(settle * 2)  # warm up
         order = ["baseline"]
         for name in names:
             order += [name, "baseline"]
+        attack_phases = 0
         for i, name in enumerate(order):
             phase = Phase(name)
             phases_now.append(name)
             task = None
             if name != "baseline":
-                task = asyncio.create_task(table[name](ac, url, phase.attack_statuses))
+                addresses = attack_addresses(attack_phases)
+                attack_phases += 1
+                ac = httpx.AsyncClient(timeout=httpx.Timeout(600.0), headers=headers,
+                                       transport=httpx.AsyncHTTPTransport(local_address=addresses[0], limits=limits))
+                task = asyncio.create_task(table[name](ac, url, phase.attack_statuses, addresses))
             await asyncio.sleep(settle)  # let the attack reach its steady state
             cpu0, client0, phase.start = cpu_seconds(server.proc.pid), own_cpu_seconds(), time.perf_counter()
             await asyncio.sleep(window)
@@ -548,6 +577,7 @@ async def run(server: ServeProcess, names: list[str], *, victims: int, window: f
             if task is not None:
                 task.cancel()
                 await asyncio.gather(task, return_exceptions=True)
+                await ac.aclose()  # its keep-alive connections end with the phase
             phases.append(phase)
             log.info("phase %d/%d %-18s server %.1f CPU-s, clients %.1f CPU-s, attacker %s", i + 1, len(order),
                      name, phase.cpu_s, phase.client_cpu_s, dict(phase.attack_statuses))

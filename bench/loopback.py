@@ -195,3 +195,54 @@ async def raw_exchange(port: int, local_address: str, data: bytes, *, trickle: b
         with contextlib.suppress(ConnectionError, OSError):
             await writer.wait_closed()
     return status, time.perf_counter() - start
+
+
+async def raw_upload(port: int, local_address: str, head: bytes, body: bytes, *, limit: float = 30.0) -> str:
+    """Send `head` then `body` on a fresh connection from `local_address` while reading the
+    response, as a client that reads while it writes: a response that comes before the body is
+    all sent (an early 413) ends the upload. Returns the response's status code, or 'no response'
+    / 'timeout' / the error's type name; `limit` seconds bound the whole exchange, a stalled write
+    included.
+
+    A server that answers early closes with the rest of the body unread, which resets the
+    connection; the answer is already in the client's socket by then, but a failed write makes
+    asyncio's transports (and so asyncio streams, httpx, anyio) drop the connection without
+    reading it. So this works on the bare socket: a failed write ends only the writing."""
+    loop = asyncio.get_running_loop()
+    sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+    sock.setblocking(False)
+    sending: asyncio.Task | None = None
+    try:
+        sock.bind((local_address, 0))
+        await loop.sock_connect(sock, ("127.0.0.1", port))
+        sending = asyncio.create_task(loop.sock_sendall(sock, head + body))
+        data = b""
+        if sys.version_info >= (3, 11):  # asyncio.timeout: see _read_within
+            async with asyncio.timeout(limit):
+                data = await _status_line(loop, sock)
+        else:
+            data = await asyncio.wait_for(_status_line(loop, sock), timeout=limit)
+        if not data:
+            return "no response"
+        parts = data.split(b"\r\n", 1)[0].split()
+        return parts[1].decode(errors="replace") if len(parts) > 1 else "malformed"
+    except asyncio.TimeoutError:
+        return "timeout"
+    except OSError as exc:
+        return type(exc).__name__
+    finally:
+        if sending is not None:
+            sending.cancel()
+            await asyncio.gather(sending, return_exceptions=True)
+        sock.close()
+
+
+async def _status_line(loop: asyncio.AbstractEventLoop, sock: socket.socket) -> bytes:
+    """Bytes received up to the first CRLF (or all of them, at EOF)."""
+    data = b""
+    while b"\r\n" not in data:
+        chunk = await loop.sock_recv(sock, 65536)
+        if not chunk:
+            break
+        data += chunk
+    return data

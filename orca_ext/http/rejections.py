@@ -18,6 +18,10 @@ While a client is in debt:
   never held back by another connection's rejections; if it is rejected too, its answer waits for
   the same delay and closes the connection. A client that sends each bad request on a new
   connection is thus paced by its connection limit (connections.py) over the delay.
+
+The transport (transport.py) follows the same rules for the requests it refuses before the app
+sees them (a malformed or oversize head, MIN_CHARGE each): while the client is in debt, such a
+request is held for the delay, parsed no further, then answered with a fixed 429 and closed.
 """
 from __future__ import annotations
 

@@ -4,13 +4,20 @@ Limits (all options of `serve`; defaults in settings.py):
 - --header-timeout (10 s): a connection must deliver a complete request line and headers this
   long after it opens (or after its previous response): slow-header clients cannot hold
   connections open forever.
-- request line + headers over 16 KiB get 400 and the connection is closed, whether they arrive
-  in pieces (h11's limit) or in one read (checked on the parsed request).
+- request line + headers over 16 KiB get 400 and the connection is closed, however they arrive:
+  the first read that takes a head past the limit without its end is refused there, and no byte
+  past the limit is ever parsed (h11's own limits and a check on the parsed request back this up).
+- malformed or oversize heads are charged to their client's rejection budget (rejections.py), as
+  the app's rejections are; while the client is in debt, such a head is not answered 400 but held
+  for the budget's delay, then answered with a fixed 429 and closed. Refusals are logged at most
+  once per REFUSAL_LOG_EVERY seconds of each kind, with a count, never once per request.
 - --keep-alive-timeout (5 s): an idle keep-alive connection is closed after this.
 - a response sent before its request's body was read (an error, or a route that reads no body)
   ends the connection: the server half-closes it at once and discards what the client still
-  sends for at most LINGER_SECONDS or LINGER_BYTES, then closes it. A declared body can never
-  keep a connection open past its response.
+  sends for at most LINGER_SECONDS or LINGER_BYTES, then closes it. A response that says
+  `Connection: close` (the 413 of an oversize body, a 408, the budget's 429) closes it at once
+  instead, leaving the rest unread: a client still writing then sees a reset, and must read while
+  it writes to see the answer. A declared body can never keep a connection open past its response.
 - --body-timeout (30 s, enforced by the service): the whole body must arrive within this.
 - --max-connections (2048) and --max-connections-per-client (256): connections.py; a refused
   connection gets the error at its first request, or is closed after REFUSED_WAIT seconds.
@@ -23,7 +30,9 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import logging
+import re
 import signal
 import threading
 import time
@@ -45,7 +54,30 @@ logger = logging.getLogger(__name__)
 LINGER_SECONDS = 2.0        # after an early response: how long the rest of a body is discarded
 LINGER_BYTES = 1 << 20      # ... and how much of it, before the connection is closed
 REFUSED_WAIT = 1.0          # a refused connection's time to send the request its error answers
-REFUSAL_LOG_EVERY = 10.0    # seconds between two warnings about refused connections
+REFUSAL_LOG_EVERY = 10.0    # seconds between two warnings about one kind of refusal
+
+# The end of a request head as h11 finds it: an empty line, CRLF or bare LF.
+HEAD_END = re.compile(b"\n\r?\n")
+UVICORN_MALFORMED_WARNING = "Invalid HTTP request received."  # uvicorn's, once per malformed request
+
+
+def _plain_answer(status: bytes, text: bytes, *headers: bytes) -> bytes:
+    """A whole HTTP/1.1 response that ends its connection, built once and written as is."""
+    return (b"HTTP/1.1 " + status + b"\r\ncontent-type: text/plain; charset=utf-8\r\nconnection: close\r\n"
+            + b"".join(h + b"\r\n" for h in headers) + b"content-length: " + str(len(text)).encode()
+            + b"\r\n\r\n" + text)
+
+
+OVERSIZE_HEAD_ANSWER = _plain_answer(b"400 Bad Request",
+                                     f"Request line and headers over {MAX_HEADER_BYTES} bytes".encode())
+
+
+@functools.lru_cache(maxsize=16)
+def in_debt_answer(retry_after: int) -> bytes:
+    """The 429 for a bad request from a client in debt, by its Retry-After seconds."""
+    return _plain_answer(b"429 Too Many Requests",
+                         b"Too many rejected requests from this client; fix the requests, then retry",
+                         b"retry-after: " + str(retry_after).encode())
 
 
 def request_head_bytes(event: h11.Request) -> int:
@@ -68,22 +100,35 @@ class BoundedHeadConnection(h11.Connection):
         return event
 
 
-class _RefusalLog:
-    """One warning per REFUSAL_LOG_EVERY seconds about refused connections, with a count."""
+class _WarningEvery:
+    """At most one warning per REFUSAL_LOG_EVERY seconds about one kind of refusal, counting the
+    ones left out: a client refused in a loop must not cost a log line per refusal."""
 
-    def __init__(self) -> None:
+    def __init__(self, what: str) -> None:
+        self.what = what  # e.g. "a connection": "refused a connection from 'client': why"
         self.next_at = 0.0
         self.suppressed = 0
 
-    def refused(self, key: str, refusal: Refusal) -> None:
+    def refused(self, key: str, why: str) -> None:
         now = time.monotonic()
         if now < self.next_at:
             self.suppressed += 1
             return
-        logger.warning("refused a connection from %r: %s (%d more refused since the last warning)",
-                       key, refusal.message, self.suppressed)
+        logger.warning("refused %s from %r: %s (%d more refused since the last warning)",
+                       self.what, key, why, self.suppressed)
         self.next_at = now + REFUSAL_LOG_EVERY
         self.suppressed = 0
+
+
+class _DropUvicornMalformedWarning(logging.Filter):
+    """uvicorn warns once per malformed request and names no client; the protocol below logs
+    those refusals itself, with the client and at most once per REFUSAL_LOG_EVERY."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return record.msg != UVICORN_MALFORMED_WARNING
+
+
+_DROP_UVICORN_MALFORMED_WARNING = _DropUvicornMalformedWarning()
 
 
 def _refusal_app(refusal: Refusal) -> Callable[..., Awaitable[None]]:
@@ -100,16 +145,22 @@ def serving_protocol(timeout: float, limiter: ConnectionLimiter, keys: ClientKey
     after early responses, and the per-client connection limits of `limiter`. `rejections`, the
     app's rejection budget, hears of every connection that closes (as "host:port", the app's
     name for a connection) and is charged for every request the transport refuses as malformed
-    (an oversize head included), as the app charges the requests it rejects."""
-    refusals = _RefusalLog()
+    (an oversize head included), as the app charges the requests it rejects; while the client is
+    in debt, such a request is refused cheaply (see `_refuse_in_debt`)."""
+    refused_connections = _WarningEvery("a connection")
+    refused_heads = _WarningEvery("a request head")
 
     class ServingH11Protocol(H11Protocol):
         header_timeout = timeout
         connection_limiter = limiter  # shared by every connection of this server
         _header_timer: Optional[asyncio.TimerHandle] = None
         _linger_timer: Optional[asyncio.TimerHandle] = None
-        _lingered: Optional[int] = None     # bytes discarded while lingering; None: not lingering
+        _held_timer: Optional[asyncio.TimerHandle] = None  # a refusal held for the client's debt
+        _lingered: Optional[int] = None     # bytes discarded after an answer or refusal; None: none
+        _head_bytes = 0                     # bytes received of a request head not yet complete
         _client_key = ""
+        _connection = ""                    # "host:port", the rejection budget's name for it
+        _trusted = False
         _counted = False
 
         def __init__(self, *args: Any, **kwargs: Any) -> None:
@@ -120,12 +171,14 @@ def serving_protocol(timeout: float, limiter: ConnectionLimiter, keys: ClientKey
             super().connection_made(transport)
             peer = self.client[0] if self.client else ""
             self._client_key = keys.peer_key(peer)
-            refusal = limiter.open(self._client_key, trusted=keys.is_trusted(peer))
+            self._trusted = keys.is_trusted(peer)
+            self._connection = f"{self.client[0]}:{self.client[1]}" if self.client else ""
+            refusal = limiter.open(self._client_key, trusted=self._trusted)
             if refusal is None:
                 self._counted = True
                 self._arm_header_timer(self.header_timeout)
                 return
-            refusals.refused(self._client_key, refusal)
+            refused_connections.refused(self._client_key, refusal.message)
             self.connections.discard(self)  # not counted against uvicorn's limit either
             self.app = _refusal_app(refusal)
             self._arm_header_timer(min(REFUSED_WAIT, self.header_timeout))
@@ -136,9 +189,87 @@ def serving_protocol(timeout: float, limiter: ConnectionLimiter, keys: ClientKey
                 if self._lingered > LINGER_BYTES:
                     self.transport.close()
                 return
+            if self.conn.their_state is h11.IDLE:  # a request head is arriving
+                self._head_bytes += len(data)
+                if self._head_bytes > MAX_HEADER_BYTES and self._head_too_long(data):
+                    self._refuse_oversize_head()
+                    return
             super().data_received(data)
             if self.conn.their_state is not h11.IDLE:  # the request line and headers are in
+                self._head_bytes = 0
                 self._cancel_header_timer()
+
+        def _head_too_long(self, data: bytes) -> bool:
+            """Whether the head that `data` continues has no end within MAX_HEADER_BYTES. The
+            bytes before `data` hold no end (h11 would have parsed the head), so only `data` is
+            searched, and only as far as the limit: no byte past it is ever parsed."""
+            before = self._head_bytes - len(data)
+            if before and data[:1] in (b"\n", b"\r"):
+                return False  # an end may straddle the two reads: h11 decides (and bounds it too)
+            return HEAD_END.search(data, 0, max(0, MAX_HEADER_BYTES - before)) is None
+
+        def _refuse_oversize_head(self) -> None:
+            """Refuse a request whose head passed MAX_HEADER_BYTES, unparsed: a fixed 400 and a
+            lingering close, or while its client is in debt a held 429."""
+            self._cancel_header_timer()
+            refused_heads.refused(self._client_key, f"request line and headers over {MAX_HEADER_BYTES} bytes")
+            wait = self._charge()
+            if wait > 0:
+                self._refuse_in_debt(wait)
+                return
+            self.transport.write(OVERSIZE_HEAD_ANSWER)
+            self._linger()
+
+        def send_400_response(self, msg: str) -> None:
+            """uvicorn's answer to a malformed request (one h11 refuses), ended by a lingering
+            close: closing at once, with the rest of the request unread, would reset the
+            connection and could destroy the answer before the client reads it. While the client
+            is in debt, a held 429 instead."""
+            refused_heads.refused(self._client_key, "malformed request line or headers")
+            wait = self._charge()
+            try:
+                output = self.conn.send(h11.Response(status_code=400, reason=b"Bad Request", headers=[
+                    (b"content-type", b"text/plain; charset=utf-8"), (b"connection", b"close")]))
+                output += self.conn.send(h11.Data(data=msg.encode("ascii")))
+                output += self.conn.send(h11.EndOfMessage())
+            except h11.LocalProtocolError:  # a response is already under way: no room for this one
+                self.transport.close()
+                return
+            if wait > 0:
+                self._refuse_in_debt(wait)
+                return
+            self.transport.write(output)
+            self._linger()
+
+        def _charge(self) -> float:
+            """Charge a request the transport refused to its client, at the budget's minimum (no
+            head is parsed past MAX_HEADER_BYTES, so every refused head costs about the same): 0,
+            or the delay its answer must wait when the client was in debt already (as the app
+            does for the requests it rejects). A trusted proxy's connections carry many clients:
+            they are exempt, as from the connection limits (the app charges the client
+            X-Forwarded-For names instead)."""
+            if rejections is None or not self._connection or self._trusted:
+                return 0.0
+            wait = rejections.delay(self._client_key)
+            rejections.charge(self._client_key, 0, self._connection)
+            return wait
+
+        def _refuse_in_debt(self, wait: float) -> None:
+            """A bad request from a client in debt: parse nothing more, and after `wait` seconds
+            (the time its debt takes to pay off, at most the budget's max_delay) write a fixed
+            429 and close. Holding costs a timer, and a client that opens a connection per bad
+            request is paced by its connection cap over the delay; its well-formed requests on
+            other connections are served meanwhile."""
+            self._cancel_header_timer()
+            self._unset_keepalive_if_required()
+            self._lingered = 0  # what else arrives is discarded (bounded), and a close is noticed
+            self._held_timer = self.loop.call_later(wait, self._answer_in_debt, max(1, round(wait)))
+
+        def _answer_in_debt(self, retry_after: int) -> None:
+            self._held_timer = None
+            if not self.transport.is_closing():
+                self.transport.write(in_debt_answer(retry_after))
+                self.transport.close()
 
         def on_response_complete(self) -> None:
             unread_body = self.conn.their_state is h11.SEND_BODY
@@ -150,35 +281,17 @@ def serving_protocol(timeout: float, limiter: ConnectionLimiter, keys: ClientKey
             else:  # keep-alive: the next request has its own deadline
                 self._arm_header_timer(self.header_timeout)
 
-        def send_400_response(self, msg: str) -> None:
-            """uvicorn's answer to a malformed request (an oversize head included), ended by a
-            lingering close: closing at once, with the rest of the request unread, would reset
-            the connection and could destroy the answer before the client reads it."""
-            # A trusted proxy's connections carry many clients: they are exempt, as from the
-            # connection limits (the app charges the client X-Forwarded-For names instead).
-            if rejections is not None and self.client and not keys.is_trusted(self.client[0]):
-                rejections.charge(self._client_key, 0, f"{self.client[0]}:{self.client[1]}")
-            try:
-                output = self.conn.send(h11.Response(status_code=400, reason=b"Bad Request", headers=[
-                    (b"content-type", b"text/plain; charset=utf-8"), (b"connection", b"close")]))
-                output += self.conn.send(h11.Data(data=msg.encode("ascii")))
-                output += self.conn.send(h11.EndOfMessage())
-            except h11.LocalProtocolError:  # a response is already under way: no room for this one
-                self.transport.close()
-                return
-            self.transport.write(output)
-            self._linger()
-
         def connection_lost(self, exc: Optional[Exception]) -> None:
             self._cancel_header_timer()
-            if self._linger_timer is not None:
-                self._linger_timer.cancel()
-                self._linger_timer = None
+            for timer in (self._linger_timer, self._held_timer):
+                if timer is not None:
+                    timer.cancel()
+            self._linger_timer = self._held_timer = None
             if self._counted:
                 self._counted = False
                 limiter.close(self._client_key)
-            if rejections is not None and self.client:
-                rejections.connection_closed(f"{self.client[0]}:{self.client[1]}")
+            if rejections is not None and self._connection:
+                rejections.connection_closed(self._connection)
             super().connection_lost(exc)
 
         def _linger(self) -> None:
@@ -230,7 +343,7 @@ def make_config(app: Any, *, host: str, port: int, log_level: str,
     one's port then starts with a clean record, and a malformed request the transport refuses
     costs its client as a rejected one does."""
     limiter = ConnectionLimiter(max_connections, max_connections_per_client)
-    return uvicorn.Config(
+    config = uvicorn.Config(
         app, host=host, port=port, log_level=log_level,
         http=serving_protocol(header_timeout, limiter, client_keys or ClientKeys(), rejections),
         timeout_keep_alive=int(max(1, keep_alive_timeout)),
@@ -243,6 +356,9 @@ def make_config(app: Any, *, host: str, port: int, log_level: str,
         timeout_graceful_shutdown=5,
         lifespan="off",
     )
+    # After uvicorn.Config, which configures uvicorn's loggers (a filter already there stays once).
+    logging.getLogger("uvicorn.error").addFilter(_DROP_UVICORN_MALFORMED_WARNING)
+    return config
 
 
 class DrainingServer(uvicorn.Server):
