@@ -87,25 +87,65 @@ def draw(probs: torch.Tensor, generators: list[Optional[torch.Generator]]) -> to
     return torch.where(torch.isfinite(total), picked, torch.full_like(picked, -1))
 
 
+NUCLEUS_CANDIDATES = 1024  # tokens ranked first for a top_p without top_k
+
+
 def filter_logits(logits: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor) -> torch.Tensor:
     """Mask (to -inf) everything outside each row's top-k and nucleus. logits [S, V] float32,
-    top_k [S] int64 (0 = off), top_p [S] float32 (1 = off) -> [S, V]."""
+    top_k [S] int64 (0 = off; k >= V keeps everything too), top_p [S] float32 (1 = off) -> [S, V]
+    (`logits` itself when no row filters anything; never changed in place).
+
+    Ranking a whole row is a sort: ~3.6 ms for one 49k-entry row on a CPU core. So only the
+    largest logits of each row are ranked (topk, ~20x cheaper): a row's top k, and for a top_p
+    without top_k its NUCLEUS_CANDIDATES largest, which hold the whole nucleus whenever their
+    mass reaches top_p. Only when some row's candidates fall short is the batch sorted whole."""
     vocab = logits.shape[-1]
-    sorted_logits, order = logits.sort(dim=-1, descending=True)
-    ranks = torch.arange(vocab, device=logits.device)
-    k = torch.where(top_k > 0, top_k, torch.full_like(top_k, vocab))
-    drop = ranks.unsqueeze(0) >= k.unsqueeze(1)
-    sorted_logits = sorted_logits.masked_fill(drop, float("-inf"))
-    probs = sorted_logits.softmax(dim=-1)
-    mass_before = probs.cumsum(dim=-1) - probs
-    # Keep the smallest prefix whose mass reaches top_p (the first token is always kept).
-    threshold = torch.where(top_p < 1.0, top_p, torch.full_like(top_p, 2.0))
-    drop = mass_before >= threshold.unsqueeze(1)
-    # Explicitly: a top_p that rounds to 0 in float32 (e.g. 1e-50) would otherwise drop even the
-    # first token and leave an all -inf row.
-    drop[:, 0] = False
-    sorted_logits = sorted_logits.masked_fill(drop, float("-inf"))
-    return torch.empty_like(logits).scatter_(1, order, sorted_logits)
+    k = torch.where((top_k > 0) & (top_k < vocab), top_k, torch.full_like(top_k, vocab))
+    has_k, has_p = k < vocab, top_p < 1.0
+    active = has_k | has_p
+    if not bool(active.any()):
+        return logits
+    if not bool(active.all()):  # filter the rows that ask for it, keep the others as they are
+        rows = active.nonzero().squeeze(1)
+        out = logits.clone()
+        out[rows] = _filter_rows(logits[rows], k[rows], top_p[rows], has_k[rows], has_p[rows])
+        return out
+    return _filter_rows(logits, k, top_p, has_k, has_p)
+
+
+def _filter_rows(logits, k, top_p, has_k, has_p) -> torch.Tensor:
+    """filter_logits for rows that each have a top_k below V (has_k) or a top_p below 1 (has_p)."""
+    vocab = logits.shape[-1]
+    wanted = max(int(k[has_k].max()) if bool(has_k.any()) else 0,
+                 NUCLEUS_CANDIDATES if bool((~has_k).any()) else 0)
+    ranked, order = _rank(logits, min(wanted, vocab), k)
+    if bool(has_p.any()):
+        # A top-k row's nucleus is taken within its top k (renormalised); a row without top_k
+        # weighs each candidate by its share of the whole row.
+        share = (ranked - logits.logsumexp(dim=-1, keepdim=True)).exp()
+        probs = torch.where(has_k.unsqueeze(1), ranked.softmax(dim=-1), share)
+        mass = probs.cumsum(dim=-1)
+        if ranked.shape[-1] < vocab and bool((~has_k & has_p & (mass[:, -1] < top_p)).any()):
+            ranked, order = _rank(logits, vocab, k)  # some nucleus reaches past the candidates
+            share = (ranked - logits.logsumexp(dim=-1, keepdim=True)).exp()
+            probs = torch.where(has_k.unsqueeze(1), ranked.softmax(dim=-1), share)
+            mass = probs.cumsum(dim=-1)
+        # Keep the smallest prefix whose mass reaches top_p (the first token is always kept).
+        threshold = torch.where(has_p, top_p, torch.full_like(top_p, 2.0))
+        drop = (mass - probs) >= threshold.unsqueeze(1)
+        # Explicitly: a top_p that rounds to 0 in float32 (e.g. 1e-50) would otherwise drop even
+        # the first token and leave an all -inf row.
+        drop[:, 0] = False
+        ranked = ranked.masked_fill(drop, float("-inf"))
+    return torch.full_like(logits, float("-inf")).scatter_(1, order, ranked)
+
+
+def _rank(logits, n: int, k) -> tuple[torch.Tensor, torch.Tensor]:
+    """The n largest logits of each row, largest first, those past the row's k set to -inf; and
+    their token ids. [S, n] each."""
+    ranked, order = logits.topk(n, dim=-1) if n < logits.shape[-1] else logits.sort(dim=-1, descending=True)
+    ranks = torch.arange(n, device=logits.device)
+    return ranked.masked_fill(ranks.unsqueeze(0) >= k.unsqueeze(1), float("-inf")), order
 
 
 class Sampler:

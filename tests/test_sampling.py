@@ -132,26 +132,57 @@ def test_top_p_keeps_the_smallest_nucleus():
     assert float(freq[0]) == 0.0 and float(freq[2]) > 0.1
 
 
+def _reference_nucleus(row: torch.Tensor, top_k: int, top_p: float) -> list[int]:
+    """The tokens a row keeps, by the definition: sort (float64), keep the top k (0 or >= V: all),
+    renormalise, keep the smallest prefix whose mass reaches top_p."""
+    row = row.double()
+    order = row.argsort(descending=True).tolist()
+    k = top_k if 0 < top_k < row.numel() else row.numel()
+    kept = order[:k]
+    p = torch.softmax(row[kept], dim=-1).tolist()
+    nucleus, mass = [], 0.0
+    for tok, pr in zip(kept, p):
+        if top_p < 1.0 and mass >= top_p:
+            break
+        nucleus.append(tok)
+        mass += pr
+    return nucleus
+
+
+def _check_filter(logits, top_k, top_p):
+    before = logits.clone()
+    got = filter_logits(logits, torch.tensor(top_k), torch.tensor(top_p, dtype=torch.float32))
+    assert torch.equal(logits, before)  # never in place
+    for i in range(logits.shape[0]):
+        nucleus = _reference_nucleus(logits[i], top_k[i], top_p[i])
+        assert set(torch.isfinite(got[i]).nonzero().flatten().tolist()) == set(nucleus), i
+        assert torch.equal(got[i][nucleus], logits[i][nucleus])
+
+
 def test_filter_logits_matches_a_row_by_row_reference():
     g = torch.Generator().manual_seed(3)
-    logits = torch.randn(6, 257, generator=g) * 3
-    top_k = torch.tensor([0, 1, 5, 0, 40, 257])
-    top_p = torch.tensor([0.9, 1.0, 0.5, 1.0, 0.3, 0.999])
-    got = filter_logits(logits, top_k, top_p)
-    for i in range(6):
-        row = logits[i].double()
-        order = row.argsort(descending=True).tolist()
-        k = int(top_k[i]) or row.numel()
-        kept = order[:k]
-        p = torch.softmax(row[kept], dim=-1).tolist()
-        nucleus, mass = [], 0.0
-        for tok, pr in zip(kept, p):
-            if float(top_p[i]) < 1.0 and mass >= float(top_p[i]):
-                break
-            nucleus.append(tok)
-            mass += pr
-        assert set(torch.isfinite(got[i]).nonzero().flatten().tolist()) == set(nucleus)
-        assert torch.equal(got[i][nucleus], logits[i][nucleus])
+    _check_filter(torch.randn(6, 257, generator=g) * 3, [0, 1, 5, 0, 40, 257], [0.9, 1.0, 0.5, 1.0, 0.3, 0.999])
+
+
+@pytest.mark.parametrize("seed", [0, 1, 2])
+def test_filter_logits_over_a_large_vocabulary_ranks_candidates_or_the_whole_row(seed):
+    """V = 5,003 > NUCLEUS_CANDIDATES: peaked rows' nuclei lie among the candidates, flat rows'
+    (top_p 0.9 of nearly uniform logits) reach past them; top_k past V is off; rows with no filter
+    pass through untouched beside filtered ones."""
+    from orca_ext.sampling import NUCLEUS_CANDIDATES
+
+    g = torch.Generator().manual_seed(seed)
+    vocab = 5003
+    assert vocab > 4 * NUCLEUS_CANDIDATES
+    peaked = torch.randn(4, vocab, generator=g) * 4
+    flat = torch.randn(3, vocab, generator=g) * 0.01
+    logits = torch.cat([peaked, flat])
+    _check_filter(logits, [0, 40, 2 ** 62, 1500, 0, 0, 7], [0.95, 0.9, 1.0, 0.99, 0.9, 1.0, 0.5])
+    _check_filter(peaked, [0, 0, 0, 0], [0.95, 0.5, 0.99, 0.8])  # candidates only
+    _check_filter(flat, [0, 3000, 0], [0.9, 0.9, 0.2])  # one nucleus past the candidates: whole rows
+    unfiltered = filter_logits(logits, torch.tensor([0] * 7), torch.ones(7))
+    assert unfiltered is logits
+    assert filter_logits(logits, torch.full((7,), 2 ** 62), torch.ones(7)) is logits
 
 
 def test_seeded_request_samples_the_same_whatever_its_batch_mates():
