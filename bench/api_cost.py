@@ -67,6 +67,10 @@ def sampler_cost(batch: int, vocab: int, history: int, mix: bool = False) -> dic
         "bias_max": SamplingParams(**base, logit_bias=bias_max),
         "penalties_max": SamplingParams(**base, **penalties_max),
         "controls_max": SamplingParams(**base, logprobs=5, logit_bias=bias_max, **penalties_max),
+        "top_k40": SamplingParams(**base, top_k=40),
+        "top_p0.95": SamplingParams(**base, top_p=0.95),
+        "top_k40_top_p0.95": SamplingParams(**base, top_k=40, top_p=0.95),
+        "top_k_2^63": SamplingParams(**base, top_k=2 ** 63),
     }
     greedy = SamplingParams(max_tokens=history + 16)
     logits = torch.randn(batch, vocab)

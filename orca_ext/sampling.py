@@ -116,23 +116,33 @@ def filter_logits(logits: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor
 def _filter_rows(logits, k, top_p, has_k, has_p) -> torch.Tensor:
     """filter_logits for rows that each have a top_k below V (has_k) or a top_p below 1 (has_p)."""
     vocab = logits.shape[-1]
+    p_only = has_p & ~has_k  # nucleus over the whole row: the rows that may need it sorted whole
     wanted = max(int(k[has_k].max()) if bool(has_k.any()) else 0,
                  NUCLEUS_CANDIDATES if bool((~has_k).any()) else 0)
-    ranked, order = _rank(logits, min(wanted, vocab), k)
+    n = min(wanted, vocab)
+    lse = logits.logsumexp(dim=-1, keepdim=True) if bool(p_only.any()) else None
+    if n < vocab and lse is not None:
+        # n candidates hold at most n times the largest probability: when that is short of top_p
+        # (a flat row), the candidates cannot hold the nucleus and ranking them is wasted.
+        bound = n * (logits.amax(dim=-1, keepdim=True) - lse).exp().squeeze(1)
+        if bool((p_only & (bound < top_p)).any()):
+            n = vocab
+    ranked, order = _rank(logits, n, k)
+    if n < vocab and lse is not None and bool((p_only & ((ranked - lse).exp().sum(dim=-1) < top_p)).any()):
+        ranked, order = _rank(logits, vocab, k)  # some nucleus reaches past the candidates
     if bool(has_p.any()):
         # A top-k row's nucleus is taken within its top k (renormalised); a row without top_k
         # weighs each candidate by its share of the whole row.
-        share = (ranked - logits.logsumexp(dim=-1, keepdim=True)).exp()
-        probs = torch.where(has_k.unsqueeze(1), ranked.softmax(dim=-1), share)
-        mass = probs.cumsum(dim=-1)
-        if ranked.shape[-1] < vocab and bool((~has_k & has_p & (mass[:, -1] < top_p)).any()):
-            ranked, order = _rank(logits, vocab, k)  # some nucleus reaches past the candidates
-            share = (ranked - logits.logsumexp(dim=-1, keepdim=True)).exp()
-            probs = torch.where(has_k.unsqueeze(1), ranked.softmax(dim=-1), share)
-            mass = probs.cumsum(dim=-1)
+        if lse is None:
+            probs = ranked.softmax(dim=-1)
+        elif not bool(has_k.any()):
+            probs = (ranked - lse).exp()
+        else:
+            probs = torch.where(has_k.unsqueeze(1), ranked.softmax(dim=-1), (ranked - lse).exp())
+        mass_before = probs.cumsum(dim=-1) - probs
         # Keep the smallest prefix whose mass reaches top_p (the first token is always kept).
         threshold = torch.where(has_p, top_p, torch.full_like(top_p, 2.0))
-        drop = (mass - probs) >= threshold.unsqueeze(1)
+        drop = mass_before >= threshold.unsqueeze(1)
         # Explicitly: a top_p that rounds to 0 in float32 (e.g. 1e-50) would otherwise drop even
         # the first token and leave an all -inf row.
         drop[:, 0] = False

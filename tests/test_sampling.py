@@ -180,6 +180,11 @@ def test_filter_logits_over_a_large_vocabulary_ranks_candidates_or_the_whole_row
     _check_filter(logits, [0, 40, 2 ** 62, 1500, 0, 0, 7], [0.95, 0.9, 1.0, 0.99, 0.9, 1.0, 0.5])
     _check_filter(peaked, [0, 0, 0, 0], [0.95, 0.5, 0.99, 0.8])  # candidates only
     _check_filter(flat, [0, 3000, 0], [0.9, 0.9, 0.2])  # one nucleus past the candidates: whole rows
+    # One token with ~10% of the mass over a flat rest: its largest probability alone does not rule
+    # the candidates out, their mass (~0.28) does.
+    spiked = flat[:2].clone()
+    spiked[:, 17] = float(torch.log(torch.tensor(0.11 * vocab)))
+    _check_filter(torch.cat([spiked, peaked[:1]]), [0, 0, 0], [0.9, 0.25, 0.95])
     unfiltered = filter_logits(logits, torch.tensor([0] * 7), torch.ones(7))
     assert unfiltered is logits
     assert filter_logits(logits, torch.full((7,), 2 ** 62), torch.ones(7)) is logits
