@@ -17,6 +17,7 @@
 // its instruction set.
 #pragma once
 #include <cstdint>
+#include <type_traits>
 
 #include "quant_formats.h"
 #include "skinny_gemm_blocks.h"  // hsum8_tree
@@ -28,19 +29,34 @@ namespace detail {
 namespace {
 
 // c[m * ldc + j] = dot(x row m, dequantized w[j]) for m < MB, j < NB; K = kDequantUnit<F> * n_units.
-template <class Ops, int F, int MB, int NB>
+// Rows: where a unit's dequantized rows come from. kOwn: dequantized into an L1 buffer of the
+// block's own; kKeep: dequantized into `kept` (row j at kept + j * K, 64-byte aligned) and left
+// there; kReuse: read from `kept` as an earlier kKeep block left them. Dequantizing overlaps the
+// block's FMAs; reusing leaves only the FMAs, in the same k order, so every mode gives the same bits.
+enum class Rows { kOwn, kKeep, kReuse };
+
+template <class Ops, int F, int MB, int NB, Rows kRowsFrom = Rows::kOwn>
 inline void quant_dot_block(const float* __restrict x, int64_t ldx, const uint8_t* const* w, int64_t n_units,
-                            float* __restrict c, int64_t ldc) {
+                            float* __restrict c, int64_t ldc, float* __restrict kept = nullptr) {
   constexpr int kUnit = kDequantUnit<F>;
   typename Ops::Acc acc[MB][NB];
 #pragma GCC unroll 8
   for (int m = 0; m < MB; ++m)
 #pragma GCC unroll 8
     for (int j = 0; j < NB; ++j) acc[m][j] = Ops::zero();
-  alignas(64) float wt[NB][kUnit];
+  alignas(64) float local[NB][kUnit];
+  const int64_t k = n_units * kUnit;
   for (int64_t u = 0; u < n_units; ++u) {
+    // The unit's dequantized rows: this block's own L1 buffer, or the kept rows' unit.
+    float* wt[NB];
 #pragma GCC unroll 8
-    for (int j = 0; j < NB; ++j) dequant_unit<F>(w[j], u, wt[j]);
+    for (int j = 0; j < NB; ++j) {
+      if constexpr (kRowsFrom == Rows::kOwn)
+        wt[j] = local[j];
+      else
+        wt[j] = kept + j * k + u * kUnit;
+      if constexpr (kRowsFrom != Rows::kReuse) dequant_unit<F>(w[j], u, wt[j]);
+    }
     const float* xc = x + u * kUnit;
 #pragma GCC unroll 4
     for (int s = 0; s < kUnit; s += Ops::kStep) {
@@ -61,27 +77,50 @@ inline void quant_dot_block(const float* __restrict x, int64_t ldx, const uint8_
     for (int j = 0; j < NB; ++j) c[m * ldc + j] = Ops::hsum(acc[m][j]);
 }
 
+// Rows of tokens [m, M) against 4 weight rows, kRows tokens per block, then the remainder.
+// Block(MB, m) runs one block of MB tokens starting at token m.
+template <class Ops, class Block>
+inline void token_blocks(int64_t M, Block&& block) {
+  int64_t m = 0;
+  for (; m + Ops::kRows <= M; m += Ops::kRows) block(std::integral_constant<int, Ops::kRows>{}, m);
+  switch (M - m) {
+    case 1: block(std::integral_constant<int, 1>{}, m); break;
+    case 2: block(std::integral_constant<int, 2>{}, m); break;
+    case 3: block(std::integral_constant<int, 3>{}, m); break;
+    default: break;
+  }
+}
+
 // One panel (PanelFn<float, uint8_t>): a single token streams all 8 rows at once; more tokens
-// take the rows 4 at a time in blocks of kRows tokens, so each dequantized chunk serves kRows tokens.
+// take the rows 4 at a time in blocks of kRows tokens, each dequantized unit serving the block
+// from L1 while its FMAs run. Past one block, the first block also leaves the 4 dequantized rows
+// in a thread buffer (4 x K floats, L1 or L2) that the other blocks read: dequantizing a row
+// costs several times one token's FMAs over it, and redoing it per block made a fifth token cost
+// ~50% more per step than the fourth, and a prefill tile pay it T / 4 times.
 template <class Ops, int F>
 inline void quant_panel(const float* x, int64_t ldx, int64_t M, const uint8_t* const* w, int64_t K, float* c) {
   constexpr int R = kPanelRows;
   static_assert(R == 8, "the blocks below cover 8 weight rows");
+  static_assert(Ops::kRows <= 4, "token_blocks covers remainders of up to 3 tokens");
   const int64_t n_chunks = K / kDequantUnit<F>;
   if (M == 1) {
     quant_dot_block<Ops, F, 1, 8>(x, ldx, w, n_chunks, c, R);
     return;
   }
+  float* wf = M > Ops::kRows ? thread_scratch<float>(2, static_cast<size_t>(4 * K)) : nullptr;  // [4, K]
   for (int h = 0; h < R; h += 4) {
-    int64_t m = 0;
-    for (; m + Ops::kRows <= M; m += Ops::kRows)
-      quant_dot_block<Ops, F, Ops::kRows, 4>(x + m * ldx, ldx, w + h, n_chunks, c + m * R + h, R);
-    switch (M - m) {
-      case 1: quant_dot_block<Ops, F, 1, 4>(x + m * ldx, ldx, w + h, n_chunks, c + m * R + h, R); break;
-      case 2: quant_dot_block<Ops, F, 2, 4>(x + m * ldx, ldx, w + h, n_chunks, c + m * R + h, R); break;
-      case 3: quant_dot_block<Ops, F, 3, 4>(x + m * ldx, ldx, w + h, n_chunks, c + m * R + h, R); break;
-      default: break;
+    if (wf == nullptr) {
+      token_blocks<Ops>(M, [&](auto mb, int64_t m) {
+        quant_dot_block<Ops, F, decltype(mb)::value, 4>(x + m * ldx, ldx, w + h, n_chunks, c + m * R + h, R);
+      });
+      continue;
     }
+    quant_dot_block<Ops, F, Ops::kRows, 4, Rows::kKeep>(x, ldx, w + h, n_chunks, c + h, R, wf);
+    token_blocks<Ops>(M - Ops::kRows, [&](auto mb, int64_t m) {
+      const int64_t m0 = Ops::kRows + m;
+      quant_dot_block<Ops, F, decltype(mb)::value, 4, Rows::kReuse>(x + m0 * ldx, ldx, w + h, n_chunks,
+                                                                    c + m0 * R + h, R, wf);
+    });
   }
 }
 
