@@ -18,7 +18,7 @@ import tempfile
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, Awaitable, TypeVar
 
 import httpx
 
@@ -144,14 +144,23 @@ def percentile(values: list[float], q: float) -> float:
     return vals[lo] + (vals[hi] - vals[lo]) * (pos - lo)
 
 
-async def _read_within(reader: asyncio.StreamReader, seconds: float) -> bytes:
-    """reader.read, or asyncio.TimeoutError after `seconds`. asyncio.timeout where it exists
-    (3.11+): wait_for can swallow a cancellation that lands as the read completes, and an attack
-    loop built on it then keeps running after its phase cancelled it."""
+T = TypeVar("T")
+
+
+async def _within(awaitable: Awaitable[T], seconds: float) -> T:
+    """`awaitable`'s result, or asyncio.TimeoutError after `seconds`. asyncio.timeout where it
+    exists (3.11+): wait_for can swallow a cancellation that lands as the read completes, and an
+    attack loop built on it then keeps running after its phase cancelled it."""
     if sys.version_info >= (3, 11):
         async with asyncio.timeout(seconds):
-            return await reader.read(65536)
-    return await asyncio.wait_for(reader.read(65536), timeout=seconds)
+            return await awaitable
+    return await asyncio.wait_for(awaitable, timeout=seconds)
+
+
+def _status_of(head: bytes) -> str:
+    """The status code of a response that starts with `head` (its first line complete)."""
+    parts = head.split(b"\r\n", 1)[0].split()
+    return parts[1].decode(errors="replace") if len(parts) > 1 else "malformed"
 
 
 async def raw_exchange(port: int, local_address: str, data: bytes, *, trickle: bytes = b"", gap: float = 3.0,
@@ -174,7 +183,7 @@ async def raw_exchange(port: int, local_address: str, data: bytes, *, trickle: b
             await writer.drain()
         while time.perf_counter() - start < limit:
             try:
-                chunk = await _read_within(reader, gap)
+                chunk = await _within(reader.read(65536), gap)
             except asyncio.TimeoutError:
                 if trickle:
                     writer.write(trickle)
@@ -185,8 +194,7 @@ async def raw_exchange(port: int, local_address: str, data: bytes, *, trickle: b
             if status == "no response":
                 head += chunk
                 if b"\r\n" in head:
-                    parts = head.split(b"\r\n", 1)[0].split()
-                    status = parts[1].decode(errors="replace") if len(parts) > 1 else "malformed"
+                    status = _status_of(head)
     except (ConnectionError, OSError) as exc:
         if status == "no response":
             status = type(exc).__name__
@@ -216,16 +224,8 @@ async def raw_upload(port: int, local_address: str, head: bytes, body: bytes, *,
         sock.bind((local_address, 0))
         await loop.sock_connect(sock, ("127.0.0.1", port))
         sending = asyncio.create_task(loop.sock_sendall(sock, head + body))
-        data = b""
-        if sys.version_info >= (3, 11):  # asyncio.timeout: see _read_within
-            async with asyncio.timeout(limit):
-                data = await _status_line(loop, sock)
-        else:
-            data = await asyncio.wait_for(_status_line(loop, sock), timeout=limit)
-        if not data:
-            return "no response"
-        parts = data.split(b"\r\n", 1)[0].split()
-        return parts[1].decode(errors="replace") if len(parts) > 1 else "malformed"
+        data = await _within(_status_line(loop, sock), limit)
+        return _status_of(data) if data else "no response"
     except asyncio.TimeoutError:
         return "timeout"
     except OSError as exc:
