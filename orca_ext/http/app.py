@@ -49,7 +49,7 @@ from .errors import APIError, bad_request, engine_error, internal_error, request
 from .guards import Guards, allowed_hosts
 from .metrics_snapshot import MetricsSnapshot
 from .prompt_workers import DEFAULT_PROMPT_JOBS_PER_CLIENT, DEFAULT_PROMPT_THREADS
-from .rejections import MAX_CLIENTS, RejectionBudget
+from .rejections import IN_DEBT_MESSAGE, MAX_CLIENTS, RejectionBudget
 from .service import Admission, Service, validation_error
 from .settings import (DEFAULT_BODY_TIMEOUT, DEFAULT_CHAT_MAX_TOKENS, DEFAULT_MAX_BODY_BYTES,
                        DEFAULT_METRICS_INTERVAL, DEFAULT_PROBE_RATE)
@@ -260,8 +260,7 @@ async def _hold_back(budget: RejectionBudget, client: str, connection: str) -> N
     wait = budget.hold_back(client, connection)
     if wait > 0:
         await asyncio.sleep(wait)  # a client that retries at once is slowed to the budget's pace
-        raise APIError(429, "Too many rejected requests from this client; fix the requests, then retry",
-                       code="too_many_rejected_requests",
+        raise APIError(429, IN_DEBT_MESSAGE, code="too_many_rejected_requests",
                        headers={"Retry-After": str(max(1, round(wait))), "Connection": "close"})
 
 

@@ -37,6 +37,8 @@ MAX_DELAY = 5.0               # the longest a refused request is held before its
 MAX_CLIENTS = 10_000          # clients remembered (least recently seen are forgotten first)
 MAX_MARKED_CONNECTIONS = 1 << 16  # connections whose marks connection_closed can find (oldest dropped)
 MAX_CONNECTIONS_REMEMBERED = 1024  # rejected connections remembered per client
+# The held 429's text, from the app and from the transport alike.
+IN_DEBT_MESSAGE = "Too many rejected requests from this client; fix the requests, then retry"
 
 
 class RejectionBudget:

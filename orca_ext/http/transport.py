@@ -45,7 +45,7 @@ from uvicorn.protocols.http.h11_impl import H11Protocol
 from .clients import ClientKeys
 from .connections import ConnectionLimiter, Refusal
 from .errors import APIError
-from .rejections import RejectionBudget
+from .rejections import IN_DEBT_MESSAGE, RejectionBudget
 from .settings import (DEFAULT_HEADER_TIMEOUT, DEFAULT_KEEP_ALIVE_TIMEOUT, DEFAULT_MAX_CONNECTIONS,
                        DEFAULT_MAX_CONNECTIONS_PER_CLIENT, MAX_HEADER_BYTES)
 
@@ -75,8 +75,7 @@ OVERSIZE_HEAD_ANSWER = _plain_answer(b"400 Bad Request",
 @functools.lru_cache(maxsize=16)
 def in_debt_answer(retry_after: int) -> bytes:
     """The 429 for a bad request from a client in debt, by its Retry-After seconds."""
-    return _plain_answer(b"429 Too Many Requests",
-                         b"Too many rejected requests from this client; fix the requests, then retry",
+    return _plain_answer(b"429 Too Many Requests", IN_DEBT_MESSAGE.encode(),
                          b"retry-after: " + str(retry_after).encode())
 
 
