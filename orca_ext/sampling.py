@@ -128,17 +128,19 @@ def _filter_rows(logits, k, top_p, has_k, has_p) -> torch.Tensor:
         if bool((p_only & (bound < top_p)).any()):
             n = vocab
     ranked, order = _rank(logits, n, k)
-    if n < vocab and lse is not None and bool((p_only & ((ranked - lse).exp().sum(dim=-1) < top_p)).any()):
+    share = None if lse is None else (ranked - lse).exp()  # each candidate's share of its whole row
+    if n < vocab and share is not None and bool((p_only & (share.sum(dim=-1) < top_p)).any()):
         ranked, order = _rank(logits, vocab, k)  # some nucleus reaches past the candidates
+        share = (ranked - lse).exp()
     if bool(has_p.any()):
         # A top-k row's nucleus is taken within its top k (renormalised); a row without top_k
         # weighs each candidate by its share of the whole row.
-        if lse is None:
+        if share is None:
             probs = ranked.softmax(dim=-1)
         elif not bool(has_k.any()):
-            probs = (ranked - lse).exp()
+            probs = share
         else:
-            probs = torch.where(has_k.unsqueeze(1), ranked.softmax(dim=-1), (ranked - lse).exp())
+            probs = torch.where(has_k.unsqueeze(1), ranked.softmax(dim=-1), share)
         mass_before = probs.cumsum(dim=-1) - probs
         # Keep the smallest prefix whose mass reaches top_p (the first token is always kept).
         threshold = torch.where(has_p, top_p, torch.full_like(top_p, 2.0))

@@ -5,8 +5,9 @@ requests at different positions share one rope call. On the CPU the tables grow 
 blocks of ROPE_BLOCK positions, up to max_position_embeddings: a 128k-position model served with
 short contexts does not keep 32 MiB of tables for positions it never reaches, and each block is
 computed alone, so a position's values do not depend on the order the blocks were needed in. On
-other devices the tables are built whole at load: a captured CUDA graph holds their addresses. Tables are float32 (like transformers, which computes
-`positions * inv_freq` in float32); rotation is done in float32 and cast back to the input dtype.
+other devices the tables are built whole at load: a captured CUDA graph holds their addresses.
+Tables are float32 (like transformers, which computes `positions * inv_freq` in float32);
+rotation is done in float32 and cast back to the input dtype.
 Layout follows the Hugging Face "rotate_half" convention: the head dim is split into two halves
 [x1 | x2] and rotated as (x1*cos - x2*sin, x2*cos + x1*sin).
 """
