@@ -368,12 +368,17 @@ async def _connection_holding(port: int, api_key: str, addresses: list[str], sta
     await asyncio.gather(*(slot(i) for i in range(n)))
 
 
+def _post_head(api_key: str, length: int) -> bytes:
+    """A completion POST's head declaring a `length`-byte JSON body."""
+    return (b"POST /v1/completions HTTP/1.1\r\nHost: 127.0.0.1\r\n" + _auth(api_key)
+            + f"Content-Type: application/json\r\nContent-Length: {length}\r\n\r\n".encode())
+
+
 async def _shared_address(port: int, api_key: str, url: str, statuses: Counter, header_only: int = 4) -> None:
     """From victim 0's address (the same client key): header-only POSTs declaring a huge body, each
     on a new connection and abandoned after a second, and 1 MiB invalid bodies, back to back."""
     address = victim_address(0)
-    head = (b"POST /v1/completions HTTP/1.1\r\nHost: 127.0.0.1\r\n" + _auth(api_key)
-            + f"Content-Type: application/json\r\nContent-Length: {HUGE_LENGTH}\r\n\r\n".encode())
+    head = _post_head(api_key, HUGE_LENGTH)
     invalid = b"{" + b"x" * ((1 << 20) - 64) + b"}"
 
     async def header_only_loop() -> None:
@@ -432,11 +437,6 @@ async def _oversize_head(port: int, address: str, statuses: Counter, size: int =
             statuses[status] += 1
 
     await asyncio.gather(*(one() for _ in range(connections)))
-
-
-def _post_head(api_key: str, length: int) -> bytes:
-    return (b"POST /v1/completions HTTP/1.1\r\nHost: 127.0.0.1\r\n" + _auth(api_key)
-            + f"Content-Type: application/json\r\nContent-Length: {length}\r\n\r\n".encode())
 
 
 async def _upload_loop(port: int, address: str, head: bytes, body: bytes, statuses: Counter) -> None:
