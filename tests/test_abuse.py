@@ -910,26 +910,52 @@ def test_a_numpy_uint64_seed_is_served_like_the_same_int(make_server):
     assert info.value.param == "seed"
 
 
-def test_a_client_probing_in_a_loop_is_refused_and_held_back_while_others_probe_freely(make_server):
-    """/health and /metrics share one per-client rate (burst 5x): past it a client gets 429s that
-    count against its rejection budget, so a connection that keeps probing while in debt is held
-    back; another client, and the same client after a pause, are answered at once."""
-    from orca_ext.http.rejections import RejectionBudget
+def test_probe_buckets_queue_waiters_in_turn_up_to_the_longest_wait():
+    """reserve() lets a bucket go into debt by at most max_wait of its refill: each caller past
+    the burst waits one refill interval longer than the one before, and one that would wait too
+    long is refused without being charged."""
+    from orca_ext.http.buckets import ClientBuckets
 
+    now = [100.0]
+    buckets = ClientBuckets(rate=4.0, burst=3.0, max_clients=8, clock=lambda: now[0])
+    waits = [buckets.reserve("a", 1.0, max_wait=1.0) for _ in range(9)]
+    assert waits[:3] == [0.0, 0.0, 0.0]                           # the burst
+    assert waits[3:7] == pytest.approx([0.25, 0.5, 0.75, 1.0])   # in turn, 1 / rate apart
+    assert waits[7:] == [None, None]                              # past max_wait: refused
+    assert buckets.balance("a") == pytest.approx(-4.0)            # ... and not charged
+    assert buckets.reserve("b", 1.0, max_wait=0.0) == 0.0         # another client has its own
+    now[0] += 0.5                                                 # two refills later
+    assert buckets.reserve("a", 1.0, max_wait=1.0) == pytest.approx(0.75)
+
+
+def test_a_client_probing_in_a_loop_is_paced_and_one_flooding_is_refused_and_held_back(make_server):
+    """/health and /metrics share one per-client rate (burst 5x). A client probing one request
+    after another past the burst is paced, not refused; one with more probes in flight than the
+    rate serves within PROBE_MAX_WAIT gets 429s that count against its rejection budget, so a
+    connection that keeps flooding while in debt is held back; another client is answered at once."""
+    from orca_ext.http.rejections import RejectionBudget
+    from orca_ext.http.settings import PROBE_MAX_WAIT
+
+    rate = 8.0
     server = make_server()
-    app = make_app(server, probe_rate=2.0, rejections=RejectionBudget(rate=1000, burst=3000, min_charge=1000,
-                                                                       max_delay=0.01))
+    app = make_app(server, probe_rate=rate, rejections=RejectionBudget(rate=1000, burst=3000, min_charge=1000,
+                                                                        max_delay=0.01))
 
     async def go():
         async with asgi_client(app, ("127.0.0.2", 4000)) as flooder, asgi_client(app, ("127.0.0.1", 4001)) as other:
-            flood = [(await flooder.get(path)).status_code for path in ["/health", "/metrics"] * 8]
+            paths = ["/health", "/metrics"]
+            in_loop = [(await flooder.get(paths[i % 2])).status_code for i in range(int(5 * rate) + 3)]
+            at_once = await asyncio.gather(*(flooder.get(paths[i % 2]) for i in range(int(rate * PROBE_MAX_WAIT) + 8)))
             last = await flooder.get("/health")
-            others = [(await other.get(path)).status_code for path in ("/health", "/metrics")]
-            return flood, last, others
+            others = [(await other.get(path)).status_code for path in paths]
+            return in_loop, at_once, last, others
 
-    flood, last, others = asyncio.run(go())
-    assert flood[:10] == [200] * 10                 # the burst: 5 x 2 per second
-    assert flood[10:13] == [429] * 3                # 3 refusals x 1000 B: the 3000 B budget is spent
+    in_loop, at_once, last, others = asyncio.run(go())
+    assert in_loop == [200] * len(in_loop)          # the burst, then one at a time: paced, never refused
+    refused = [r for r in at_once if r.status_code == 429]
+    assert 0 < len(refused) < len(at_once)           # those that fit in PROBE_MAX_WAIT waited their turn
+    assert {r.status_code for r in at_once} == {200, 429}
+    assert refused[0].json()["error"]["code"] == "too_many_probes"
     assert last.status_code == 429 and last.json()["error"]["code"] == "too_many_rejected_requests"
     assert last.headers["connection"] == "close"    # in debt on a refused connection: held back
     assert others == [200, 200]

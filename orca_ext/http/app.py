@@ -14,9 +14,12 @@ actually read; one from a client already in debt is answered after the debt's de
 Connection: close.
 /metrics serves a snapshot at most `metrics_interval` seconds old (metrics_snapshot.py), behind
 the API key when one is set unless `public_metrics`. /health and /metrics together take at most
-`probe_rate` requests per second from one client (burst 5x): beyond that a 429 that counts against
-the client's rejection budget, so a client probing in a loop is held back like one sending bad
-requests, and a monitor or load balancer probing every few seconds never notices.
+`probe_rate` requests per second from one client (burst 5x). A probe past that rate waits for its
+turn (a sleeping coroutine costs nothing), so a client probing in a loop is paced to the rate
+instead of being answered as fast as it asks; one that would wait longer than PROBE_MAX_WAIT (it
+keeps more probes in flight than the rate serves in that time) gets a 429 that counts against its
+rejection budget, and is then held back like a client sending bad requests. A monitor or load
+balancer probing every few seconds never notices.
 Nothing reaches the engine before admission (service.py). Snapshots come from
 `Server.stream_async`; a client that goes away gets its request aborted, which frees its KV slab
 at once. A client that goes away while still sending its body is a disconnect (INFO, outcome
@@ -52,7 +55,7 @@ from .prompt_workers import DEFAULT_PROMPT_JOBS_PER_CLIENT, DEFAULT_PROMPT_THREA
 from .rejections import IN_DEBT_MESSAGE, MAX_CLIENTS, RejectionBudget
 from .service import Admission, Service, validation_error
 from .settings import (DEFAULT_BODY_TIMEOUT, DEFAULT_CHAT_MAX_TOKENS, DEFAULT_MAX_BODY_BYTES,
-                       DEFAULT_METRICS_INTERVAL, DEFAULT_PROBE_RATE)
+                       DEFAULT_METRICS_INTERVAL, DEFAULT_PROBE_RATE, PROBE_MAX_WAIT)
 
 logger = logging.getLogger(__name__)
 
@@ -88,7 +91,8 @@ def create_app(server: Server, *, model_name: str, max_queue: int = 256, api_key
     renders, concurrent scrapes still share one rendering).
     prompt_threads / prompt_jobs_per_client: the threads that render chat templates and encode
     text prompts, and the most of them one client holds at once (prompt_workers.py).
-    probe_rate: /health + /metrics requests per second one client may send (burst 5x); more get 429.
+    probe_rate: /health + /metrics requests per second one client may send (burst 5x); more wait
+    their turn, up to PROBE_MAX_WAIT seconds, and get 429 beyond that.
     The chat template, the context limit and the vocabulary size are the server's.
     """
     svc = Service(server, model_name=model_name, max_queue=max_queue, api_key=api_key,
@@ -105,13 +109,18 @@ def create_app(server: Server, *, model_name: str, max_queue: int = 256, api_key
     probes = ClientBuckets(probe_rate, 5 * probe_rate, MAX_CLIENTS)
 
     async def check_probe(request: Request) -> None:
-        """Hold back or refuse a client's /health or /metrics request beyond its probe rate."""
+        """Pace a client's /health or /metrics requests to its probe rate: one past it waits for
+        its turn, one that would wait too long is refused (and charged)."""
         client, connection = client_key(request), _connection(request)
         await _hold_back(svc.rejections, client, connection)
-        if not probes.take_if_available(client):
+        wait = probes.reserve(client, 1.0, PROBE_MAX_WAIT)
+        if wait is None:
             svc.rejections.charge(client, 0, connection)
-            raise APIError(429, f"Too many /health and /metrics requests from this client (limit "
-                           f"{probe_rate:g} per second)", code="too_many_probes", headers={"Retry-After": "1"})
+            raise APIError(429, f"Too many /health and /metrics requests from this client in flight (limit "
+                           f"{probe_rate:g} per second, waits up to {PROBE_MAX_WAIT:g} s)",
+                           code="too_many_probes", headers={"Retry-After": "1"})
+        if wait > 0:
+            await asyncio.sleep(wait)
     _add_error_handlers(app)
     if cors_origins:
         from starlette.middleware.cors import CORSMiddleware

@@ -52,6 +52,17 @@ class ClientBuckets:
             self.on_forget(oldest)
         return left
 
+    def reserve(self, client: str, amount: float, max_wait: float) -> float | None:
+        """Charge `amount` now for use after the returned wait: the seconds until the bucket has
+        refilled what the client is then in debt (0 when it held `amount`). None, and nothing
+        charged, when that wait would exceed `max_wait`. Concurrent callers queue in the debt, so
+        each waits its turn behind the ones before."""
+        wait = max(0.0, amount - self.balance(client)) / self.rate
+        if wait > max_wait:
+            return None
+        self.take(client, amount)
+        return wait
+
     def take_if_available(self, client: str, amount: float = 1.0) -> bool:
         """Charge `amount` only when the bucket holds it; whether it did."""
         if self.balance(client) < amount:

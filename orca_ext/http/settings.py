@@ -12,5 +12,6 @@ DEFAULT_MAX_CONNECTIONS = 2048       # open connections or running requests; 503
 DEFAULT_MAX_CONNECTIONS_PER_CLIENT = 256  # open connections of one client key (clients.py); 429 beyond
 DEFAULT_METRICS_INTERVAL = 1.0       # seconds: /metrics serves a snapshot at most this old
 DEFAULT_PROBE_RATE = 20.0           # /health + /metrics requests per second one client may send (burst 5x)
+PROBE_MAX_WAIT = 1.0                # seconds a probe past that rate waits for its turn; 429 beyond
 DEFAULT_SHUTDOWN_GRACE = 10.0        # seconds running requests get to finish on SIGINT/SIGTERM
 MAX_HEADER_BYTES = 16 * 1024         # request line + headers (400 and close above)
