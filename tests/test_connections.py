@@ -246,6 +246,55 @@ def test_connection_limiter_rules():
     assert lim.open("b") is None
 
 
+def test_unproven_connections_past_the_cap_are_paced_and_proven_ones_give_their_place_back():
+    """A client may open --max-connections-per-client connections on probation at once; each one
+    past that waits its turn at the unproven rate, in order; a connection that carried a
+    successful request returns its place; trusted proxies are never paced."""
+    from orca_ext.http.connections import ConnectionLimiter
+
+    now = [50.0]
+    lim = ConnectionLimiter(max_connections=64, max_per_client=3, unproven_rate=2.0, clock=lambda: now[0])
+    assert [lim.pace("a") for _ in range(3)] == [0.0, 0.0, 0.0]
+    assert [lim.pace("a") for _ in range(2)] == pytest.approx([0.5, 1.0])   # in turn, 1 / rate apart
+    assert lim.pace("b") == 0.0                                             # another client: its own places
+    assert [lim.pace("proxy", trusted=True) for _ in range(8)] == [0.0] * 8
+    lim.proven("a")
+    lim.proven("a")
+    assert lim.pace("a") == pytest.approx(0.5)                              # two places back
+    now[0] += 10.0
+    assert lim.pace("a") == 0.0                                             # refilled
+    with pytest.raises(ValueError, match="unproven_rate"):
+        ConnectionLimiter(8, 3, unproven_rate=0.0)
+
+
+def test_a_client_cycling_failed_connections_is_read_in_turn_while_a_successful_one_is_not(make_server):
+    """Served by the real transport with 2 connections per client and one unproven connection per
+    100 s: after the attacker's two connections closed without a request, a third one is held
+    unread (its request gets no answer), while a client whose requests succeed opens one new
+    connection after another and each is answered, and so is the bystander."""
+    server = make_server()
+    app = make_app(server)
+    with serving(app, header_timeout=120, max_connections_per_client=2, unproven_connection_rate=0.01) as (
+            port, limiter):
+        idle = [connect(port, ATTACKER) for _ in range(2)]          # on probation, never proven
+        wait_for(lambda: limiter.held(ATTACKER) == 2, "the connections are not counted")
+        for sock in idle:
+            sock.close()
+        wait_for(lambda: limiter.held(ATTACKER) == 0, "the closed connections are still counted")
+        held = connect(port, ATTACKER)                                # no place left: paced 100 s
+        held.sendall(b"GET /health HTTP/1.1\r\nHost: 127.0.0.1\r\n\r\n")
+        for _ in range(6):                                            # 3x the cap, one after another
+            sock = connect(port, "127.0.0.3")
+            sock.sendall(b"GET /health HTTP/1.1\r\nHost: 127.0.0.1\r\nConnection: close\r\n\r\n")
+            assert read_response(sock)[0] == 200
+            sock.close()
+        bystander_is_served(port)
+        held.settimeout(2.0)
+        with pytest.raises(socket.timeout):                           # still unread, so unanswered
+            held.recv(1)
+        held.close()
+
+
 # -- request heads are bounded however they arrive -------------------------------------------------
 @pytest.mark.parametrize("pieces", [1, 8])
 def test_request_heads_over_16_kib_are_refused_even_in_one_read(make_server, pieces):

@@ -63,6 +63,15 @@ class ClientBuckets:
         self.take(client, amount)
         return wait
 
+    def give_back(self, client: str, amount: float) -> None:
+        """Return `amount` to `client`'s bucket (never past a full one)."""
+        left = self.balance(client) + amount
+        if left >= self.burst:
+            if self._left.pop(client, None) is not None:
+                self.on_forget(client)
+        else:
+            self._left[client] = (left, self._clock())
+
     def take_if_available(self, client: str, amount: float = 1.0) -> bool:
         """Charge `amount` only when the bucket holds it; whether it did."""
         if self.balance(client) < amount:

@@ -67,6 +67,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     p.add_argument("--max-connections-per-client", type=int, default=settings.DEFAULT_MAX_CONNECTIONS_PER_CLIENT,
                    metavar="N", help="open connections one client (address, or its /64 for IPv6) may hold; "
                                      "more are refused with 429 (default %(default)d; trusted proxies are exempt)")
+    p.add_argument("--unproven-connection-rate", type=float, default=settings.DEFAULT_UNPROVEN_CONNECTION_RATE,
+                   metavar="N", help="new connections per second a client may open once it has "
+                                     "--max-connections-per-client connections that carried no successful "
+                                     "request; the rest wait their turn unread (default %(default)g)")
     p.add_argument("--trusted-proxies", type=_names, default=None, metavar="ADDRESSES",
                    help="comma-separated proxy addresses or CIDR networks, e.g. 10.0.0.0/8,::1: only from "
                         "these peers is X-Forwarded-For used to tell clients apart (its right-most address "
@@ -144,7 +148,8 @@ def main(args: argparse.Namespace) -> int:
             logger.error("%s must be >= 1 (got %d)", name, value)
             return 2
     for name, value in (("--header-timeout", args.header_timeout), ("--body-timeout", args.body_timeout),
-                        ("--keep-alive-timeout", args.keep_alive_timeout), ("--probe-rate", args.probe_rate)):
+                        ("--keep-alive-timeout", args.keep_alive_timeout), ("--probe-rate", args.probe_rate),
+                        ("--unproven-connection-rate", args.unproven_connection_rate)):
         if not value > 0:
             logger.error("%s must be > 0 (got %g)", name, value)
             return 2
@@ -175,6 +180,7 @@ def main(args: argparse.Namespace) -> int:
                                        keep_alive_timeout=args.keep_alive_timeout,
                                        max_connections=args.max_connections,
                                        max_connections_per_client=args.max_connections_per_client,
+                                       unproven_connection_rate=args.unproven_connection_rate,
                                        client_keys=app.state.client_keys,
                                        rejections=service.rejections)
         # SIGINT/SIGTERM: drain (stop admitting, a bounded grace, end the rest in-band), then exit 0.

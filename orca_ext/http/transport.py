@@ -21,6 +21,10 @@ Limits (all options of `serve`; defaults in settings.py):
 - --body-timeout (30 s, enforced by the service): the whole body must arrive within this.
 - --max-connections (2048) and --max-connections-per-client (256): connections.py; a refused
   connection gets the error at its first request, or is closed after REFUSED_WAIT seconds.
+- --unproven-connection-rate (16 per second): a client's connections are on probation until one
+  of their responses succeeds (connections.py); past --max-connections-per-client of them, its new
+  connections are held unread until their turn (reading paused; the header timeout starts when
+  reading does).
 
 Shutdown (SIGINT/SIGTERM): `DrainingServer` runs the app's `drain()` first (stop admitting, a
 bounded grace period for running requests, then end the rest in-band), then uvicorn's own
@@ -47,7 +51,7 @@ from .connections import ConnectionLimiter, Refusal
 from .errors import APIError
 from .rejections import IN_DEBT_MESSAGE, RejectionBudget
 from .settings import (DEFAULT_HEADER_TIMEOUT, DEFAULT_KEEP_ALIVE_TIMEOUT, DEFAULT_MAX_CONNECTIONS,
-                       DEFAULT_MAX_CONNECTIONS_PER_CLIENT, MAX_HEADER_BYTES)
+                       DEFAULT_MAX_CONNECTIONS_PER_CLIENT, DEFAULT_UNPROVEN_CONNECTION_RATE, MAX_HEADER_BYTES)
 
 logger = logging.getLogger(__name__)
 
@@ -89,7 +93,16 @@ def request_head_bytes(event: h11.Request) -> int:
 
 class BoundedHeadConnection(h11.Connection):
     """h11 bounds a request head that arrives in pieces (max_incomplete_event_size) but parses
-    one that arrives whole in one read, whatever its size; this bounds that one too."""
+    one that arrives whole in one read, whatever its size; this bounds that one too. It also
+    remembers whether the last response started after its request's body was read, and its
+    status: what decides that a connection carried a successful request."""
+
+    succeeded = False  # the last response: status below 400, sent after the whole request arrived
+
+    def send(self, event: Any) -> Any:
+        if isinstance(event, h11.Response):
+            self.succeeded = event.status_code < 400 and self.their_state in (h11.DONE, h11.MUST_CLOSE)
+        return super().send(event)
 
     def next_event(self) -> Any:
         event = super().next_event()
@@ -161,6 +174,8 @@ def serving_protocol(timeout: float, limiter: ConnectionLimiter, keys: ClientKey
         _connection = ""                    # "host:port", the rejection budget's name for it
         _trusted = False
         _counted = False
+        _proven = False                     # a response of this connection succeeded (connections.py)
+        _paced_timer: Optional[asyncio.TimerHandle] = None  # held unread until the client's turn
 
         def __init__(self, *args: Any, **kwargs: Any) -> None:
             super().__init__(*args, **kwargs)
@@ -175,12 +190,23 @@ def serving_protocol(timeout: float, limiter: ConnectionLimiter, keys: ClientKey
             refusal = limiter.open(self._client_key, trusted=self._trusted)
             if refusal is None:
                 self._counted = True
+                wait = limiter.pace(self._client_key, trusted=self._trusted)
+                if wait > 0:  # too many unproven connections: read this one in its turn
+                    transport.pause_reading()
+                    self._paced_timer = self.loop.call_later(wait, self._start_reading)
+                    return
                 self._arm_header_timer(self.header_timeout)
                 return
             refused_connections.refused(self._client_key, refusal.message)
             self.connections.discard(self)  # not counted against uvicorn's limit either
             self.app = _refusal_app(refusal)
             self._arm_header_timer(min(REFUSED_WAIT, self.header_timeout))
+
+        def _start_reading(self) -> None:
+            self._paced_timer = None
+            if not self.transport.is_closing():
+                self.transport.resume_reading()
+                self._arm_header_timer(self.header_timeout)
 
         def data_received(self, data: bytes) -> None:
             if self._lingered is not None:  # the rest of an answered request's body: discarded
@@ -272,6 +298,9 @@ def serving_protocol(timeout: float, limiter: ConnectionLimiter, keys: ClientKey
 
         def on_response_complete(self) -> None:
             unread_body = self.conn.their_state is h11.SEND_BODY
+            if self._counted and not self._proven and self.conn.succeeded:
+                self._proven = True
+                limiter.proven(self._client_key)
             super().on_response_complete()
             if self.transport.is_closing():
                 return
@@ -282,10 +311,10 @@ def serving_protocol(timeout: float, limiter: ConnectionLimiter, keys: ClientKey
 
         def connection_lost(self, exc: Optional[Exception]) -> None:
             self._cancel_header_timer()
-            for timer in (self._linger_timer, self._held_timer):
+            for timer in (self._linger_timer, self._held_timer, self._paced_timer):
                 if timer is not None:
                     timer.cancel()
-            self._linger_timer = self._held_timer = None
+            self._linger_timer = self._held_timer = self._paced_timer = None
             if self._counted:
                 self._counted = False
                 limiter.close(self._client_key)
@@ -334,6 +363,7 @@ def make_config(app: Any, *, host: str, port: int, log_level: str,
                 keep_alive_timeout: float = DEFAULT_KEEP_ALIVE_TIMEOUT,
                 max_connections: int = DEFAULT_MAX_CONNECTIONS,
                 max_connections_per_client: int = DEFAULT_MAX_CONNECTIONS_PER_CLIENT,
+                unproven_connection_rate: float = DEFAULT_UNPROVEN_CONNECTION_RATE,
                 client_keys: Optional[ClientKeys] = None,
                 rejections: Optional[RejectionBudget] = None) -> uvicorn.Config:
     """The uvicorn config of one server. client_keys: who is a client (its trusted proxies);
@@ -341,7 +371,7 @@ def make_config(app: Any, *, host: str, port: int, log_level: str,
     app's rejection budget (`app.state.service.rejections`): a new connection reusing a closed
     one's port then starts with a clean record, and a malformed request the transport refuses
     costs its client as a rejected one does."""
-    limiter = ConnectionLimiter(max_connections, max_connections_per_client)
+    limiter = ConnectionLimiter(max_connections, max_connections_per_client, unproven_connection_rate)
     config = uvicorn.Config(
         app, host=host, port=port, log_level=log_level,
         http=serving_protocol(header_timeout, limiter, client_keys or ClientKeys(), rejections),
