@@ -74,11 +74,13 @@ would not.
 
 The server runs with an API key (`--api-key`, default 'isolation-bench'; victims and attackers
 send it unless an attack is about requests without it) and, with `-tp N`, as N tensor-parallel
-worker processes (the model must split N ways: the default model's 9 / 3 heads split over 3).
+worker processes (the model must split N ways: the default model's 9 / 3 heads split over 3), and
+with `-pp N` as N pipeline stages.
 
 Usage:
   python bench/isolation.py --out bench/isolation.json
   python bench/isolation.py -tp 3 --out bench/isolation_tp3.json
+  python bench/isolation.py -pp 2 --out bench/isolation_pp2.json
   python bench/isolation.py --python /path/other/.venv/bin/python --cwd /path/other   # another build
 Per-victim token counts come from each stream's final usage chunk, spread evenly over that
 request's lifetime, so a request that straddles two phases counts in both.
@@ -650,6 +652,8 @@ def main(argv: list[str] | None = None) -> int:
                    help="words in long_prompt_hog's prompt (default 1200, about 1,200 tokens)")
     p.add_argument("-tp", "--tensor-parallel-size", type=int, default=1,
                    help="serve with -tp N worker processes (default 1: one process)")
+    p.add_argument("-pp", "--pipeline-parallel-size", type=int, default=1,
+                   help="serve with -pp N pipeline stages, one worker process each (default 1)")
     p.add_argument("--api-key", default=DEFAULT_API_KEY,
                    help="the server's API key, sent by victims and attackers ('' for none; "
                         f"default {DEFAULT_API_KEY!r})")
@@ -659,7 +663,8 @@ def main(argv: list[str] | None = None) -> int:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(message)s")
     logging.getLogger("httpx").setLevel(logging.WARNING)
     names = list(attacks("m", 0)) if args.attacks is None else args.attacks.split(",")
-    serve_args = ["--max-queue", "100000", "--log-level", "warning", "-tp", str(args.tensor_parallel_size)]
+    serve_args = ["--max-queue", "100000", "--log-level", "warning", "-tp", str(args.tensor_parallel_size),
+                  "-pp", str(args.pipeline_parallel_size)]
     if args.admission is not None:
         serve_args += ["--admission", args.admission]
     if not args.prefix_caching:
@@ -676,7 +681,8 @@ def main(argv: list[str] | None = None) -> int:
                                  long_prompt_words=args.long_prompt_words, api_key=args.api_key))
     result.update({"admission": args.admission or "default", "max_kv_per_client": args.max_kv_per_client or "default",
                    "prefix_caching": args.prefix_caching,
-                   "tensor_parallel_size": args.tensor_parallel_size, "model": args.model or "default",
+                   "tensor_parallel_size": args.tensor_parallel_size,
+                   "pipeline_parallel_size": args.pipeline_parallel_size, "model": args.model or "default",
                    "commit": _commit(args.cwd), "cpu": _cpu_model(), "cores": os.cpu_count()})
     result.update({"label": args.label, "date": time.strftime("%Y-%m-%d %H:%M"), "machine": platform.processor()
                    or platform.machine(), "victims": args.victims, "window_s": args.window, "server_cwd": args.cwd})
