@@ -269,16 +269,18 @@ def test_unproven_connections_past_the_cap_are_paced_and_proven_ones_give_their_
 
 def test_a_client_cycling_failed_connections_is_read_in_turn_while_a_successful_one_is_not(make_server):
     """Served by the real transport with 2 connections per client and one unproven connection per
-    100 s: after the attacker's two connections closed without a request, a third one is held
-    unread (its request gets no answer), while a client whose requests succeed opens one new
-    connection after another and each is answered, and so is the bystander."""
+    100 s: after the attacker's two connections closed (one answered 404, one idle), a third one
+    is held unread (its request gets no answer), while a client whose requests succeed opens one
+    new connection after another and each is answered, and so is the bystander."""
     server = make_server()
     app = make_app(server)
     with serving(app, header_timeout=120, max_connections_per_client=2, unproven_connection_rate=0.01) as (
             port, limiter):
-        idle = [connect(port, ATTACKER) for _ in range(2)]          # on probation, never proven
+        failed = [connect(port, ATTACKER) for _ in range(2)]        # on probation, never proven:
+        failed[0].sendall(b"GET /nowhere HTTP/1.1\r\nHost: 127.0.0.1\r\n\r\n")
+        assert read_response(failed[0])[0] == 404                     # one refused, one idle
         wait_for(lambda: limiter.held(ATTACKER) == 2, "the connections are not counted")
-        for sock in idle:
+        for sock in failed:
             sock.close()
         wait_for(lambda: limiter.held(ATTACKER) == 0, "the closed connections are still counted")
         held = connect(port, ATTACKER)                                # no place left: paced 100 s

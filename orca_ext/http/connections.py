@@ -11,8 +11,8 @@ Three rules decide whether a new connection is served (the key is clients.py's p
 A refused connection is not counted: it is answered at its first request with the error and
 Connection: close, or closed if that request does not arrive within a second.
 
-Pacing unproven connections: a connection is on probation from its opening until it carries a
-successful response (below 400, with its request body read). Each client may have
+Pacing unproven connections: a connection is on probation from its opening until a successful
+response of it starts (below 400, after its whole request arrived; transport.py tells). Each client may have
 --max-connections-per-client connections on probation at once; past that, its new connections are
 read at --unproven-connection-rate per second (held unread, which costs the server nothing, until
 their turn). A connection that proves itself gives its place back. So a client whose connections

@@ -94,14 +94,19 @@ def request_head_bytes(event: h11.Request) -> int:
 class BoundedHeadConnection(h11.Connection):
     """h11 bounds a request head that arrives in pieces (max_incomplete_event_size) but parses
     one that arrives whole in one read, whatever its size; this bounds that one too. It also
-    remembers whether the last response started after its request's body was read, and its
-    status: what decides that a connection carried a successful request."""
+    calls `on_success` when a response starts that shows the connection carried a successful
+    request: a status below 400, sent after the whole request arrived (a stream counts as it
+    starts, so a client that cancels it is not held against)."""
 
-    succeeded = False  # the last response: status below 400, sent after the whole request arrived
+    def __init__(self, our_role: Any, max_incomplete_event_size: int,
+                 on_success: Callable[[], None] = lambda: None) -> None:
+        super().__init__(our_role, max_incomplete_event_size=max_incomplete_event_size)
+        self.on_success = on_success
 
     def send(self, event: Any) -> Any:
-        if isinstance(event, h11.Response):
-            self.succeeded = event.status_code < 400 and self.their_state in (h11.DONE, h11.MUST_CLOSE)
+        if (isinstance(event, h11.Response) and event.status_code < 400
+                and self.their_state in (h11.DONE, h11.MUST_CLOSE)):
+            self.on_success()
         return super().send(event)
 
     def next_event(self) -> Any:
@@ -179,7 +184,7 @@ def serving_protocol(timeout: float, limiter: ConnectionLimiter, keys: ClientKey
 
         def __init__(self, *args: Any, **kwargs: Any) -> None:
             super().__init__(*args, **kwargs)
-            self.conn = BoundedHeadConnection(h11.SERVER, MAX_HEADER_BYTES)
+            self.conn = BoundedHeadConnection(h11.SERVER, MAX_HEADER_BYTES, self._succeeded)
 
         def connection_made(self, transport: Any) -> None:  # type: ignore[override]
             super().connection_made(transport)
@@ -201,6 +206,12 @@ def serving_protocol(timeout: float, limiter: ConnectionLimiter, keys: ClientKey
             self.connections.discard(self)  # not counted against uvicorn's limit either
             self.app = _refusal_app(refusal)
             self._arm_header_timer(min(REFUSED_WAIT, self.header_timeout))
+
+        def _succeeded(self) -> None:
+            """A response of this connection succeeded: its place on probation comes back, once."""
+            if self._counted and not self._proven:
+                self._proven = True
+                limiter.proven(self._client_key)
 
         def _start_reading(self) -> None:
             self._paced_timer = None
@@ -298,9 +309,6 @@ def serving_protocol(timeout: float, limiter: ConnectionLimiter, keys: ClientKey
 
         def on_response_complete(self) -> None:
             unread_body = self.conn.their_state is h11.SEND_BODY
-            if self._counted and not self._proven and self.conn.succeeded:
-                self._proven = True
-                limiter.proven(self._client_key)
             super().on_response_complete()
             if self.transport.is_closing():
                 return
