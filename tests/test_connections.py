@@ -9,6 +9,7 @@ speed assertion.
 from __future__ import annotations
 
 import contextlib
+import json
 import socket
 import threading
 import time
@@ -271,7 +272,8 @@ def test_a_client_cycling_failed_connections_is_read_in_turn_while_a_successful_
     """Served by the real transport with 2 connections per client and one unproven connection per
     100 s: after the attacker's two connections closed (one answered 404, one idle), a third one
     is held unread (its request gets no answer), while a client whose requests succeed opens one
-    new connection after another and each is answered, and so is the bystander."""
+    new connection after another and each is answered (as is one that hangs up on each of its
+    streams once it has started), and so is the bystander."""
     server = make_server()
     app = make_app(server)
     with serving(app, header_timeout=120, max_connections_per_client=2, unproven_connection_rate=0.01) as (
@@ -289,6 +291,12 @@ def test_a_client_cycling_failed_connections_is_read_in_turn_while_a_successful_
             sock = connect(port, "127.0.0.3")
             sock.sendall(b"GET /health HTTP/1.1\r\nHost: 127.0.0.1\r\nConnection: close\r\n\r\n")
             assert read_response(sock)[0] == 200
+            sock.close()
+        stream = json.dumps({"model": "m", "prompt": "hello", "max_tokens": 64, "stream": True}).encode()
+        for _ in range(6):                                            # streams cancelled after their head
+            sock = connect(port, "127.0.0.4")
+            _post(sock, stream)
+            assert sock.recv(12) == b"HTTP/1.1 200"                   # started: proven, though cut short
             sock.close()
         bystander_is_served(port)
         held.settimeout(2.0)
