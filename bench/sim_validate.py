@@ -42,15 +42,14 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
 from orca_ext import EngineConfig, Server  # noqa: E402
-from orca_ext.distributed.batch_trace import TRACE_ENV  # noqa: E402
+from orca_ext.distributed.batch_trace import TRACE_ENV, read_traces  # noqa: E402
 from orca_ext.sim.cost import Roofline  # noqa: E402
 from orca_ext.sim.fit import calibration_from_records, fit_hardware, fit_trace  # noqa: E402
+from orca_ext.sim.stages import fit_stages, stage_times  # noqa: E402
 from orca_ext.sim.loop import simulate  # noqa: E402
 from orca_ext.sim.measure import observed_trace, replay  # noqa: E402
 from orca_ext.sim.presets import load_hardware, load_shape  # noqa: E402
 from orca_ext.sim.trace import synthetic  # noqa: E402
-
-HANDOFF_GRID_S = [0.0, *np.geomspace(2e-4, 0.2, 31)]
 
 METRICS = ("output_tokens_per_s", "median_normalized_latency_s", "p99_ttft_s")
 # Prefix caching off: every repeat replays the same prompts, which the engine's cache would serve
@@ -59,72 +58,44 @@ CONFIGS = {"orca": dict(scheduler="orca", prefix_caching=False), "static": dict(
            "orca-pp2": dict(scheduler="orca", pipeline_parallel_size=2, prefix_caching=False)}
 
 
-def read_worker_traces(folder: Path, n_stages: int) -> list[dict]:
+def worker_spans(folder: Path, n_stages: int) -> list[dict]:
     """Per stage (worker rank = stage with tp 1): batch index -> (start, end), monotonic seconds."""
-    out = []
-    for rank in range(n_stages):
-        spans = {}
-        for line in (folder / f"worker{rank}.trace").read_text().splitlines():
-            index, start, end = line.split()
-            spans[int(index)] = (float(start), float(end))
-        out.append(spans)
-    return out
+    traces = read_traces(folder)
+    return [{i: (a, b) for i, a, b in traces.get(rank, [])} for rank in range(n_stages)]
 
 
-def stage_check(records, prompt_lens, cost, spans) -> dict:
-    """pp2 against the workers' own timings (ORCA_EXT_WORKER_TRACE): stage 0's forward time
-    against the model's stage 0 (half the layers, same rates), and how long stage 1 runs on after
-    stage 0 has finished a batch against the model's last stage plus hand-off."""
-    records = sorted(records, key=lambda r: r.index)
-    works = calibration_from_records(records, prompt_lens).works
-    first, last = spans[0], spans[-1]
-    meas0, pred0, after, pred1 = [], [], [], []
-    for rec, w in zip(records, works):
-        if rec.index in first and rec.index in last:
-            (s0, e0), (s1, e1) = first[rec.index], last[rec.index]
-            meas0.append(e0 - s0)
-            pred0.append(cost.stage_time(w, 0))
-            after.append(e1 - max(s1, e0))
-            pred1.append(cost.stage_time(w, cost.n_stages - 1) + cost.handoff_time(w))
-    meas0, pred0, after, pred1 = map(np.array, (meas0, pred0, after, pred1))
-    return {"batches": len(meas0), "stage0_total_err": float(pred0.sum() / meas0.sum() - 1),
-            "stage0_median_abs_err": float(np.median(np.abs(pred0 / meas0 - 1))),
-            "last_stage_total_err": float(pred1.sum() / after.sum() - 1),
-            "handoff_median_s": float(np.median(after - pred1)) + cost.hw.link_latency_s}
+def stage_errors(times, cost) -> dict:
+    """A pipeline's stage model against the workers' own timings: per stage the summed and the
+    median per-batch error (the last stage's measured time includes the hand-off's wait)."""
+    n = cost.n_stages
+    pred = np.array([[cost.stage_time(w, j) + (cost.handoff_time(w) if j else 0.0) for j in range(n)]
+                     for w in times.works])
+    return {"batches": len(times.works), "stage_total_err": (pred.sum(0) / times.stage_s.sum(0) - 1).tolist(),
+            "stage_median_abs_err": np.median(np.abs(pred / times.stage_s - 1), axis=0).tolist(),
+            "forward_total_err": float(pred.sum() / times.stage_s.sum() - 1)}
 
 
-def fit_handoff(server, shape, hw, config, name: str, n_requests: int, seed: int, trace_dir: Path):
-    """pp2: each stage is priced by the single-process fit `hw` (half the layers); the stage
-    hand-off (activations through the worker pipe, and the other process's wake-up) is what a
-    single process never shows. Its latency is fitted on the pp2 server's own fit-workload run,
-    minimising the squared log errors of throughput and median normalised latency (a grid)."""
+def fit_pipeline(server, shape, hw, config, name: str, n_requests: int, seed: int, trace_dir: Path):
+    """A pipeline's cost model: each stage priced by the single-process fit `hw` (its share of the
+    layers), then per-stage scales and the hand-off latency fitted to the workers' own timings
+    of the pipeline server's fit-workload run (orca_ext/sim/stages.py). Returns the cost model
+    and the in-sample check: the fit run simulated, and the stage errors before and after."""
     trace = fit_trace(n_requests, seed)
     skip = len(server.iterations())
     measured = replay(server, trace, seed=seed, prefix="ppfit-")
-    target = measured.summary()
-    records = server.iterations()[skip:]
-    sim_trace = observed_trace(measured)
-    best = None
-    for latency in HANDOFF_GRID_S:
-        cand = dataclasses.replace(hw, link_latency_s=float(latency))
-        got = simulate(sim_trace, config, Roofline(shape, cand, pp=config.pipeline_parallel_size),
-                       server.n_slots, shape.kv_bytes_per_token, "cpu").summary()
-        err = sum(np.log(got[m] / target[m]) ** 2 for m in ("output_tokens_per_s", "median_normalized_latency_s"))
-        if best is None or err < best[0]:
-            best = (err, cand, got)
-    check = {"config": name, "measured": target, "predicted": best[2],
-             "handoff_latency_s": best[1].link_latency_s}
-    try:
-        spans = read_worker_traces(trace_dir, config.pipeline_parallel_size)
-    except OSError as exc:  # the check is extra: the validation goes on without it
-        print(f"no worker timings for the stage check: {exc}", flush=True)
-    else:
-        check.update(stage_check(records, {f"ppfit-{i}": r.prompt_len for i, r in enumerate(trace)},
-                                 Roofline(shape, best[1], pp=config.pipeline_parallel_size), spans))
+    times = stage_times(server.iterations()[skip:], {f"ppfit-{i}": r.prompt_len for i, r in enumerate(trace)},
+                        worker_spans(trace_dir, config.pipeline_parallel_size))
+    single = Roofline(shape, dataclasses.replace(hw, link_latency_s=0.0), pp=config.pipeline_parallel_size)
+    fit = fit_stages(times, single)
+    hw_pp = dataclasses.replace(hw, link_latency_s=fit.handoff_s, source=hw.source + "; stage scales and hand-off "
+                                "latency fitted on the pipeline server's fit-workload run")
+    cost = Roofline(shape, hw_pp, pp=config.pipeline_parallel_size, stage_scale=fit.scales)
+    sim = simulate(observed_trace(measured), config, cost, server.n_slots, shape.kv_bytes_per_token, "cpu")
+    check = {"config": name, "measured": measured.summary(), "predicted": sim.summary(),
+             "stage_scales": list(fit.scales), "handoff_latency_s": fit.handoff_s, "alone_batches": fit.alone,
+             "single_process": stage_errors(times, single), "fitted": stage_errors(times, cost)}
     print("fit", json.dumps(check), flush=True)
-    hw_pp = dataclasses.replace(best[1], source=best[1].source + "; stage hand-off latency fitted on the pp2 "
-                                "server's fit-workload run")
-    return hw_pp, check
+    return cost, check
 
 
 def forward_error(records, prompt_lens, cost) -> float:
@@ -182,13 +153,12 @@ def main() -> int:
             os.environ.pop(TRACE_ENV, None)
             replay(server, synthetic(2, float("inf"), (8, 16), (2, 4), seed=99), prefix="warmup-")
             if config.pipeline_parallel_size > 1:
-                hw_run, check = fit_handoff(server, shape, hw, config, name, args.fit_requests, args.seed + 1000,
-                                             trace_dir)
+                cost, check = fit_pipeline(server, shape, hw, config, name, args.fit_requests, args.seed + 1000,
+                                           trace_dir)
             else:
-                hw_run, check = fit_here(server, shape, name, args.fit_requests, args.seed + 1000)
-                hw = hw_run
+                hw, check = fit_here(server, shape, name, args.fit_requests, args.seed + 1000)
+                cost = Roofline(shape, hw)
             checks.append(check)
-            cost = Roofline(shape, hw_run, pp=config.pipeline_parallel_size)
             for rate in args.rates:
                 trace = synthetic(args.requests, rate, (8, 128), (1, 128), seed=args.seed)
                 runs = []
@@ -201,12 +171,18 @@ def main() -> int:
                                    shape.kv_bytes_per_token, "cpu")
                     runs.append({"measured": measured.summary(), "predicted": sim.summary(),
                                  "wall_s": time.perf_counter() - t})
-                    if config.pipeline_parallel_size == 1:  # the cost model alone, out of sample
-                        runs[-1]["forward_total_err"] = forward_error(
-                            server.iterations()[skip:], {f"{prefix}{i}": r.prompt_len for i, r in enumerate(trace)},
-                            cost)
+                    # The cost model alone, out of sample, on the engine's own iterations.
+                    records = server.iterations()[skip:]
+                    prompt_lens = {f"{prefix}{i}": r.prompt_len for i, r in enumerate(trace)}
+                    if config.pipeline_parallel_size == 1:
+                        runs[-1]["forward_total_err"] = forward_error(records, prompt_lens, cost)
+                    else:
+                        stages = stage_errors(stage_times(records, prompt_lens, worker_spans(trace_dir, cost.n_stages)),
+                                              cost)
+                        runs[-1] |= {"stages": stages, "forward_total_err": stages["forward_total_err"]}
                     print(name, rate, rep, json.dumps(runs[-1]), flush=True)
-                rows.append({"config": name, "rate": rate, "hardware": dataclasses.asdict(hw_run),
+                rows.append({"config": name, "rate": rate, "hardware": dataclasses.asdict(cost.hw),
+                             "stage_scale": list(cost.stage_scale),
                              "n_slots": server.n_slots, "runs": runs})
                 Path(args.out).write_text(json.dumps({"fit_checks": checks, "rows": rows},
                                                      indent=1, default=str) + "\n")
@@ -227,13 +203,14 @@ def fit_table(checks) -> str:
         for m in METRICS:
             mm, pm = c["measured"][m], c["predicted"][m]
             cells += [f"{mm:.3g}", f"{pm:.3g}", f"{(pm - mm) / mm:+.1%}"]
-        if "handoff_latency_s" in c and "batches" not in c:
-            cells.append(f"hand-off {c['handoff_latency_s'] * 1e3:.1f} ms")
-        elif "handoff_latency_s" in c:
-            cells.append(f"hand-off {c['handoff_latency_s'] * 1e3:.1f} ms; workers' own timings of "
-                         f"{c['batches']} batches: stage 0 {c['stage0_total_err']:+.1%} (median abs err "
-                         f"{c['stage0_median_abs_err']:.0%}), last stage + hand-off {c['last_stage_total_err']:+.1%}, "
-                         f"hand-off ~{c['handoff_median_s'] * 1e3:.1f} ms")
+        if "stage_scales" in c:
+            single, fitted = c["single_process"], c["fitted"]
+            cells.append(f"stage scales {', '.join(f'{x:.2f}' for x in c['stage_scales'])}, hand-off "
+                         f"{c['handoff_latency_s'] * 1e3:.1f} ms ({c['alone_batches']} lone batches); workers' own "
+                         f"timings of {single['batches']} batches, stage 0 / last stage + hand-off: single-process "
+                         f"model {single['stage_total_err'][0]:+.1%} / {single['stage_total_err'][-1]:+.1%}, fitted "
+                         f"{fitted['stage_total_err'][0]:+.1%} / {fitted['stage_total_err'][-1]:+.1%} (median abs err "
+                         f"{fitted['stage_median_abs_err'][0]:.0%} / {fitted['stage_median_abs_err'][-1]:.0%})")
         else:
             cells.append(f"{c['iterations']} iterations of {c['rows_seen'][0]}-{c['rows_seen'][1]} rows; "
                          f"forward total {c['forward_total_err']:+.1%}, median abs err {c['forward_median_abs_err']:.0%}")
@@ -244,7 +221,8 @@ def fit_table(checks) -> str:
 def table(rows) -> str:
     """Markdown: per config and rate, measured (mean of runs, spread = max-min over mean) vs
     predicted (mean), the error of the mean prediction, and the cost model's error on the sum of
-    the engine's own forward times in those runs (single process)."""
+    the engine's own forward times in those runs (a pipeline: of the stages' times as the workers
+    logged them)."""
     head = ("| config | rate/s | " + " | ".join(f"{m} meas (spread) | pred | err" for m in METRICS)
             + " | forward time err |")
     out = [head, "|" + "---|" * (3 + 3 * len(METRICS))]

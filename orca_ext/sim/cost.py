@@ -132,6 +132,12 @@ class Roofline:
     hw: Hardware
     tp: int = 1
     pp: int = 1
+    # Per stage, a factor on its time fitted on the pipeline's own run (stages.py); () is 1.0 each.
+    stage_scale: tuple[float, ...] = ()
+
+    def __post_init__(self) -> None:
+        if self.stage_scale and len(self.stage_scale) != self.pp:
+            raise ValueError(f"stage_scale has {len(self.stage_scale)} factors for {self.pp} stages")
 
     @property
     def n_stages(self) -> int:
@@ -161,7 +167,8 @@ class Roofline:
         c, m = self.compute_time(w, stage), self.memory_time(w, stage)
         kernels = max(c, m) if self.hw.overlap else c + m
         rows = self.hw.per_row_s * w.rows / (self.tp * self.pp)
-        return self.hw.overhead_s + rows + kernels + self.allreduce_time(w)
+        scale = self.stage_scale[stage] if self.stage_scale else 1.0
+        return scale * (self.hw.overhead_s + rows + kernels) + self.allreduce_time(w)
 
     def handoff_time(self, w: Work) -> float:
         if self.pp == 1:
