@@ -15,7 +15,8 @@ U[1, 128] (bench/plot_latency_throughput.py's). Configurations: `orca` (chunked 
 CPU's default budget of 128), `static`, and `orca-pp2` (-pp 2; two worker processes, n_workers
 = 2). pp2 starts from the last single-process fit (or --hardware), each stage priced on its half
 of the layers, and corrects it on its own fit-workload run with the workers' own batch timings
-(ORCA_EXT_WORKER_TRACE): a scale per stage and the hand-off latency (orca_ext/sim/stages.py).
+(ORCA_EXT_WORKER_TRACE): a line per stage (scale, offset) on the model's stage time, then the
+hand-off latency on the run's throughput and median latency (orca_ext/sim/stages.py).
 
 "Forward time err" is the cost model alone on the engine's own iterations of each run (a
 pipeline: on the stages' logged times), in total and split into pure decodes and iterations with
