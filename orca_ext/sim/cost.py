@@ -20,10 +20,10 @@ every stage; the last stage's output projection (on a small model with a large v
 fifth of the weights) makes it the slowest. Where a pipeline's own run has been measured, each
 stage's time is corrected by a line, `stage_scale` and `stage_offset_s` (fitted to the workers'
 timings, stages.py): a single process cannot tell the output projection's rate from the layers',
-nor which of its fixed cost every stage pays again. A batch crosses the
-pp stages one after the other; a stage takes the next batch as soon as it has passed the last
-one on. `Hardware` holds the rates: fitted on this machine (fit.py) or datasheet and measured
-GPU rates (presets.py), each labelled by `source`.
+nor which of its fixed cost every stage pays again. A batch crosses the pp stages one after the
+other; a stage takes the next batch as soon as it has passed the last one on. `Hardware` holds
+the rates: fitted on this machine (fit.py) or datasheet and measured GPU rates (presets.py),
+each labelled by `source`.
 `ConstantCost` gives every iteration the same time, for schedules that can be checked by hand.
 """
 from __future__ import annotations
