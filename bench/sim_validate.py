@@ -16,7 +16,8 @@ CPU's default budget of 128), `static`, and `orca-pp2` (-pp 2; two worker proces
 = 2). pp2 starts from the last single-process fit (or --hardware), each stage priced on its half
 of the layers, and corrects it on its own fit-workload run with the workers' own batch timings
 (ORCA_EXT_WORKER_TRACE): a line per stage (scale, offset) on the model's stage time, then the
-hand-off latency on the run's throughput and median latency (orca_ext/sim/stages.py).
+hand-off latency on the run's throughput and the median latencies of its trickle and its burst
+(orca_ext/sim/stages.py).
 
 "Forward time err" is the cost model alone on the engine's own iterations of each run (a
 pipeline: on the stages' logged times), in total and split into pure decodes and iterations with
@@ -82,8 +83,8 @@ def fit_pipeline(server, shape, hw, config, name: str, n_requests: int, seed: in
                  log: IterationLog):
     """A pipeline's cost model: each stage priced by the single-process fit `hw` (its share of the
     layers), corrected by a line per stage fitted to the workers' own timings of the pipeline
-    server's fit-workload run, then the hand-off latency fitted on that run's throughput and
-    median latency (orca_ext/sim/stages.py). Returns the cost model and the in-sample check: the
+    server's fit-workload run, then the hand-off latency fitted on that run's throughput and the
+    median latencies of its trickle and its burst (orca_ext/sim/stages.py). Returns the cost model and the in-sample check: the
     fit run simulated, and the stage errors before and after the correction."""
     trace = fit_trace(n_requests, seed)
     skip = len(server.iterations())
@@ -95,7 +96,8 @@ def fit_pipeline(server, shape, hw, config, name: str, n_requests: int, seed: in
     stages = fit_stages(times, single)
     corrected = dataclasses.replace(single, stage_scale=stages.scales, stage_offset_s=stages.offsets_s)
     sim_trace = observed_trace(measured)
-    handoff = fit_handoff(sim_trace, config, corrected, server.n_slots, measured.summary(), shape.kv_bytes_per_token)
+    halves = (range(n_requests // 2), range(n_requests // 2, n_requests))  # fit_trace: a trickle, a burst
+    handoff = fit_handoff(sim_trace, config, corrected, server.n_slots, measured, halves, shape.kv_bytes_per_token)
     cost = dataclasses.replace(corrected, hw=dataclasses.replace(
         hw, link_latency_s=handoff, source=hw.source + "; stage lines and hand-off latency fitted on the pipeline "
         "server's fit-workload run"))

@@ -97,8 +97,9 @@ def test_the_hand_off_latency_is_recovered_from_a_runs_throughput_and_latency():
     config = EngineConfig(max_batch_size=8, pipeline_parallel_size=2)
     cost = Roofline(SHAPE, HW, pp=2, stage_scale=SCALES, stage_offset_s=OFFSETS)
     truth = dataclasses.replace(cost, hw=dataclasses.replace(HW, link_latency_s=7e-3))
-    measured = simulate(trace, config, truth, 5000, device_type="cpu").summary()
-    assert fit_handoff(trace, config, cost, 5000, measured) == pytest.approx(7e-3, rel=0.05)
+    measured = simulate(trace, config, truth, 5000, device_type="cpu")
+    groups = (range(12), range(12, 24))
+    assert fit_handoff(trace, config, cost, 5000, measured, groups) == pytest.approx(7e-3, rel=0.05)
 
 
 def test_a_stage_line_scales_and_offsets_each_stage_and_must_match_the_stage_count():

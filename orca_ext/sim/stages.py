@@ -13,7 +13,8 @@ forward. Per stage j, over the run's batches i:
     measured_j(i) = scale_j * model_j(i) + offset_j      (weighted least squares, as fit.py)
 
 The hand-off latency is then fitted end to end (fit_handoff): the latency between stages that
-makes the simulated fit run reproduce its measured throughput and median normalised latency. It
+makes the simulated fit run reproduce its measured throughput and the median normalised latency
+of its trickle and of its burst. It
 stands for what the stages' spans do not hold: the driver's messages down and up, and on a
 machine whose cores the driver and the workers share, the wake-ups a hop waits for.
 """
@@ -28,7 +29,7 @@ import numpy as np
 from ..config import EngineConfig
 from .cost import Roofline
 from .fit import calibration_from_records
-from .loop import simulate
+from .loop import SimResult, simulate
 from .trace import TraceRequest
 from .work import Work
 
@@ -88,18 +89,27 @@ HANDOFF_GRID_S = (0.0, *np.geomspace(1e-4, 0.2, 34))
 
 
 def fit_handoff(trace: Sequence[TraceRequest], config: EngineConfig, cost: Roofline, n_slots: int,
-                measured: Mapping[str, float], kv_bytes_per_token: int = 0, device_type: str = "cpu") -> float:
-    """The link latency (seconds, between two stages) with which `cost` serving `trace` reproduces
-    the measured output throughput and median normalised latency (least squared log errors; a
-    grid, then a finer one between the best point's neighbours)."""
+                measured: SimResult, groups: Sequence[Sequence[int]], kv_bytes_per_token: int = 0,
+                device_type: str = "cpu") -> float:
+    """The link latency (seconds, between two stages) with which `cost` serving `trace`
+    reproduces the measured run: its output throughput and, per group of request indices, the
+    median normalised latency (least squared log errors; a grid, then a finer one between the
+    best point's neighbours). Groups, not the run's one median: in the fit workload (a trickle,
+    then a burst) that median falls between the trickle's slowest request and the burst's
+    fastest, and would fit the latency to those two."""
+    def medians(result: SimResult) -> np.ndarray:
+        norm = np.array([(r.finish - r.arrival) / r.output_len for r in result.requests])
+        return np.array([np.median(norm[list(g)]) for g in groups])
+
+    target_tps, target = measured.summary()["output_tokens_per_s"], medians(measured)
+
     def err(latency: float) -> float:
         c = dataclasses.replace(cost, hw=dataclasses.replace(cost.hw, link_latency_s=float(latency)))
-        got = simulate(trace, config, c, n_slots, kv_bytes_per_token, device_type).summary()
-        return sum(np.log(got[m] / measured[m]) ** 2 for m in ("output_tokens_per_s", "median_normalized_latency_s"))
+        got = simulate(trace, config, c, n_slots, kv_bytes_per_token, device_type)
+        return float(np.log(got.summary()["output_tokens_per_s"] / target_tps) ** 2
+                     + np.sum(np.log(medians(got) / target) ** 2))
 
     grid = list(HANDOFF_GRID_S)
-    errors = [err(x) for x in grid]
-    k = int(np.argmin(errors))
+    k = int(np.argmin([err(x) for x in grid]))
     fine = np.linspace(grid[max(k - 1, 0)], grid[min(k + 1, len(grid) - 1)], 17)
-    fine_errors = [err(x) for x in fine]
-    return float(fine[int(np.argmin(fine_errors))])
+    return float(fine[int(np.argmin([err(x) for x in fine]))])
