@@ -1,5 +1,5 @@
 """Fit the simulator's cost model to this machine: one run of the engine on the fit workload
-(orca_ext.sim.fit.fit_trace: half the requests one every 0.6 s, half at once, so iterations span
+(orca_ext.sim.fit.fit_trace: half the requests one every 0.5 s, half at once, so iterations span
 1 to 16 rows and prompt chunks; record_iterations=True) on the default model, fitted in the
 roofline's max(compute, memory) form (orca_ext/sim/fit.py). Writes the fitted Hardware and the
 model's shape as JSON, and prints the fit's error per row count.

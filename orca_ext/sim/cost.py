@@ -5,8 +5,9 @@ where a stage holds n_layers / pp layers and the last one also the output projec
 
     compute  = (GEMM FLOPs / flops_per_s + attention FLOPs / attention_flops_per_s) / tp
     memory   = (weight bytes + KV bytes read and written) / bytes_per_s / tp
-    stage    = overhead_s + per_row_s * rows / (tp * pp)
-               + (max(compute, memory) if overlap else compute + memory)    # roofline / serial
+    stage    = stage_scale * (overhead_s + per_row_s * rows / (tp * pp)
+               + (max(compute, memory) if overlap else compute + memory))   # roofline / serial
+               + stage_offset_s
                + all-reduces: 2 per layer, ring volume 2 (tp-1)/tp * tokens * d * act_bytes
                  over link_bytes_per_s, plus link_latency_s each
     hand-off = tokens * d * act_bytes / handoff_bytes_per_s + link_latency_s    (between stages)
@@ -16,9 +17,13 @@ per_row_s is work per row inside the layers (on a CPU, the projections' per-row 
 their FLOPs at small batches), so it splits over ranks and stages like the layers do. A pipeline
 stage runs the same kernels on its n_layers / pp layers: one fit of a single process prices
 every stage; the last stage's output projection (on a small model with a large vocabulary, a
-fifth of the weights) makes it the slowest. A batch crosses the pp stages one after the other; a stage takes the next batch as
-soon as it has passed the last one on. `Hardware` holds the rates: fitted on this machine
-(fit.py) or datasheet and measured GPU rates (presets.py), each labelled by `source`.
+fifth of the weights) makes it the slowest. Where a pipeline's own run has been measured, each
+stage's time is corrected by a line, `stage_scale` and `stage_offset_s` (fitted to the workers'
+timings, stages.py): a single process cannot tell the output projection's rate from the layers',
+nor which of its fixed cost every stage pays again. A batch crosses the pp stages one after the
+other; a stage takes the next batch as soon as it has passed the last one on. `Hardware` holds
+the rates: fitted on this machine (fit.py) or datasheet and measured GPU rates (presets.py),
+each labelled by `source`.
 `ConstantCost` gives every iteration the same time, for schedules that can be checked by hand.
 """
 from __future__ import annotations
@@ -132,6 +137,15 @@ class Roofline:
     hw: Hardware
     tp: int = 1
     pp: int = 1
+    # Per stage, a line on its time fitted on the pipeline's own run (stages.py): () is 1.0 and 0.
+    stage_scale: tuple[float, ...] = ()
+    stage_offset_s: tuple[float, ...] = ()
+
+    def __post_init__(self) -> None:
+        for name in ("stage_scale", "stage_offset_s"):
+            values = getattr(self, name)
+            if values and len(values) != self.pp:
+                raise ValueError(f"{name} has {len(values)} values for {self.pp} stages")
 
     @property
     def n_stages(self) -> int:
@@ -161,7 +175,9 @@ class Roofline:
         c, m = self.compute_time(w, stage), self.memory_time(w, stage)
         kernels = max(c, m) if self.hw.overlap else c + m
         rows = self.hw.per_row_s * w.rows / (self.tp * self.pp)
-        return self.hw.overhead_s + rows + kernels + self.allreduce_time(w)
+        scale = self.stage_scale[stage] if self.stage_scale else 1.0
+        offset = self.stage_offset_s[stage] if self.stage_offset_s else 0.0
+        return scale * (self.hw.overhead_s + rows + kernels) + offset + self.allreduce_time(w)
 
     def handoff_time(self, w: Work) -> float:
         if self.pp == 1:
