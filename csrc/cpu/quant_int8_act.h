@@ -30,6 +30,7 @@
 #include "quant_int8_act_k.h"  // the 256-element formats
 #include "quant_panels.h"      // Int8Rows
 #include "skinny_gemm_blocks.h"  // hsum8_tree
+#include "vec.h"                 // thread_scratch
 
 namespace orca {
 namespace cpu {
@@ -137,13 +138,12 @@ inline void int8_act_tile_32(const Int8Rows& a, const uint8_t* w, int64_t row_by
     }
 }
 
-// The tile of format F: the 32-element formats above, Q4_K and Q6_K in quant_int8_act_k.h.
+// The tile of format F in natural token order: the 32-element formats above, Q6_K in
+// quant_int8_act_k.h (Q4_K: q4k_int8_rows and q4k_int8_group_tile).
 template <bool kVnni, int F, int R, int M>
 inline void int8_act_tile(const Int8Rows& a, const uint8_t* w, int64_t row_bytes, int64_t k, int64_t n_out,
                           int64_t n0, int64_t stride, int64_t t0, float* out) {
-  if constexpr (F == kQuantTypeQ4_K)
-    q4k_int8_tile<kVnni, R, M>(a, w, row_bytes, k, n_out, n0, stride, t0, out);
-  else if constexpr (F == kQuantTypeQ6_K)
+  if constexpr (F == kQuantTypeQ6_K)
     q6k_int8_tile<kVnni, R, M>(a, w, row_bytes, k, n_out, n0, stride, t0, out);
   else
     int8_act_tile_32<kVnni, F, R, M>(a, w, row_bytes, k, n_out, n0, stride, t0, out);
@@ -167,50 +167,102 @@ inline void int8_act_rows_all_tokens(const Int8Rows& a, const uint8_t* w, int64_
   }
 }
 
+// Whether format F's prefill reads the token-interleaved copy (Int8Groups).
+template <int F>
+constexpr bool kGroupedPrefill = F == kQuantTypeQ4_K;
+
+// Rows [n, n + R) against every token group: tiles of GT groups (4 * GT tokens), then the rest.
+template <bool kVnni, int R, int GT>
+inline void q4k_rows_all_groups(const Int8Groups& g, const uint8_t* w, int64_t row_bytes, int64_t n_tokens,
+                                int64_t k, int64_t n_out, int64_t n, float* out) {
+  int64_t grp = 0;
+  for (; grp + GT <= g.n_groups; grp += GT)
+    q4k_int8_group_tile<kVnni, R, GT>(g, w, row_bytes, k, n_tokens, n_out, n, grp, out);
+  for (; grp < g.n_groups; ++grp) q4k_int8_group_tile<kVnni, R, 1>(g, w, row_bytes, k, n_tokens, n_out, n, grp, out);
+}
+
+// Rows [n0, n1) against every token group: RT rows at a time, then the remainder.
+template <bool kVnni, int RT, int GT>
+inline void q4k_int8_prefill(const Int8Groups& g, const uint8_t* w, int64_t row_bytes, int64_t n_tokens, int64_t k,
+                             int64_t n_out, int64_t n0, int64_t n1, float* out) {
+  int64_t n = n0;
+  for (; n + RT <= n1; n += RT) q4k_rows_all_groups<kVnni, RT, GT>(g, w, row_bytes, n_tokens, k, n_out, n, out);
+  switch (n1 - n) {
+    case 3: if constexpr (RT > 3) q4k_rows_all_groups<kVnni, 3, GT>(g, w, row_bytes, n_tokens, k, n_out, n, out); break;
+    case 2: if constexpr (RT > 2) q4k_rows_all_groups<kVnni, 2, GT>(g, w, row_bytes, n_tokens, k, n_out, n, out); break;
+    case 1: q4k_rows_all_groups<kVnni, 1, GT>(g, w, row_bytes, n_tokens, k, n_out, n, out); break;
+    default: break;
+  }
+}
+
 // out[t, n] for n in [n0, n1) and every token. A single token takes 4 rows at a time (4 FMA
 // chains), one from each quarter of the range, so that the weights are read as 4 long forward
 // streams (the hardware prefetchers follow those better than one; skinny_gemm.cpp measured the
 // same for the float kernels). More tokens take panels of rows small enough to stay in L2 while
-// every token tile passes over them (each weight byte read from memory once), 2 rows x 4 tokens
-// at a time (the 256-element formats: 1 row x 8 tokens).
+// every token tile passes over them (each weight byte read from memory once): 2 rows x 4 tokens
+// at a time for the 32-element formats, 1 row x 8 tokens for Q6_K, and for Q4_K 1 row x 4 token
+// groups of the interleaved copy (2 groups on AVX2, which has half the vector registers).
 template <bool kVnni, int F>
-inline void int8_act_rows(const Int8Rows& a, const uint8_t* w, int64_t row_bytes, int64_t n_tokens,
-                          int64_t k, int64_t n_out, int64_t n0, int64_t n1, float* out) {
+inline void int8_act_rows(const Int8Rows& a, const Int8Groups& groups, const uint8_t* w, int64_t row_bytes,
+                          int64_t n_tokens, int64_t k, int64_t n_out, int64_t n0, int64_t n1, float* out) {
   if (n_tokens == 1) {
     const int64_t quarter = (n1 - n0) / 4;
-    for (int64_t j = 0; j < quarter; ++j) int8_act_tile<kVnni, F, 4, 1>(a, w, row_bytes, k, n_out, n0 + j, quarter, 0, out);
-    for (int64_t n = n0 + 4 * quarter; n < n1; ++n) int8_act_tile<kVnni, F, 1, 1>(a, w, row_bytes, k, n_out, n, 1, 0, out);
+    for (int64_t j = 0; j < quarter; ++j) {
+      if constexpr (F == kQuantTypeQ4_K)
+        q4k_int8_rows<kVnni, 4>(a, w, row_bytes, k, n0 + j, quarter, out);
+      else
+        int8_act_tile<kVnni, F, 4, 1>(a, w, row_bytes, k, n_out, n0 + j, quarter, 0, out);
+    }
+    for (int64_t n = n0 + 4 * quarter; n < n1; ++n) {
+      if constexpr (F == kQuantTypeQ4_K)
+        q4k_int8_rows<kVnni, 1>(a, w, row_bytes, k, n, 1, out);
+      else
+        int8_act_tile<kVnni, F, 1, 1>(a, w, row_bytes, k, n_out, n, 1, 0, out);
+    }
     return;
   }
   const int64_t panel = std::max<int64_t>(2, ((int64_t{64} << 10) / row_bytes) & ~int64_t{1});
-  // The 256-element formats take 1 row x 8 tokens: a row's super-block is unpacked (scales,
-  // nibbles) once for 8 tokens, which outweighs sharing the activation loads between 2 rows.
-  constexpr bool kSuperFormat = F == kQuantTypeQ4_K || F == kQuantTypeQ6_K;
   for (int64_t p0 = n0; p0 < n1; p0 += panel) {
     const int64_t p1 = std::min(n1, p0 + panel);
     int64_t n = p0;
-    if constexpr (!kSuperFormat)
+    if constexpr (kGroupedPrefill<F>) {
+      // 4 rows x 2 groups on AVX-512 (32 vector registers), 2 x 1 on AVX2 (16)
+      q4k_int8_prefill<kVnni, kVnni ? 4 : 2, kVnni ? 2 : 1>(groups, w, row_bytes, n_tokens, k, n_out, p0, p1, out);
+      n = p1;
+    } else if constexpr (F == kQuantTypeQ6_K) {
+      for (; n < p1; ++n) int8_act_rows_all_tokens<kVnni, F, 1, 8>(a, w, row_bytes, n_tokens, k, n_out, n, out);
+    } else {
       for (; n + 2 <= p1; n += 2) int8_act_rows_all_tokens<kVnni, F, 2>(a, w, row_bytes, n_tokens, k, n_out, n, out);
-    for (; n < p1; ++n)
-      int8_act_rows_all_tokens<kVnni, F, 1, kSuperFormat ? 8 : 4>(a, w, row_bytes, n_tokens, k, n_out, n, out);
+      for (; n < p1; ++n) int8_act_rows_all_tokens<kVnni, F, 1>(a, w, row_bytes, n_tokens, k, n_out, n, out);
+    }
   }
 }
 
 // out[T, N] (float32) = the int8-activation products of every weight row; the rows are cut into
-// one contiguous range per thread (each weight byte read once, by one thread).
+// one contiguous range per thread (each weight byte read once, by one thread). Formats with a
+// grouped prefill first build the token-interleaved copy of a (its groups split among the
+// threads).
 template <bool kVnni>
 inline void int8_act_linear(const Int8Rows& a, const uint8_t* w, int type, int64_t row_bytes,
                             int64_t n_tokens, int64_t k, int64_t n_out, float* out) {
+  Int8Groups groups{0, nullptr, nullptr, nullptr};
+  if (type == kQuantTypeQ4_K && n_tokens > 1)
+    groups = int8_groups_at(thread_scratch<int8_t>(5, static_cast<size_t>(int8_groups_bytes(n_tokens, k))),
+                            n_tokens, k);
 #pragma omp parallel
   {
+    if (groups.n_groups > 0) {
+#pragma omp for schedule(static)
+      for (int64_t g = 0; g < groups.n_groups; ++g) fill_int8_group(a, n_tokens, k, g, groups);
+    }
     const int64_t nth = omp_get_num_threads(), tid = omp_get_thread_num();
     const int64_t n0 = n_out * tid / nth, n1 = n_out * (tid + 1) / nth;
     switch (type) {
-      case kQuantTypeQ8_0: int8_act_rows<kVnni, kQuantTypeQ8_0>(a, w, row_bytes, n_tokens, k, n_out, n0, n1, out); break;
-      case kQuantTypeQ4_0: int8_act_rows<kVnni, kQuantTypeQ4_0>(a, w, row_bytes, n_tokens, k, n_out, n0, n1, out); break;
-      case kQuantTypeQ4_1: int8_act_rows<kVnni, kQuantTypeQ4_1>(a, w, row_bytes, n_tokens, k, n_out, n0, n1, out); break;
-      case kQuantTypeQ4_K: int8_act_rows<kVnni, kQuantTypeQ4_K>(a, w, row_bytes, n_tokens, k, n_out, n0, n1, out); break;
-      case kQuantTypeQ6_K: int8_act_rows<kVnni, kQuantTypeQ6_K>(a, w, row_bytes, n_tokens, k, n_out, n0, n1, out); break;
+      case kQuantTypeQ8_0: int8_act_rows<kVnni, kQuantTypeQ8_0>(a, groups, w, row_bytes, n_tokens, k, n_out, n0, n1, out); break;
+      case kQuantTypeQ4_0: int8_act_rows<kVnni, kQuantTypeQ4_0>(a, groups, w, row_bytes, n_tokens, k, n_out, n0, n1, out); break;
+      case kQuantTypeQ4_1: int8_act_rows<kVnni, kQuantTypeQ4_1>(a, groups, w, row_bytes, n_tokens, k, n_out, n0, n1, out); break;
+      case kQuantTypeQ4_K: int8_act_rows<kVnni, kQuantTypeQ4_K>(a, groups, w, row_bytes, n_tokens, k, n_out, n0, n1, out); break;
+      case kQuantTypeQ6_K: int8_act_rows<kVnni, kQuantTypeQ6_K>(a, groups, w, row_bytes, n_tokens, k, n_out, n0, n1, out); break;
       default: break;
     }
   }

@@ -22,6 +22,7 @@
 
 #include <cstdint>
 #include <cstring>
+#include <type_traits>
 
 #include "quant_formats.h"
 #include "quant_panels.h"  // Int8Rows
@@ -148,56 +149,216 @@ inline __m128i q4k_scales_mins(const uint8_t* packed) {
                        static_cast<int>(sc_lo));
 }
 
-// out[(t0 + m) * n_out + n0 + r * stride] for R weight rows (n0, n0 + stride, ...) and M tokens
-// from t0, Q4_K: each row's super-block is unpacked once for the M tokens; the R * M float
-// accumulators are independent, so each output's sum is the same whatever the tile.
-template <bool kVnni, int R, int M>
-inline void q4k_int8_tile(const Int8Rows& a, const uint8_t* w, int64_t row_bytes, int64_t k, int64_t n_out,
-                          int64_t n0, int64_t stride, int64_t t0, float* out) {
+// Q4_K's reduction. Per output (weight row, token) and super-block, three exact integers:
+//   A = sum_j sc_j * sum(nib * x over the positions i of sub-block j with i % 8 < 4)
+//   B = the same over the positions with i % 8 >= 4
+//   (M_lo, M_hi) = sum_j mn_j * (the sum of sub-block j's 32 quants x), j < 4 and j >= 4
+// and two float32 accumulators, each updated once per super-block in super-block order:
+//   acc_A = fnmadd(float(M_lo), dmin * xd, fma(float(A), d * xd, acc_A))
+//   acc_B = fnmadd(float(M_hi), dmin * xd, fma(float(B), d * xd, acc_B))
+// and the output acc_A + acc_B. |A|, |B|, |M| < 2^24, so each float(.) is exact. Two kernels form
+// these same integers and floats: q4k_int8_rows (one token, rows in natural order) and
+// q4k_int8_group_tile (a row against token groups, Int8Groups), so a token's bits never depend
+// on T, its group or its batch-mates.
+
+// The token-interleaved copy of the activations that the prefill tiles read: tokens in groups
+// of 4 (the last padded with zero rows), and per group and 8-element chunk c the 4 tokens'
+// chunks side by side, so that one 32-byte load feeds one 8-byte weight broadcast for 4 tokens.
+struct Int8Groups {
+  int64_t n_groups;
+  int8_t* q;       // [n_groups, K / 8, 4, 8]
+  float* d;        // [n_groups, K / 256, 8]: token s's scale in lanes 2s and 2s + 1
+  int16_t* bsums;  // [n_groups, K / 256, 2, 16]: sums of each 32 quants, tokens (0 | 2) then (1 | 3)
+};
+
+constexpr int kGroupTokens = 4;
+
+inline int64_t int8_groups_bytes(int64_t n_tokens, int64_t k) {  // q, then d, then bsums: 64-byte aligned parts
+  const int64_t g = (n_tokens + kGroupTokens - 1) / kGroupTokens, n_super = k / kSuperBlock;
+  return g * kGroupTokens * k + g * n_super * 8 * 4 + g * n_super * 32 * 2 + 3 * 64;
+}
+
+inline Int8Groups int8_groups_at(int8_t* base, int64_t n_tokens, int64_t k) {
+  auto align = [](int8_t* p) {
+    return reinterpret_cast<int8_t*>((reinterpret_cast<uintptr_t>(p) + 63) & ~uintptr_t{63});
+  };
+  const int64_t g = (n_tokens + kGroupTokens - 1) / kGroupTokens, n_super = k / kSuperBlock;
+  Int8Groups a;
+  a.n_groups = g;
+  a.q = align(base);
+  a.d = reinterpret_cast<float*>(align(a.q + g * kGroupTokens * k));
+  a.bsums = reinterpret_cast<int16_t*>(align(reinterpret_cast<int8_t*>(a.d + g * n_super * 8)));
+  return a;
+}
+
+// Group `grp` of dst from the int8 rows of src (tokens past n_tokens are zero).
+inline void fill_int8_group(const Int8Rows& src, int64_t n_tokens, int64_t k, int64_t grp, const Int8Groups& dst) {
   const int64_t n_super = k / kSuperBlock;
-  __m256 acc[R][M];
+  int8_t* q = dst.q + grp * kGroupTokens * k;
+  float* d = dst.d + grp * n_super * 8;
+  int16_t* bs = dst.bsums + grp * n_super * 32;
+  for (int s = 0; s < kGroupTokens; ++s) {
+    const int64_t t = grp * kGroupTokens + s;
+    const bool real = t < n_tokens;
+    for (int64_t c = 0; c < k / 8; ++c) {
+      int64_t v = 0;
+      if (real) std::memcpy(&v, src.q + t * k + 8 * c, 8);
+      std::memcpy(q + (c * kGroupTokens + s) * 8, &v, 8);
+    }
+    for (int64_t b = 0; b < n_super; ++b) {
+      const float xd = real ? src.d[t * n_super + b] : 0.0f;
+      d[b * 8 + 2 * s] = xd;
+      d[b * 8 + 2 * s + 1] = xd;
+      int16_t* out = bs + b * 32 + (s & 1) * 16 + (s >> 1) * 8;
+      for (int j = 0; j < 8; ++j)
+        out[j] = real ? static_cast<int16_t>(src.bsums[t * (k / 16) + 16 * b + 2 * j] +
+                                             src.bsums[t * (k / 16) + 16 * b + 2 * j + 1])
+                      : int16_t{0};
+    }
+  }
+}
+
+// acc + pairs * scale16 (int16 pairs summed into int32 lanes, exactly).
+template <bool kVnni>
+inline __m256i madd_acc(__m256i acc, __m256i pairs, __m256i scale16) {
+  if constexpr (kVnni) {
+    return _mm256_dpwssd_epi32(acc, pairs, scale16);
+  } else {
+    return _mm256_add_epi32(acc, _mm256_madd_epi16(pairs, scale16));
+  }
+}
+
+// out[t * n_out + n0 + r] for the R weight rows from n0 and the tokens of groups grp0 ..
+// grp0 + G - 1 (those below n_tokens), Q4_K. Per sub-block, each group's 4 activation vectors
+// (8 elements of each of its 4 tokens) are loaded once for the R rows, and each row's 8-byte
+// pieces of quants are broadcast once for the G groups; the 4 vpmaddubsw of a sub-block are
+// summed in int16 (at most 8 * 15 * 127) before its scale multiplies them into the int32 lanes
+// (A, B) of each token.
+template <bool kVnni, int R, int G>
+inline void q4k_int8_group_tile(const Int8Groups& a, const uint8_t* w, int64_t row_bytes, int64_t k, int64_t n_tokens,
+                                int64_t n_out, int64_t n0, int64_t grp0, float* out) {
+  const int64_t n_super = k / kSuperBlock;
+  __m256 acc[R][G];
   for (int r = 0; r < R; ++r)
-    for (int m = 0; m < M; ++m) acc[r][m] = _mm256_setzero_ps();
+    for (int g = 0; g < G; ++g) acc[r][g] = _mm256_setzero_ps();
   const __m256i low4 = _mm256_set1_epi8(0x0f);
   for (int64_t b = 0; b < n_super; ++b) {
+    const uint8_t* blk[R];
+    alignas(32) int32_t sc_pairs[R][8];  // sc_j in both int16 halves of dword j
+    alignas(32) int16_t mn16[R][16];     // mn_j in int16 lanes j and 8 + j
     for (int r = 0; r < R; ++r) {
-      const uint8_t* blk = w + (n0 + r * stride) * row_bytes + b * 144;
-      const __m128i scmn = q4k_scales_mins(blk + 4);
-      const __m256i sc16 = _mm256_broadcastsi128_si256(_mm_cvtepu8_epi16(scmn));  // sc_j in int16 lane j, both halves
-      const __m256i mn_pairs = _mm256_cvtepu8_epi16(_mm_unpackhi_epi8(scmn, scmn));  // lanes 2j, 2j+1: mn_j
-      __m256i isum[kChains<M>][M];
-      for (int c = 0; c < kChains<M>; ++c)
-        for (int m = 0; m < M; ++m) isum[c][m] = _mm256_setzero_si256();
-      const uint8_t* qs = blk + 16;
-      for (int p = 0; p < 4; ++p) {  // sub-blocks 2p (low nibbles) and 2p + 1 (high) share qs[32p ..]
-        const __m256i qv = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(qs + 32 * p));
-        const __m256i lo = _mm256_and_si256(qv, low4), hi = _mm256_and_si256(_mm256_srli_epi16(qv, 4), low4);
-        const __m256i s0 = _mm256_shuffle_epi8(sc16, load_control(kBroadcast16[2 * p]));
-        const __m256i s1 = _mm256_shuffle_epi8(sc16, load_control(kBroadcast16[2 * p + 1]));
-        for (int m = 0; m < M; ++m) {
-          const int8_t* x = a.q + (t0 + m) * k + b * kSuperBlock + 64 * p;
-          isum[0][m] = dot_scaled<kVnni>(isum[0][m], lo, x, s0);
-          isum[kChains<M> - 1][m] = dot_scaled<kVnni>(isum[kChains<M> - 1][m], hi, x + 32, s1);
+      blk[r] = w + (n0 + r) * row_bytes + b * 144;
+      const __m128i scmn = q4k_scales_mins(blk[r] + 4);
+      const __m128i sc = _mm_cvtepu8_epi16(scmn);
+      _mm256_store_si256(reinterpret_cast<__m256i*>(sc_pairs[r]),
+                         _mm256_set_m128i(_mm_unpackhi_epi16(sc, sc), _mm_unpacklo_epi16(sc, sc)));
+      const __m128i mn = _mm_cvtepu8_epi16(_mm_srli_si128(scmn, 8));
+      _mm256_store_si256(reinterpret_cast<__m256i*>(mn16[r]), _mm256_set_m128i(mn, mn));
+    }
+    __m256i isum[R][G];
+    for (int r = 0; r < R; ++r)
+      for (int g = 0; g < G; ++g) isum[r][g] = _mm256_setzero_si256();
+    // Sub-block j = 2p + h: the low (h = 0) or high nibbles of qs[32p ..].
+    auto sub_block = [&](int p, auto high) {
+      const int j = 2 * p + (high ? 1 : 0);
+      __m256i x[G][4];
+      for (int g = 0; g < G; ++g)
+        for (int c = 0; c < 4; ++c)
+          x[g][c] = _mm256_load_si256(
+              reinterpret_cast<const __m256i*>(a.q + (grp0 + g) * kGroupTokens * k + (32 * b + 4 * j + c) * 32));
+      for (int r = 0; r < R; ++r) {
+        __m256i wq[4];
+        for (int c = 0; c < 4; ++c) {
+          int64_t piece;
+          std::memcpy(&piece, blk[r] + 16 + 32 * p + 8 * c, 8);
+          const __m256i v = _mm256_set1_epi64x(piece);
+          if constexpr (decltype(high)::value)
+            wq[c] = _mm256_and_si256(_mm256_srli_epi16(v, 4), low4);
+          else
+            wq[c] = _mm256_and_si256(v, low4);
+        }
+        const __m256i sc = _mm256_set1_epi32(sc_pairs[r][j]);
+        for (int g = 0; g < G; ++g) {
+          const __m256i s01 = _mm256_add_epi16(_mm256_maddubs_epi16(wq[0], x[g][0]), _mm256_maddubs_epi16(wq[1], x[g][1]));
+          const __m256i s23 = _mm256_add_epi16(_mm256_maddubs_epi16(wq[2], x[g][2]), _mm256_maddubs_epi16(wq[3], x[g][3]));
+          isum[r][g] = madd_acc<kVnni>(isum[r][g], _mm256_add_epi16(s01, s23), sc);
         }
       }
-      const float d = half_to_float(blk), dmin = half_to_float(blk + 2);
-      for (int m = 0; m < M; ++m) {
-        const int64_t xb = (t0 + m) * n_super + b;
-        const __m256i bs = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(a.bsums + 16 * xb));
-        const __m256i msum = _mm256_madd_epi16(mn_pairs, bs);  // lane j: mn_j * (bsum_2j + bsum_2j+1)
-        const float xd = a.d[xb];
-        const __m256i isum_m = chain_sum<M>(isum, m);
-        acc[r][m] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(isum_m), _mm256_set1_ps(d * xd), acc[r][m]);
-        acc[r][m] = _mm256_fnmadd_ps(_mm256_cvtepi32_ps(msum), _mm256_set1_ps(dmin * xd), acc[r][m]);
+    };
+    for (int p = 0; p < 4; ++p) {
+      sub_block(p, std::false_type{});
+      sub_block(p, std::true_type{});
+    }
+    for (int r = 0; r < R; ++r) {
+      const __m256 d = _mm256_set1_ps(half_to_float(blk[r])), dmin = _mm256_set1_ps(half_to_float(blk[r] + 2));
+      const __m256i mn = _mm256_load_si256(reinterpret_cast<const __m256i*>(mn16[r]));
+      for (int g = 0; g < G; ++g) {
+        const int64_t at = (grp0 + g) * n_super + b;
+        const __m256 xd = _mm256_load_ps(a.d + 8 * at);
+        const __m256i* bs = reinterpret_cast<const __m256i*>(a.bsums + 32 * at);
+        // lanes (M_lo, M_hi) of tokens 0, 1 | 2, 3
+        const __m256i m = _mm256_hadd_epi32(_mm256_madd_epi16(mn, _mm256_load_si256(bs)),
+                                            _mm256_madd_epi16(mn, _mm256_load_si256(bs + 1)));
+        acc[r][g] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(isum[r][g]), _mm256_mul_ps(d, xd), acc[r][g]);
+        acc[r][g] = _mm256_fnmadd_ps(_mm256_cvtepi32_ps(m), _mm256_mul_ps(dmin, xd), acc[r][g]);
       }
     }
   }
   for (int r = 0; r < R; ++r)
-    for (int m = 0; m < M; ++m) {
+    for (int g = 0; g < G; ++g) {
       alignas(32) float l[8];
-      _mm256_store_ps(l, acc[r][m]);
-      out[(t0 + m) * n_out + n0 + r * stride] = hsum8_tree(l);
+      _mm256_store_ps(l, acc[r][g]);
+      for (int s = 0; s < kGroupTokens; ++s) {
+        const int64_t t = (grp0 + g) * kGroupTokens + s;
+        if (t < n_tokens) out[t * n_out + n0 + r] = l[2 * s] + l[2 * s + 1];
+      }
     }
+}
+
+// out[n0 + r * stride] for R weight rows (n0, n0 + stride, ...) and the single token of a, Q4_K,
+// rows in natural order: the int32 lanes of each sub-block product hold positions 4l .. 4l + 3,
+// and are folded to (A, B) = (even lanes, odd lanes) per super-block.
+template <bool kVnni, int R>
+inline void q4k_int8_rows(const Int8Rows& a, const uint8_t* w, int64_t row_bytes, int64_t k, int64_t n0,
+                          int64_t stride, float* out) {
+  const int64_t n_super = k / kSuperBlock;
+  __m128 acc[R];
+  for (int r = 0; r < R; ++r) acc[r] = _mm_setzero_ps();
+  const __m256i low4 = _mm256_set1_epi8(0x0f);
+  for (int64_t b = 0; b < n_super; ++b) {
+    const float xd = a.d[b];
+    const __m256i bs = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(a.bsums + 16 * b));
+    const int8_t* x = a.q + b * kSuperBlock;
+    for (int r = 0; r < R; ++r) {
+      const uint8_t* blk = w + (n0 + r * stride) * row_bytes + b * 144;
+      const __m128i scmn = q4k_scales_mins(blk + 4);
+      const __m256i sc16 = _mm256_broadcastsi128_si256(_mm_cvtepu8_epi16(scmn));
+      const __m256i mn_pairs = _mm256_cvtepu8_epi16(_mm_unpackhi_epi8(scmn, scmn));  // lanes 2j, 2j+1: mn_j
+      __m256i isum[2] = {_mm256_setzero_si256(), _mm256_setzero_si256()};  // two chains, added exactly
+      const uint8_t* qs = blk + 16;
+      for (int p = 0; p < 4; ++p) {
+        const __m256i qv = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(qs + 32 * p));
+        const __m256i lo = _mm256_and_si256(qv, low4), hi = _mm256_and_si256(_mm256_srli_epi16(qv, 4), low4);
+        isum[0] = dot_scaled<kVnni>(isum[0], lo, x + 64 * p, _mm256_shuffle_epi8(sc16, load_control(kBroadcast16[2 * p])));
+        isum[1] = dot_scaled<kVnni>(isum[1], hi, x + 64 * p + 32,
+                                    _mm256_shuffle_epi8(sc16, load_control(kBroadcast16[2 * p + 1])));
+      }
+      const __m256i isum8 = _mm256_add_epi32(isum[0], isum[1]);
+      const __m128i i4 = _mm_add_epi32(_mm256_castsi256_si128(isum8), _mm256_extracti128_si256(isum8, 1));
+      const __m128i ab = _mm_add_epi32(i4, _mm_shuffle_epi32(i4, 0x4e));  // lanes 0, 1: A, B
+      const __m256i msum = _mm256_madd_epi16(mn_pairs, bs);  // lane j: mn_j * (bsum_2j + bsum_2j+1)
+      const __m128i m4 = _mm_hadd_epi32(_mm256_castsi256_si128(msum), _mm256_extracti128_si256(msum, 1));
+      const __m128i m = _mm_hadd_epi32(m4, m4);  // lanes 0, 1: M_lo, M_hi
+      const float d = half_to_float(blk), dmin = half_to_float(blk + 2);
+      acc[r] = _mm_fmadd_ps(_mm_cvtepi32_ps(ab), _mm_set1_ps(d * xd), acc[r]);
+      acc[r] = _mm_fnmadd_ps(_mm_cvtepi32_ps(m), _mm_set1_ps(dmin * xd), acc[r]);
+    }
+  }
+  for (int r = 0; r < R; ++r) {
+    alignas(16) float l[4];
+    _mm_store_ps(l, acc[r]);
+    out[n0 + r * stride] = l[0] + l[1];
+  }
 }
 
 // The same for Q6_K. A half h of the super-block (elements 128h ..) is 4 chunks r of 32: chunk r
