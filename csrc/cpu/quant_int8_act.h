@@ -171,26 +171,45 @@ inline void int8_act_rows_all_tokens(const Int8Rows& a, const uint8_t* w, int64_
 template <int F>
 constexpr bool kGroupedPrefill = F == kQuantTypeQ4_K;
 
-// Rows [n, n + R) against every token group: tiles of GT groups (4 * GT tokens), then the rest.
-template <bool kVnni, int R, int GT>
-inline void q4k_rows_all_groups(const Int8Groups& g, const uint8_t* w, int64_t row_bytes, int64_t n_tokens,
-                                int64_t k, int64_t n_out, int64_t n, float* out) {
-  int64_t grp = 0;
-  for (; grp + GT <= g.n_groups; grp += GT)
-    q4k_int8_group_tile<kVnni, R, GT>(g, w, row_bytes, k, n_tokens, n_out, n, grp, out);
-  for (; grp < g.n_groups; ++grp) q4k_int8_group_tile<kVnni, R, 1>(g, w, row_bytes, k, n_tokens, n_out, n, grp, out);
+// Rows [n, n + R) against every token: tiles of GT slots of V::kTokens tokens, then the rest.
+template <class V, int R, int GT>
+inline void q4k_rows_all_slots(const Int8Groups& g, const uint8_t* w, int64_t row_bytes, int64_t n_tokens, int64_t k,
+                               int64_t n_out, int64_t n, float* out) {
+  const int64_t n_slots = (n_tokens + V::kTokens - 1) / V::kTokens;
+  int64_t slot = 0;
+  for (; slot + GT <= n_slots; slot += GT)
+    q4k_int8_group_tile<V, R, GT>(g, w, row_bytes, k, n_tokens, n_out, n, slot, out);
+  for (; slot < n_slots; ++slot) q4k_int8_group_tile<V, R, 1>(g, w, row_bytes, k, n_tokens, n_out, n, slot, out);
 }
 
-// Rows [n0, n1) against every token group: RT rows at a time, then the remainder.
-template <bool kVnni, int RT, int GT>
+// Rows [n, n + R) against every token: 8-token slots (zmm) on AVX-512, where the last group
+// takes a 4-token slot (ymm) when it holds 4 tokens or fewer; 4-token slots on AVX2.
+template <bool kVnni, int R>
+inline void q4k_rows_all_tokens(const Int8Groups& g, const uint8_t* w, int64_t row_bytes, int64_t n_tokens, int64_t k,
+                                int64_t n_out, int64_t n, float* out) {
+#if defined(ORCA_QUANT_INT8_512)
+  if constexpr (kVnni) {
+    const int64_t tail = n_tokens % kGroupTokens;
+    const int64_t wide = tail > 0 && tail <= 4 ? n_tokens - tail : n_tokens;  // tokens in 8-token slots
+    if (wide > 0) q4k_rows_all_slots<GroupOps512, R, 2>(g, w, row_bytes, wide, k, n_out, n, out);
+    if (wide < n_tokens)
+      q4k_int8_group_tile<GroupOps256<true>, R, 1>(g, w, row_bytes, k, n_tokens, n_out, n, wide / 4, out);
+    return;
+  }
+#endif
+  q4k_rows_all_slots<GroupOps256<kVnni>, R, kVnni ? 2 : 1>(g, w, row_bytes, n_tokens, k, n_out, n, out);
+}
+
+// Rows [n0, n1) against every token: RT rows at a time, then the remainder.
+template <bool kVnni, int RT>
 inline void q4k_int8_prefill(const Int8Groups& g, const uint8_t* w, int64_t row_bytes, int64_t n_tokens, int64_t k,
                              int64_t n_out, int64_t n0, int64_t n1, float* out) {
   int64_t n = n0;
-  for (; n + RT <= n1; n += RT) q4k_rows_all_groups<kVnni, RT, GT>(g, w, row_bytes, n_tokens, k, n_out, n, out);
+  for (; n + RT <= n1; n += RT) q4k_rows_all_tokens<kVnni, RT>(g, w, row_bytes, n_tokens, k, n_out, n, out);
   switch (n1 - n) {
-    case 3: if constexpr (RT > 3) q4k_rows_all_groups<kVnni, 3, GT>(g, w, row_bytes, n_tokens, k, n_out, n, out); break;
-    case 2: if constexpr (RT > 2) q4k_rows_all_groups<kVnni, 2, GT>(g, w, row_bytes, n_tokens, k, n_out, n, out); break;
-    case 1: q4k_rows_all_groups<kVnni, 1, GT>(g, w, row_bytes, n_tokens, k, n_out, n, out); break;
+    case 3: if constexpr (RT > 3) q4k_rows_all_tokens<kVnni, 3>(g, w, row_bytes, n_tokens, k, n_out, n, out); break;
+    case 2: if constexpr (RT > 2) q4k_rows_all_tokens<kVnni, 2>(g, w, row_bytes, n_tokens, k, n_out, n, out); break;
+    case 1: if constexpr (RT > 1) q4k_rows_all_tokens<kVnni, 1>(g, w, row_bytes, n_tokens, k, n_out, n, out); break;
     default: break;
   }
 }
@@ -226,8 +245,8 @@ inline void int8_act_rows(const Int8Rows& a, const Int8Groups& groups, const uin
     const int64_t p1 = std::min(n1, p0 + panel);
     int64_t n = p0;
     if constexpr (kGroupedPrefill<F>) {
-      // 4 rows x 2 groups on AVX-512 (32 vector registers), 2 x 1 on AVX2 (16)
-      q4k_int8_prefill<kVnni, kVnni ? 4 : 2, kVnni ? 2 : 1>(groups, w, row_bytes, n_tokens, k, n_out, p0, p1, out);
+      // 2 rows x 16 tokens on AVX-512 (32 vector registers), 2 rows x 4 tokens on AVX2 (16)
+      q4k_int8_prefill<kVnni, 2>(groups, w, row_bytes, n_tokens, k, n_out, p0, p1, out);
       n = p1;
     } else if constexpr (F == kQuantTypeQ6_K) {
       for (; n < p1; ++n) int8_act_rows_all_tokens<kVnni, F, 1, 8>(a, w, row_bytes, n_tokens, k, n_out, n, out);

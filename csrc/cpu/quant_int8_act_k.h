@@ -162,20 +162,21 @@ inline __m128i q4k_scales_mins(const uint8_t* packed) {
 // on T, its group or its batch-mates.
 
 // The token-interleaved copy of the activations that the prefill tiles read: tokens in groups
-// of 4 (the last padded with zero rows), and per group and 8-element chunk c the 4 tokens'
-// chunks side by side, so that one 32-byte load feeds one 8-byte weight broadcast for 4 tokens.
+// of 8 (the last padded with zero rows), and per group and 8-element chunk c the 8 tokens'
+// chunks side by side, so that one 64-byte load (or 32 for 4 of the tokens) meets one 8-byte
+// weight broadcast.
 struct Int8Groups {
   int64_t n_groups;
-  int8_t* q;       // [n_groups, K / 8, 4, 8]
-  float* d;        // [n_groups, K / 256, 8]: token s's scale in lanes 2s and 2s + 1
-  int16_t* bsums;  // [n_groups, K / 256, 2, 16]: sums of each 32 quants, tokens (0 | 2) then (1 | 3)
+  int8_t* q;       // [n_groups, K / 8, 8, 8]
+  float* d;        // [n_groups, K / 256, 16]: token s's scale in lanes 2s and 2s + 1
+  int16_t* bsums;  // [n_groups, K / 256, 2, 4, 8]: sums of each 32 quants x, tokens (0, 2, 4, 6) then (1, 3, 5, 7)
 };
 
-constexpr int kGroupTokens = 4;
+constexpr int kGroupTokens = 8;
 
 inline int64_t int8_groups_bytes(int64_t n_tokens, int64_t k) {  // q, then d, then bsums: 64-byte aligned parts
   const int64_t g = (n_tokens + kGroupTokens - 1) / kGroupTokens, n_super = k / kSuperBlock;
-  return g * kGroupTokens * k + g * n_super * 8 * 4 + g * n_super * 32 * 2 + 3 * 64;
+  return g * kGroupTokens * k + g * n_super * 16 * 4 + g * n_super * 64 * 2 + 3 * 64;
 }
 
 inline Int8Groups int8_groups_at(int8_t* base, int64_t n_tokens, int64_t k) {
@@ -187,7 +188,7 @@ inline Int8Groups int8_groups_at(int8_t* base, int64_t n_tokens, int64_t k) {
   a.n_groups = g;
   a.q = align(base);
   a.d = reinterpret_cast<float*>(align(a.q + g * kGroupTokens * k));
-  a.bsums = reinterpret_cast<int16_t*>(align(reinterpret_cast<int8_t*>(a.d + g * n_super * 8)));
+  a.bsums = reinterpret_cast<int16_t*>(align(reinterpret_cast<int8_t*>(a.d + g * n_super * 16)));
   return a;
 }
 
@@ -195,8 +196,8 @@ inline Int8Groups int8_groups_at(int8_t* base, int64_t n_tokens, int64_t k) {
 inline void fill_int8_group(const Int8Rows& src, int64_t n_tokens, int64_t k, int64_t grp, const Int8Groups& dst) {
   const int64_t n_super = k / kSuperBlock;
   int8_t* q = dst.q + grp * kGroupTokens * k;
-  float* d = dst.d + grp * n_super * 8;
-  int16_t* bs = dst.bsums + grp * n_super * 32;
+  float* d = dst.d + grp * n_super * 16;
+  int16_t* bs = dst.bsums + grp * n_super * 64;
   for (int s = 0; s < kGroupTokens; ++s) {
     const int64_t t = grp * kGroupTokens + s;
     const bool real = t < n_tokens;
@@ -207,9 +208,9 @@ inline void fill_int8_group(const Int8Rows& src, int64_t n_tokens, int64_t k, in
     }
     for (int64_t b = 0; b < n_super; ++b) {
       const float xd = real ? src.d[t * n_super + b] : 0.0f;
-      d[b * 8 + 2 * s] = xd;
-      d[b * 8 + 2 * s + 1] = xd;
-      int16_t* out = bs + b * 32 + (s & 1) * 16 + (s >> 1) * 8;
+      d[b * 16 + 2 * s] = xd;
+      d[b * 16 + 2 * s + 1] = xd;
+      int16_t* out = bs + b * 64 + (s & 1) * 32 + (s >> 1) * 8;
       for (int j = 0; j < 8; ++j)
         out[j] = real ? static_cast<int16_t>(src.bsums[t * (k / 16) + 16 * b + 2 * j] +
                                              src.bsums[t * (k / 16) + 16 * b + 2 * j + 1])
@@ -218,98 +219,228 @@ inline void fill_int8_group(const Int8Rows& src, int64_t n_tokens, int64_t k, in
   }
 }
 
-// acc + pairs * scale16 (int16 pairs summed into int32 lanes, exactly).
+// The vector ops of the group tiles at two widths: 4 tokens (ymm: half a group) and 8 (zmm).
+// Lane l of either holds the same sums for the same token (token l / 2 of the tokens covered),
+// so the two widths give the same bits.
 template <bool kVnni>
-inline __m256i madd_acc(__m256i acc, __m256i pairs, __m256i scale16) {
-  if constexpr (kVnni) {
-    return _mm256_dpwssd_epi32(acc, pairs, scale16);
-  } else {
-    return _mm256_add_epi32(acc, _mm256_madd_epi16(pairs, scale16));
+struct GroupOps256 {
+  static constexpr int kTokens = 4;
+#if defined(ORCA_QUANT_INT8_512)
+  static constexpr bool kPacked = kVnni;
+  static __m256i dpbusd(__m256i acc, __m256i u, __m256i s) { return _mm256_dpbusd_epi32(acc, u, s); }
+  static __m256i pack_halves(__m256i lo, __m256i hi) {  // int16 lanes: the low half of lo's dwords, then hi's high
+    return _mm256_mask_blend_epi16(0xAAAA, lo, hi);
   }
-}
+  static __m256i slli12(__m256i a) { return _mm256_slli_epi32(a, 12); }
+  static __m256i high4() { return _mm256_set1_epi8(static_cast<char>(0xf0)); }
+#else
+  static constexpr bool kPacked = false;
+#endif
+  using I = __m256i;
+  using F = __m256;
+  static I zero() { return _mm256_setzero_si256(); }
+  static F zero_f() { return _mm256_setzero_ps(); }
+  static I load(const void* p) { return _mm256_load_si256(static_cast<const __m256i*>(p)); }
+  static F load_f(const float* p) { return _mm256_load_ps(p); }
+  static I bcast64(const uint8_t* p) {
+    int64_t v;
+    std::memcpy(&v, p, 8);
+    return _mm256_set1_epi64x(v);
+  }
+  static I bcast32(int32_t v) { return _mm256_set1_epi32(v); }
+  static I bcast128(__m128i v) { return _mm256_broadcastsi128_si256(v); }
+  static F bcast_f(float v) { return _mm256_set1_ps(v); }
+  static I low4() { return _mm256_set1_epi8(0x0f); }
+  static I and_(I a, I b) { return _mm256_and_si256(a, b); }
+  static I srli4(I a) { return _mm256_srli_epi16(a, 4); }
+  static I maddubs(I u, I s) { return _mm256_maddubs_epi16(u, s); }
+  static I add16(I a, I b) { return _mm256_add_epi16(a, b); }
+  static I madd(I a, I b) { return _mm256_madd_epi16(a, b); }
+  static I hadd32(I a, I b) { return _mm256_hadd_epi32(a, b); }
+  static I madd_acc(I acc, I pairs, I scale16) {
+    if constexpr (kVnni) {
+      return _mm256_dpwssd_epi32(acc, pairs, scale16);
+    } else {
+      return _mm256_add_epi32(acc, _mm256_madd_epi16(pairs, scale16));
+    }
+  }
+  static F cvt(I a) { return _mm256_cvtepi32_ps(a); }
+  static F mul(F a, F b) { return _mm256_mul_ps(a, b); }
+  static F fma(F a, F b, F c) { return _mm256_fmadd_ps(a, b, c); }
+  static F fnma(F a, F b, F c) { return _mm256_fnmadd_ps(a, b, c); }
+  static void store_f(float* p, F v) { _mm256_store_ps(p, v); }
+};
 
-// out[t * n_out + n0 + r] for the R weight rows from n0 and the tokens of groups grp0 ..
-// grp0 + G - 1 (those below n_tokens), Q4_K. Per sub-block, each group's 4 activation vectors
-// (8 elements of each of its 4 tokens) are loaded once for the R rows, and each row's 8-byte
-// pieces of quants are broadcast once for the G groups; the 4 vpmaddubsw of a sub-block are
-// summed in int16 (at most 8 * 15 * 127) before its scale multiplies them into the int32 lanes
-// (A, B) of each token.
-template <bool kVnni, int R, int G>
+#if defined(ORCA_QUANT_INT8_512)
+struct GroupOps512 {
+  static constexpr int kTokens = 8;
+  static constexpr bool kPacked = true;
+  static __m512i dpbusd(__m512i acc, __m512i u, __m512i s) { return _mm512_dpbusd_epi32(acc, u, s); }
+  static __m512i pack_halves(__m512i lo, __m512i hi) { return _mm512_mask_blend_epi16(0xAAAAAAAA, lo, hi); }
+  static __m512i slli12(__m512i a) { return _mm512_slli_epi32(a, 12); }
+  static __m512i high4() { return _mm512_set1_epi8(static_cast<char>(0xf0)); }
+  using I = __m512i;
+  using F = __m512;
+  static I zero() { return _mm512_setzero_si512(); }
+  static F zero_f() { return _mm512_setzero_ps(); }
+  static I load(const void* p) { return _mm512_load_si512(p); }
+  static F load_f(const float* p) { return _mm512_load_ps(p); }
+  static I bcast64(const uint8_t* p) {
+    int64_t v;
+    std::memcpy(&v, p, 8);
+    return _mm512_set1_epi64(v);
+  }
+  static I bcast32(int32_t v) { return _mm512_set1_epi32(v); }
+  static I bcast128(__m128i v) { return _mm512_broadcast_i32x4(v); }
+  static F bcast_f(float v) { return _mm512_set1_ps(v); }
+  static I low4() { return _mm512_set1_epi8(0x0f); }
+  static I and_(I a, I b) { return _mm512_and_si512(a, b); }
+  static I srli4(I a) { return _mm512_srli_epi16(a, 4); }
+  static I maddubs(I u, I s) { return _mm512_maddubs_epi16(u, s); }
+  static I add16(I a, I b) { return _mm512_add_epi16(a, b); }
+  static I madd(I a, I b) { return _mm512_madd_epi16(a, b); }
+  static I hadd32(I a, I b) {  // [a0 + a1, a2 + a3, b0 + b1, b2 + b3] in each 128-bit lane, as vphaddd
+    const I sa = _mm512_add_epi32(a, _mm512_shuffle_epi32(a, _MM_PERM_ENUM(0xb1)));  // [a0+a1, a0+a1, a2+a3, a2+a3]
+    const I sb = _mm512_add_epi32(b, _mm512_shuffle_epi32(b, _MM_PERM_ENUM(0xb1)));
+    return _mm512_castps_si512(_mm512_shuffle_ps(_mm512_castsi512_ps(sa), _mm512_castsi512_ps(sb), 0x88));
+  }
+  static I madd_acc(I acc, I pairs, I scale16) { return _mm512_dpwssd_epi32(acc, pairs, scale16); }
+  static F cvt(I a) { return _mm512_cvtepi32_ps(a); }
+  static F mul(F a, F b) { return _mm512_mul_ps(a, b); }
+  static F fma(F a, F b, F c) { return _mm512_fmadd_ps(a, b, c); }
+  static F fnma(F a, F b, F c) { return _mm512_fnmadd_ps(a, b, c); }
+  static void store_f(float* p, F v) { _mm512_store_ps(p, v); }
+};
+#endif
+
+// out[t * n_out + n0 + r] for the R weight rows from n0 and G token slots of V::kTokens tokens
+// from token slot0 * V::kTokens (those below n_tokens), Q4_K. Per sub-block, each slot's 4
+// activation vectors (8 elements of each of its tokens) are loaded once for the R rows, and each
+// row's 8-byte pieces of quants are broadcast once for the G slots; the 4 vpmaddubsw of a
+// sub-block are summed in int16 (at most 8 * 15 * 127) before its scale multiplies them into the
+// int32 lanes (A, B) of each token.
+template <class V, int R, int G>
 inline void q4k_int8_group_tile(const Int8Groups& a, const uint8_t* w, int64_t row_bytes, int64_t k, int64_t n_tokens,
-                                int64_t n_out, int64_t n0, int64_t grp0, float* out) {
+                                int64_t n_out, int64_t n0, int64_t slot0, float* out) {
+  using I = typename V::I;
+  using F = typename V::F;
   const int64_t n_super = k / kSuperBlock;
-  __m256 acc[R][G];
+  const int8_t* xs[G];    // the slots' chunk 0
+  const float* ds[G];     // their scales of super-block 0
+  const int16_t* bss[G];  // their 32-sums of super-block 0
+  for (int g = 0; g < G; ++g) {
+    const int64_t t0 = (slot0 + g) * V::kTokens, grp = t0 / kGroupTokens, in = t0 % kGroupTokens;
+    xs[g] = a.q + grp * kGroupTokens * k + in * 8;
+    ds[g] = a.d + grp * n_super * 16 + 2 * in;
+    bss[g] = a.bsums + grp * n_super * 64 + 4 * in;
+  }
+  F acc[R][G];
   for (int r = 0; r < R; ++r)
-    for (int g = 0; g < G; ++g) acc[r][g] = _mm256_setzero_ps();
-  const __m256i low4 = _mm256_set1_epi8(0x0f);
+    for (int g = 0; g < G; ++g) acc[r][g] = V::zero_f();
+  const I low4 = V::low4();
   for (int64_t b = 0; b < n_super; ++b) {
     const uint8_t* blk[R];
     alignas(32) int32_t sc_pairs[R][8];  // sc_j in both int16 halves of dword j
-    alignas(32) int16_t mn16[R][16];     // mn_j in int16 lanes j and 8 + j
+    alignas(16) int16_t mn16[R][8];      // mn_j in int16 lane j
+    alignas(16) int32_t sc_packed[R][4];  // sc_2p in the low int16 half of dword p, sc_2p+1 in the high
     for (int r = 0; r < R; ++r) {
       blk[r] = w + (n0 + r) * row_bytes + b * 144;
       const __m128i scmn = q4k_scales_mins(blk[r] + 4);
       const __m128i sc = _mm_cvtepu8_epi16(scmn);
-      _mm256_store_si256(reinterpret_cast<__m256i*>(sc_pairs[r]),
-                         _mm256_set_m128i(_mm_unpackhi_epi16(sc, sc), _mm_unpacklo_epi16(sc, sc)));
-      const __m128i mn = _mm_cvtepu8_epi16(_mm_srli_si128(scmn, 8));
-      _mm256_store_si256(reinterpret_cast<__m256i*>(mn16[r]), _mm256_set_m128i(mn, mn));
+      _mm_store_si128(reinterpret_cast<__m128i*>(sc_pairs[r]), _mm_unpacklo_epi16(sc, sc));
+      _mm_store_si128(reinterpret_cast<__m128i*>(sc_pairs[r] + 4), _mm_unpackhi_epi16(sc, sc));
+      _mm_store_si128(reinterpret_cast<__m128i*>(mn16[r]), _mm_cvtepu8_epi16(_mm_srli_si128(scmn, 8)));
+      _mm_store_si128(reinterpret_cast<__m128i*>(sc_packed[r]), sc);
     }
-    __m256i isum[R][G];
+    I isum[R][G];
     for (int r = 0; r < R; ++r)
-      for (int g = 0; g < G; ++g) isum[r][g] = _mm256_setzero_si256();
+      for (int g = 0; g < G; ++g) isum[r][g] = V::zero();
     // Sub-block j = 2p + h: the low (h = 0) or high nibbles of qs[32p ..].
+    auto load_x = [&](int j, I (&x)[G][4]) {
+      for (int g = 0; g < G; ++g)
+        for (int c = 0; c < 4; ++c) x[g][c] = V::load(xs[g] + (32 * b + 4 * j + c) * (kGroupTokens * 8));
+    };
+    // vpmaddubsw: the 4 products of a sub-block summed in int16, then its scale (vpmaddwd).
     auto sub_block = [&](int p, auto high) {
       const int j = 2 * p + (high ? 1 : 0);
-      __m256i x[G][4];
-      for (int g = 0; g < G; ++g)
-        for (int c = 0; c < 4; ++c)
-          x[g][c] = _mm256_load_si256(
-              reinterpret_cast<const __m256i*>(a.q + (grp0 + g) * kGroupTokens * k + (32 * b + 4 * j + c) * 32));
+      I x[G][4];
+      load_x(j, x);
       for (int r = 0; r < R; ++r) {
-        __m256i wq[4];
+        I wq[4];
         for (int c = 0; c < 4; ++c) {
-          int64_t piece;
-          std::memcpy(&piece, blk[r] + 16 + 32 * p + 8 * c, 8);
-          const __m256i v = _mm256_set1_epi64x(piece);
+          const I v = V::bcast64(blk[r] + 16 + 32 * p + 8 * c);
           if constexpr (decltype(high)::value)
-            wq[c] = _mm256_and_si256(_mm256_srli_epi16(v, 4), low4);
+            wq[c] = V::and_(V::srli4(v), low4);
           else
-            wq[c] = _mm256_and_si256(v, low4);
+            wq[c] = V::and_(v, low4);
         }
-        const __m256i sc = _mm256_set1_epi32(sc_pairs[r][j]);
+        const I sc = V::bcast32(sc_pairs[r][j]);
         for (int g = 0; g < G; ++g) {
-          const __m256i s01 = _mm256_add_epi16(_mm256_maddubs_epi16(wq[0], x[g][0]), _mm256_maddubs_epi16(wq[1], x[g][1]));
-          const __m256i s23 = _mm256_add_epi16(_mm256_maddubs_epi16(wq[2], x[g][2]), _mm256_maddubs_epi16(wq[3], x[g][3]));
-          isum[r][g] = madd_acc<kVnni>(isum[r][g], _mm256_add_epi16(s01, s23), sc);
+          const I s01 = V::add16(V::maddubs(wq[0], x[g][0]), V::maddubs(wq[1], x[g][1]));
+          const I s23 = V::add16(V::maddubs(wq[2], x[g][2]), V::maddubs(wq[3], x[g][3]));
+          isum[r][g] = V::madd_acc(isum[r][g], V::add16(s01, s23), sc);
+        }
+      }
+    };
+    // vpdpbusd (VNNI): each sub-block's int32 sums (|D| <= 16 * 15 * 127 < 2^15) straight from
+    // the bytes; the pair's two are packed into the int16 halves of each dword (the high
+    // nibbles are read unshifted, 16 * D, and shifted by 12) and meet (sc_2p, sc_2p+1) in one
+    // vpdpwssd.
+    auto pair_packed = [&](int p) {
+      if constexpr (V::kPacked) {
+        I d_even[R][G];
+        I x[G][4];
+        load_x(2 * p, x);
+        for (int r = 0; r < R; ++r) {
+          I wq[4];
+          for (int c = 0; c < 4; ++c) wq[c] = V::and_(V::bcast64(blk[r] + 16 + 32 * p + 8 * c), low4);
+          for (int g = 0; g < G; ++g) {
+            I acc_e = V::dpbusd(V::zero(), wq[0], x[g][0]);
+            for (int c = 1; c < 4; ++c) acc_e = V::dpbusd(acc_e, wq[c], x[g][c]);
+            d_even[r][g] = acc_e;
+          }
+        }
+        load_x(2 * p + 1, x);
+        const I high4 = V::high4();
+        for (int r = 0; r < R; ++r) {
+          I wq[4];
+          for (int c = 0; c < 4; ++c) wq[c] = V::and_(V::bcast64(blk[r] + 16 + 32 * p + 8 * c), high4);
+          const I sc = V::bcast32(sc_packed[r][p]);
+          for (int g = 0; g < G; ++g) {
+            I acc_o = V::dpbusd(V::zero(), wq[0], x[g][0]);  // 16 * D_odd
+            for (int c = 1; c < 4; ++c) acc_o = V::dpbusd(acc_o, wq[c], x[g][c]);
+            isum[r][g] = V::madd_acc(isum[r][g], V::pack_halves(d_even[r][g], V::slli12(acc_o)), sc);
+          }
         }
       }
     };
     for (int p = 0; p < 4; ++p) {
-      sub_block(p, std::false_type{});
-      sub_block(p, std::true_type{});
+      if constexpr (V::kPacked) {
+        pair_packed(p);
+      } else {
+        sub_block(p, std::false_type{});
+        sub_block(p, std::true_type{});
+      }
     }
     for (int r = 0; r < R; ++r) {
-      const __m256 d = _mm256_set1_ps(half_to_float(blk[r])), dmin = _mm256_set1_ps(half_to_float(blk[r] + 2));
-      const __m256i mn = _mm256_load_si256(reinterpret_cast<const __m256i*>(mn16[r]));
+      const F d = V::bcast_f(half_to_float(blk[r])), dmin = V::bcast_f(half_to_float(blk[r] + 2));
+      const I mn = V::bcast128(_mm_load_si128(reinterpret_cast<const __m128i*>(mn16[r])));
       for (int g = 0; g < G; ++g) {
-        const int64_t at = (grp0 + g) * n_super + b;
-        const __m256 xd = _mm256_load_ps(a.d + 8 * at);
-        const __m256i* bs = reinterpret_cast<const __m256i*>(a.bsums + 32 * at);
-        // lanes (M_lo, M_hi) of tokens 0, 1 | 2, 3
-        const __m256i m = _mm256_hadd_epi32(_mm256_madd_epi16(mn, _mm256_load_si256(bs)),
-                                            _mm256_madd_epi16(mn, _mm256_load_si256(bs + 1)));
-        acc[r][g] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(isum[r][g]), _mm256_mul_ps(d, xd), acc[r][g]);
-        acc[r][g] = _mm256_fnmadd_ps(_mm256_cvtepi32_ps(m), _mm256_mul_ps(dmin, xd), acc[r][g]);
+        const F xd = V::load_f(ds[g] + 16 * b);
+        // the 32-sums of tokens (0, 2, ..) and (1, 3, ..) of the slot: lanes (M_lo, M_hi) of each token
+        const int16_t* bs = bss[g] + 64 * b;
+        const I m = V::hadd32(V::madd(mn, V::load(bs)), V::madd(mn, V::load(bs + 32)));
+        acc[r][g] = V::fma(V::cvt(isum[r][g]), V::mul(d, xd), acc[r][g]);
+        acc[r][g] = V::fnma(V::cvt(m), V::mul(dmin, xd), acc[r][g]);
       }
     }
   }
   for (int r = 0; r < R; ++r)
     for (int g = 0; g < G; ++g) {
-      alignas(32) float l[8];
-      _mm256_store_ps(l, acc[r][g]);
-      for (int s = 0; s < kGroupTokens; ++s) {
-        const int64_t t = (grp0 + g) * kGroupTokens + s;
+      alignas(64) float l[2 * V::kTokens];
+      V::store_f(l, acc[r][g]);
+      for (int s = 0; s < V::kTokens; ++s) {
+        const int64_t t = (slot0 + g) * V::kTokens + s;
         if (t < n_tokens) out[t * n_out + n0 + r] = l[2 * s] + l[2 * s + 1];
       }
     }
@@ -317,48 +448,64 @@ inline void q4k_int8_group_tile(const Int8Groups& a, const uint8_t* w, int64_t r
 
 // out[n0 + r * stride] for R weight rows (n0, n0 + stride, ...) and the single token of a, Q4_K,
 // rows in natural order: the int32 lanes of each sub-block product hold positions 4l .. 4l + 3,
-// and are folded to (A, B) = (even lanes, odd lanes) per super-block.
+// folded to (A, B) = (even lanes, odd lanes) per super-block. R = 4 folds the 4 rows together
+// into one vector [A_0, B_0, A_1, B_1 | A_2, B_2, A_3, B_3] (R = 1: one row in lanes 0, 1).
 template <bool kVnni, int R>
 inline void q4k_int8_rows(const Int8Rows& a, const uint8_t* w, int64_t row_bytes, int64_t k, int64_t n0,
                           int64_t stride, float* out) {
+  static_assert(R == 1 || R == 4, "one row or four");
   const int64_t n_super = k / kSuperBlock;
-  __m128 acc[R];
-  for (int r = 0; r < R; ++r) acc[r] = _mm_setzero_ps();
+  __m256 acc = _mm256_setzero_ps();
   const __m256i low4 = _mm256_set1_epi8(0x0f);
   for (int64_t b = 0; b < n_super; ++b) {
-    const float xd = a.d[b];
+    const __m256 xd = _mm256_set1_ps(a.d[b]);
     const __m256i bs = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(a.bsums + 16 * b));
     const int8_t* x = a.q + b * kSuperBlock;
+    __m256i isum[R], msum[R];
+    int32_t scales[R];  // the fp16 d and dmin of each row's super-block
     for (int r = 0; r < R; ++r) {
       const uint8_t* blk = w + (n0 + r * stride) * row_bytes + b * 144;
+      std::memcpy(&scales[r], blk, 4);
       const __m128i scmn = q4k_scales_mins(blk + 4);
       const __m256i sc16 = _mm256_broadcastsi128_si256(_mm_cvtepu8_epi16(scmn));
       const __m256i mn_pairs = _mm256_cvtepu8_epi16(_mm_unpackhi_epi8(scmn, scmn));  // lanes 2j, 2j+1: mn_j
-      __m256i isum[2] = {_mm256_setzero_si256(), _mm256_setzero_si256()};  // two chains, added exactly
+      __m256i chain[2] = {_mm256_setzero_si256(), _mm256_setzero_si256()};  // two chains, added exactly
       const uint8_t* qs = blk + 16;
       for (int p = 0; p < 4; ++p) {
         const __m256i qv = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(qs + 32 * p));
         const __m256i lo = _mm256_and_si256(qv, low4), hi = _mm256_and_si256(_mm256_srli_epi16(qv, 4), low4);
-        isum[0] = dot_scaled<kVnni>(isum[0], lo, x + 64 * p, _mm256_shuffle_epi8(sc16, load_control(kBroadcast16[2 * p])));
-        isum[1] = dot_scaled<kVnni>(isum[1], hi, x + 64 * p + 32,
-                                    _mm256_shuffle_epi8(sc16, load_control(kBroadcast16[2 * p + 1])));
+        chain[0] = dot_scaled<kVnni>(chain[0], lo, x + 64 * p, _mm256_shuffle_epi8(sc16, load_control(kBroadcast16[2 * p])));
+        chain[1] = dot_scaled<kVnni>(chain[1], hi, x + 64 * p + 32,
+                                     _mm256_shuffle_epi8(sc16, load_control(kBroadcast16[2 * p + 1])));
       }
-      const __m256i isum8 = _mm256_add_epi32(isum[0], isum[1]);
-      const __m128i i4 = _mm_add_epi32(_mm256_castsi256_si128(isum8), _mm256_extracti128_si256(isum8, 1));
-      const __m128i ab = _mm_add_epi32(i4, _mm_shuffle_epi32(i4, 0x4e));  // lanes 0, 1: A, B
-      const __m256i msum = _mm256_madd_epi16(mn_pairs, bs);  // lane j: mn_j * (bsum_2j + bsum_2j+1)
-      const __m128i m4 = _mm_hadd_epi32(_mm256_castsi256_si128(msum), _mm256_extracti128_si256(msum, 1));
-      const __m128i m = _mm_hadd_epi32(m4, m4);  // lanes 0, 1: M_lo, M_hi
-      const float d = half_to_float(blk), dmin = half_to_float(blk + 2);
-      acc[r] = _mm_fmadd_ps(_mm_cvtepi32_ps(ab), _mm_set1_ps(d * xd), acc[r]);
-      acc[r] = _mm_fnmadd_ps(_mm_cvtepi32_ps(m), _mm_set1_ps(dmin * xd), acc[r]);
+      isum[r] = _mm256_add_epi32(chain[0], chain[1]);
+      msum[r] = _mm256_madd_epi16(mn_pairs, bs);  // lane j: mn_j * (bsum_2j + bsum_2j+1)
     }
+    __m256i ab, m;  // lanes 2r, 2r + 1: (A, B) and (M_lo, M_hi) of row r
+    __m256 dd;      // lanes 2r, 2r + 1: d, dmin of row r
+    if constexpr (R == 4) {
+      auto fold2 = [](__m256i v0, __m256i v1) {  // [v0 (0+2, 1+3), v1 (0+2, 1+3) | v0 (4+6, 5+7), v1 (4+6, 5+7)]
+        return _mm256_add_epi32(_mm256_unpacklo_epi64(v0, v1), _mm256_unpackhi_epi64(v0, v1));
+      };
+      const __m256i s01 = fold2(isum[0], isum[1]), s23 = fold2(isum[2], isum[3]);
+      ab = _mm256_add_epi32(_mm256_permute2x128_si256(s01, s23, 0x20), _mm256_permute2x128_si256(s01, s23, 0x31));
+      const __m256i mm = _mm256_hadd_epi32(_mm256_hadd_epi32(msum[0], msum[1]), _mm256_hadd_epi32(msum[2], msum[3]));
+      m = _mm256_permutevar8x32_epi32(mm, _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7));
+      dd = _mm256_cvtph_ps(_mm_setr_epi32(scales[0], scales[1], scales[2], scales[3]));
+    } else {
+      const __m128i i4 = _mm_add_epi32(_mm256_castsi256_si128(isum[0]), _mm256_extracti128_si256(isum[0], 1));
+      ab = _mm256_castsi128_si256(_mm_add_epi32(i4, _mm_shuffle_epi32(i4, 0x4e)));
+      const __m128i m4 = _mm_hadd_epi32(_mm256_castsi256_si128(msum[0]), _mm256_extracti128_si256(msum[0], 1));
+      m = _mm256_castsi128_si256(_mm_hadd_epi32(m4, m4));
+      dd = _mm256_cvtph_ps(_mm_cvtsi32_si128(scales[0]));
+    }
+    const __m256 d = _mm256_mul_ps(_mm256_permute_ps(dd, 0xa0), xd), dmin = _mm256_mul_ps(_mm256_permute_ps(dd, 0xf5), xd);
+    acc = _mm256_fmadd_ps(_mm256_cvtepi32_ps(ab), d, acc);
+    acc = _mm256_fnmadd_ps(_mm256_cvtepi32_ps(m), dmin, acc);
   }
-  for (int r = 0; r < R; ++r) {
-    alignas(16) float l[4];
-    _mm_store_ps(l, acc[r]);
-    out[n0 + r * stride] = l[0] + l[1];
-  }
+  alignas(32) float l[8];
+  _mm256_store_ps(l, acc);
+  for (int r = 0; r < R; ++r) out[n0 + r * stride] = l[2 * r] + l[2 * r + 1];
 }
 
 // The same for Q6_K. A half h of the super-block (elements 128h ..) is 4 chunks r of 32: chunk r
