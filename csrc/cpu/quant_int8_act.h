@@ -138,6 +138,64 @@ inline void int8_act_tile_32(const Int8Rows& a, const uint8_t* w, int64_t row_by
     }
 }
 
+#if defined(ORCA_QUANT_INT8_512)
+// out[t * n_out + n0 + r] for the R Q8_0 weight rows from n0 and G token slots of V::kTokens
+// tokens from slot0 * V::kTokens (those below n_tokens), from the token-interleaved copy
+// (Int8Groups, block 32: x + 128 as uint8). Each activation vector is loaded once for the R rows
+// and each 8-byte piece of a weight block broadcast once for the G slots; vpdpbusd of x + 128
+// and w, started at -128 * (the sum of w per lane), gives the int32 lanes of int8_act_tile_32
+// exactly: lanes 2s, 2s + 1 of chunk c are its lanes 2c, 2c + 1 of token s, and accumulator c
+// their float sums, so the same fmas and the same hsum8_tree run on them.
+template <class V, int R, int G>
+inline void q8_0_int8_group_tile(const Int8Groups& a, const uint8_t* w, int64_t row_bytes, int64_t k,
+                                 int64_t n_tokens, int64_t n_out, int64_t n0, int64_t slot0, float* out) {
+  using I = typename V::I;
+  using F = typename V::F;
+  const int64_t n_blocks = k / 32;
+  const int8_t* xs[G];
+  const float* ds[G];
+  for (int g = 0; g < G; ++g) {
+    const int64_t t0 = (slot0 + g) * V::kTokens, grp = t0 / kGroupTokens, in = t0 % kGroupTokens;
+    xs[g] = a.q + grp * kGroupTokens * k + in * 8;
+    ds[g] = a.d + grp * n_blocks * 16 + 2 * in;
+  }
+  F acc[R][G][4];
+  for (int r = 0; r < R; ++r)
+    for (int g = 0; g < G; ++g)
+      for (int c = 0; c < 4; ++c) acc[r][g][c] = V::zero_f();
+  const I u128 = V::bcast8(static_cast<int8_t>(0x80));
+  for (int64_t b = 0; b < n_blocks; ++b) {
+    I x[G][4];
+    for (int g = 0; g < G; ++g)
+      for (int c = 0; c < 4; ++c) x[g][c] = V::load(xs[g] + (4 * b + c) * (kGroupTokens * 8));
+    for (int r = 0; r < R; ++r) {
+      const uint8_t* blk = w + (n0 + r) * row_bytes + b * 34;
+      const F dw = V::bcast_f(half_to_float(blk));
+      I wq[4], start[4];
+      for (int c = 0; c < 4; ++c) {
+        wq[c] = V::bcast64(blk + 2 + 8 * c);
+        start[c] = V::sub32(V::zero(), V::dpbusd(V::zero(), u128, wq[c]));  // -128 * sum(w) per lane
+      }
+      for (int g = 0; g < G; ++g) {
+        const F scale = V::mul(dw, V::load_f(ds[g] + 16 * b));
+        for (int c = 0; c < 4; ++c)
+          acc[r][g][c] = V::fma(V::cvt(V::dpbusd(start[c], x[g][c], wq[c])), scale, acc[r][g][c]);
+      }
+    }
+  }
+  for (int r = 0; r < R; ++r)
+    for (int g = 0; g < G; ++g) {
+      // hsum8_tree of token s: lanes (l0 + l4) + (l2 + l6), (l1 + l5) + (l3 + l7), then their sum
+      alignas(64) float l[2 * V::kTokens];
+      V::store_f(l, V::add_f(V::add_f(acc[r][g][0], acc[r][g][2]), V::add_f(acc[r][g][1], acc[r][g][3])));
+      for (int s = 0; s < V::kTokens; ++s) {
+        const int64_t t = (slot0 + g) * V::kTokens + s;
+        if (t < n_tokens) out[t * n_out + n0 + r] = l[2 * s] + l[2 * s + 1];
+      }
+    }
+}
+#endif
+
 // The tile of format F in natural token order: the 32-element formats above, Q6_K in
 // quant_int8_act_k.h (Q4_K: q4k_int8_rows and q4k_int8_group_tile).
 template <bool kVnni, int F, int R, int M>
@@ -167,51 +225,67 @@ inline void int8_act_rows_all_tokens(const Int8Rows& a, const uint8_t* w, int64_
   }
 }
 
-// Whether format F's prefill reads the token-interleaved copy (Int8Groups).
-template <int F>
-constexpr bool kGroupedPrefill = F == kQuantTypeQ4_K;
+// The prefill tile of a grouped format F (Q4_K, Q8_0) at width V.
+template <int F, class V, int R, int G>
+inline void group_tile(const Int8Groups& g, const uint8_t* w, int64_t row_bytes, int64_t k, int64_t n_tokens,
+                       int64_t n_out, int64_t n, int64_t slot, float* out) {
+  if constexpr (F == kQuantTypeQ4_K) {
+    q4k_int8_group_tile<V, R, G>(g, w, row_bytes, k, n_tokens, n_out, n, slot, out);
+  } else {
+#if defined(ORCA_QUANT_INT8_512)
+    q8_0_int8_group_tile<V, R, G>(g, w, row_bytes, k, n_tokens, n_out, n, slot, out);
+#endif
+  }
+}
 
 // Rows [n, n + R) against every token: tiles of GT slots of V::kTokens tokens, then the rest.
-template <class V, int R, int GT>
-inline void q4k_rows_all_slots(const Int8Groups& g, const uint8_t* w, int64_t row_bytes, int64_t n_tokens, int64_t k,
-                               int64_t n_out, int64_t n, float* out) {
+template <int F, class V, int R, int GT>
+inline void rows_all_slots(const Int8Groups& g, const uint8_t* w, int64_t row_bytes, int64_t n_tokens, int64_t k,
+                           int64_t n_out, int64_t n, float* out) {
   const int64_t n_slots = (n_tokens + V::kTokens - 1) / V::kTokens;
   int64_t slot = 0;
-  for (; slot + GT <= n_slots; slot += GT)
-    q4k_int8_group_tile<V, R, GT>(g, w, row_bytes, k, n_tokens, n_out, n, slot, out);
-  for (; slot < n_slots; ++slot) q4k_int8_group_tile<V, R, 1>(g, w, row_bytes, k, n_tokens, n_out, n, slot, out);
+  for (; slot + GT <= n_slots; slot += GT) group_tile<F, V, R, GT>(g, w, row_bytes, k, n_tokens, n_out, n, slot, out);
+  for (; slot < n_slots; ++slot) group_tile<F, V, R, 1>(g, w, row_bytes, k, n_tokens, n_out, n, slot, out);
 }
 
 // Rows [n, n + R) against every token: 8-token slots (zmm) on AVX-512, where the last group
-// takes a 4-token slot (ymm) when it holds 4 tokens or fewer; 4-token slots on AVX2.
-template <bool kVnni, int R>
-inline void q4k_rows_all_tokens(const Int8Groups& g, const uint8_t* w, int64_t row_bytes, int64_t n_tokens, int64_t k,
-                                int64_t n_out, int64_t n, float* out) {
+// takes a 4-token slot (ymm) when it holds 4 tokens or fewer; 4-token slots on AVX2. Q4_K
+// tiles take 2 slots at a time (its int32 sums need few registers), Q8_0 one (4 float
+// accumulators per row and slot).
+template <bool kVnni, int F, int R>
+inline void grouped_rows_all_tokens(const Int8Groups& g, const uint8_t* w, int64_t row_bytes, int64_t n_tokens,
+                                    int64_t k, int64_t n_out, int64_t n, float* out) {
+  constexpr int kSlots = F == kQuantTypeQ4_K ? 2 : 1;
 #if defined(ORCA_QUANT_INT8_512)
   if constexpr (kVnni) {
     const int64_t tail = n_tokens % kGroupTokens;
     const int64_t wide = tail > 0 && tail <= 4 ? n_tokens - tail : n_tokens;  // tokens in 8-token slots
-    if (wide > 0) q4k_rows_all_slots<GroupOps512, R, 2>(g, w, row_bytes, wide, k, n_out, n, out);
-    if (wide < n_tokens)
-      q4k_int8_group_tile<GroupOps256<true>, R, 1>(g, w, row_bytes, k, n_tokens, n_out, n, wide / 4, out);
+    if (wide > 0) rows_all_slots<F, GroupOps512, R, kSlots>(g, w, row_bytes, wide, k, n_out, n, out);
+    if (wide < n_tokens) group_tile<F, GroupOps256<true>, R, 1>(g, w, row_bytes, k, n_tokens, n_out, n, wide / 4, out);
     return;
   }
 #endif
-  q4k_rows_all_slots<GroupOps256<kVnni>, R, kVnni ? 2 : 1>(g, w, row_bytes, n_tokens, k, n_out, n, out);
+  rows_all_slots<F, GroupOps256<kVnni>, R, kVnni ? kSlots : 1>(g, w, row_bytes, n_tokens, k, n_out, n, out);
 }
 
-// Rows [n0, n1) against every token: RT rows at a time, then the remainder.
-template <bool kVnni, int RT>
-inline void q4k_int8_prefill(const Int8Groups& g, const uint8_t* w, int64_t row_bytes, int64_t n_tokens, int64_t k,
-                             int64_t n_out, int64_t n0, int64_t n1, float* out) {
+// Rows [n0, n1) against every token, 2 rows at a time.
+template <bool kVnni, int F>
+inline void grouped_prefill(const Int8Groups& g, const uint8_t* w, int64_t row_bytes, int64_t n_tokens, int64_t k,
+                            int64_t n_out, int64_t n0, int64_t n1, float* out) {
   int64_t n = n0;
-  for (; n + RT <= n1; n += RT) q4k_rows_all_tokens<kVnni, RT>(g, w, row_bytes, n_tokens, k, n_out, n, out);
-  switch (n1 - n) {
-    case 3: if constexpr (RT > 3) q4k_rows_all_tokens<kVnni, 3>(g, w, row_bytes, n_tokens, k, n_out, n, out); break;
-    case 2: if constexpr (RT > 2) q4k_rows_all_tokens<kVnni, 2>(g, w, row_bytes, n_tokens, k, n_out, n, out); break;
-    case 1: if constexpr (RT > 1) q4k_rows_all_tokens<kVnni, 1>(g, w, row_bytes, n_tokens, k, n_out, n, out); break;
-    default: break;
-  }
+  for (; n + 2 <= n1; n += 2) grouped_rows_all_tokens<kVnni, F, 2>(g, w, row_bytes, n_tokens, k, n_out, n, out);
+  if (n < n1) grouped_rows_all_tokens<kVnni, F, 1>(g, w, row_bytes, n_tokens, k, n_out, n, out);
+}
+
+// Whether format F's prefill reads the token-interleaved copy (Int8Groups) on this path: Q4_K
+// always, Q8_0 with VNNI (its tile starts vpdpbusd at the weights' correction; the AVX2 path
+// keeps int8_act_tile_32, whose int32 lanes are the same).
+template <bool kVnni, int F>
+constexpr bool grouped_prefill_of() {
+#if defined(ORCA_QUANT_INT8_512)
+  if (kVnni && F == kQuantTypeQ8_0) return true;
+#endif
+  return F == kQuantTypeQ4_K;
 }
 
 // out[t, n] for n in [n0, n1) and every token. A single token takes 4 rows at a time (4 FMA
@@ -244,9 +318,8 @@ inline void int8_act_rows(const Int8Rows& a, const Int8Groups& groups, const uin
   for (int64_t p0 = n0; p0 < n1; p0 += panel) {
     const int64_t p1 = std::min(n1, p0 + panel);
     int64_t n = p0;
-    if constexpr (kGroupedPrefill<F>) {
-      // 2 rows x 16 tokens on AVX-512 (32 vector registers), 2 rows x 4 tokens on AVX2 (16)
-      q4k_int8_prefill<kVnni, 2>(groups, w, row_bytes, n_tokens, k, n_out, p0, p1, out);
+    if constexpr (grouped_prefill_of<kVnni, F>()) {
+      grouped_prefill<kVnni, F>(groups, w, row_bytes, n_tokens, k, n_out, p0, p1, out);
       n = p1;
     } else if constexpr (F == kQuantTypeQ6_K) {
       for (; n < p1; ++n) int8_act_rows_all_tokens<kVnni, F, 1, 8>(a, w, row_bytes, n_tokens, k, n_out, n, out);
@@ -264,10 +337,13 @@ inline void int8_act_rows(const Int8Rows& a, const Int8Groups& groups, const uin
 template <bool kVnni>
 inline void int8_act_linear(const Int8Rows& a, const uint8_t* w, int type, int64_t row_bytes,
                             int64_t n_tokens, int64_t k, int64_t n_out, float* out) {
-  Int8Groups groups{0, nullptr, nullptr, nullptr};
-  if (type == kQuantTypeQ4_K && n_tokens > 1)
-    groups = int8_groups_at(thread_scratch<int8_t>(5, static_cast<size_t>(int8_groups_bytes(n_tokens, k))),
-                            n_tokens, k);
+  Int8Groups groups{0, a.block, nullptr, nullptr, nullptr};
+  const bool grouped = type == kQuantTypeQ4_K ? grouped_prefill_of<kVnni, kQuantTypeQ4_K>()
+                       : type == kQuantTypeQ8_0 ? grouped_prefill_of<kVnni, kQuantTypeQ8_0>()
+                                                : false;
+  if (grouped && n_tokens > 1)
+    groups = int8_groups_at(thread_scratch<int8_t>(5, static_cast<size_t>(int8_groups_bytes(n_tokens, k, a.block))),
+                            n_tokens, k, a.block);
 #pragma omp parallel
   {
     if (groups.n_groups > 0) {
