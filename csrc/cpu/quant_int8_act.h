@@ -15,7 +15,9 @@
 // Reduction order: an output's block sums enter its accumulator in block order; the lanes are
 // summed by hsum8_tree, then the minimum term is added. It depends only on K, never on T, the
 // batch, the thread count or the path (both paths compute the same int32 block sums), so a row's
-// outputs are bit-identical whatever else is in the batch.
+// outputs are bit-identical whatever else is in the batch. Q8_0's prefill on AVX-512 VNNI reads
+// the token-interleaved copy of the activations (quant_int8_groups.h) and keeps those lanes and
+// sums (q8_0_int8_group_tile).
 //
 // Like quant_blocks.h, everything is local to the including unit (compiled for its target).
 #pragma once

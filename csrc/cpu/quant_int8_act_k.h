@@ -7,14 +7,17 @@
 //          - and separately sum_j mn_j * (bsum_2j + bsum_2j+1), the dmin term
 //   Q6_K:  sum_j sc_j * dot(q6_j, x_j) - 32 * sum_j sc_j * bsum_j   (16 sub-blocks of 16, q6 in 0..63)
 //
-// The sub-block dot products are vpmaddubsw (u8 weights x s8 activations, pairs summed to int16
-// without saturation: 2 * 63 * 127 < 2^15) followed by a multiply-add of the int16 pairs with the
-// sub-block scale into int32 lanes (AVX2: vpmaddwd + vpaddd; AVX-512 VNNI: vpdpwssd, the same
-// exact sums). Per super-block the 8 int32 lanes are converted to float32 and enter an 8-lane
-// float32 accumulator with one FMA by d_w * d_x (Q4_K: a second one subtracts the dmin term,
-// dmin_w * d_x times its 8 int32 lanes); after the last super-block hsum8_tree adds the lanes.
-// That order depends only on K, never on T, the batch, the thread count or the path (both paths
-// form the same integers), so a row's outputs are bit-identical whatever else is in the batch.
+// Q6_K's sub-block dot products are vpmaddubsw (u8 weights x s8 activations, pairs summed to
+// int16 without saturation: 2 * 63 * 127 < 2^15) followed by a multiply-add of the int16 pairs
+// with the sub-block scale into int32 lanes (AVX2: vpmaddwd + vpaddd; AVX-512 VNNI: vpdpwssd, the
+// same exact sums). Per super-block the 8 int32 lanes are converted to float32 and enter an
+// 8-lane float32 accumulator with one FMA by d_w * d_x; after the last super-block hsum8_tree adds
+// the lanes. Q4_K keeps two int32 lanes per output and super-block and two float32 accumulators
+// (its reduction is spelled out above q4k_int8_group_tile); its prefill reads the
+// token-interleaved copy of the activations (quant_int8_groups.h), 8 tokens per instruction.
+// Either order depends only on K, never on T, the batch, the thread count or the path (every
+// path forms the same integers), so a row's outputs are bit-identical whatever else is in the
+// batch.
 //
 // Like quant_blocks.h, everything is local to the including unit (compiled for its target).
 #pragma once
