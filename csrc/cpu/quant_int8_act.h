@@ -235,7 +235,10 @@ inline void group_tile(const Int8Groups& g, const uint8_t* w, int64_t row_bytes,
     q4k_int8_group_tile<V, R, G>(g, w, row_bytes, k, n_tokens, n_out, n, slot, out);
   } else {
 #if defined(ORCA_QUANT_INT8_512)
-    q8_0_int8_group_tile<V, R, G>(g, w, row_bytes, k, n_tokens, n_out, n, slot, out);
+    if constexpr (F == kQuantTypeQ6_K)
+      q6k_int8_group_tile<V, R, G>(g, w, row_bytes, k, n_tokens, n_out, n, slot, out);
+    else
+      q8_0_int8_group_tile<V, R, G>(g, w, row_bytes, k, n_tokens, n_out, n, slot, out);
 #endif
   }
 }
@@ -285,7 +288,7 @@ inline void grouped_prefill(const Int8Groups& g, const uint8_t* w, int64_t row_b
 template <bool kVnni, int F>
 constexpr bool grouped_prefill_of() {
 #if defined(ORCA_QUANT_INT8_512)
-  if (kVnni && F == kQuantTypeQ8_0) return true;
+  if (kVnni && (F == kQuantTypeQ8_0 || F == kQuantTypeQ6_K)) return true;
 #endif
   return F == kQuantTypeQ4_K;
 }
@@ -339,13 +342,14 @@ inline void int8_act_rows(const Int8Rows& a, const Int8Groups& groups, const uin
 template <bool kVnni>
 inline void int8_act_linear(const Int8Rows& a, const uint8_t* w, int type, int64_t row_bytes,
                             int64_t n_tokens, int64_t k, int64_t n_out, float* out) {
-  Int8Groups groups{0, a.block, nullptr, nullptr, nullptr};
-  const bool grouped = type == kQuantTypeQ4_K ? grouped_prefill_of<kVnni, kQuantTypeQ4_K>()
+  Int8Groups groups{0, a.block, nullptr, nullptr, nullptr, nullptr};
+  const bool grouped = type == kQuantTypeQ4_K   ? grouped_prefill_of<kVnni, kQuantTypeQ4_K>()
+                       : type == kQuantTypeQ6_K ? grouped_prefill_of<kVnni, kQuantTypeQ6_K>()
                        : type == kQuantTypeQ8_0 ? grouped_prefill_of<kVnni, kQuantTypeQ8_0>()
                                                 : false;
   if (grouped && n_tokens > 1)
-    groups = int8_groups_at(thread_scratch<int8_t>(5, static_cast<size_t>(int8_groups_bytes(n_tokens, k, a.block))),
-                            n_tokens, k, a.block);
+    groups = int8_groups_at(thread_scratch<int8_t>(5, static_cast<size_t>(int8_groups_bytes(n_tokens, k, type))),
+                            n_tokens, k, type);
 #pragma omp parallel
   {
     if (groups.n_groups > 0) {

@@ -360,6 +360,113 @@ inline void q4k_int8_rows(const Int8Rows& a, const uint8_t* w, int64_t row_bytes
   for (int r = 0; r < R; ++r) out[n0 + r * stride] = l[2 * r] + l[2 * r + 1];
 }
 
+#if defined(ORCA_QUANT_INT8_512)
+// out[t * n_out + n0 + r] for the R Q6_K weight rows from n0 and G token slots of V::kTokens
+// tokens from slot0 * V::kTokens (those below n_tokens), from the token-interleaved copy. Each
+// 32-element chunk of a row's q6 (built once per super-block into a stack buffer) is read as 4
+// broadcast 8-byte pieces c8; piece c8 of token s gives the int32 lanes 2c8, 2c8 + 1 of
+// q6k_int8_tile (lanes 2s, 2s + 1 of accumulator c8). The pieces c8 of chunks 2cp and 2cp + 1
+// (|sum| <= 4 * 63 * 127 < 2^15 each) are packed into the int16 halves of each dword and meet
+// their two sub-block scales in one vpdpwssd. The same integers, the same fmas per super-block
+// and the same hsum8_tree as q6k_int8_tile, so the same bits.
+template <class V, int R, int G>
+inline void q6k_int8_group_tile(const Int8Groups& a, const uint8_t* w, int64_t row_bytes, int64_t k,
+                                int64_t n_tokens, int64_t n_out, int64_t n0, int64_t slot0, float* out) {
+  using I = typename V::I;
+  using F = typename V::F;
+  const int64_t n_super = k / kSuperBlock;
+  const int8_t* xs[G];
+  const float* ds[G];
+  const int16_t* bss[G];
+  for (int g = 0; g < G; ++g) {
+    const int64_t t0 = (slot0 + g) * V::kTokens, grp = t0 / kGroupTokens, in = t0 % kGroupTokens;
+    xs[g] = a.q + grp * kGroupTokens * k + in * 8;
+    ds[g] = a.d + grp * n_super * 16 + 2 * in;
+    bss[g] = a.bsums16 + grp * n_super * 128 + 4 * in;
+  }
+  F acc[R][G][4];
+  for (int r = 0; r < R; ++r)
+    for (int g = 0; g < G; ++g)
+      for (int c = 0; c < 4; ++c) acc[r][g][c] = V::zero_f();
+  const __m256i low4 = _mm256_set1_epi8(0x0f), bits45 = _mm256_set1_epi8(0x30);
+  for (int64_t b = 0; b < n_super; ++b) {
+    alignas(32) uint8_t q6[R][256];   // the row's q6 in element order
+    alignas(32) int16_t sc16[R][16];  // its 16 scales
+    alignas(32) int32_t sc_pairs[R][8];  // (h, cp, c8 >= 2): sc of chunk 2cp's sub-block, then 2cp + 1's
+    float dw[R];
+    for (int r = 0; r < R; ++r) {
+      const uint8_t* blk = w + (n0 + r) * row_bytes + b * 210;
+      for (int h = 0; h < 2; ++h) {
+        const uint8_t* ql = blk + 64 * h;
+        const __m256i ql0 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(ql));
+        const __m256i ql1 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(ql + 32));
+        const __m256i qh = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(blk + 128 + 32 * h));
+        __m256i* dst = reinterpret_cast<__m256i*>(q6[r] + 128 * h);
+        _mm256_store_si256(dst, _mm256_or_si256(_mm256_and_si256(ql0, low4), _mm256_and_si256(_mm256_slli_epi16(qh, 4), bits45)));
+        _mm256_store_si256(dst + 1, _mm256_or_si256(_mm256_and_si256(ql1, low4), _mm256_and_si256(_mm256_slli_epi16(qh, 2), bits45)));
+        _mm256_store_si256(dst + 2, _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(ql0, 4), low4), _mm256_and_si256(qh, bits45)));
+        _mm256_store_si256(dst + 3, _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(ql1, 4), low4),
+                                                    _mm256_and_si256(_mm256_srli_epi16(qh, 2), bits45)));
+      }
+      _mm256_store_si256(reinterpret_cast<__m256i*>(sc16[r]),
+                         _mm256_cvtepi8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(blk + 192))));
+      for (int h = 0; h < 2; ++h)
+        for (int cp = 0; cp < 2; ++cp)
+          for (int e = 0; e < 2; ++e) {
+            const int sub = 8 * h + 4 * cp + e;  // chunk 2cp's sub-block for e = (c8 >= 2); chunk 2cp + 1's is sub + 2
+            sc_pairs[r][4 * h + 2 * cp + e] = static_cast<int32_t>(static_cast<uint16_t>(sc16[r][sub]) |
+                                                                   (static_cast<uint32_t>(static_cast<uint16_t>(sc16[r][sub + 2])) << 16));
+          }
+      dw[r] = half_to_float(blk + 208);
+    }
+    I isum[R][G][4];
+    for (int r = 0; r < R; ++r)
+      for (int g = 0; g < G; ++g)
+        for (int c8 = 0; c8 < 4; ++c8) {  // -32 * (sc_2l bsum_2l + sc_2l+1 bsum_2l+1), l = 2 c8 + (0, 1)
+          const I bs = V::load(bss[g] + b * 128 + c8 * 32);
+          const I m = V::madd(V::bcast64(reinterpret_cast<const uint8_t*>(sc16[r] + 4 * c8)), bs);
+          isum[r][g][c8] = V::sub32(V::zero(), V::slli5(m));
+        }
+    for (int h = 0; h < 2; ++h)
+      for (int cp = 0; cp < 2; ++cp)
+        for (int c8 = 0; c8 < 4; ++c8) {
+          const int64_t ca = 32 * b + 16 * h + 4 * (2 * cp) + c8, cb = ca + 4;  // 8-element chunks of the two pieces
+          I xa[G], xb[G];
+          for (int g = 0; g < G; ++g) {
+            xa[g] = V::load(xs[g] + ca * (kGroupTokens * 8));
+            xb[g] = V::load(xs[g] + cb * (kGroupTokens * 8));
+          }
+          for (int r = 0; r < R; ++r) {
+            const uint8_t* piece = q6[r] + 128 * h + 32 * (2 * cp) + 8 * c8;
+            const I wa = V::bcast64(piece), wb = V::bcast64(piece + 32);
+            const I sc = V::bcast32(sc_pairs[r][4 * h + 2 * cp + (c8 >= 2 ? 1 : 0)]);
+            for (int g = 0; g < G; ++g) {
+              const I da = V::dpbusd(V::zero(), wa, xa[g]), db = V::dpbusd(V::zero(), wb, xb[g]);
+              isum[r][g][c8] = V::madd_acc(isum[r][g][c8], V::pack_halves(da, V::slli16(db)), sc);
+            }
+          }
+        }
+    for (int r = 0; r < R; ++r) {
+      const F d = V::bcast_f(dw[r]);
+      for (int g = 0; g < G; ++g) {
+        const F scale = V::mul(d, V::load_f(ds[g] + 16 * b));
+        for (int c8 = 0; c8 < 4; ++c8) acc[r][g][c8] = V::fma(V::cvt(isum[r][g][c8]), scale, acc[r][g][c8]);
+      }
+    }
+  }
+  for (int r = 0; r < R; ++r)
+    for (int g = 0; g < G; ++g) {
+      // hsum8_tree of token s: lanes (l0 + l4) + (l2 + l6), (l1 + l5) + (l3 + l7), then their sum
+      alignas(64) float l[2 * V::kTokens];
+      V::store_f(l, V::add_f(V::add_f(acc[r][g][0], acc[r][g][2]), V::add_f(acc[r][g][1], acc[r][g][3])));
+      for (int s = 0; s < V::kTokens; ++s) {
+        const int64_t t = (slot0 + g) * V::kTokens + s;
+        if (t < n_tokens) out[t * n_out + n0 + r] = l[2 * s] + l[2 * s + 1];
+      }
+    }
+}
+#endif
+
 // The same for Q6_K. A half h of the super-block (elements 128h ..) is 4 chunks r of 32: chunk r
 // takes the low (r < 2) or high nibbles of ql[64h + 32(r % 2) ..] and bits 2r, 2r+1 of qh[32h ..]
 // as bits 4, 5, and covers the 16-element sub-blocks 8h + 2r and 8h + 2r + 1.

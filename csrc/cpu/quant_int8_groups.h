@@ -1,5 +1,5 @@
-// The token-interleaved copy of the int8 activations that the prefill tiles of Q4_K and Q8_0
-// read (quant_int8_act_k.h, quant_int8_act.h), and the vector ops those tiles share at two
+// The token-interleaved copy of the int8 activations that the prefill tiles of Q4_K, Q6_K and
+// Q8_0 read (quant_int8_act_k.h, quant_int8_act.h), and the vector ops those tiles share at two
 // widths. Tokens come in groups of 8 (the last padded with zero rows); per group and 8-element
 // chunk c, the 8 tokens' chunks lie side by side, so that one 64-byte load (or 32 for 4 of the
 // tokens) meets one 8-byte broadcast of weights and yields two int32 lanes per token.
@@ -11,7 +11,8 @@
 #include <cstdint>
 #include <cstring>
 
-#include "quant_panels.h"  // Int8Rows
+#include "quant_kernels.h"  // the ggml type ids
+#include "quant_panels.h"   // Int8Rows
 
 namespace orca {
 namespace cpu {
@@ -22,30 +23,37 @@ constexpr int kGroupTokens = 8;
 
 struct Int8Groups {
   int64_t n_groups;
-  int64_t block;   // elements per activation scale: 256 (Q4_K) or 32 (Q8_0)
-  int8_t* q;       // [n_groups, K / 8, 8, 8]; block 32 stores q + 128 (read as uint8)
-  float* d;        // [n_groups, K / block, 16]: token s's scale in lanes 2s and 2s + 1
-  int16_t* bsums;  // block 256: [n_groups, K / 256, 2, 4, 8], the sums of each 32 quants of tokens
-                   // (0, 2, 4, 6) then (1, 3, 5, 7); else nullptr
+  int64_t block;     // elements per activation scale: 256 (Q4_K, Q6_K) or 32 (Q8_0)
+  int8_t* q;         // [n_groups, K / 8, 8, 8]; block 32 stores q + 128 (read as uint8)
+  float* d;          // [n_groups, K / block, 16]: token s's scale in lanes 2s and 2s + 1
+  int16_t* bsums;    // Q4_K: [n_groups, K / 256, 2, 4, 8], the sums of each 32 quants of tokens
+                     // (0, 2, 4, 6) then (1, 3, 5, 7); else nullptr
+  int16_t* bsums16;  // Q6_K: [n_groups, K / 256, 4, 8, 4]: for c8 = 0..3 and each token, the sums
+                     // of the 16 quants 4 c8 .. 4 c8 + 3; else nullptr
 };
 
-inline int64_t int8_groups_bytes(int64_t n_tokens, int64_t k, int64_t block) {  // 64-byte aligned parts
-  const int64_t g = (n_tokens + kGroupTokens - 1) / kGroupTokens, n_blocks = k / block;
-  return g * kGroupTokens * k + g * n_blocks * 16 * 4 + (block == 256 ? g * n_blocks * 64 * 2 : 0) + 3 * 64;
+inline int64_t int8_group_block(int type) { return type == kQuantTypeQ8_0 ? 32 : 256; }
+
+inline int64_t int8_groups_bytes(int64_t n_tokens, int64_t k, int type) {  // 64-byte aligned parts
+  const int64_t g = (n_tokens + kGroupTokens - 1) / kGroupTokens, n_blocks = k / int8_group_block(type);
+  const int64_t sums = type == kQuantTypeQ4_K ? g * n_blocks * 64 * 2 : type == kQuantTypeQ6_K ? g * n_blocks * 128 * 2 : 0;
+  return g * kGroupTokens * k + g * n_blocks * 16 * 4 + sums + 3 * 64;
 }
 
-inline Int8Groups int8_groups_at(int8_t* base, int64_t n_tokens, int64_t k, int64_t block) {
+inline Int8Groups int8_groups_at(int8_t* base, int64_t n_tokens, int64_t k, int type) {
   auto align = [](int8_t* p) {
     return reinterpret_cast<int8_t*>((reinterpret_cast<uintptr_t>(p) + 63) & ~uintptr_t{63});
   };
+  const int64_t block = int8_group_block(type);
   const int64_t g = (n_tokens + kGroupTokens - 1) / kGroupTokens, n_blocks = k / block;
   Int8Groups a;
   a.n_groups = g;
   a.block = block;
   a.q = align(base);
   a.d = reinterpret_cast<float*>(align(a.q + g * kGroupTokens * k));
-  a.bsums = block == 256 ? reinterpret_cast<int16_t*>(align(reinterpret_cast<int8_t*>(a.d + g * n_blocks * 16)))
-                         : nullptr;
+  int16_t* sums = reinterpret_cast<int16_t*>(align(reinterpret_cast<int8_t*>(a.d + g * n_blocks * 16)));
+  a.bsums = type == kQuantTypeQ4_K ? sums : nullptr;
+  a.bsums16 = type == kQuantTypeQ6_K ? sums : nullptr;
   return a;
 }
 
@@ -70,14 +78,20 @@ inline void fill_int8_group(const Int8Rows& src, int64_t n_tokens, int64_t k, in
       d[b * 16 + 2 * s] = xd;
       d[b * 16 + 2 * s + 1] = xd;
     }
-    if (dst.bsums == nullptr) continue;
-    int16_t* bs = dst.bsums + grp * n_blocks * 64;
-    for (int64_t b = 0; b < n_blocks; ++b) {
-      int16_t* out = bs + b * 64 + (s & 1) * 32 + (s >> 1) * 8;
-      for (int j = 0; j < 8; ++j)
-        out[j] = real ? static_cast<int16_t>(src.bsums[t * (k / 16) + 16 * b + 2 * j] +
-                                             src.bsums[t * (k / 16) + 16 * b + 2 * j + 1])
-                      : int16_t{0};
+    const int16_t* sums16 = src.bsums + t * (k / 16);  // read only for real tokens
+    if (dst.bsums != nullptr) {
+      int16_t* bs = dst.bsums + grp * n_blocks * 64;
+      for (int64_t b = 0; b < n_blocks; ++b) {
+        int16_t* out = bs + b * 64 + (s & 1) * 32 + (s >> 1) * 8;
+        for (int j = 0; j < 8; ++j)
+          out[j] = real ? static_cast<int16_t>(sums16[16 * b + 2 * j] + sums16[16 * b + 2 * j + 1]) : int16_t{0};
+      }
+    }
+    if (dst.bsums16 != nullptr) {
+      int16_t* bs = dst.bsums16 + grp * n_blocks * 128;
+      for (int64_t b = 0; b < n_blocks; ++b)
+        for (int c8 = 0; c8 < 4; ++c8)
+          for (int i = 0; i < 4; ++i) bs[b * 128 + c8 * 32 + s * 4 + i] = real ? sums16[16 * b + 4 * c8 + i] : int16_t{0};
     }
   }
 }
@@ -95,6 +109,8 @@ struct GroupOps256 {
     return _mm256_mask_blend_epi16(0xAAAA, lo, hi);
   }
   static __m256i slli12(__m256i a) { return _mm256_slli_epi32(a, 12); }
+  static __m256i slli16(__m256i a) { return _mm256_slli_epi32(a, 16); }
+  static __m256i slli5(__m256i a) { return _mm256_slli_epi32(a, 5); }
   static __m256i high4() { return _mm256_set1_epi8(static_cast<char>(0xf0)); }
 #else
   static constexpr bool kPacked = false;
@@ -144,6 +160,8 @@ struct GroupOps512 {
   static __m512i dpbusd(__m512i acc, __m512i u, __m512i s) { return _mm512_dpbusd_epi32(acc, u, s); }
   static __m512i pack_halves(__m512i lo, __m512i hi) { return _mm512_mask_blend_epi16(0xAAAAAAAA, lo, hi); }
   static __m512i slli12(__m512i a) { return _mm512_slli_epi32(a, 12); }
+  static __m512i slli16(__m512i a) { return _mm512_slli_epi32(a, 16); }
+  static __m512i slli5(__m512i a) { return _mm512_slli_epi32(a, 5); }
   static __m512i high4() { return _mm512_set1_epi8(static_cast<char>(0xf0)); }
   using I = __m512i;
   using F = __m512;
