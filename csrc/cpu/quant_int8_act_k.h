@@ -13,8 +13,9 @@
 // same exact sums). Per super-block the 8 int32 lanes are converted to float32 and enter an
 // 8-lane float32 accumulator with one FMA by d_w * d_x; after the last super-block hsum8_tree adds
 // the lanes. Q4_K keeps two int32 lanes per output and super-block and two float32 accumulators
-// (its reduction is spelled out above q4k_int8_group_tile); its prefill reads the
-// token-interleaved copy of the activations (quant_int8_groups.h), 8 tokens per instruction.
+// (its reduction is spelled out above q4k_int8_group_tile). The prefill of Q4_K (and of Q6_K with
+// VNNI) reads the token-interleaved copy of the activations (quant_int8_groups.h), 8 tokens per
+// instruction, and forms the same lanes.
 // Either order depends only on K, never on T, the batch, the thread count or the path (every
 // path forms the same integers), so a row's outputs are bit-identical whatever else is in the
 // batch.
