@@ -27,6 +27,7 @@
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
+#include <type_traits>
 
 #include "quant_formats.h"
 #include "quant_int8_act_k.h"  // the 256-element formats
@@ -227,16 +228,22 @@ inline void int8_act_rows_all_tokens(const Int8Rows& a, const uint8_t* w, int64_
   }
 }
 
-// The prefill tile of a grouped format F (Q4_K, Q8_0) at width V.
+// What a grouped format's prefill tiles read of each weight row besides its bytes, decoded
+// once per row for all token slots: Q4_K's scales, Q6_K's q6 and scales (Q8_0: nothing).
+template <int F>
+using RowPrepOf = std::conditional_t<F == kQuantTypeQ4_K, Q4KScales,
+                                     std::conditional_t<F == kQuantTypeQ6_K, Q6KRowBlock, char>>;
+
+// The prefill tile of a grouped format F (Q4_K, Q6_K, Q8_0) at width V.
 template <int F, class V, int R, int G>
 inline void group_tile(const Int8Groups& g, const uint8_t* w, int64_t row_bytes, int64_t k, int64_t n_tokens,
-                       int64_t n_out, int64_t n, int64_t slot, float* out) {
+                       int64_t n_out, int64_t n, int64_t slot, const RowPrepOf<F>* const* prep, float* out) {
   if constexpr (F == kQuantTypeQ4_K) {
-    q4k_int8_group_tile<V, R, G>(g, w, row_bytes, k, n_tokens, n_out, n, slot, out);
+    q4k_int8_group_tile<V, R, G>(g, w, row_bytes, k, n_tokens, n_out, n, slot, prep, out);
   } else {
 #if defined(ORCA_QUANT_INT8_512)
     if constexpr (F == kQuantTypeQ6_K)
-      q6k_int8_group_tile<V, R, G>(g, w, row_bytes, k, n_tokens, n_out, n, slot, out);
+      q6k_int8_group_tile<V, R, G>(g, k, n_tokens, n_out, n, slot, prep, out);
     else
       q8_0_int8_group_tile<V, R, G>(g, w, row_bytes, k, n_tokens, n_out, n, slot, out);
 #endif
@@ -246,31 +253,45 @@ inline void group_tile(const Int8Groups& g, const uint8_t* w, int64_t row_bytes,
 // Rows [n, n + R) against every token: tiles of GT slots of V::kTokens tokens, then the rest.
 template <int F, class V, int R, int GT>
 inline void rows_all_slots(const Int8Groups& g, const uint8_t* w, int64_t row_bytes, int64_t n_tokens, int64_t k,
-                           int64_t n_out, int64_t n, float* out) {
+                           int64_t n_out, int64_t n, const RowPrepOf<F>* const* prep, float* out) {
   const int64_t n_slots = (n_tokens + V::kTokens - 1) / V::kTokens;
   int64_t slot = 0;
-  for (; slot + GT <= n_slots; slot += GT) group_tile<F, V, R, GT>(g, w, row_bytes, k, n_tokens, n_out, n, slot, out);
-  for (; slot < n_slots; ++slot) group_tile<F, V, R, 1>(g, w, row_bytes, k, n_tokens, n_out, n, slot, out);
+  for (; slot + GT <= n_slots; slot += GT)
+    group_tile<F, V, R, GT>(g, w, row_bytes, k, n_tokens, n_out, n, slot, prep, out);
+  for (; slot < n_slots; ++slot) group_tile<F, V, R, 1>(g, w, row_bytes, k, n_tokens, n_out, n, slot, prep, out);
 }
 
 // Rows [n, n + R) against every token: 8-token slots (zmm) on AVX-512, where the last group
 // takes a 4-token slot (ymm) when it holds 4 tokens or fewer; 4-token slots on AVX2. Q4_K
-// tiles take 2 slots at a time (its int32 sums need few registers), Q8_0 one (4 float
+// tiles take 2 slots at a time (its int32 sums need few registers), Q6_K and Q8_0 one (4
 // accumulators per row and slot).
 template <bool kVnni, int F, int R>
 inline void grouped_rows_all_tokens(const Int8Groups& g, const uint8_t* w, int64_t row_bytes, int64_t n_tokens,
                                     int64_t k, int64_t n_out, int64_t n, float* out) {
   constexpr int kSlots = F == kQuantTypeQ4_K ? 2 : 1;
+  const RowPrepOf<F>* prep[R] = {};
+  if constexpr (F == kQuantTypeQ4_K || F == kQuantTypeQ6_K) {
+    const int64_t n_super = k / kSuperBlock;
+    RowPrepOf<F>* buf = thread_scratch<RowPrepOf<F>>(0, static_cast<size_t>(R * n_super));
+    for (int r = 0; r < R; ++r) {
+      if constexpr (F == kQuantTypeQ4_K)
+        q4k_row_scales(w + (n + r) * row_bytes, n_super, buf + r * n_super);
+      else
+        q6k_row_blocks(w + (n + r) * row_bytes, n_super, buf + r * n_super);
+      prep[r] = buf + r * n_super;
+    }
+  }
 #if defined(ORCA_QUANT_INT8_512)
   if constexpr (kVnni) {
     const int64_t tail = n_tokens % kGroupTokens;
     const int64_t wide = tail > 0 && tail <= 4 ? n_tokens - tail : n_tokens;  // tokens in 8-token slots
-    if (wide > 0) rows_all_slots<F, GroupOps512, R, kSlots>(g, w, row_bytes, wide, k, n_out, n, out);
-    if (wide < n_tokens) group_tile<F, GroupOps256<true>, R, 1>(g, w, row_bytes, k, n_tokens, n_out, n, wide / 4, out);
+    if (wide > 0) rows_all_slots<F, GroupOps512, R, kSlots>(g, w, row_bytes, wide, k, n_out, n, prep, out);
+    if (wide < n_tokens)
+      group_tile<F, GroupOps256<true>, R, 1>(g, w, row_bytes, k, n_tokens, n_out, n, wide / 4, prep, out);
     return;
   }
 #endif
-  rows_all_slots<F, GroupOps256<kVnni>, R, kVnni ? kSlots : 1>(g, w, row_bytes, n_tokens, k, n_out, n, out);
+  rows_all_slots<F, GroupOps256<kVnni>, R, kVnni ? kSlots : 1>(g, w, row_bytes, n_tokens, k, n_out, n, prep, out);
 }
 
 // Rows [n0, n1) against every token, 2 rows at a time.

@@ -166,6 +166,29 @@ inline __m128i q4k_scales_mins(const uint8_t* packed) {
 // q4k_int8_group_tile (a row against token groups, Int8Groups), so a token's bits never depend
 // on T, its group or its batch-mates.
 
+// A Q4_K super-block's scales as the prefill tiles read them, decoded once per row for every
+// token slot.
+struct Q4KScales {
+  alignas(16) int32_t sc_pairs[8];  // sc_j in both int16 halves of dword j
+  int32_t sc_packed[4];             // sc_2p in the low int16 half of dword p, sc_2p+1 in the high
+  int16_t mn16[8];                  // mn_j in int16 lane j
+  float d, dmin;
+};
+
+inline void q4k_row_scales(const uint8_t* row, int64_t n_super, Q4KScales* out) {  // out [n_super]
+  for (int64_t b = 0; b < n_super; ++b) {
+    const uint8_t* blk = row + b * 144;
+    const __m128i scmn = q4k_scales_mins(blk + 4);
+    const __m128i sc = _mm_cvtepu8_epi16(scmn);
+    _mm_store_si128(reinterpret_cast<__m128i*>(out[b].sc_pairs), _mm_unpacklo_epi16(sc, sc));
+    _mm_store_si128(reinterpret_cast<__m128i*>(out[b].sc_pairs + 4), _mm_unpackhi_epi16(sc, sc));
+    _mm_store_si128(reinterpret_cast<__m128i*>(out[b].sc_packed), sc);
+    _mm_store_si128(reinterpret_cast<__m128i*>(out[b].mn16), _mm_cvtepu8_epi16(_mm_srli_si128(scmn, 8)));
+    out[b].d = half_to_float(blk);
+    out[b].dmin = half_to_float(blk + 2);
+  }
+}
+
 // out[t * n_out + n0 + r] for the R weight rows from n0 and G token slots of V::kTokens tokens
 // from token slot0 * V::kTokens (those below n_tokens), Q4_K. Per sub-block, each slot's 4
 // activation vectors (8 elements of each of its tokens) are loaded once for the R rows, and each
@@ -174,7 +197,8 @@ inline __m128i q4k_scales_mins(const uint8_t* packed) {
 // int32 lanes (A, B) of each token.
 template <class V, int R, int G>
 inline void q4k_int8_group_tile(const Int8Groups& a, const uint8_t* w, int64_t row_bytes, int64_t k, int64_t n_tokens,
-                                int64_t n_out, int64_t n0, int64_t slot0, float* out) {
+                                int64_t n_out, int64_t n0, int64_t slot0, const Q4KScales* const* scales,
+                                float* out) {  // scales[r]: row n0 + r's [K / 256]
   using I = typename V::I;
   using F = typename V::F;
   const int64_t n_super = k / kSuperBlock;
@@ -193,17 +217,10 @@ inline void q4k_int8_group_tile(const Int8Groups& a, const uint8_t* w, int64_t r
   const I low4 = V::low4();
   for (int64_t b = 0; b < n_super; ++b) {
     const uint8_t* blk[R];
-    alignas(32) int32_t sc_pairs[R][8];  // sc_j in both int16 halves of dword j
-    alignas(16) int16_t mn16[R][8];      // mn_j in int16 lane j
-    alignas(16) int32_t sc_packed[R][4];  // sc_2p in the low int16 half of dword p, sc_2p+1 in the high
+    const Q4KScales* sb[R];
     for (int r = 0; r < R; ++r) {
       blk[r] = w + (n0 + r) * row_bytes + b * 144;
-      const __m128i scmn = q4k_scales_mins(blk[r] + 4);
-      const __m128i sc = _mm_cvtepu8_epi16(scmn);
-      _mm_store_si128(reinterpret_cast<__m128i*>(sc_pairs[r]), _mm_unpacklo_epi16(sc, sc));
-      _mm_store_si128(reinterpret_cast<__m128i*>(sc_pairs[r] + 4), _mm_unpackhi_epi16(sc, sc));
-      _mm_store_si128(reinterpret_cast<__m128i*>(mn16[r]), _mm_cvtepu8_epi16(_mm_srli_si128(scmn, 8)));
-      _mm_store_si128(reinterpret_cast<__m128i*>(sc_packed[r]), sc);
+      sb[r] = scales[r] + b;
     }
     I isum[R][G];
     for (int r = 0; r < R; ++r)
@@ -227,7 +244,7 @@ inline void q4k_int8_group_tile(const Int8Groups& a, const uint8_t* w, int64_t r
           else
             wq[c] = V::and_(v, low4);
         }
-        const I sc = V::bcast32(sc_pairs[r][j]);
+        const I sc = V::bcast32(sb[r]->sc_pairs[j]);
         for (int g = 0; g < G; ++g) {
           const I s01 = V::add16(V::maddubs(wq[0], x[g][0]), V::maddubs(wq[1], x[g][1]));
           const I s23 = V::add16(V::maddubs(wq[2], x[g][2]), V::maddubs(wq[3], x[g][3]));
@@ -258,7 +275,7 @@ inline void q4k_int8_group_tile(const Int8Groups& a, const uint8_t* w, int64_t r
         for (int r = 0; r < R; ++r) {
           I wq[4];
           for (int c = 0; c < 4; ++c) wq[c] = V::and_(V::bcast64(blk[r] + 16 + 32 * p + 8 * c), high4);
-          const I sc = V::bcast32(sc_packed[r][p]);
+          const I sc = V::bcast32(sb[r]->sc_packed[p]);
           for (int g = 0; g < G; ++g) {
             I acc_o = V::dpbusd(V::zero(), wq[0], x[g][0]);  // 16 * D_odd
             for (int c = 1; c < 4; ++c) acc_o = V::dpbusd(acc_o, wq[c], x[g][c]);
@@ -276,8 +293,8 @@ inline void q4k_int8_group_tile(const Int8Groups& a, const uint8_t* w, int64_t r
       }
     }
     for (int r = 0; r < R; ++r) {
-      const F d = V::bcast_f(half_to_float(blk[r])), dmin = V::bcast_f(half_to_float(blk[r] + 2));
-      const I mn = V::bcast128(_mm_load_si128(reinterpret_cast<const __m128i*>(mn16[r])));
+      const F d = V::bcast_f(sb[r]->d), dmin = V::bcast_f(sb[r]->dmin);
+      const I mn = V::bcast128(_mm_load_si128(reinterpret_cast<const __m128i*>(sb[r]->mn16)));
       for (int g = 0; g < G; ++g) {
         const F xd = V::load_f(ds[g] + 16 * b);
         // the 32-sums of tokens (0, 2, ..) and (1, 3, ..) of the slot: lanes (M_lo, M_hi) of each token
@@ -361,6 +378,43 @@ inline void q4k_int8_rows(const Int8Rows& a, const uint8_t* w, int64_t row_bytes
   for (int r = 0; r < R; ++r) out[n0 + r * stride] = l[2 * r] + l[2 * r + 1];
 }
 
+// A Q6_K super-block as the prefill tiles read it, decoded once per row for every token slot.
+struct Q6KRowBlock {
+  alignas(32) uint8_t q6[256];  // in element order, 0..63
+  int16_t sc16[16];             // the 16 sub-block scales
+  int32_t sc_pairs[8];          // (h, cp, e): sc of sub-block 8h + 4cp + e, then of 8h + 4cp + 2 + e
+  float d;
+};
+
+inline void q6k_row_blocks(const uint8_t* row, int64_t n_super, Q6KRowBlock* out) {  // out [n_super]
+  const __m256i low4 = _mm256_set1_epi8(0x0f), bits45 = _mm256_set1_epi8(0x30);
+  for (int64_t b = 0; b < n_super; ++b) {
+    const uint8_t* blk = row + b * 210;
+    for (int h = 0; h < 2; ++h) {
+      const uint8_t* ql = blk + 64 * h;
+      const __m256i ql0 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(ql));
+      const __m256i ql1 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(ql + 32));
+      const __m256i qh = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(blk + 128 + 32 * h));
+      __m256i* dst = reinterpret_cast<__m256i*>(out[b].q6 + 128 * h);
+      _mm256_store_si256(dst, _mm256_or_si256(_mm256_and_si256(ql0, low4), _mm256_and_si256(_mm256_slli_epi16(qh, 4), bits45)));
+      _mm256_store_si256(dst + 1, _mm256_or_si256(_mm256_and_si256(ql1, low4), _mm256_and_si256(_mm256_slli_epi16(qh, 2), bits45)));
+      _mm256_store_si256(dst + 2, _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(ql0, 4), low4), _mm256_and_si256(qh, bits45)));
+      _mm256_store_si256(dst + 3, _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(ql1, 4), low4),
+                                                  _mm256_and_si256(_mm256_srli_epi16(qh, 2), bits45)));
+    }
+    const __m256i sc = _mm256_cvtepi8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(blk + 192)));
+    std::memcpy(out[b].sc16, &sc, 32);
+    for (int h = 0; h < 2; ++h)
+      for (int cp = 0; cp < 2; ++cp)
+        for (int e = 0; e < 2; ++e) {
+          const int sub = 8 * h + 4 * cp + e;
+          out[b].sc_pairs[4 * h + 2 * cp + e] = static_cast<int32_t>(
+              static_cast<uint16_t>(out[b].sc16[sub]) | (static_cast<uint32_t>(static_cast<uint16_t>(out[b].sc16[sub + 2])) << 16));
+        }
+    out[b].d = half_to_float(blk + 208);
+  }
+}
+
 #if defined(ORCA_QUANT_INT8_512)
 // out[t * n_out + n0 + r] for the R Q6_K weight rows from n0 and G token slots of V::kTokens
 // tokens from slot0 * V::kTokens (those below n_tokens), from the token-interleaved copy. Each
@@ -371,8 +425,8 @@ inline void q4k_int8_rows(const Int8Rows& a, const uint8_t* w, int64_t row_bytes
 // their two sub-block scales in one vpdpwssd. The same integers, the same fmas per super-block
 // and the same hsum8_tree as q6k_int8_tile, so the same bits.
 template <class V, int R, int G>
-inline void q6k_int8_group_tile(const Int8Groups& a, const uint8_t* w, int64_t row_bytes, int64_t k,
-                                int64_t n_tokens, int64_t n_out, int64_t n0, int64_t slot0, float* out) {
+inline void q6k_int8_group_tile(const Int8Groups& a, int64_t k, int64_t n_tokens, int64_t n_out, int64_t n0,
+                                int64_t slot0, const Q6KRowBlock* const* rows, float* out) {  // rows[r]: row n0 + r's [K / 256]
   using I = typename V::I;
   using F = typename V::F;
   const int64_t n_super = k / kSuperBlock;
@@ -389,43 +443,15 @@ inline void q6k_int8_group_tile(const Int8Groups& a, const uint8_t* w, int64_t r
   for (int r = 0; r < R; ++r)
     for (int g = 0; g < G; ++g)
       for (int c = 0; c < 4; ++c) acc[r][g][c] = V::zero_f();
-  const __m256i low4 = _mm256_set1_epi8(0x0f), bits45 = _mm256_set1_epi8(0x30);
   for (int64_t b = 0; b < n_super; ++b) {
-    alignas(32) uint8_t q6[R][256];   // the row's q6 in element order
-    alignas(32) int16_t sc16[R][16];  // its 16 scales
-    alignas(32) int32_t sc_pairs[R][8];  // (h, cp, c8 >= 2): sc of chunk 2cp's sub-block, then 2cp + 1's
-    float dw[R];
-    for (int r = 0; r < R; ++r) {
-      const uint8_t* blk = w + (n0 + r) * row_bytes + b * 210;
-      for (int h = 0; h < 2; ++h) {
-        const uint8_t* ql = blk + 64 * h;
-        const __m256i ql0 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(ql));
-        const __m256i ql1 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(ql + 32));
-        const __m256i qh = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(blk + 128 + 32 * h));
-        __m256i* dst = reinterpret_cast<__m256i*>(q6[r] + 128 * h);
-        _mm256_store_si256(dst, _mm256_or_si256(_mm256_and_si256(ql0, low4), _mm256_and_si256(_mm256_slli_epi16(qh, 4), bits45)));
-        _mm256_store_si256(dst + 1, _mm256_or_si256(_mm256_and_si256(ql1, low4), _mm256_and_si256(_mm256_slli_epi16(qh, 2), bits45)));
-        _mm256_store_si256(dst + 2, _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(ql0, 4), low4), _mm256_and_si256(qh, bits45)));
-        _mm256_store_si256(dst + 3, _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(ql1, 4), low4),
-                                                    _mm256_and_si256(_mm256_srli_epi16(qh, 2), bits45)));
-      }
-      _mm256_store_si256(reinterpret_cast<__m256i*>(sc16[r]),
-                         _mm256_cvtepi8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(blk + 192))));
-      for (int h = 0; h < 2; ++h)
-        for (int cp = 0; cp < 2; ++cp)
-          for (int e = 0; e < 2; ++e) {
-            const int sub = 8 * h + 4 * cp + e;  // chunk 2cp's sub-block for e = (c8 >= 2); chunk 2cp + 1's is sub + 2
-            sc_pairs[r][4 * h + 2 * cp + e] = static_cast<int32_t>(static_cast<uint16_t>(sc16[r][sub]) |
-                                                                   (static_cast<uint32_t>(static_cast<uint16_t>(sc16[r][sub + 2])) << 16));
-          }
-      dw[r] = half_to_float(blk + 208);
-    }
+    const Q6KRowBlock* rb[R];
+    for (int r = 0; r < R; ++r) rb[r] = rows[r] + b;
     I isum[R][G][4];
     for (int r = 0; r < R; ++r)
       for (int g = 0; g < G; ++g)
         for (int c8 = 0; c8 < 4; ++c8) {  // -32 * (sc_2l bsum_2l + sc_2l+1 bsum_2l+1), l = 2 c8 + (0, 1)
           const I bs = V::load(bss[g] + b * 128 + c8 * 32);
-          const I m = V::madd(V::bcast64(reinterpret_cast<const uint8_t*>(sc16[r] + 4 * c8)), bs);
+          const I m = V::madd(V::bcast64(reinterpret_cast<const uint8_t*>(rb[r]->sc16 + 4 * c8)), bs);
           isum[r][g][c8] = V::sub32(V::zero(), V::slli5(m));
         }
     for (int h = 0; h < 2; ++h)
@@ -438,9 +464,9 @@ inline void q6k_int8_group_tile(const Int8Groups& a, const uint8_t* w, int64_t r
             xb[g] = V::load(xs[g] + cb * (kGroupTokens * 8));
           }
           for (int r = 0; r < R; ++r) {
-            const uint8_t* piece = q6[r] + 128 * h + 32 * (2 * cp) + 8 * c8;
+            const uint8_t* piece = rb[r]->q6 + 128 * h + 32 * (2 * cp) + 8 * c8;
             const I wa = V::bcast64(piece), wb = V::bcast64(piece + 32);
-            const I sc = V::bcast32(sc_pairs[r][4 * h + 2 * cp + (c8 >= 2 ? 1 : 0)]);
+            const I sc = V::bcast32(rb[r]->sc_pairs[4 * h + 2 * cp + (c8 >= 2 ? 1 : 0)]);
             for (int g = 0; g < G; ++g) {
               const I da = V::dpbusd(V::zero(), wa, xa[g]), db = V::dpbusd(V::zero(), wb, xb[g]);
               isum[r][g][c8] = V::madd_acc(isum[r][g][c8], V::pack_halves(da, V::slli16(db)), sc);
@@ -448,7 +474,7 @@ inline void q6k_int8_group_tile(const Int8Groups& a, const uint8_t* w, int64_t r
           }
         }
     for (int r = 0; r < R; ++r) {
-      const F d = V::bcast_f(dw[r]);
+      const F d = V::bcast_f(rb[r]->d);
       for (int g = 0; g < G; ++g) {
         const F scale = V::mul(d, V::load_f(ds[g] + 16 * b));
         for (int c8 = 0; c8 < 4; ++c8) acc[r][g][c8] = V::fma(V::cvt(isum[r][g][c8]), scale, acc[r][g][c8]);
