@@ -304,8 +304,9 @@ inline void grouped_prefill(const Int8Groups& g, const uint8_t* w, int64_t row_b
 }
 
 // Whether format F's prefill reads the token-interleaved copy (Int8Groups) on this path: Q4_K
-// always, Q8_0 with VNNI (its tile starts vpdpbusd at the weights' correction; the AVX2 path
-// keeps int8_act_tile_32, whose int32 lanes are the same).
+// always; Q8_0 and Q6_K with VNNI (their tiles need vpdpbusd: Q8_0's unsigned x + 128 against
+// signed weights, Q6_K's sums of 4 products packed in int16 halves). On AVX2 those two keep the
+// natural-order tiles, whose int32 lanes and float sums are the same.
 template <bool kVnni, int F>
 constexpr bool grouped_prefill_of() {
 #if defined(ORCA_QUANT_INT8_512)
@@ -318,9 +319,9 @@ constexpr bool grouped_prefill_of() {
 // chains), one from each quarter of the range, so that the weights are read as 4 long forward
 // streams (the hardware prefetchers follow those better than one; skinny_gemm.cpp measured the
 // same for the float kernels). More tokens take panels of rows small enough to stay in L2 while
-// every token tile passes over them (each weight byte read from memory once): 2 rows x 4 tokens
-// at a time for the 32-element formats, 1 row x 8 tokens for Q6_K, and for Q4_K 1 row x 4 token
-// groups of the interleaved copy (2 groups on AVX2, which has half the vector registers).
+// every token tile passes over them (each weight byte read from memory once): the grouped
+// formats 2 rows x 16 or 8 tokens of the interleaved copy (grouped_rows_all_tokens), otherwise
+// 2 rows x 4 tokens for the 32-element formats and 1 row x 8 tokens for Q6_K.
 template <bool kVnni, int F>
 inline void int8_act_rows(const Int8Rows& a, const Int8Groups& groups, const uint8_t* w, int64_t row_bytes,
                           int64_t n_tokens, int64_t k, int64_t n_out, int64_t n0, int64_t n1, float* out) {
