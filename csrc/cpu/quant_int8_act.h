@@ -141,17 +141,36 @@ inline void int8_act_tile_32(const Int8Rows& a, const uint8_t* w, int64_t row_by
     }
 }
 
+// A Q8_0 block as the prefill tiles read it, decoded once per row for every token slot: the
+// correction -128 * (the sum of w over elements 4l .. 4l + 3) of each int32 lane l, and d.
+struct Q8RowBlock {
+  alignas(32) int32_t neg128_sums[8];
+  float d;
+};
+
+inline void q8_0_row_blocks(const uint8_t* row, int64_t n_blocks, Q8RowBlock* out) {  // out [n_blocks]
+  const __m256i ones8 = _mm256_set1_epi8(1), ones16 = _mm256_set1_epi16(1);
+  for (int64_t b = 0; b < n_blocks; ++b) {
+    const uint8_t* blk = row + b * 34;
+    const __m256i wq = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(blk + 2));
+    const __m256i sums = _mm256_madd_epi16(_mm256_maddubs_epi16(ones8, wq), ones16);  // exact: |pair| <= 256
+    _mm256_store_si256(reinterpret_cast<__m256i*>(out[b].neg128_sums), _mm256_mullo_epi32(sums, _mm256_set1_epi32(-128)));
+    out[b].d = half_to_float(blk);
+  }
+}
+
 #if defined(ORCA_QUANT_INT8_512)
 // out[t * n_out + n0 + r] for the R Q8_0 weight rows from n0 and G token slots of V::kTokens
 // tokens from slot0 * V::kTokens (those below n_tokens), from the token-interleaved copy
 // (Int8Groups, block 32: x + 128 as uint8). Each activation vector is loaded once for the R rows
 // and each 8-byte piece of a weight block broadcast once for the G slots; vpdpbusd of x + 128
-// and w, started at -128 * (the sum of w per lane), gives the int32 lanes of int8_act_tile_32
+// and w, started at -128 * (the sum of w per lane, Q8RowBlock), gives the int32 lanes of int8_act_tile_32
 // exactly: lanes 2s, 2s + 1 of chunk c are its lanes 2c, 2c + 1 of token s, and accumulator c
 // their float sums, so the same fmas and the same hsum8_tree run on them.
 template <class V, int R, int G>
 inline void q8_0_int8_group_tile(const Int8Groups& a, const uint8_t* w, int64_t row_bytes, int64_t k,
-                                 int64_t n_tokens, int64_t n_out, int64_t n0, int64_t slot0, float* out) {
+                                 int64_t n_tokens, int64_t n_out, int64_t n0, int64_t slot0,
+                                 const Q8RowBlock* const* blocks, float* out) {  // blocks[r]: row n0 + r's [K / 32]
   using I = typename V::I;
   using F = typename V::F;
   const int64_t n_blocks = k / 32;
@@ -166,18 +185,18 @@ inline void q8_0_int8_group_tile(const Int8Groups& a, const uint8_t* w, int64_t 
   for (int r = 0; r < R; ++r)
     for (int g = 0; g < G; ++g)
       for (int c = 0; c < 4; ++c) acc[r][g][c] = V::zero_f();
-  const I u128 = V::bcast8(static_cast<int8_t>(0x80));
   for (int64_t b = 0; b < n_blocks; ++b) {
     I x[G][4];
     for (int g = 0; g < G; ++g)
       for (int c = 0; c < 4; ++c) x[g][c] = V::load(xs[g] + (4 * b + c) * (kGroupTokens * 8));
     for (int r = 0; r < R; ++r) {
       const uint8_t* blk = w + (n0 + r) * row_bytes + b * 34;
-      const F dw = V::bcast_f(half_to_float(blk));
+      const Q8RowBlock& rb = blocks[r][b];
+      const F dw = V::bcast_f(rb.d);
       I wq[4], start[4];
       for (int c = 0; c < 4; ++c) {
         wq[c] = V::bcast64(blk + 2 + 8 * c);
-        start[c] = V::sub32(V::zero(), V::dpbusd(V::zero(), u128, wq[c]));  // -128 * sum(w) per lane
+        start[c] = V::bcast64(reinterpret_cast<const uint8_t*>(rb.neg128_sums + 2 * c));  // lanes 2c, 2c + 1
       }
       for (int g = 0; g < G; ++g) {
         const F scale = V::mul(dw, V::load_f(ds[g] + 16 * b));
@@ -229,10 +248,10 @@ inline void int8_act_rows_all_tokens(const Int8Rows& a, const uint8_t* w, int64_
 }
 
 // What a grouped format's prefill tiles read of each weight row besides its bytes, decoded
-// once per row for all token slots: Q4_K's scales, Q6_K's q6 and scales (Q8_0: nothing).
+// once per row for all token slots: Q4_K's scales, Q6_K's q6 and scales, Q8_0's corrections.
 template <int F>
 using RowPrepOf = std::conditional_t<F == kQuantTypeQ4_K, Q4KScales,
-                                     std::conditional_t<F == kQuantTypeQ6_K, Q6KRowBlock, char>>;
+                                     std::conditional_t<F == kQuantTypeQ6_K, Q6KRowBlock, Q8RowBlock>>;
 
 // The prefill tile of a grouped format F (Q4_K, Q6_K, Q8_0) at width V.
 template <int F, class V, int R, int G>
@@ -245,7 +264,7 @@ inline void group_tile(const Int8Groups& g, const uint8_t* w, int64_t row_bytes,
     if constexpr (F == kQuantTypeQ6_K)
       q6k_int8_group_tile<V, R, G>(g, k, n_tokens, n_out, n, slot, prep, out);
     else
-      q8_0_int8_group_tile<V, R, G>(g, w, row_bytes, k, n_tokens, n_out, n, slot, out);
+      q8_0_int8_group_tile<V, R, G>(g, w, row_bytes, k, n_tokens, n_out, n, slot, prep, out);
 #endif
   }
 }
@@ -270,15 +289,18 @@ inline void grouped_rows_all_tokens(const Int8Groups& g, const uint8_t* w, int64
                                     int64_t k, int64_t n_out, int64_t n, float* out) {
   constexpr int kSlots = F == kQuantTypeQ4_K ? 2 : 1;
   const RowPrepOf<F>* prep[R] = {};
-  if constexpr (F == kQuantTypeQ4_K || F == kQuantTypeQ6_K) {
-    const int64_t n_super = k / kSuperBlock;
-    RowPrepOf<F>* buf = thread_scratch<RowPrepOf<F>>(0, static_cast<size_t>(R * n_super));
+  {
+    const int64_t n_blocks = k / (F == kQuantTypeQ8_0 ? 32 : kSuperBlock);
+    RowPrepOf<F>* buf = thread_scratch<RowPrepOf<F>>(0, static_cast<size_t>(R * n_blocks));
     for (int r = 0; r < R; ++r) {
+      const uint8_t* row = w + (n + r) * row_bytes;
       if constexpr (F == kQuantTypeQ4_K)
-        q4k_row_scales(w + (n + r) * row_bytes, n_super, buf + r * n_super);
+        q4k_row_scales(row, n_blocks, buf + r * n_blocks);
+      else if constexpr (F == kQuantTypeQ6_K)
+        q6k_row_blocks(row, n_blocks, buf + r * n_blocks);
       else
-        q6k_row_blocks(w + (n + r) * row_bytes, n_super, buf + r * n_super);
-      prep[r] = buf + r * n_super;
+        q8_0_row_blocks(row, n_blocks, buf + r * n_blocks);
+      prep[r] = buf + r * n_blocks;
     }
   }
 #if defined(ORCA_QUANT_INT8_512)
