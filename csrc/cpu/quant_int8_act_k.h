@@ -192,9 +192,10 @@ inline void q4k_row_scales(const uint8_t* row, int64_t n_super, Q4KScales* out) 
 // out[t * n_out + n0 + r] for the R weight rows from n0 and G token slots of V::kTokens tokens
 // from token slot0 * V::kTokens (those below n_tokens), Q4_K. Per sub-block, each slot's 4
 // activation vectors (8 elements of each of its tokens) are loaded once for the R rows, and each
-// row's 8-byte pieces of quants are broadcast once for the G slots; the 4 vpmaddubsw of a
-// sub-block are summed in int16 (at most 8 * 15 * 127) before its scale multiplies them into the
-// int32 lanes (A, B) of each token.
+// row's 8-byte pieces of quants are broadcast once for the G slots. Without VNNI the 4 vpmaddubsw
+// of a sub-block are summed in int16 (at most 8 * 15 * 127) before its scale multiplies them into
+// the int32 lanes (A, B) of each token; with it, vpdpbusd forms each sub-block's int32 sums and
+// a pair of sub-blocks shares one vpdpwssd (pair_packed).
 template <class V, int R, int G>
 inline void q4k_int8_group_tile(const Int8Groups& a, const uint8_t* w, int64_t row_bytes, int64_t k, int64_t n_tokens,
                                 int64_t n_out, int64_t n0, int64_t slot0, const Q4KScales* const* scales,
