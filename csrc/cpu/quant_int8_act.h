@@ -218,12 +218,15 @@ inline void q8_0_int8_group_tile(const Int8Groups& a, const uint8_t* w, int64_t 
 }
 #endif
 
-// The tile of format F in natural token order: the 32-element formats above, Q6_K in
-// quant_int8_act_k.h (Q4_K: q4k_int8_rows and q4k_int8_group_tile).
+// The tile of format F in natural token order: the 32-element formats above, Q4_K and Q6_K in
+// quant_int8_act_k.h.
 template <bool kVnni, int F, int R, int M>
 inline void int8_act_tile(const Int8Rows& a, const uint8_t* w, int64_t row_bytes, int64_t k, int64_t n_out,
                           int64_t n0, int64_t stride, int64_t t0, float* out) {
-  if constexpr (F == kQuantTypeQ6_K)
+  if constexpr (F == kQuantTypeQ4_K) {
+    static_assert(R == 1, "Q4_K's natural-order tile takes one row");
+    q4k_int8_tokens<kVnni, M>(a, w, row_bytes, k, n_out, n0, t0, out);
+  } else if constexpr (F == kQuantTypeQ6_K)
     q6k_int8_tile<kVnni, R, M>(a, w, row_bytes, k, n_out, n0, stride, t0, out);
   else
     int8_act_tile_32<kVnni, F, R, M>(a, w, row_bytes, k, n_out, n0, stride, t0, out);
@@ -341,9 +344,9 @@ constexpr bool grouped_prefill_of() {
 // chains), one from each quarter of the range, so that the weights are read as 4 long forward
 // streams (the hardware prefetchers follow those better than one; skinny_gemm.cpp measured the
 // same for the float kernels). More tokens take panels of rows small enough to stay in L2 while
-// every token tile passes over them (each weight byte read from memory once): the grouped
-// formats 2 rows x 16 or 8 tokens of the interleaved copy (grouped_rows_all_tokens), otherwise
-// 2 rows x 4 tokens for the 32-element formats and 1 row x 8 tokens for Q6_K.
+// every token tile passes over them (each weight byte read from memory once): from 8 tokens the
+// grouped formats 2 rows x 16 or 8 tokens of the interleaved copy (grouped_rows_all_tokens),
+// otherwise 2 rows x 4 tokens for the 32-element formats and 1 row x 8 tokens for Q4_K and Q6_K.
 template <bool kVnni, int F>
 inline void int8_act_rows(const Int8Rows& a, const Int8Groups& groups, const uint8_t* w, int64_t row_bytes,
                           int64_t n_tokens, int64_t k, int64_t n_out, int64_t n0, int64_t n1, float* out) {
@@ -367,10 +370,10 @@ inline void int8_act_rows(const Int8Rows& a, const Int8Groups& groups, const uin
   for (int64_t p0 = n0; p0 < n1; p0 += panel) {
     const int64_t p1 = std::min(n1, p0 + panel);
     int64_t n = p0;
-    if constexpr (grouped_prefill_of<kVnni, F>()) {
-      grouped_prefill<kVnni, F>(groups, w, row_bytes, n_tokens, k, n_out, p0, p1, out);
+    if (groups.n_groups > 0) {
+      if constexpr (grouped_prefill_of<kVnni, F>()) grouped_prefill<kVnni, F>(groups, w, row_bytes, n_tokens, k, n_out, p0, p1, out);
       n = p1;
-    } else if constexpr (F == kQuantTypeQ6_K) {
+    } else if constexpr (F == kQuantTypeQ6_K || F == kQuantTypeQ4_K) {
       for (; n < p1; ++n) int8_act_rows_all_tokens<kVnni, F, 1, 8>(a, w, row_bytes, n_tokens, k, n_out, n, out);
     } else {
       for (; n + 2 <= p1; n += 2) int8_act_rows_all_tokens<kVnni, F, 2>(a, w, row_bytes, n_tokens, k, n_out, n, out);
@@ -378,6 +381,11 @@ inline void int8_act_rows(const Int8Rows& a, const Int8Groups& groups, const uin
     }
   }
 }
+
+// Batches below this many tokens keep the natural-order tiles: with fewer than a group of
+// tokens, building and reading the interleaved copy costs more than it saves (measured on Zen 4:
+// 1.3-1.8x slower at T = 2..4, faster from T = 8).
+constexpr int64_t kGroupedMinTokens = kGroupTokens;
 
 // out[T, N] (float32) = the int8-activation products of every weight row; the rows are cut into
 // one contiguous range per thread (each weight byte read once, by one thread). Formats with a
@@ -391,7 +399,7 @@ inline void int8_act_linear(const Int8Rows& a, const uint8_t* w, int type, int64
                        : type == kQuantTypeQ6_K ? grouped_prefill_of<kVnni, kQuantTypeQ6_K>()
                        : type == kQuantTypeQ8_0 ? grouped_prefill_of<kVnni, kQuantTypeQ8_0>()
                                                 : false;
-  if (grouped && n_tokens > 1)
+  if (grouped && n_tokens >= kGroupedMinTokens)
     groups = int8_groups_at(thread_scratch<int8_t>(5, static_cast<size_t>(int8_groups_bytes(n_tokens, k, type))),
                             n_tokens, k, type);
 #pragma omp parallel

@@ -317,6 +317,27 @@ inline void q4k_int8_group_tile(const Int8Groups& a, const uint8_t* w, int64_t r
     }
 }
 
+// The Q4_K lanes of 4 outputs folded together: isum[i] (8 int32 lanes, positions 4l .. 4l + 3)
+// to [A_0, B_0, A_1, B_1 | A_2, B_2, A_3, B_3], msum[i] (lane j: sub-block j's min term) to
+// [M_lo_0, M_hi_0, ... | ...].
+inline void q4k_fold4(const __m256i (&isum)[4], const __m256i (&msum)[4], __m256i* ab, __m256i* m) {
+  auto fold2 = [](__m256i v0, __m256i v1) {  // [v0 (0+2, 1+3), v1 (0+2, 1+3) | v0 (4+6, 5+7), v1 (4+6, 5+7)]
+    return _mm256_add_epi32(_mm256_unpacklo_epi64(v0, v1), _mm256_unpackhi_epi64(v0, v1));
+  };
+  const __m256i s01 = fold2(isum[0], isum[1]), s23 = fold2(isum[2], isum[3]);
+  *ab = _mm256_add_epi32(_mm256_permute2x128_si256(s01, s23, 0x20), _mm256_permute2x128_si256(s01, s23, 0x31));
+  const __m256i mm = _mm256_hadd_epi32(_mm256_hadd_epi32(msum[0], msum[1]), _mm256_hadd_epi32(msum[2], msum[3]));
+  *m = _mm256_permutevar8x32_epi32(mm, _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7));
+}
+
+// The same for one output, in lanes 0, 1.
+inline void q4k_fold1(__m256i isum, __m256i msum, __m256i* ab, __m256i* m) {
+  const __m128i i4 = _mm_add_epi32(_mm256_castsi256_si128(isum), _mm256_extracti128_si256(isum, 1));
+  *ab = _mm256_castsi128_si256(_mm_add_epi32(i4, _mm_shuffle_epi32(i4, 0x4e)));
+  const __m128i m4 = _mm_hadd_epi32(_mm256_castsi256_si128(msum), _mm256_extracti128_si256(msum, 1));
+  *m = _mm256_castsi128_si256(_mm_hadd_epi32(m4, m4));
+}
+
 // out[n0 + r * stride] for R weight rows (n0, n0 + stride, ...) and the single token of a, Q4_K,
 // rows in natural order: the int32 lanes of each sub-block product hold positions 4l .. 4l + 3,
 // folded to (A, B) = (even lanes, odd lanes) per super-block. R = 4 folds the 4 rows together
@@ -355,19 +376,10 @@ inline void q4k_int8_rows(const Int8Rows& a, const uint8_t* w, int64_t row_bytes
     __m256i ab, m;  // lanes 2r, 2r + 1: (A, B) and (M_lo, M_hi) of row r
     __m256 dd;      // lanes 2r, 2r + 1: d, dmin of row r
     if constexpr (R == 4) {
-      auto fold2 = [](__m256i v0, __m256i v1) {  // [v0 (0+2, 1+3), v1 (0+2, 1+3) | v0 (4+6, 5+7), v1 (4+6, 5+7)]
-        return _mm256_add_epi32(_mm256_unpacklo_epi64(v0, v1), _mm256_unpackhi_epi64(v0, v1));
-      };
-      const __m256i s01 = fold2(isum[0], isum[1]), s23 = fold2(isum[2], isum[3]);
-      ab = _mm256_add_epi32(_mm256_permute2x128_si256(s01, s23, 0x20), _mm256_permute2x128_si256(s01, s23, 0x31));
-      const __m256i mm = _mm256_hadd_epi32(_mm256_hadd_epi32(msum[0], msum[1]), _mm256_hadd_epi32(msum[2], msum[3]));
-      m = _mm256_permutevar8x32_epi32(mm, _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7));
+      q4k_fold4(isum, msum, &ab, &m);
       dd = _mm256_cvtph_ps(_mm_setr_epi32(scales[0], scales[1], scales[2], scales[3]));
     } else {
-      const __m128i i4 = _mm_add_epi32(_mm256_castsi256_si128(isum[0]), _mm256_extracti128_si256(isum[0], 1));
-      ab = _mm256_castsi128_si256(_mm_add_epi32(i4, _mm_shuffle_epi32(i4, 0x4e)));
-      const __m128i m4 = _mm_hadd_epi32(_mm256_castsi256_si128(msum[0]), _mm256_extracti128_si256(msum[0], 1));
-      m = _mm256_castsi128_si256(_mm_hadd_epi32(m4, m4));
+      q4k_fold1(isum[0], msum[0], &ab, &m);
       dd = _mm256_cvtph_ps(_mm_cvtsi32_si128(scales[0]));
     }
     const __m256 d = _mm256_mul_ps(_mm256_permute_ps(dd, 0xa0), xd), dmin = _mm256_mul_ps(_mm256_permute_ps(dd, 0xf5), xd);
@@ -377,6 +389,78 @@ inline void q4k_int8_rows(const Int8Rows& a, const uint8_t* w, int64_t row_bytes
   alignas(32) float l[8];
   _mm256_store_ps(l, acc);
   for (int r = 0; r < R; ++r) out[n0 + r * stride] = l[2 * r] + l[2 * r + 1];
+}
+
+// out[(t0 + m) * n_out + n] for weight row n and the M tokens from t0 of a, Q4_K, in natural
+// token order (small batches, where a token-interleaved copy costs more than it saves): the
+// row's super-block is unpacked once for the M tokens, their lanes fold to (A, B) 4 tokens at a
+// time, and each token's float sums run exactly as in q4k_int8_rows.
+template <bool kVnni, int M>
+inline void q4k_int8_tokens(const Int8Rows& a, const uint8_t* w, int64_t row_bytes, int64_t k, int64_t n_out,
+                            int64_t n, int64_t t0, float* out) {
+  constexpr int kQuads = M / 4, kRest = M % 4;
+  const int64_t n_super = k / kSuperBlock;
+  __m256 acc4[kQuads > 0 ? kQuads : 1];  // lanes 2i, 2i + 1: token 4q + i
+  __m256 acc1[kRest > 0 ? kRest : 1];    // lanes 0, 1: token 4 kQuads + i
+  for (auto& v : acc4) v = _mm256_setzero_ps();
+  for (auto& v : acc1) v = _mm256_setzero_ps();
+  const __m256i low4 = _mm256_set1_epi8(0x0f);
+  for (int64_t b = 0; b < n_super; ++b) {
+    const uint8_t* blk = w + n * row_bytes + b * 144;
+    const __m128i scmn = q4k_scales_mins(blk + 4);
+    const __m256i sc16 = _mm256_broadcastsi128_si256(_mm_cvtepu8_epi16(scmn));
+    const __m256i mn_pairs = _mm256_cvtepu8_epi16(_mm_unpackhi_epi8(scmn, scmn));  // lanes 2j, 2j+1: mn_j
+    __m256i isum[kChains<M>][M];
+    for (int c = 0; c < kChains<M>; ++c)
+      for (int m = 0; m < M; ++m) isum[c][m] = _mm256_setzero_si256();
+    for (int p = 0; p < 4; ++p) {
+      const __m256i qv = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(blk + 16 + 32 * p));
+      const __m256i lo = _mm256_and_si256(qv, low4), hi = _mm256_and_si256(_mm256_srli_epi16(qv, 4), low4);
+      const __m256i s0 = _mm256_shuffle_epi8(sc16, load_control(kBroadcast16[2 * p]));
+      const __m256i s1 = _mm256_shuffle_epi8(sc16, load_control(kBroadcast16[2 * p + 1]));
+      for (int m = 0; m < M; ++m) {
+        const int8_t* x = a.q + (t0 + m) * k + b * kSuperBlock + 64 * p;
+        isum[0][m] = dot_scaled<kVnni>(isum[0][m], lo, x, s0);
+        isum[kChains<M> - 1][m] = dot_scaled<kVnni>(isum[kChains<M> - 1][m], hi, x + 32, s1);
+      }
+    }
+    const __m256 d = _mm256_set1_ps(half_to_float(blk)), dmin = _mm256_set1_ps(half_to_float(blk + 2));
+    float xd[M];
+    __m256i msum[M];
+    for (int m = 0; m < M; ++m) {
+      const int64_t xb = (t0 + m) * n_super + b;
+      xd[m] = a.d[xb];
+      msum[m] = _mm256_madd_epi16(mn_pairs, _mm256_loadu_si256(reinterpret_cast<const __m256i*>(a.bsums + 16 * xb)));
+    }
+    for (int q = 0; q < kQuads; ++q) {
+      const __m256i is[4] = {chain_sum<M>(isum, 4 * q), chain_sum<M>(isum, 4 * q + 1), chain_sum<M>(isum, 4 * q + 2),
+                             chain_sum<M>(isum, 4 * q + 3)};
+      const __m256i ms[4] = {msum[4 * q], msum[4 * q + 1], msum[4 * q + 2], msum[4 * q + 3]};
+      __m256i ab, m;
+      q4k_fold4(is, ms, &ab, &m);
+      const __m256 x = _mm256_setr_ps(xd[4 * q], xd[4 * q], xd[4 * q + 1], xd[4 * q + 1], xd[4 * q + 2], xd[4 * q + 2],
+                                      xd[4 * q + 3], xd[4 * q + 3]);
+      acc4[q] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(ab), _mm256_mul_ps(d, x), acc4[q]);
+      acc4[q] = _mm256_fnmadd_ps(_mm256_cvtepi32_ps(m), _mm256_mul_ps(dmin, x), acc4[q]);
+    }
+    for (int i = 0; i < kRest; ++i) {
+      const int mi = 4 * kQuads + i;
+      __m256i ab, m;
+      q4k_fold1(chain_sum<M>(isum, mi), msum[mi], &ab, &m);
+      const __m256 x = _mm256_set1_ps(xd[mi]);
+      acc1[i] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(ab), _mm256_mul_ps(d, x), acc1[i]);
+      acc1[i] = _mm256_fnmadd_ps(_mm256_cvtepi32_ps(m), _mm256_mul_ps(dmin, x), acc1[i]);
+    }
+  }
+  alignas(32) float l[8];
+  for (int q = 0; q < kQuads; ++q) {
+    _mm256_store_ps(l, acc4[q]);
+    for (int i = 0; i < 4; ++i) out[(t0 + 4 * q + i) * n_out + n] = l[2 * i] + l[2 * i + 1];
+  }
+  for (int i = 0; i < kRest; ++i) {
+    _mm256_store_ps(l, acc1[i]);
+    out[(t0 + 4 * kQuads + i) * n_out + n] = l[0] + l[1];
+  }
 }
 
 // A Q6_K super-block as the prefill tiles read it, decoded once per row for every token slot.
