@@ -330,6 +330,15 @@ inline void q4k_fold4(const __m256i (&isum)[4], const __m256i (&msum)[4], __m256
   *m = _mm256_permutevar8x32_epi32(mm, _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7));
 }
 
+// The same for 2 outputs, in lanes 0 .. 3.
+inline void q4k_fold2(__m256i isum0, __m256i isum1, __m256i msum0, __m256i msum1, __m128i* ab, __m128i* m) {
+  const __m256i f = _mm256_add_epi32(_mm256_unpacklo_epi64(isum0, isum1), _mm256_unpackhi_epi64(isum0, isum1));
+  *ab = _mm_add_epi32(_mm256_castsi256_si128(f), _mm256_extracti128_si256(f, 1));
+  const __m256i h = _mm256_hadd_epi32(msum0, msum1);  // [0: 01, 23; 1: 01, 23 | 0: 45, 67; 1: 45, 67]
+  const __m128i h2 = _mm_hadd_epi32(_mm256_castsi256_si128(h), _mm256_extracti128_si256(h, 1));  // lo0 lo1 hi0 hi1
+  *m = _mm_shuffle_epi32(h2, 0xd8);
+}
+
 // The same for one output, in lanes 0, 1.
 inline void q4k_fold1(__m256i isum, __m256i msum, __m256i* ab, __m256i* m) {
   const __m128i i4 = _mm_add_epi32(_mm256_castsi256_si128(isum), _mm256_extracti128_si256(isum, 1));
@@ -393,15 +402,16 @@ inline void q4k_int8_rows(const Int8Rows& a, const uint8_t* w, int64_t row_bytes
 
 // out[(t0 + m) * n_out + n] for weight row n and the M tokens from t0 of a, Q4_K, in natural
 // token order (small batches, where a token-interleaved copy costs more than it saves): the
-// row's super-block is unpacked once for the M tokens, their lanes fold to (A, B) 4 tokens at a
-// time, and each token's float sums run exactly as in q4k_int8_rows.
+// row's super-block is unpacked once for the M tokens, their lanes fold to (A, B) 4 (or 2)
+// tokens at a time, and each token's float sums run exactly as in q4k_int8_rows.
 template <bool kVnni, int M>
 inline void q4k_int8_tokens(const Int8Rows& a, const uint8_t* w, int64_t row_bytes, int64_t k, int64_t n_out,
                             int64_t n, int64_t t0, float* out) {
-  constexpr int kQuads = M / 4, kRest = M % 4;
+  constexpr int kQuads = M / 4, kPair = (M % 4) / 2, kRest = M % 2;
   const int64_t n_super = k / kSuperBlock;
   __m256 acc4[kQuads > 0 ? kQuads : 1];  // lanes 2i, 2i + 1: token 4q + i
-  __m256 acc1[kRest > 0 ? kRest : 1];    // lanes 0, 1: token 4 kQuads + i
+  __m128 acc2 = _mm_setzero_ps();        // lanes 0 .. 3: tokens 4 kQuads, 4 kQuads + 1
+  __m256 acc1[kRest > 0 ? kRest : 1];    // lanes 0, 1: token 4 kQuads + 2 kPair
   for (auto& v : acc4) v = _mm256_setzero_ps();
   for (auto& v : acc1) v = _mm256_setzero_ps();
   const __m256i low4 = _mm256_set1_epi8(0x0f);
@@ -443,8 +453,16 @@ inline void q4k_int8_tokens(const Int8Rows& a, const uint8_t* w, int64_t row_byt
       acc4[q] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(ab), _mm256_mul_ps(d, x), acc4[q]);
       acc4[q] = _mm256_fnmadd_ps(_mm256_cvtepi32_ps(m), _mm256_mul_ps(dmin, x), acc4[q]);
     }
+    if constexpr (kPair > 0) {
+      const int m0 = 4 * kQuads;
+      __m128i ab, m;
+      q4k_fold2(chain_sum<M>(isum, m0), chain_sum<M>(isum, m0 + 1), msum[m0], msum[m0 + 1], &ab, &m);
+      const __m128 x = _mm_setr_ps(xd[m0], xd[m0], xd[m0 + 1], xd[m0 + 1]);
+      acc2 = _mm_fmadd_ps(_mm_cvtepi32_ps(ab), _mm_mul_ps(_mm256_castps256_ps128(d), x), acc2);
+      acc2 = _mm_fnmadd_ps(_mm_cvtepi32_ps(m), _mm_mul_ps(_mm256_castps256_ps128(dmin), x), acc2);
+    }
     for (int i = 0; i < kRest; ++i) {
-      const int mi = 4 * kQuads + i;
+      const int mi = 4 * kQuads + 2 * kPair + i;
       __m256i ab, m;
       q4k_fold1(chain_sum<M>(isum, mi), msum[mi], &ab, &m);
       const __m256 x = _mm256_set1_ps(xd[mi]);
@@ -457,9 +475,13 @@ inline void q4k_int8_tokens(const Int8Rows& a, const uint8_t* w, int64_t row_byt
     _mm256_store_ps(l, acc4[q]);
     for (int i = 0; i < 4; ++i) out[(t0 + 4 * q + i) * n_out + n] = l[2 * i] + l[2 * i + 1];
   }
+  if constexpr (kPair > 0) {
+    _mm_store_ps(l, acc2);
+    for (int i = 0; i < 2; ++i) out[(t0 + 4 * kQuads + i) * n_out + n] = l[2 * i] + l[2 * i + 1];
+  }
   for (int i = 0; i < kRest; ++i) {
     _mm256_store_ps(l, acc1[i]);
-    out[(t0 + 4 * kQuads + i) * n_out + n] = l[0] + l[1];
+    out[(t0 + 4 * kQuads + 2 * kPair + i) * n_out + n] = l[0] + l[1];
   }
 }
 
