@@ -311,7 +311,8 @@ def main(argv=None) -> int:
     p.add_argument("--dtypes", nargs="*", default=["float32", "bfloat16"], choices=list(GGUF_TYPES))
     p.add_argument("--ggufs", nargs="*", type=Path, default=[],
                    help="GGUF files both engines serve as they are (ours: blocks, float32 activations), "
-                        "e.g. the embedded SmolLM2-135M-Instruct.Q4_1.gguf")
+                        "e.g. the embedded SmolLM2-135M-Instruct.Q4_1.gguf; a name that is not a file here "
+                        "is read from --gguf-cache")
     p.add_argument("--quant-activations", nargs="+", default=["float32"], choices=["float32", "int8"],
                    help="our products of each --ggufs file: float32 and/or int8 activations (one row group "
                         "each; llama.cpp runs once per file, beside the first)")
@@ -348,9 +349,10 @@ def main(argv=None) -> int:
         bench_binary = None
     precisions = [Precision(d, args.model, d, convert_gguf(args.llama_dir, args.model, d, args.gguf_cache)
                             if binary else None) for d in args.dtypes]
+    ggufs = [g if g.exists() else args.gguf_cache / g for g in args.ggufs]  # bare names: files of the cache
     precisions += [Precision(g.name if acts == "float32" else f"{g.name}+{acts}", str(g), "float32",
                              g if binary and i == 0 else None, gguf_weight_bytes(g), acts)
-                   for g in args.ggufs for i, acts in enumerate(args.quant_activations)]
+                   for g in ggufs for i, acts in enumerate(args.quant_activations)]
 
     cases = [("stream", 1, single)] + [(f"batch{b}", b, jobs) for b in args.batch_limits]
     runs: dict[str, list[dict]] = {}

@@ -236,7 +236,31 @@ struct Layer {
   int64_t n, k;  // weight [n, k]
 };
 
-void perf(const bench::Ceilings& c, const std::vector<int64_t>& tokens, const char* only) {
+// Which cases perf() times: T values, layers whose name contains `layers`, formats whose name is
+// in the comma-separated `formats`, paths whose name is in `paths` (nullptr: every one), and
+// whether to skip the float32-activation timings.
+struct PerfFilter {
+  std::vector<int64_t> tokens = {1, 4, 16, 64, 512};
+  const char* layers = nullptr;
+  const char* formats = nullptr;
+  const char* paths = nullptr;
+  bool int8_only = false;
+};
+
+// Whether `name` is one of the comma-separated names in `list` (any name when list is nullptr).
+bool listed(const char* list, const char* name) {
+  if (list == nullptr) return true;
+  const size_t n = std::strlen(name);
+  for (const char* p = list; *p != '\0';) {
+    const char* end = std::strchr(p, ',');
+    const size_t len = end ? static_cast<size_t>(end - p) : std::strlen(p);
+    if (len == n && std::strncmp(p, name, n) == 0) return true;
+    p = end ? end + 1 : p + len;
+  }
+  return false;
+}
+
+void perf(const bench::Ceilings& c, const PerfFilter& filter) {
   const Layer layers[] = {
       {"smollm2 qkv/o 576x576", 576, 576},       {"smollm2 up 1536x576", 1536, 576},
       {"smollm2 down 576x1536", 576, 1536},      {"smollm2 lm_head 49152x576", 49152, 576},
@@ -245,33 +269,37 @@ void perf(const bench::Ceilings& c, const std::vector<int64_t>& tokens, const ch
   };
   bench::Rng rng(42);
   for (QuantPath p : runnable_paths()) {
+    if (!listed(filter.paths, orca::cpu::quant_path_name(p))) continue;
     orca::cpu::set_quant_path(p);
     for (int type : orca::cpu::kQuantTypes) {
       const QuantFormat& f = *orca::cpu::quant_format(type);
+      if (!listed(filter.formats, f.name) || (filter.int8_only && !orca::cpu::quant_int8_supported(f.type))) continue;
       for (const Layer& l : layers) {
-        if (only != nullptr && std::strstr(l.name, only) == nullptr) continue;
+        if (filter.layers != nullptr && std::strstr(l.name, filter.layers) == nullptr) continue;
         const int64_t row_bytes = l.k / f.block_elems * f.block_bytes;
         const double w_bytes = static_cast<double>(l.n * row_bytes);
         const int64_t copies = std::max<int64_t>(1, static_cast<int64_t>(std::ceil((96.0 * (1 << 20)) / w_bytes)));
         std::vector<bench::Vec<uint8_t>> ws;
         for (int64_t i = 0; i < copies; ++i) ws.push_back(random_qweight(f, l.n, l.k, rng));
-        for (int64_t Tn : tokens) {
+        for (int64_t Tn : filter.tokens) {
           bench::Vec<float> x(Tn * l.k), out(Tn * l.n);
           bench::fill_random(x, rng, -1.0f, 1.0f);
           size_t at = 0;
           const double flops = 2.0 * static_cast<double>(Tn) * static_cast<double>(l.n * l.k);
           const int reps = flops > 4e9 ? 3 : flops > 2e8 ? 7 : 21;
-          const bench::Timing t = bench::time_calls(
-              [&] {
-                orca::cpu::quant_linear<float>(x.data(), ws[at].data(), f.type, nullptr, nullptr, out.data(), Tn,
-                                               l.k, l.n);
-                at = (at + 1) % ws.size();
-              },
-              reps, 1);
           char name[96];
-          std::snprintf(name, sizeof name, "%s %s/%s T=%lld", f.name, l.name, orca::cpu::quant_path_name(p),
-                        static_cast<long long>(Tn));
-          bench::report(name, t, flops, w_bytes, c);
+          if (!filter.int8_only) {
+            const bench::Timing t = bench::time_calls(
+                [&] {
+                  orca::cpu::quant_linear<float>(x.data(), ws[at].data(), f.type, nullptr, nullptr, out.data(), Tn,
+                                                 l.k, l.n);
+                  at = (at + 1) % ws.size();
+                },
+                reps, 1);
+            std::snprintf(name, sizeof name, "%s %s/%s T=%lld", f.name, l.name, orca::cpu::quant_path_name(p),
+                          static_cast<long long>(Tn));
+            bench::report(name, t, flops, w_bytes, c);
+          }
           // The int8-activation design on the same weights, where the format has it.
           if (!orca::cpu::quant_int8_supported(f.type)) continue;
           const bench::Timing t8 = bench::time_calls(
@@ -291,14 +319,18 @@ void perf(const bench::Ceilings& c, const std::vector<int64_t>& tokens, const ch
 
 }  // namespace
 
-// Arguments: [--validate-only] or any of --quick (T = 1 and 16), --tokens=1,4,64 and
-// --layers=NAME (only the layers whose name contains NAME, e.g. smollm2 or llama1b).
+// Arguments: [--validate-only] or any of --quick (T = 1 and 16), --tokens=1,4,64,
+// --layers=NAME (only the layers whose name contains NAME, e.g. smollm2 or llama1b),
+// --formats=Q4_K,Q8_0, --paths=avx512 and --int8-only (only the int8-activation timings).
 int main(int argc, char** argv) {
   const bool ok = validate_all();
-  std::vector<int64_t> tokens = {1, 4, 16, 64, 512};
-  const char* only = nullptr;
+  PerfFilter filter;
+  std::vector<int64_t>& tokens = filter.tokens;
   for (int i = 1; i < argc; ++i) {
     if (std::strcmp(argv[i], "--quick") == 0) tokens = {1, 16};
+    if (std::strcmp(argv[i], "--int8-only") == 0) filter.int8_only = true;
+    if (std::strncmp(argv[i], "--formats=", 10) == 0) filter.formats = argv[i] + 10;
+    if (std::strncmp(argv[i], "--paths=", 8) == 0) filter.paths = argv[i] + 8;
     if (std::strncmp(argv[i], "--tokens=", 9) == 0) {
       tokens.clear();
       for (const char* p = argv[i] + 9; *p != '\0';) {
@@ -309,7 +341,7 @@ int main(int argc, char** argv) {
         p = *end == ',' ? end + 1 : end;
       }
     }
-    if (std::strncmp(argv[i], "--layers=", 9) == 0) only = argv[i] + 9;
+    if (std::strncmp(argv[i], "--layers=", 9) == 0) filter.layers = argv[i] + 9;
   }
-  return bench::finish_main(argc, argv, ok, [&](const bench::Ceilings& c) { perf(c, tokens, only); });
+  return bench::finish_main(argc, argv, ok, [&](const bench::Ceilings& c) { perf(c, filter); });
 }

@@ -15,6 +15,7 @@
 #pragma GCC target("avx2,fma,f16c,avx512f,avx512bw,avx512vl,avx512dq,avx512vnni")
 #if defined(__AVX2__)  // the 512-bit forms build on the AVX2 ones (a baseline below v3 keeps plain loops)
 #define ORCA_QUANT_DEQUANT_512 1  // quant_formats.h: widen chunks 16 elements at a time
+#define ORCA_QUANT_INT8_512 1     // quant_int8_act_k.h: 8-token prefill tiles in zmm registers
 #endif
 // GCC 12's own avx512fintrin.h trips -Wmaybe-uninitialized (its _mm512_undefined operands).
 #pragma GCC diagnostic push

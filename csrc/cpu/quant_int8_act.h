@@ -15,7 +15,9 @@
 // Reduction order: an output's block sums enter its accumulator in block order; the lanes are
 // summed by hsum8_tree, then the minimum term is added. It depends only on K, never on T, the
 // batch, the thread count or the path (both paths compute the same int32 block sums), so a row's
-// outputs are bit-identical whatever else is in the batch.
+// outputs are bit-identical whatever else is in the batch. Q8_0's prefill on AVX-512 VNNI reads
+// the token-interleaved copy of the activations (quant_int8_groups.h) and keeps those lanes and
+// sums (q8_0_int8_group_tile).
 //
 // Like quant_blocks.h, everything is local to the including unit (compiled for its target).
 #pragma once
@@ -25,11 +27,13 @@
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
+#include <type_traits>
 
 #include "quant_formats.h"
 #include "quant_int8_act_k.h"  // the 256-element formats
 #include "quant_panels.h"      // Int8Rows
 #include "skinny_gemm_blocks.h"  // hsum8_tree
+#include "vec.h"                 // thread_scratch
 
 namespace orca {
 namespace cpu {
@@ -137,13 +141,92 @@ inline void int8_act_tile_32(const Int8Rows& a, const uint8_t* w, int64_t row_by
     }
 }
 
-// The tile of format F: the 32-element formats above, Q4_K and Q6_K in quant_int8_act_k.h.
+// A Q8_0 block as the prefill tiles read it, decoded once per row for every token slot: the
+// correction -128 * (the sum of w over elements 4l .. 4l + 3) of each int32 lane l, and d.
+struct Q8RowBlock {
+  alignas(32) int32_t neg128_sums[8];
+  float d;
+};
+
+inline void q8_0_row_blocks(const uint8_t* row, int64_t n_blocks, Q8RowBlock* out) {  // out [n_blocks]
+  const __m256i ones8 = _mm256_set1_epi8(1), ones16 = _mm256_set1_epi16(1);
+  for (int64_t b = 0; b < n_blocks; ++b) {
+    const uint8_t* blk = row + b * 34;
+    const __m256i wq = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(blk + 2));
+    const __m256i sums = _mm256_madd_epi16(_mm256_maddubs_epi16(ones8, wq), ones16);  // exact: |pair| <= 256
+    _mm256_store_si256(reinterpret_cast<__m256i*>(out[b].neg128_sums), _mm256_mullo_epi32(sums, _mm256_set1_epi32(-128)));
+    out[b].d = half_to_float(blk);
+  }
+}
+
+#if defined(ORCA_QUANT_INT8_512)
+// out[t * n_out + n0 + r] for the R Q8_0 weight rows from n0 and G token slots of V::kTokens
+// tokens from slot0 * V::kTokens (those below n_tokens), from the token-interleaved copy
+// (Int8Groups, block 32: x + 128 as uint8). Each activation vector is loaded once for the R rows
+// and each 8-byte piece of a weight block broadcast once for the G slots; vpdpbusd of x + 128
+// and w, started at -128 * (the sum of w per lane, Q8RowBlock), gives the int32 lanes of int8_act_tile_32
+// exactly: lanes 2s, 2s + 1 of chunk c are its lanes 2c, 2c + 1 of token s, and accumulator c
+// their float sums, so the same fmas and the same hsum8_tree run on them.
+template <class V, int R, int G>
+inline void q8_0_int8_group_tile(const Int8Groups& a, const uint8_t* w, int64_t row_bytes, int64_t k,
+                                 int64_t n_tokens, int64_t n_out, int64_t n0, int64_t slot0,
+                                 const Q8RowBlock* const* blocks, float* out) {  // blocks[r]: row n0 + r's [K / 32]
+  using I = typename V::I;
+  using F = typename V::F;
+  const int64_t n_blocks = k / 32;
+  const int8_t* xs[G];
+  const float* ds[G];
+  for (int g = 0; g < G; ++g) {
+    const int64_t t0 = (slot0 + g) * V::kTokens, grp = t0 / kGroupTokens, in = t0 % kGroupTokens;
+    xs[g] = a.q + grp * kGroupTokens * k + in * 8;
+    ds[g] = a.d + grp * n_blocks * 16 + 2 * in;
+  }
+  F acc[R][G][4];
+  for (int r = 0; r < R; ++r)
+    for (int g = 0; g < G; ++g)
+      for (int c = 0; c < 4; ++c) acc[r][g][c] = V::zero_f();
+  for (int64_t b = 0; b < n_blocks; ++b) {
+    I x[G][4];
+    for (int g = 0; g < G; ++g)
+      for (int c = 0; c < 4; ++c) x[g][c] = V::load(xs[g] + (4 * b + c) * (kGroupTokens * 8));
+    for (int r = 0; r < R; ++r) {
+      const uint8_t* blk = w + (n0 + r) * row_bytes + b * 34;
+      const Q8RowBlock& rb = blocks[r][b];
+      const F dw = V::bcast_f(rb.d);
+      I wq[4], start[4];
+      for (int c = 0; c < 4; ++c) {
+        wq[c] = V::bcast64(blk + 2 + 8 * c);
+        start[c] = V::bcast64(reinterpret_cast<const uint8_t*>(rb.neg128_sums + 2 * c));  // lanes 2c, 2c + 1
+      }
+      for (int g = 0; g < G; ++g) {
+        const F scale = V::mul(dw, V::load_f(ds[g] + 16 * b));
+        for (int c = 0; c < 4; ++c)
+          acc[r][g][c] = V::fma(V::cvt(V::dpbusd(start[c], x[g][c], wq[c])), scale, acc[r][g][c]);
+      }
+    }
+  }
+  for (int r = 0; r < R; ++r)
+    for (int g = 0; g < G; ++g) {
+      // hsum8_tree of token s: lanes (l0 + l4) + (l2 + l6), (l1 + l5) + (l3 + l7), then their sum
+      alignas(64) float l[2 * V::kTokens];
+      V::store_f(l, V::add_f(V::add_f(acc[r][g][0], acc[r][g][2]), V::add_f(acc[r][g][1], acc[r][g][3])));
+      for (int s = 0; s < V::kTokens; ++s) {
+        const int64_t t = (slot0 + g) * V::kTokens + s;
+        if (t < n_tokens) out[t * n_out + n0 + r] = l[2 * s] + l[2 * s + 1];
+      }
+    }
+}
+#endif
+
+// The tile of format F in natural token order: the 32-element formats above, Q4_K and Q6_K in
+// quant_int8_act_k.h.
 template <bool kVnni, int F, int R, int M>
 inline void int8_act_tile(const Int8Rows& a, const uint8_t* w, int64_t row_bytes, int64_t k, int64_t n_out,
                           int64_t n0, int64_t stride, int64_t t0, float* out) {
-  if constexpr (F == kQuantTypeQ4_K)
-    q4k_int8_tile<kVnni, R, M>(a, w, row_bytes, k, n_out, n0, stride, t0, out);
-  else if constexpr (F == kQuantTypeQ6_K)
+  if constexpr (F == kQuantTypeQ4_K) {
+    static_assert(R == 1, "Q4_K's natural-order tile takes one row");
+    q4k_int8_tokens<kVnni, M>(a, w, row_bytes, k, n_out, n0, t0, out);
+  } else if constexpr (F == kQuantTypeQ6_K)
     q6k_int8_tile<kVnni, R, M>(a, w, row_bytes, k, n_out, n0, stride, t0, out);
   else
     int8_act_tile_32<kVnni, F, R, M>(a, w, row_bytes, k, n_out, n0, stride, t0, out);
@@ -167,50 +250,172 @@ inline void int8_act_rows_all_tokens(const Int8Rows& a, const uint8_t* w, int64_
   }
 }
 
+// What a grouped format's prefill tiles read of each weight row besides its bytes, decoded
+// once per row for all token slots: Q4_K's scales, Q6_K's q6 and scales, Q8_0's corrections.
+template <int F>
+using RowPrepOf = std::conditional_t<F == kQuantTypeQ4_K, Q4KScales,
+                                     std::conditional_t<F == kQuantTypeQ6_K, Q6KRowBlock, Q8RowBlock>>;
+
+// The prefill tile of a grouped format F (Q4_K, Q6_K, Q8_0) at width V.
+template <int F, class V, int R, int G>
+inline void group_tile(const Int8Groups& g, const uint8_t* w, int64_t row_bytes, int64_t k, int64_t n_tokens,
+                       int64_t n_out, int64_t n, int64_t slot, const RowPrepOf<F>* const* prep, float* out) {
+  if constexpr (F == kQuantTypeQ4_K) {
+    q4k_int8_group_tile<V, R, G>(g, w, row_bytes, k, n_tokens, n_out, n, slot, prep, out);
+  } else {
+#if defined(ORCA_QUANT_INT8_512)
+    if constexpr (F == kQuantTypeQ6_K)
+      q6k_int8_group_tile<V, R, G>(g, k, n_tokens, n_out, n, slot, prep, out);
+    else
+      q8_0_int8_group_tile<V, R, G>(g, w, row_bytes, k, n_tokens, n_out, n, slot, prep, out);
+#endif
+  }
+}
+
+// Rows [n, n + R) against every token: tiles of GT slots of V::kTokens tokens, then the rest.
+template <int F, class V, int R, int GT>
+inline void rows_all_slots(const Int8Groups& g, const uint8_t* w, int64_t row_bytes, int64_t n_tokens, int64_t k,
+                           int64_t n_out, int64_t n, const RowPrepOf<F>* const* prep, float* out) {
+  const int64_t n_slots = (n_tokens + V::kTokens - 1) / V::kTokens;
+  int64_t slot = 0;
+  for (; slot + GT <= n_slots; slot += GT)
+    group_tile<F, V, R, GT>(g, w, row_bytes, k, n_tokens, n_out, n, slot, prep, out);
+  for (; slot < n_slots; ++slot) group_tile<F, V, R, 1>(g, w, row_bytes, k, n_tokens, n_out, n, slot, prep, out);
+}
+
+// Rows [n, n + R) against every token: 8-token slots (zmm) on AVX-512, where the last group
+// takes a 4-token slot (ymm) when it holds 4 tokens or fewer; 4-token slots on AVX2. Q4_K
+// tiles take 2 slots at a time (its int32 sums need few registers), Q6_K and Q8_0 one (4
+// accumulators per row and slot).
+template <bool kVnni, int F, int R>
+inline void grouped_rows_all_tokens(const Int8Groups& g, const uint8_t* w, int64_t row_bytes, int64_t n_tokens,
+                                    int64_t k, int64_t n_out, int64_t n, float* out) {
+  constexpr int kSlots = F == kQuantTypeQ4_K ? 2 : 1;
+  const RowPrepOf<F>* prep[R] = {};
+  {
+    const int64_t n_blocks = k / (F == kQuantTypeQ8_0 ? 32 : kSuperBlock);
+    RowPrepOf<F>* buf = thread_scratch<RowPrepOf<F>>(0, static_cast<size_t>(R * n_blocks));
+    for (int r = 0; r < R; ++r) {
+      const uint8_t* row = w + (n + r) * row_bytes;
+      if constexpr (F == kQuantTypeQ4_K)
+        q4k_row_scales(row, n_blocks, buf + r * n_blocks);
+      else if constexpr (F == kQuantTypeQ6_K)
+        q6k_row_blocks(row, n_blocks, buf + r * n_blocks);
+      else
+        q8_0_row_blocks(row, n_blocks, buf + r * n_blocks);
+      prep[r] = buf + r * n_blocks;
+    }
+  }
+#if defined(ORCA_QUANT_INT8_512)
+  if constexpr (kVnni) {
+    const int64_t tail = n_tokens % kGroupTokens;
+    const int64_t wide = tail > 0 && tail <= 4 ? n_tokens - tail : n_tokens;  // tokens in 8-token slots
+    if (wide > 0) rows_all_slots<F, GroupOps512, R, kSlots>(g, w, row_bytes, wide, k, n_out, n, prep, out);
+    if (wide < n_tokens)
+      group_tile<F, GroupOps256<true>, R, 1>(g, w, row_bytes, k, n_tokens, n_out, n, wide / 4, prep, out);
+    return;
+  }
+#endif
+  rows_all_slots<F, GroupOps256<kVnni>, R, kVnni ? kSlots : 1>(g, w, row_bytes, n_tokens, k, n_out, n, prep, out);
+}
+
+// Rows [n0, n1) against every token, 2 rows at a time.
+template <bool kVnni, int F>
+inline void grouped_prefill(const Int8Groups& g, const uint8_t* w, int64_t row_bytes, int64_t n_tokens, int64_t k,
+                            int64_t n_out, int64_t n0, int64_t n1, float* out) {
+  int64_t n = n0;
+  for (; n + 2 <= n1; n += 2) grouped_rows_all_tokens<kVnni, F, 2>(g, w, row_bytes, n_tokens, k, n_out, n, out);
+  if (n < n1) grouped_rows_all_tokens<kVnni, F, 1>(g, w, row_bytes, n_tokens, k, n_out, n, out);
+}
+
+// Whether format F's prefill reads the token-interleaved copy (Int8Groups) on this path: Q4_K
+// always; Q8_0 and Q6_K with VNNI (their tiles need vpdpbusd: Q8_0's unsigned x + 128 against
+// signed weights, Q6_K's sums of 4 products packed in int16 halves). On AVX2 those two keep the
+// natural-order tiles, whose int32 lanes and float sums are the same.
+template <bool kVnni, int F>
+constexpr bool grouped_prefill_of() {
+#if defined(ORCA_QUANT_INT8_512)
+  if (kVnni && (F == kQuantTypeQ8_0 || F == kQuantTypeQ6_K)) return true;
+#endif
+  return F == kQuantTypeQ4_K;
+}
+
 // out[t, n] for n in [n0, n1) and every token. A single token takes 4 rows at a time (4 FMA
 // chains), one from each quarter of the range, so that the weights are read as 4 long forward
 // streams (the hardware prefetchers follow those better than one; skinny_gemm.cpp measured the
 // same for the float kernels). More tokens take panels of rows small enough to stay in L2 while
-// every token tile passes over them (each weight byte read from memory once), 2 rows x 4 tokens
-// at a time (the 256-element formats: 1 row x 8 tokens).
+// every token tile passes over them (each weight byte read from memory once): from 8 tokens the
+// grouped formats 2 rows x 16 or 8 tokens of the interleaved copy (grouped_rows_all_tokens),
+// otherwise 2 rows x 4 tokens for the 32-element formats and 1 row x 8 tokens for Q4_K and Q6_K.
 template <bool kVnni, int F>
-inline void int8_act_rows(const Int8Rows& a, const uint8_t* w, int64_t row_bytes, int64_t n_tokens,
-                          int64_t k, int64_t n_out, int64_t n0, int64_t n1, float* out) {
+inline void int8_act_rows(const Int8Rows& a, const Int8Groups& groups, const uint8_t* w, int64_t row_bytes,
+                          int64_t n_tokens, int64_t k, int64_t n_out, int64_t n0, int64_t n1, float* out) {
   if (n_tokens == 1) {
     const int64_t quarter = (n1 - n0) / 4;
-    for (int64_t j = 0; j < quarter; ++j) int8_act_tile<kVnni, F, 4, 1>(a, w, row_bytes, k, n_out, n0 + j, quarter, 0, out);
-    for (int64_t n = n0 + 4 * quarter; n < n1; ++n) int8_act_tile<kVnni, F, 1, 1>(a, w, row_bytes, k, n_out, n, 1, 0, out);
+    for (int64_t j = 0; j < quarter; ++j) {
+      if constexpr (F == kQuantTypeQ4_K)
+        q4k_int8_rows<kVnni, 4>(a, w, row_bytes, k, n0 + j, quarter, out);
+      else
+        int8_act_tile<kVnni, F, 4, 1>(a, w, row_bytes, k, n_out, n0 + j, quarter, 0, out);
+    }
+    for (int64_t n = n0 + 4 * quarter; n < n1; ++n) {
+      if constexpr (F == kQuantTypeQ4_K)
+        q4k_int8_rows<kVnni, 1>(a, w, row_bytes, k, n, 1, out);
+      else
+        int8_act_tile<kVnni, F, 1, 1>(a, w, row_bytes, k, n_out, n, 1, 0, out);
+    }
     return;
   }
   const int64_t panel = std::max<int64_t>(2, ((int64_t{64} << 10) / row_bytes) & ~int64_t{1});
-  // The 256-element formats take 1 row x 8 tokens: a row's super-block is unpacked (scales,
-  // nibbles) once for 8 tokens, which outweighs sharing the activation loads between 2 rows.
-  constexpr bool kSuperFormat = F == kQuantTypeQ4_K || F == kQuantTypeQ6_K;
   for (int64_t p0 = n0; p0 < n1; p0 += panel) {
     const int64_t p1 = std::min(n1, p0 + panel);
     int64_t n = p0;
-    if constexpr (!kSuperFormat)
+    if (groups.n_groups > 0) {
+      if constexpr (grouped_prefill_of<kVnni, F>()) grouped_prefill<kVnni, F>(groups, w, row_bytes, n_tokens, k, n_out, p0, p1, out);
+      n = p1;
+    } else if constexpr (F == kQuantTypeQ6_K || F == kQuantTypeQ4_K) {
+      for (; n < p1; ++n) int8_act_rows_all_tokens<kVnni, F, 1, 8>(a, w, row_bytes, n_tokens, k, n_out, n, out);
+    } else {
       for (; n + 2 <= p1; n += 2) int8_act_rows_all_tokens<kVnni, F, 2>(a, w, row_bytes, n_tokens, k, n_out, n, out);
-    for (; n < p1; ++n)
-      int8_act_rows_all_tokens<kVnni, F, 1, kSuperFormat ? 8 : 4>(a, w, row_bytes, n_tokens, k, n_out, n, out);
+      for (; n < p1; ++n) int8_act_rows_all_tokens<kVnni, F, 1>(a, w, row_bytes, n_tokens, k, n_out, n, out);
+    }
   }
 }
 
+// Batches below this many tokens keep the natural-order tiles: with fewer than a group of
+// tokens, building and reading the interleaved copy costs more than it saves (measured on Zen 4:
+// 1.3-1.8x slower at T = 2..4, faster from T = 8).
+constexpr int64_t kGroupedMinTokens = kGroupTokens;
+
 // out[T, N] (float32) = the int8-activation products of every weight row; the rows are cut into
-// one contiguous range per thread (each weight byte read once, by one thread).
+// one contiguous range per thread (each weight byte read once, by one thread). Formats with a
+// grouped prefill first build the token-interleaved copy of a (its groups split among the
+// threads).
 template <bool kVnni>
 inline void int8_act_linear(const Int8Rows& a, const uint8_t* w, int type, int64_t row_bytes,
                             int64_t n_tokens, int64_t k, int64_t n_out, float* out) {
+  Int8Groups groups{0, a.block, nullptr, nullptr, nullptr, nullptr};
+  const bool grouped = type == kQuantTypeQ4_K   ? grouped_prefill_of<kVnni, kQuantTypeQ4_K>()
+                       : type == kQuantTypeQ6_K ? grouped_prefill_of<kVnni, kQuantTypeQ6_K>()
+                       : type == kQuantTypeQ8_0 ? grouped_prefill_of<kVnni, kQuantTypeQ8_0>()
+                                                : false;
+  if (grouped && n_tokens >= kGroupedMinTokens)
+    groups = int8_groups_at(thread_scratch<int8_t>(5, static_cast<size_t>(int8_groups_bytes(n_tokens, k, type))),
+                            n_tokens, k, type);
 #pragma omp parallel
   {
+    if (groups.n_groups > 0) {
+#pragma omp for schedule(static)
+      for (int64_t g = 0; g < groups.n_groups; ++g) fill_int8_group(a, n_tokens, k, g, groups);
+    }
     const int64_t nth = omp_get_num_threads(), tid = omp_get_thread_num();
     const int64_t n0 = n_out * tid / nth, n1 = n_out * (tid + 1) / nth;
     switch (type) {
-      case kQuantTypeQ8_0: int8_act_rows<kVnni, kQuantTypeQ8_0>(a, w, row_bytes, n_tokens, k, n_out, n0, n1, out); break;
-      case kQuantTypeQ4_0: int8_act_rows<kVnni, kQuantTypeQ4_0>(a, w, row_bytes, n_tokens, k, n_out, n0, n1, out); break;
-      case kQuantTypeQ4_1: int8_act_rows<kVnni, kQuantTypeQ4_1>(a, w, row_bytes, n_tokens, k, n_out, n0, n1, out); break;
-      case kQuantTypeQ4_K: int8_act_rows<kVnni, kQuantTypeQ4_K>(a, w, row_bytes, n_tokens, k, n_out, n0, n1, out); break;
-      case kQuantTypeQ6_K: int8_act_rows<kVnni, kQuantTypeQ6_K>(a, w, row_bytes, n_tokens, k, n_out, n0, n1, out); break;
+      case kQuantTypeQ8_0: int8_act_rows<kVnni, kQuantTypeQ8_0>(a, groups, w, row_bytes, n_tokens, k, n_out, n0, n1, out); break;
+      case kQuantTypeQ4_0: int8_act_rows<kVnni, kQuantTypeQ4_0>(a, groups, w, row_bytes, n_tokens, k, n_out, n0, n1, out); break;
+      case kQuantTypeQ4_1: int8_act_rows<kVnni, kQuantTypeQ4_1>(a, groups, w, row_bytes, n_tokens, k, n_out, n0, n1, out); break;
+      case kQuantTypeQ4_K: int8_act_rows<kVnni, kQuantTypeQ4_K>(a, groups, w, row_bytes, n_tokens, k, n_out, n0, n1, out); break;
+      case kQuantTypeQ6_K: int8_act_rows<kVnni, kQuantTypeQ6_K>(a, groups, w, row_bytes, n_tokens, k, n_out, n0, n1, out); break;
       default: break;
     }
   }
