@@ -161,6 +161,7 @@ class Phase:
     cpu_s: float = 0.0  # CPU seconds the server process used during the phase
     client_cpu_s: float = 0.0  # CPU seconds this process (victims and attacker) used during the phase
     attack_statuses: Counter = field(default_factory=Counter)
+    engine: dict = field(default_factory=dict)  # the server's engine counters over the phase (engine_counters)
 
     def tokens(self, spans: list[Span]) -> float:
         """Victim tokens inside [start, end] (each request's tokens spread over its life)."""
@@ -518,6 +519,33 @@ def kv_slots(server: ServeProcess, api_key: str = "") -> int:
     return int(float(re.search(r"^\S*kv_slots_total\S* (\S+)$", text, re.M).group(1)))
 
 
+# Engine counters read from /metrics at each phase's start and end: they tell what the engine did
+# while the victims slowed (iterations, rows per iteration, slab compactions, cache evictions).
+ENGINE_COUNTERS = {"iterations": "orca_iterations_total", "generated": "orca_engine_generated_tokens",
+                   "prompt": "orca_engine_prompt_tokens", "busy_s": "orca_engine_busy_seconds",
+                   "compactions": "orca_kv_slab_compactions_total",
+                   "compaction_bytes": "orca_kv_slab_compaction_moved_bytes_total",
+                   "cache_evictions": "orca_prefix_cache_evictions_total"}
+
+
+def engine_counters(server: ServeProcess, api_key: str = "") -> dict[str, float]:
+    """The ENGINE_COUNTERS now (a counter the server does not export reads 0)."""
+    text = httpx.get(server.base_url + "/metrics", headers=auth_headers(api_key), timeout=30).text
+    values = dict(line.rsplit(" ", 1) for line in text.splitlines() if line and not line.startswith("#"))
+    return {key: float(values.get(name, 0.0)) for key, name in ENGINE_COUNTERS.items()}
+
+
+def engine_summary(delta: dict[str, float]) -> dict[str, float]:
+    """Per-phase figures from counter differences: mean iteration time and generated tokens per
+    iteration (the decode rows), compactions and the bytes they moved, cache evictions."""
+    iterations = delta["iterations"]
+    return {"iterations": iterations,
+            "iteration_ms": 1e3 * delta["busy_s"] / iterations if iterations else float("nan"),
+            "tokens_per_iteration": delta["generated"] / iterations if iterations else float("nan"),
+            "prompt_tokens": delta["prompt"], "compactions": delta["compactions"],
+            "compaction_mb": delta["compaction_bytes"] / 2**20, "cache_evictions": delta["cache_evictions"]}
+
+
 def victim_spans(spans: list[Span], victim: int) -> list[Span]:
     return [s for s in spans if s.victim == victim]
 
@@ -572,17 +600,24 @@ async def run(server: ServeProcess, names: list[str], *, victims: int, window: f
                                        transport=httpx.AsyncHTTPTransport(local_address=addresses[0], limits=limits))
                 task = asyncio.create_task(table[name](ac, url, phase.attack_statuses, addresses))
             await asyncio.sleep(settle)  # let the attack reach its steady state
+            engine0 = await asyncio.to_thread(engine_counters, server, api_key)
             cpu0, client0, phase.start = cpu_seconds(server.proc.pid), own_cpu_seconds(), time.perf_counter()
             await asyncio.sleep(window)
             phase.end, phase.cpu_s = time.perf_counter(), cpu_seconds(server.proc.pid) - cpu0
+            engine1 = await asyncio.to_thread(engine_counters, server, api_key)
+            phase.engine = engine_summary({k: engine1[k] - engine0[k] for k in engine0})
             phase.client_cpu_s = own_cpu_seconds() - client0
             if task is not None:
                 task.cancel()
                 await asyncio.gather(task, return_exceptions=True)
                 await ac.aclose()  # its keep-alive connections end with the phase
             phases.append(phase)
-            log.info("phase %d/%d %-18s server %.1f CPU-s, clients %.1f CPU-s, attacker %s", i + 1, len(order),
-                     name, phase.cpu_s, phase.client_cpu_s, dict(phase.attack_statuses))
+            e = phase.engine
+            log.info("phase %d/%d %-18s server %.1f CPU-s, clients %.1f CPU-s, attacker %s; engine: %d iterations "
+                     "of %.1f ms, %.2f tokens each, %d prompt tokens, %d compactions (%.0f MiB), %d cache evictions",
+                     i + 1, len(order), name, phase.cpu_s, phase.client_cpu_s, dict(phase.attack_statuses),
+                     e["iterations"], e["iteration_ms"], e["tokens_per_iteration"], e["prompt_tokens"],
+                     e["compactions"], e["compaction_mb"], e["cache_evictions"])
         stop.set()
         await asyncio.gather(*vtasks, return_exceptions=True)
 
@@ -611,7 +646,8 @@ async def run(server: ServeProcess, names: list[str], *, victims: int, window: f
                      "window_s": phase.end - phase.start,
                      "victim0_ratio": phase.rate(own) / base0 if base0 else float("nan"),
                      "victim0_ttft_ratio": phase.median_ttft(own) / base0_ttft if base0_ttft else float("nan"),
-                     "attacker": {str(k): v for k, v in phase.attack_statuses.items()}})
+                     "attacker": {str(k): v for k, v in phase.attack_statuses.items()},
+                     "engine": phase.engine, "baseline_engine": [phases[i - 1].engine, phases[i + 1].engine]})
     return {"rows": rows, "victim_errors": dict(victim_errors),
             "baselines_tok_s": [p.rate(spans) for p in phases if p.name == "baseline"],
             "baselines_tok_per_cpu_s": [p.per_cpu(spans) for p in phases if p.name == "baseline"]}

@@ -24,7 +24,9 @@ the KV cache blocks every admission after it (admitted requests' prompt chunks s
 the client with the least service is never overtaken while it waits for space, and nothing
 starves. The per-client cap is the one way past it: while another client is present, a client
 whose next admission would take its reserved slots above the cap is left out of the selection
-(its requests wait, the others go ahead). The cap is `max_kv_per_client` resolved against the
+(its requests wait, the others go ahead), and its counter is lifted to the smallest of the other
+present clients': the cap, not the fair order, holds it back, so it banks no credit, and the others
+are never "ahead" of it (their prompts cut to one decode's weight) because it waits. The cap is `max_kv_per_client` resolved against the
 cache (`kv_cap_slots`: by default DEFAULT_KV_SHARE of the slots). It is work-conserving: a
 client alone (no other client present) may fill the whole cache, so a single-user deployment
 keeps its full batch capacity; without preemption, slots it took while alone stay its own until
@@ -129,8 +131,11 @@ class FairShares:
             queue = queues[client]
             req = queue[0][1]
             if req.slab_start < 0:
-                if blocked or self._over_cap(client, reserved.get(client, 0), req):
-                    continue  # this client waits; with the cap, the others go ahead
+                if blocked:
+                    continue
+                if self._over_cap(client, reserved.get(client, 0), req):
+                    self._hold_at_cap(client)
+                    continue  # this client waits; the others go ahead
                 if not admit(req):
                     blocked = True
                     continue
@@ -193,6 +198,14 @@ class FairShares:
         """The most tokens of a prompt chunk at position `context` whose cost is at most `cost`."""
         scale = self.context_cost_tokens
         return max(0, cost) * scale // (PROMPT_WEIGHT * (scale + context))
+
+    def _hold_at_cap(self, client) -> None:
+        """The cap, not the fair order, holds `client` back: its counter banks no credit for the
+        service it cannot take, as a client's idle time banks none. It is lifted to the smallest
+        counter of the other present clients, so they are never "ahead" of it (and their
+        prompts cut into chunks) merely because it waits at its cap."""
+        least = min(self.counters[c] for c in self.active if c != client)
+        self.counters[client] = max(self.counters[client], least)
 
     def _over_cap(self, client, held: int, req) -> bool:
         """req would take its client (holding `held` slots) past the cap while another client

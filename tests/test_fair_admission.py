@@ -693,3 +693,27 @@ def test_a_hog_ahead_takes_no_more_than_the_least_any_other_client_takes():
     taken = {r.client: r.num_scheduled for r in batch}
     assert taken["late"] == 16 and all(taken[v.client] == 1 for v in victims)
     assert taken["hog"] == 1 or s.shares.chunk_cost(taken["hog"], context) <= OUTPUT_WEIGHT
+
+
+def test_a_client_held_at_its_cap_does_not_throttle_the_others_prompts():
+    # The hog's one admitted stream (its others wait at the cap) is charged one decode an
+    # iteration; two victims streaming short requests back to back are charged their prompts as
+    # well, so their counters pass the hog's. The cap, not the fair order, holds the hog back:
+    # its counter banks no credit, and the victims' prompts are never cut into chunks for it.
+    s = sched(max_bs=16, n_slots=2000, budget=16, cap=500)
+    hog = [mk(10, 400, "hog") for _ in range(5)]  # 410 slots each: one fits under the cap
+    for r in hog:
+        s.add(r)
+    victims = {c: mk(6, 4, c) for c in ("a", "b")}
+    for r in victims.values():
+        s.add(r)
+    chunks = []  # prompt tokens a victim request took in the iteration that began its prompt
+    for _ in range(300):
+        batch = run_batch(s)
+        chunks += [r.num_scheduled for r in batch if r.client in victims and r.num_cached == r.num_scheduled]
+        for client, r in victims.items():
+            if r.finished:  # the client sends its next request at once
+                victims[client] = mk(6, 4, client)
+                s.add(victims[client])
+        assert reserved_by(s, "hog") == 410
+    assert set(chunks) == {6} and len(chunks) > 100
