@@ -1,6 +1,6 @@
-"""The fused epilogues of the int8-activation quantized products, checked against the unfused
-product, for any format: silu_mul on quant_linear's float32 sums, and rmsnorm_qkv bit for bit
-against quant_linear on the rows _C.rms_norm stores."""
+"""Checks shared by the int8-activation quantized products of every format: the fused epilogues
+against the unfused product (silu_mul on quant_linear's float32 sums, rmsnorm_qkv bit for bit
+against quant_linear on the rows _C.rms_norm stores), and batch invariance (rows, tile edges)."""
 from __future__ import annotations
 
 import torch
@@ -44,3 +44,20 @@ def check_rows_batch_invariant(_C, w: torch.Tensor, wg: torch.Tensor, qtype: int
                            full_mlp[lo:hi])
         assert torch.equal(_C.quant_rmsnorm_qkv(part, norm_weight, w, qtype, k, None, 1e-5,
                                                 int8_activations=True), full_qkv[lo:hi])
+
+
+# Token counts that cross every tile edge of the int8 products: prefill takes tokens 8 (or 4) at a
+# time and rows 2 at a time, a single token takes 4 rows in natural order.
+TILE_EDGE_TOKENS = list(range(2, 20)) + [28, 33, 37]
+
+
+def check_lone_bits_at_tile_edges(_C, w: torch.Tensor, qtype: int, k: int, x: torch.Tensor,
+                                  name: str) -> torch.Tensor:
+    """For every T of TILE_EDGE_TOKENS (x holds at least the largest), each token's int8-activation
+    outputs of x[:T] are the bits of that token alone. Returns the lone outputs [T, N]."""
+    alone = torch.cat([_C.quant_linear(x[t:t + 1], w, qtype, k, None, None, int8_activations=True)
+                       for t in range(x.shape[0])])
+    for t in TILE_EDGE_TOKENS:
+        got = _C.quant_linear(x[:t], w, qtype, k, None, None, int8_activations=True)
+        assert torch.equal(got, alone[:t]), f"{name} T={t}"
+    return alone

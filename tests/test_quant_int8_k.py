@@ -13,7 +13,8 @@ from __future__ import annotations
 import numpy as np
 import pytest
 import torch
-from int8_epilogue_checks import check_rows_batch_invariant, check_silu_mul_and_rmsnorm_qkv
+from int8_epilogue_checks import (check_lone_bits_at_tile_edges, check_rows_batch_invariant,
+                                  check_silu_mul_and_rmsnorm_qkv)
 
 _C = pytest.importorskip("orca_ext._C")
 gguf = pytest.importorskip("gguf")
@@ -249,19 +250,13 @@ def test_rows_are_batch_invariant(qtype, path):
 @pytest.mark.parametrize("qtype", [Q4_K, Q6_K], ids=lambda q: NAMES[q])
 @pytest.mark.parametrize("path", QUANT_PATHS)
 def test_each_token_keeps_its_lone_bits_at_every_tile_edge(qtype, path):
-    """Prefill tiles take tokens 8 (or 4) at a time and rows 2 at a time, a single token takes 4
-    rows in natural order: for every T from 2 to 19 and a few past it, with a row count that
-    leaves remainders, each token's outputs are the bits of that token alone, and within the
-    reference bound."""
+    """At every tile edge (check_lone_bits_at_tile_edges), with a row count that leaves
+    remainders, each token's outputs are its bits alone, and within the reference bound."""
     _C.set_cpu_quant_path(path)
     gen = torch.Generator().manual_seed(qtype + 31)
     k, n = 256 * 3, 11
     w = torch.from_numpy(random_blocks(qtype, n, k, seed=qtype + 17))
     x = rows(gen, 37, k, torch.float32, zero_row=6)
-    alone = torch.cat([_C.quant_linear(x[t:t + 1], w, qtype, k, None, None, int8_activations=True)
-                       for t in range(x.shape[0])])
-    for t in list(range(2, 20)) + [28, 33, 37]:
-        got = _C.quant_linear(x[:t], w, qtype, k, None, None, int8_activations=True)
-        assert torch.equal(got, alone[:t]), f"{NAMES[qtype]} T={t}"
+    alone = check_lone_bits_at_tile_edges(_C, w, qtype, k, x, NAMES[qtype])
     ref, mass = reference(x, qtype, w.numpy(), k)
     assert_close(alone, ref, mass, k, torch.float32, f"{NAMES[qtype]} tokens alone")

@@ -177,9 +177,9 @@ inline void q8_0_int8_group_tile(const Int8Groups& a, const uint8_t* w, int64_t 
   const int8_t* xs[G];
   const float* ds[G];
   for (int g = 0; g < G; ++g) {
-    const int64_t t0 = (slot0 + g) * V::kTokens, grp = t0 / kGroupTokens, in = t0 % kGroupTokens;
-    xs[g] = a.q + grp * kGroupTokens * k + in * 8;
-    ds[g] = a.d + grp * n_blocks * 16 + 2 * in;
+    const GroupSlot slot(slot0 + g, V::kTokens);
+    xs[g] = slot.q(a, k);
+    ds[g] = slot.d(a, n_blocks);
   }
   F acc[R][G][4];
   for (int r = 0; r < R; ++r)
@@ -205,16 +205,7 @@ inline void q8_0_int8_group_tile(const Int8Groups& a, const uint8_t* w, int64_t 
       }
     }
   }
-  for (int r = 0; r < R; ++r)
-    for (int g = 0; g < G; ++g) {
-      // hsum8_tree of token s: lanes (l0 + l4) + (l2 + l6), (l1 + l5) + (l3 + l7), then their sum
-      alignas(64) float l[2 * V::kTokens];
-      V::store_f(l, V::add_f(V::add_f(acc[r][g][0], acc[r][g][2]), V::add_f(acc[r][g][1], acc[r][g][3])));
-      for (int s = 0; s < V::kTokens; ++s) {
-        const int64_t t = (slot0 + g) * V::kTokens + s;
-        if (t < n_tokens) out[t * n_out + n0 + r] = l[2 * s] + l[2 * s + 1];
-      }
-    }
+  store_group_tile<V, R, G>(acc, n_tokens, n_out, n0, slot0, out);
 }
 #endif
 

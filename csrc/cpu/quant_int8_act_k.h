@@ -207,10 +207,10 @@ inline void q4k_int8_group_tile(const Int8Groups& a, const uint8_t* w, int64_t r
   const float* ds[G];     // their scales of super-block 0
   const int16_t* bss[G];  // their 32-sums of super-block 0
   for (int g = 0; g < G; ++g) {
-    const int64_t t0 = (slot0 + g) * V::kTokens, grp = t0 / kGroupTokens, in = t0 % kGroupTokens;
-    xs[g] = a.q + grp * kGroupTokens * k + in * 8;
-    ds[g] = a.d + grp * n_super * 16 + 2 * in;
-    bss[g] = a.bsums + grp * n_super * 64 + 4 * in;
+    const GroupSlot slot(slot0 + g, V::kTokens);
+    xs[g] = slot.q(a, k);
+    ds[g] = slot.d(a, n_super);
+    bss[g] = slot.sums(a.bsums, n_super * 64);
   }
   F acc[R][G];
   for (int r = 0; r < R; ++r)
@@ -541,10 +541,10 @@ inline void q6k_int8_group_tile(const Int8Groups& a, int64_t k, int64_t n_tokens
   const float* ds[G];
   const int16_t* bss[G];
   for (int g = 0; g < G; ++g) {
-    const int64_t t0 = (slot0 + g) * V::kTokens, grp = t0 / kGroupTokens, in = t0 % kGroupTokens;
-    xs[g] = a.q + grp * kGroupTokens * k + in * 8;
-    ds[g] = a.d + grp * n_super * 16 + 2 * in;
-    bss[g] = a.bsums16 + grp * n_super * 128 + 4 * in;
+    const GroupSlot slot(slot0 + g, V::kTokens);
+    xs[g] = slot.q(a, k);
+    ds[g] = slot.d(a, n_super);
+    bss[g] = slot.sums(a.bsums16, n_super * 128);
   }
   F acc[R][G][4];
   for (int r = 0; r < R; ++r)
@@ -588,16 +588,7 @@ inline void q6k_int8_group_tile(const Int8Groups& a, int64_t k, int64_t n_tokens
       }
     }
   }
-  for (int r = 0; r < R; ++r)
-    for (int g = 0; g < G; ++g) {
-      // hsum8_tree of token s: lanes (l0 + l4) + (l2 + l6), (l1 + l5) + (l3 + l7), then their sum
-      alignas(64) float l[2 * V::kTokens];
-      V::store_f(l, V::add_f(V::add_f(acc[r][g][0], acc[r][g][2]), V::add_f(acc[r][g][1], acc[r][g][3])));
-      for (int s = 0; s < V::kTokens; ++s) {
-        const int64_t t = (slot0 + g) * V::kTokens + s;
-        if (t < n_tokens) out[t * n_out + n0 + r] = l[2 * s] + l[2 * s + 1];
-      }
-    }
+  store_group_tile<V, R, G>(acc, n_tokens, n_out, n0, slot0, out);
 }
 #endif
 

@@ -57,6 +57,35 @@ inline Int8Groups int8_groups_at(int8_t* base, int64_t n_tokens, int64_t k, int 
   return a;
 }
 
+// Where a tile's token slot starts in the grouped copy: the `tokens` tokens from token
+// slot * tokens lie in group `group`, from its token `in` on (tiles of 4 tokens take half a group).
+struct GroupSlot {
+  int64_t group, in;
+  GroupSlot(int64_t slot, int tokens) : group(slot * tokens / kGroupTokens), in(slot * tokens % kGroupTokens) {}
+  const int8_t* q(const Int8Groups& a, int64_t k) const { return a.q + group * kGroupTokens * k + in * 8; }
+  const float* d(const Int8Groups& a, int64_t n_blocks) const { return a.d + group * n_blocks * 16 + 2 * in; }
+  // Q4_K's bsums (per_group = K / 256 * 64) or Q6_K's bsums16 (K / 256 * 128)
+  const int16_t* sums(const int16_t* base, int64_t per_group) const { return base + group * per_group + 4 * in; }
+};
+
+// The end of a grouped tile: output row n0 + r of the V::kTokens tokens of slot slot0 + g sums
+// its four accumulators acc[r][g][0..3] in hsum8_tree's order (lanes (l0 + l4) + (l2 + l6),
+// (l1 + l5) + (l3 + l7), then their sum; token s holds lanes 2s and 2s + 1) and stores the tokens
+// below n_tokens into out [n_tokens, n_out].
+template <class V, int R, int G>
+inline void store_group_tile(const typename V::F (&acc)[R][G][4], int64_t n_tokens, int64_t n_out, int64_t n0,
+                             int64_t slot0, float* out) {
+  for (int r = 0; r < R; ++r)
+    for (int g = 0; g < G; ++g) {
+      alignas(64) float l[2 * V::kTokens];
+      V::store_f(l, V::add_f(V::add_f(acc[r][g][0], acc[r][g][2]), V::add_f(acc[r][g][1], acc[r][g][3])));
+      for (int s = 0; s < V::kTokens; ++s) {
+        const int64_t t = (slot0 + g) * V::kTokens + s;
+        if (t < n_tokens) out[t * n_out + n0 + r] = l[2 * s] + l[2 * s + 1];
+      }
+    }
+}
+
 // Group `grp` of dst from the int8 rows of src (src.block == dst.block; tokens past n_tokens
 // are zero: their quants, scales and sums).
 inline void fill_int8_group(const Int8Rows& src, int64_t n_tokens, int64_t k, int64_t grp, const Int8Groups& dst) {
