@@ -81,11 +81,7 @@ class ChatPromptEncoder:
         """InvalidRequestError (param "messages") when the messages cannot fit: too many of them,
         or too many characters (tools and tool calls included). Costs one len() per message and
         one JSON dump of the tools; nothing is rendered."""
-        if self.max_messages is not None and len(messages) > self.max_messages:
-            raise InvalidRequestError(
-                f"messages has {len(messages)} messages; at most {self.max_messages} can fit max_model_len "
-                f"= {self.encoder.max_tokens} (the chat template adds at least {self.tokens_per_message} "
-                f"tokens per message)", param=FIELD)
+        self.check_count(len(messages))
         chars = 0
         for m in messages:
             chars += len(m["content"])
@@ -94,6 +90,15 @@ class ChatPromptEncoder:
         if tools:
             chars += len(_tool_text(tools))
         self.encoder.check_length(chars, FIELD)
+
+    def check_count(self, n_messages: int) -> None:
+        """InvalidRequestError (param "messages") when n_messages messages cannot fit. The HTTP
+        layer calls this while parsing, before any message is validated."""
+        if self.max_messages is not None and n_messages > self.max_messages:
+            raise InvalidRequestError(
+                f"messages has {n_messages} messages; at most {self.max_messages} can fit max_model_len "
+                f"= {self.encoder.max_tokens} (the chat template adds at least {self.tokens_per_message} "
+                f"tokens per message)", param=FIELD)
 
     # -- encoding ----------------------------------------------------------------------------------
     def ids(self, messages: Sequence[dict], tools: Optional[Sequence[dict]] = None) -> list[int]:

@@ -210,9 +210,11 @@ async def _handle(svc: Service, request: Request, endpoint: str, run: Runner, mo
         svc.check_content_type(request)
         raw = await svc.read_body(request)
         try:
-            body = model_cls.model_validate_json(raw)
+            body = protocol.parse_request(model_cls, raw, svc.parse_bounds)
         except ValidationError as exc:
             raise validation_error(exc) from exc
+        except InvalidRequestError as exc:  # a list past the server's bound, refused before validation
+            raise request_rejected(exc) from exc
         svc.check_model(body.model)
         body.check_unsupported()
         adm = svc.admit(rid, endpoint)

@@ -138,6 +138,7 @@ class Service:
                          if server.tokenizer is not None else None)
         encoder = server.prompt_encoder
         self.chat = ChatPromptEncoder(server.tokenizer, encoder) if encoder is not None else None
+        self.parse_bounds = protocol.ParseBounds(self.chat.check_count if self.chat is not None else None)
         self._token_texts: TokenTexts | None = None
 
     def model_card(self) -> dict:
