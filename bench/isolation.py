@@ -96,6 +96,7 @@ import os
 import platform
 import random
 import re
+import shlex
 import subprocess
 import sys
 import time
@@ -693,6 +694,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--api-key", default=DEFAULT_API_KEY,
                    help="the server's API key, sent by victims and attackers ('' for none; "
                         f"default {DEFAULT_API_KEY!r})")
+    p.add_argument("--serve-args", default="", help="more options for the server, as one string (e.g. "
+                   "'--unproven-connection-rate 4')")
     p.add_argument("--prefix-caching", action=argparse.BooleanOptionalAction, default=True,
                    help="the server's prefix cache (default on, as the server's own default)")
     args = p.parse_args(argv)
@@ -707,6 +710,7 @@ def main(argv: list[str] | None = None) -> int:
         serve_args.append("--no-prefix-caching")
     if args.model:
         serve_args += ["--model", args.model]
+    serve_args += shlex.split(args.serve_args)
     env = {"ORCA_EXT_KV_CACHE_MEMORY": "512MiB", **({"ORCA_EXT_API_KEY": args.api_key} if args.api_key else {})}
     if args.max_kv_per_client == "half":  # the spelling of earlier runs (bench/RESULTS.md)
         args.max_kv_per_client = "0.5"
@@ -719,6 +723,7 @@ def main(argv: list[str] | None = None) -> int:
                    "prefix_caching": args.prefix_caching,
                    "tensor_parallel_size": args.tensor_parallel_size,
                    "pipeline_parallel_size": args.pipeline_parallel_size, "model": args.model or "default",
+                   "serve_args": args.serve_args,
                    "commit": _commit(args.cwd), "cpu": _cpu_model(), "cores": os.cpu_count()})
     result.update({"label": args.label, "date": time.strftime("%Y-%m-%d %H:%M"), "machine": platform.processor()
                    or platform.machine(), "victims": args.victims, "window_s": args.window, "server_cwd": args.cwd})
