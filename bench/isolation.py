@@ -108,7 +108,7 @@ from typing import Any, Awaitable, Callable
 import httpx
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from loopback import REPO, ServeProcess, raw_exchange, raw_upload, stream_completion  # noqa: E402
+from loopback import REPO, ServeProcess, metric, raw_exchange, raw_upload, stream_completion  # noqa: E402
 
 log = logging.getLogger("bench.isolation")
 
@@ -514,10 +514,13 @@ def auth_headers(api_key: str) -> dict[str, str]:
     return {"Authorization": f"Bearer {api_key}"} if api_key else {}
 
 
+def metrics_text(server: ServeProcess, api_key: str = "") -> str:
+    return httpx.get(server.base_url + "/metrics", headers=auth_headers(api_key), timeout=30).text
+
+
 def kv_slots(server: ServeProcess, api_key: str = "") -> int:
     """The server's KV capacity in slots, from /metrics."""
-    text = httpx.get(server.base_url + "/metrics", headers=auth_headers(api_key), timeout=30).text
-    return int(float(re.search(r"^\S*kv_slots_total\S* (\S+)$", text, re.M).group(1)))
+    return int(metric(metrics_text(server, api_key), "orca_kv_slots_total"))
 
 
 # Engine counters read from /metrics at each phase's start and end: they tell what the engine did
@@ -531,9 +534,8 @@ ENGINE_COUNTERS = {"iterations": "orca_iterations_total", "generated": "orca_eng
 
 def engine_counters(server: ServeProcess, api_key: str = "") -> dict[str, float]:
     """The ENGINE_COUNTERS now (a counter the server does not export reads 0)."""
-    text = httpx.get(server.base_url + "/metrics", headers=auth_headers(api_key), timeout=30).text
-    values = dict(line.rsplit(" ", 1) for line in text.splitlines() if line and not line.startswith("#"))
-    return {key: float(values.get(name, 0.0)) for key, name in ENGINE_COUNTERS.items()}
+    text = metrics_text(server, api_key)
+    return {key: metric(text, name, default=0.0) for key, name in ENGINE_COUNTERS.items()}
 
 
 def engine_summary(delta: dict[str, float]) -> dict[str, float]:

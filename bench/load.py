@@ -29,18 +29,11 @@ from pathlib import Path
 import httpx
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from loopback import ServeProcess, percentile, stream_completion  # noqa: E402
+from loopback import ServeProcess, metric, percentile, stream_completion  # noqa: E402
 
 log = logging.getLogger("bench.load")
 
 PROMPT = "Explain in one sentence why the sky is blue."
-
-
-def metric(text: str, name: str) -> float:
-    for line in text.splitlines():
-        if line.startswith(name + " ") or line.startswith(name + "{"):
-            return float(line.rsplit(" ", 1)[1])
-    return float("nan")
 
 
 async def wait_idle(base_url: str, limit_s: float = 300.0) -> dict:

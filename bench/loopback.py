@@ -133,6 +133,15 @@ async def stream_completion(client: httpx.AsyncClient, url: str, body: dict[str,
     return res
 
 
+def metric(text: str, name: str, default: float = float("nan")) -> float:
+    """The value of metric `name` (its first sample, any labels) in a /metrics text; `default`
+    when the server does not export it."""
+    for line in text.splitlines():
+        if line.startswith(name + " ") or line.startswith(name + "{"):
+            return float(line.rsplit(" ", 1)[1])
+    return default
+
+
 def percentile(values: list[float], q: float) -> float:
     """The q-th percentile (0..100) by linear interpolation; NaN when empty."""
     vals = sorted(v for v in values if v == v)

@@ -25,13 +25,13 @@ the client with the least service is never overtaken while it waits for space, a
 starves. The per-client cap is the one way past it: while another client is present, a client
 whose next admission would take its reserved slots above the cap is left out of the selection
 (its requests wait, the others go ahead), and its counter is lifted to the smallest of the other
-present clients': the cap, not the fair order, holds it back, so it banks no credit, and the others
-are never "ahead" of it (their prompts cut to one decode's weight) because it waits. The cap is `max_kv_per_client` resolved against the
-cache (`kv_cap_slots`: by default DEFAULT_KV_SHARE of the slots). It is work-conserving: a
-client alone (no other client present) may fill the whole cache, so a single-user deployment
-keeps its full batch capacity; without preemption, slots it took while alone stay its own until
-those requests end. A request larger than the cap is admitted when its client holds no other
-slots, so no request waits forever.
+present clients': the cap, not the fair order, holds it back, so it banks no credit, and the
+others are never "ahead" of it (their prompts cut to one decode's weight) because it waits. The
+cap is `max_kv_per_client` resolved against the cache (`kv_cap_slots`: by default
+DEFAULT_KV_SHARE of the slots). It is work-conserving: a client alone (no other client present)
+may fill the whole cache, so a single-user deployment keeps its full batch capacity; without
+preemption, slots it took while alone stay its own until those requests end. A request larger
+than the cap is admitted when its client holds no other slots, so no request waits forever.
 """
 from __future__ import annotations
 
