@@ -15,8 +15,8 @@
 // Reduction order: an output's block sums enter its accumulator in block order; the lanes are
 // summed by hsum8_tree, then the minimum term is added. It depends only on K, never on T, the
 // batch, the thread count or the path (both paths compute the same int32 block sums), so a row's
-// outputs are bit-identical whatever else is in the batch. Q8_0's prefill on AVX-512 VNNI reads
-// the token-interleaved copy of the activations (quant_int8_groups.h) and keeps those lanes and
+// outputs are bit-identical whatever else is in the batch. Q8_0's prefill reads the
+// token-interleaved copy of the activations (quant_int8_groups.h) and keeps those lanes and
 // sums (q8_0_int8_group_tile).
 //
 // Like quant_blocks.h, everything is local to the including unit (compiled for its target).
@@ -142,9 +142,12 @@ inline void int8_act_tile_32(const Int8Rows& a, const uint8_t* w, int64_t row_by
 }
 
 // A Q8_0 block as the prefill tiles read it, decoded once per row for every token slot: the
-// correction -128 * (the sum of w over elements 4l .. 4l + 3) of each int32 lane l, and d.
+// quants, copied to an aligned place (the 34-byte blocks of the file would split some 8-byte
+// loads across cache lines), the correction -128 * (the sum of w over elements 4l .. 4l + 3) of
+// each int32 lane l, and d.
 struct Q8RowBlock {
-  alignas(32) int32_t neg128_sums[8];
+  alignas(32) int8_t q[32];
+  int32_t neg128_sums[8];
   float d;
 };
 
@@ -154,23 +157,25 @@ inline void q8_0_row_blocks(const uint8_t* row, int64_t n_blocks, Q8RowBlock* ou
     const uint8_t* blk = row + b * 34;
     const __m256i wq = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(blk + 2));
     const __m256i sums = _mm256_madd_epi16(_mm256_maddubs_epi16(ones8, wq), ones16);  // exact: |pair| <= 256
+    _mm256_store_si256(reinterpret_cast<__m256i*>(out[b].q), wq);
     _mm256_store_si256(reinterpret_cast<__m256i*>(out[b].neg128_sums), _mm256_mullo_epi32(sums, _mm256_set1_epi32(-128)));
     out[b].d = half_to_float(blk);
   }
 }
 
-#if defined(ORCA_QUANT_INT8_512)
 // out[t * n_out + n0 + r] for the R Q8_0 weight rows from n0 and G token slots of V::kTokens
 // tokens from slot0 * V::kTokens (those below n_tokens), from the token-interleaved copy
-// (Int8Groups, block 32: x + 128 as uint8). Each activation vector is loaded once for the R rows
-// and each 8-byte piece of a weight block broadcast once for the G slots; vpdpbusd of x + 128
-// and w, started at -128 * (the sum of w per lane, Q8RowBlock), gives the int32 lanes of int8_act_tile_32
-// exactly: lanes 2s, 2s + 1 of chunk c are its lanes 2c, 2c + 1 of token s, and accumulator c
-// their float sums, so the same fmas and the same hsum8_tree run on them.
+// (Int8Groups, block 32), with the rows' quants, corrections and scales from blocks (Q8RowBlock).
+// Each 8-byte piece of a weight block is broadcast once for the G slots. The int32 lanes are those of
+// int8_act_tile_32, exactly: lanes 2s, 2s + 1 of chunk c are its lanes 2c, 2c + 1 of token s,
+// and accumulator c their float sums, so the same fmas and the same hsum8_tree run on them.
+// - With vpdpbusd (biased groups: x + 128 as uint8): vpdpbusd of x + 128 and w, started at
+//   -128 * (the sum of w per lane, Q8RowBlock).
+// - Without (AVX2): |w| (as uint8, so |-128| = 128) against x carrying w's sign, vpmaddubsw
+//   (pairs |w x| <= 2 * 128 * 127 fit int16) then vpmaddwd by 1, as the one-token tile does.
 template <class V, int R, int G>
-inline void q8_0_int8_group_tile(const Int8Groups& a, const uint8_t* w, int64_t row_bytes, int64_t k,
-                                 int64_t n_tokens, int64_t n_out, int64_t n0, int64_t slot0,
-                                 const Q8RowBlock* const* blocks, float* out) {  // blocks[r]: row n0 + r's [K / 32]
+inline void q8_0_int8_group_tile(const Int8Groups& a, int64_t k, int64_t n_tokens, int64_t n_out, int64_t n0,
+                                 int64_t slot0, const Q8RowBlock* const* blocks, float* out) {  // blocks[r]: row n0 + r's [K / 32]
   using I = typename V::I;
   using F = typename V::F;
   const int64_t n_blocks = k / 32;
@@ -186,28 +191,28 @@ inline void q8_0_int8_group_tile(const Int8Groups& a, const uint8_t* w, int64_t 
     for (int g = 0; g < G; ++g)
       for (int c = 0; c < 4; ++c) acc[r][g][c] = V::zero_f();
   for (int64_t b = 0; b < n_blocks; ++b) {
-    I x[G][4];
-    for (int g = 0; g < G; ++g)
-      for (int c = 0; c < 4; ++c) x[g][c] = V::load(xs[g] + (4 * b + c) * (kGroupTokens * 8));
     for (int r = 0; r < R; ++r) {
-      const uint8_t* blk = w + (n0 + r) * row_bytes + b * 34;
       const Q8RowBlock& rb = blocks[r][b];
       const F dw = V::bcast_f(rb.d);
-      I wq[4], start[4];
+      F scale[G];
+      for (int g = 0; g < G; ++g) scale[g] = V::mul(dw, V::load_f(ds[g] + 16 * b));
       for (int c = 0; c < 4; ++c) {
-        wq[c] = V::bcast64(blk + 2 + 8 * c);
-        start[c] = V::bcast64(reinterpret_cast<const uint8_t*>(rb.neg128_sums + 2 * c));  // lanes 2c, 2c + 1
-      }
-      for (int g = 0; g < G; ++g) {
-        const F scale = V::mul(dw, V::load_f(ds[g] + 16 * b));
-        for (int c = 0; c < 4; ++c)
-          acc[r][g][c] = V::fma(V::cvt(V::dpbusd(start[c], x[g][c], wq[c])), scale, acc[r][g][c]);
+        const I wq = V::bcast64(reinterpret_cast<const uint8_t*>(rb.q + 8 * c));
+        for (int g = 0; g < G; ++g) {
+          const I x = V::load(xs[g] + (4 * b + c) * (kGroupTokens * 8));
+          I sums;
+          if constexpr (V::kDpbusd) {
+            sums = V::dpbusd(V::bcast64(reinterpret_cast<const uint8_t*>(rb.neg128_sums + 2 * c)), x, wq);  // lanes 2c, 2c + 1
+          } else {
+            sums = V::madd(V::maddubs(V::abs8(wq), V::sign8(x, wq)), V::bcast16(1));
+          }
+          acc[r][g][c] = V::fma(V::cvt(sums), scale[g], acc[r][g][c]);
+        }
       }
     }
   }
   store_group_tile<V, R, G>(acc, n_tokens, n_out, n0, slot0, out);
 }
-#endif
 
 // The tile of format F in natural token order: the 32-element formats above, Q4_K and Q6_K in
 // quant_int8_act_k.h.
@@ -253,82 +258,106 @@ inline void group_tile(const Int8Groups& g, const uint8_t* w, int64_t row_bytes,
                        int64_t n_out, int64_t n, int64_t slot, const RowPrepOf<F>* const* prep, float* out) {
   if constexpr (F == kQuantTypeQ4_K) {
     q4k_int8_group_tile<V, R, G>(g, w, row_bytes, k, n_tokens, n_out, n, slot, prep, out);
+  } else if constexpr (F == kQuantTypeQ8_0) {
+    q8_0_int8_group_tile<V, R, G>(g, k, n_tokens, n_out, n, slot, prep, out);
   } else {
 #if defined(ORCA_QUANT_INT8_512)
-    if constexpr (F == kQuantTypeQ6_K)
-      q6k_int8_group_tile<V, R, G>(g, k, n_tokens, n_out, n, slot, prep, out);
-    else
-      q8_0_int8_group_tile<V, R, G>(g, w, row_bytes, k, n_tokens, n_out, n, slot, prep, out);
+    q6k_int8_group_tile<V, R, G>(g, k, n_tokens, n_out, n, slot, prep, out);
 #endif
   }
 }
 
-// Rows [n, n + R) against every token: tiles of GT slots of V::kTokens tokens, then the rest.
-template <int F, class V, int R, int GT>
-inline void rows_all_slots(const Int8Groups& g, const uint8_t* w, int64_t row_bytes, int64_t n_tokens, int64_t k,
-                           int64_t n_out, int64_t n, const RowPrepOf<F>* const* prep, float* out) {
-  const int64_t n_slots = (n_tokens + V::kTokens - 1) / V::kTokens;
-  int64_t slot = 0;
-  for (; slot + GT <= n_slots; slot += GT)
-    group_tile<F, V, R, GT>(g, w, row_bytes, k, n_tokens, n_out, n, slot, prep, out);
-  for (; slot < n_slots; ++slot) group_tile<F, V, R, 1>(g, w, row_bytes, k, n_tokens, n_out, n, slot, prep, out);
+// What a grouped format's tiles read of rows [n0, n1) besides their bytes, decoded once for
+// every token slot into prep [(n1 - n0) * row_prep_blocks<F>(k)].
+template <int F>
+constexpr int64_t row_prep_blocks(int64_t k) {
+  return k / (F == kQuantTypeQ8_0 ? 32 : kSuperBlock);
 }
 
-// Rows [n, n + R) against every token: 8-token slots (zmm) on AVX-512, where the last group
-// takes a 4-token slot (ymm) when it holds 4 tokens or fewer; 4-token slots on AVX2. Q4_K
-// tiles take 2 slots at a time (its int32 sums need few registers), Q6_K and Q8_0 one (4
-// accumulators per row and slot).
-template <bool kVnni, int F, int R>
-inline void grouped_rows_all_tokens(const Int8Groups& g, const uint8_t* w, int64_t row_bytes, int64_t n_tokens,
-                                    int64_t k, int64_t n_out, int64_t n, float* out) {
-  constexpr int kSlots = F == kQuantTypeQ4_K ? 2 : 1;
-  const RowPrepOf<F>* prep[R] = {};
-  {
-    const int64_t n_blocks = k / (F == kQuantTypeQ8_0 ? 32 : kSuperBlock);
-    RowPrepOf<F>* buf = thread_scratch<RowPrepOf<F>>(0, static_cast<size_t>(R * n_blocks));
-    for (int r = 0; r < R; ++r) {
-      const uint8_t* row = w + (n + r) * row_bytes;
-      if constexpr (F == kQuantTypeQ4_K)
-        q4k_row_scales(row, n_blocks, buf + r * n_blocks);
-      else if constexpr (F == kQuantTypeQ6_K)
-        q6k_row_blocks(row, n_blocks, buf + r * n_blocks);
-      else
-        q8_0_row_blocks(row, n_blocks, buf + r * n_blocks);
-      prep[r] = buf + r * n_blocks;
-    }
+template <int F>
+inline void prepare_rows(const uint8_t* w, int64_t row_bytes, int64_t k, int64_t n0, int64_t n1, RowPrepOf<F>* prep) {
+  const int64_t n_blocks = row_prep_blocks<F>(k);
+  for (int64_t n = n0; n < n1; ++n) {
+    const uint8_t* row = w + n * row_bytes;
+    RowPrepOf<F>* out = prep + (n - n0) * n_blocks;
+    if constexpr (F == kQuantTypeQ4_K)
+      q4k_row_scales(row, n_blocks, out);
+    else if constexpr (F == kQuantTypeQ6_K)
+      q6k_row_blocks(row, n_blocks, out);
+    else
+      q8_0_row_blocks(row, n_blocks, out);
   }
+}
+
+// Token slots [s0, s1) of V::kTokens tokens (those below n_tokens) against rows [n0, n1), whose
+// prep is prep: GT slots at a time, each slot tile against the rows RT at a time, so that the
+// tile's activations stay in L1 while the rows come from L2 (the copy of the activations is
+// streamed once per panel of rows, not once per tile of rows).
+template <int F, class V, int RT, int GT>
+inline void slots_against_rows(const Int8Groups& g, const uint8_t* w, int64_t row_bytes, int64_t n_tokens, int64_t k,
+                               int64_t n_out, int64_t n0, int64_t n1, int64_t s0, int64_t s1,
+                               const RowPrepOf<F>* prep, float* out) {
+  static_assert(RT == 1 || RT == 2, "tiles take 1 or 2 rows");
+  const int64_t n_blocks = row_prep_blocks<F>(k);
+  auto rows = [&](auto slots, int64_t slot) {
+    constexpr int G = decltype(slots)::value;
+    int64_t n = n0;
+    if constexpr (RT == 2) {
+      for (; n + 2 <= n1; n += 2) {
+        const RowPrepOf<F>* pair[2] = {prep + (n - n0) * n_blocks, prep + (n + 1 - n0) * n_blocks};
+        group_tile<F, V, 2, G>(g, w, row_bytes, k, n_tokens, n_out, n, slot, pair, out);
+      }
+    }
+    for (; n < n1; ++n) {
+      const RowPrepOf<F>* one[1] = {prep + (n - n0) * n_blocks};
+      group_tile<F, V, 1, G>(g, w, row_bytes, k, n_tokens, n_out, n, slot, one, out);
+    }
+  };
+  int64_t slot = s0;
+  for (; slot + GT <= s1; slot += GT) rows(std::integral_constant<int, GT>{}, slot);
+  for (; slot < s1; ++slot) rows(std::integral_constant<int, 1>{}, slot);
+}
+
+// Rows [n0, n1) against every token: 8-token slots (zmm) on AVX-512, where the last group
+// takes a 4-token slot (ymm) when it holds 4 tokens or fewer; 4-token slots on AVX2. Tiles of
+// 2 rows share each activation load; Q4_K's take 2 slots with VNNI (its int32 sums need few
+// registers), Q6_K's and Q8_0's one (4 accumulators per row and slot). Q8_0 without vpdpbusd
+// takes 1 row x 2 slots: its 2 x 1 tile is short of ymm registers (measured 8-10% slower on a
+// Zen 3, whose compiled loop kept accumulators on the stack).
+template <bool kVnni, int F>
+inline void grouped_prefill(const Int8Groups& g, const uint8_t* w, int64_t row_bytes, int64_t n_tokens, int64_t k,
+                            int64_t n_out, int64_t n0, int64_t n1, float* out) {
+  constexpr int kSlots = F == kQuantTypeQ4_K ? 2 : 1;
+  RowPrepOf<F>* prep = thread_scratch<RowPrepOf<F>>(0, static_cast<size_t>((n1 - n0) * row_prep_blocks<F>(k)));
+  prepare_rows<F>(w, row_bytes, k, n0, n1, prep);
 #if defined(ORCA_QUANT_INT8_512)
   if constexpr (kVnni) {
     const int64_t tail = n_tokens % kGroupTokens;
     const int64_t wide = tail > 0 && tail <= 4 ? n_tokens - tail : n_tokens;  // tokens in 8-token slots
-    if (wide > 0) rows_all_slots<F, GroupOps512, R, kSlots>(g, w, row_bytes, wide, k, n_out, n, prep, out);
+    if (wide > 0)
+      slots_against_rows<F, GroupOps512, 2, kSlots>(g, w, row_bytes, wide, k, n_out, n0, n1, 0,
+                                                    (wide + kGroupTokens - 1) / kGroupTokens, prep, out);
     if (wide < n_tokens)
-      group_tile<F, GroupOps256<true>, R, 1>(g, w, row_bytes, k, n_tokens, n_out, n, wide / 4, prep, out);
+      slots_against_rows<F, GroupOps256<true>, 2, 1>(g, w, row_bytes, n_tokens, k, n_out, n0, n1, wide / 4,
+                                                     wide / 4 + 1, prep, out);
     return;
   }
 #endif
-  rows_all_slots<F, GroupOps256<kVnni>, R, kVnni ? kSlots : 1>(g, w, row_bytes, n_tokens, k, n_out, n, prep, out);
-}
-
-// Rows [n0, n1) against every token, 2 rows at a time.
-template <bool kVnni, int F>
-inline void grouped_prefill(const Int8Groups& g, const uint8_t* w, int64_t row_bytes, int64_t n_tokens, int64_t k,
-                            int64_t n_out, int64_t n0, int64_t n1, float* out) {
-  int64_t n = n0;
-  for (; n + 2 <= n1; n += 2) grouped_rows_all_tokens<kVnni, F, 2>(g, w, row_bytes, n_tokens, k, n_out, n, out);
-  if (n < n1) grouped_rows_all_tokens<kVnni, F, 1>(g, w, row_bytes, n_tokens, k, n_out, n, out);
+  constexpr bool kQ8Sign = F == kQuantTypeQ8_0 && !GroupOps256<kVnni>::kDpbusd;
+  slots_against_rows<F, GroupOps256<kVnni>, kQ8Sign ? 1 : 2, kQ8Sign ? 2 : kVnni ? kSlots : 1>(
+      g, w, row_bytes, n_tokens, k, n_out, n0, n1, 0, (n_tokens + 3) / 4, prep, out);
 }
 
 // Whether format F's prefill reads the token-interleaved copy (Int8Groups) on this path: Q4_K
-// always; Q8_0 and Q6_K with VNNI (their tiles need vpdpbusd: Q8_0's unsigned x + 128 against
-// signed weights, Q6_K's sums of 4 products packed in int16 halves). On AVX2 those two keep the
-// natural-order tiles, whose int32 lanes and float sums are the same.
+// and Q8_0 always; Q6_K with VNNI (its tile packs sums of 4 products in int16 halves for
+// vpdpbusd). On AVX2 Q6_K keeps the natural-order tiles, whose int32 lanes and float sums are
+// the same.
 template <bool kVnni, int F>
 constexpr bool grouped_prefill_of() {
 #if defined(ORCA_QUANT_INT8_512)
-  if (kVnni && (F == kQuantTypeQ8_0 || F == kQuantTypeQ6_K)) return true;
+  if (kVnni && F == kQuantTypeQ6_K) return true;
 #endif
-  return F == kQuantTypeQ4_K;
+  return F == kQuantTypeQ4_K || F == kQuantTypeQ8_0;
 }
 
 // out[t, n] for n in [n0, n1) and every token. A single token takes 4 rows at a time (4 FMA
@@ -336,8 +365,9 @@ constexpr bool grouped_prefill_of() {
 // streams (the hardware prefetchers follow those better than one; skinny_gemm.cpp measured the
 // same for the float kernels). More tokens take panels of rows small enough to stay in L2 while
 // every token tile passes over them (each weight byte read from memory once): from 8 tokens the
-// grouped formats 2 rows x 16 or 8 tokens of the interleaved copy (grouped_rows_all_tokens),
-// otherwise 2 rows x 4 tokens for the 32-element formats and 1 row x 8 tokens for Q4_K and Q6_K.
+// grouped formats take tiles of the interleaved copy, each against every row of the panel
+// (grouped_prefill), otherwise 2 rows x 4 tokens for the 32-element formats and 1 row x 8 tokens
+// for Q4_K and Q6_K.
 template <bool kVnni, int F>
 inline void int8_act_rows(const Int8Rows& a, const Int8Groups& groups, const uint8_t* w, int64_t row_bytes,
                           int64_t n_tokens, int64_t k, int64_t n_out, int64_t n0, int64_t n1, float* out) {
@@ -385,14 +415,14 @@ constexpr int64_t kGroupedMinTokens = kGroupTokens;
 template <bool kVnni>
 inline void int8_act_linear(const Int8Rows& a, const uint8_t* w, int type, int64_t row_bytes,
                             int64_t n_tokens, int64_t k, int64_t n_out, float* out) {
-  Int8Groups groups{0, a.block, nullptr, nullptr, nullptr, nullptr};
+  Int8Groups groups{0, a.block, nullptr, nullptr, nullptr, nullptr, false};
   const bool grouped = type == kQuantTypeQ4_K   ? grouped_prefill_of<kVnni, kQuantTypeQ4_K>()
                        : type == kQuantTypeQ6_K ? grouped_prefill_of<kVnni, kQuantTypeQ6_K>()
                        : type == kQuantTypeQ8_0 ? grouped_prefill_of<kVnni, kQuantTypeQ8_0>()
                                                 : false;
   if (grouped && n_tokens >= kGroupedMinTokens)
     groups = int8_groups_at(thread_scratch<int8_t>(5, static_cast<size_t>(int8_groups_bytes(n_tokens, k, type))),
-                            n_tokens, k, type);
+                            n_tokens, k, type, type == kQuantTypeQ8_0 && GroupOps256<kVnni>::kDpbusd);
 #pragma omp parallel
   {
     if (groups.n_groups > 0) {

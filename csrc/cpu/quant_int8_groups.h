@@ -24,12 +24,13 @@ constexpr int kGroupTokens = 8;
 struct Int8Groups {
   int64_t n_groups;
   int64_t block;     // elements per activation scale: 256 (Q4_K, Q6_K) or 32 (Q8_0)
-  int8_t* q;         // [n_groups, K / 8, 8, 8]; block 32 stores q + 128 (read as uint8)
+  int8_t* q;         // [n_groups, K / 8, 8, 8]; when biased, q + 128 (read as uint8)
   float* d;          // [n_groups, K / block, 16]: token s's scale in lanes 2s and 2s + 1
   int16_t* bsums;    // Q4_K: [n_groups, K / 256, 2, 4, 8], the sums of each 32 quants of tokens
                      // (0, 2, 4, 6) then (1, 3, 5, 7); else nullptr
   int16_t* bsums16;  // Q6_K: [n_groups, K / 256, 4, 8, 4]: for c8 = 0..3 and each token, the sums
                      // of the 16 quants 4 c8 .. 4 c8 + 3; else nullptr
+  bool biased;       // Q8_0 with vpdpbusd: q holds x + 128, the unsigned operand
 };
 
 inline int64_t int8_group_block(int type) { return type == kQuantTypeQ8_0 ? 32 : 256; }
@@ -40,7 +41,7 @@ inline int64_t int8_groups_bytes(int64_t n_tokens, int64_t k, int type) {  // 64
   return g * kGroupTokens * k + g * n_blocks * 16 * 4 + sums + 3 * 64;
 }
 
-inline Int8Groups int8_groups_at(int8_t* base, int64_t n_tokens, int64_t k, int type) {
+inline Int8Groups int8_groups_at(int8_t* base, int64_t n_tokens, int64_t k, int type, bool biased) {
   auto align = [](int8_t* p) {
     return reinterpret_cast<int8_t*>((reinterpret_cast<uintptr_t>(p) + 63) & ~uintptr_t{63});
   };
@@ -54,6 +55,7 @@ inline Int8Groups int8_groups_at(int8_t* base, int64_t n_tokens, int64_t k, int 
   int16_t* sums = reinterpret_cast<int16_t*>(align(reinterpret_cast<int8_t*>(a.d + g * n_blocks * 16)));
   a.bsums = type == kQuantTypeQ4_K ? sums : nullptr;
   a.bsums16 = type == kQuantTypeQ6_K ? sums : nullptr;
+  a.biased = biased;
   return a;
 }
 
@@ -90,7 +92,7 @@ inline void store_group_tile(const typename V::F (&acc)[R][G][4], int64_t n_toke
 // are zero: their quants, scales and sums).
 inline void fill_int8_group(const Int8Rows& src, int64_t n_tokens, int64_t k, int64_t grp, const Int8Groups& dst) {
   const int64_t n_blocks = k / dst.block;
-  const uint64_t flip = dst.block == 32 ? 0x8080808080808080ull : 0;  // q + 128 = q ^ 0x80 for |q| <= 127
+  const uint64_t flip = dst.biased ? 0x8080808080808080ull : 0;  // q + 128 = q ^ 0x80 for |q| <= 127
   int8_t* q = dst.q + grp * kGroupTokens * k;
   float* d = dst.d + grp * n_blocks * 16;
   for (int s = 0; s < kGroupTokens; ++s) {
@@ -128,10 +130,12 @@ inline void fill_int8_group(const Int8Rows& src, int64_t n_tokens, int64_t k, in
 // The vector ops of the group tiles at two widths: 4 tokens (ymm: half a group) and 8 (zmm).
 // Lane l of either holds the same sums for the same token (token l / 2 of the tokens covered),
 // so the two widths give the same bits.
+// kDpbusd: vpdpbusd exists (Q8_0's tile then reads biased groups, Int8Groups::biased).
 template <bool kVnni>
 struct GroupOps256 {
   static constexpr int kTokens = 4;
 #if defined(ORCA_QUANT_INT8_512)
+  static constexpr bool kDpbusd = kVnni;
   static constexpr bool kPacked = kVnni;
   static __m256i dpbusd(__m256i acc, __m256i u, __m256i s) { return _mm256_dpbusd_epi32(acc, u, s); }
   static __m256i pack_halves(__m256i lo, __m256i hi) {  // int16 lanes: the low half of lo's dwords, then hi's high
@@ -142,6 +146,7 @@ struct GroupOps256 {
   static __m256i slli5(__m256i a) { return _mm256_slli_epi32(a, 5); }
   static __m256i high4() { return _mm256_set1_epi8(static_cast<char>(0xf0)); }
 #else
+  static constexpr bool kDpbusd = false;
   static constexpr bool kPacked = false;
 #endif
   using I = __m256i;
@@ -162,6 +167,9 @@ struct GroupOps256 {
   static I and_(I a, I b) { return _mm256_and_si256(a, b); }
   static I sub32(I a, I b) { return _mm256_sub_epi32(a, b); }
   static I bcast8(int8_t v) { return _mm256_set1_epi8(v); }
+  static I bcast16(int16_t v) { return _mm256_set1_epi16(v); }
+  static I abs8(I a) { return _mm256_abs_epi8(a); }
+  static I sign8(I a, I b) { return _mm256_sign_epi8(a, b); }
   static F add_f(F a, F b) { return _mm256_add_ps(a, b); }
   static I srli4(I a) { return _mm256_srli_epi16(a, 4); }
   static I maddubs(I u, I s) { return _mm256_maddubs_epi16(u, s); }
@@ -185,6 +193,7 @@ struct GroupOps256 {
 #if defined(ORCA_QUANT_INT8_512)
 struct GroupOps512 {
   static constexpr int kTokens = 8;
+  static constexpr bool kDpbusd = true;
   static constexpr bool kPacked = true;
   static __m512i dpbusd(__m512i acc, __m512i u, __m512i s) { return _mm512_dpbusd_epi32(acc, u, s); }
   static __m512i pack_halves(__m512i lo, __m512i hi) { return _mm512_mask_blend_epi16(0xAAAAAAAA, lo, hi); }
