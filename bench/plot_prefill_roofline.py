@@ -27,7 +27,7 @@ RESULT = re.compile(r"^(?P<label>.+?)\s+median\s+[\d.]+ us \(best\s+[\d.]+\)\s+(
 TOKENS = re.compile(r"\bT=(\d+)\b")
 # The series a line belongs to: its weight format and instruction path ("f32/avx2", "Q8_0 avx2-int8act").
 FLOAT_SERIES = re.compile(r"\b((?:f32|bf16)/[\w-]+)")
-QUANT_SERIES = re.compile(r"^(Q\d_\w+|F32|BF16) .*?/([\w-]+) T=")
+QUANT_SERIES = re.compile(r"^(Q\d_\w+) .*?/([\w-]+) T=")
 
 
 @dataclasses.dataclass(frozen=True)
