@@ -25,6 +25,7 @@
 #include <omp.h>
 
 #include <algorithm>
+#include <atomic>
 #include <cmath>
 #include <cstdint>
 #include <type_traits>
@@ -360,6 +361,12 @@ constexpr bool grouped_prefill_of() {
   return F == kQuantTypeQ4_K || F == kQuantTypeQ8_0;
 }
 
+// Rows per panel of a prefill: about 64 KiB of weights, which stay in L2 while every token tile
+// passes over them; an even number, for the 2-row tiles.
+inline int64_t int8_panel_rows(int64_t row_bytes) {
+  return std::max<int64_t>(2, ((int64_t{64} << 10) / row_bytes) & ~int64_t{1});
+}
+
 // out[t, n] for n in [n0, n1) and every token. A single token takes 4 rows at a time (4 FMA
 // chains), one from each quarter of the range, so that the weights are read as 4 long forward
 // streams (the hardware prefetchers follow those better than one; skinny_gemm.cpp measured the
@@ -387,7 +394,7 @@ inline void int8_act_rows(const Int8Rows& a, const Int8Groups& groups, const uin
     }
     return;
   }
-  const int64_t panel = std::max<int64_t>(2, ((int64_t{64} << 10) / row_bytes) & ~int64_t{1});
+  const int64_t panel = int8_panel_rows(row_bytes);
   for (int64_t p0 = n0; p0 < n1; p0 += panel) {
     const int64_t p1 = std::min(n1, p0 + panel);
     int64_t n = p0;
@@ -408,10 +415,14 @@ inline void int8_act_rows(const Int8Rows& a, const Int8Groups& groups, const uin
 // 1.3-1.8x slower at T = 2..4, faster from T = 8).
 constexpr int64_t kGroupedMinTokens = kGroupTokens;
 
-// out[T, N] (float32) = the int8-activation products of every weight row; the rows are cut into
-// one contiguous range per thread (each weight byte read once, by one thread). Formats with a
-// grouped prefill first build the token-interleaved copy of a (its groups split among the
-// threads).
+// out[T, N] (float32) = the int8-activation products of every weight row, each weight byte read
+// from memory once, by one thread. A single token cuts the rows into one contiguous range per
+// thread (memory bound: long forward streams). More tokens are compute bound: the threads take
+// panels of rows from a shared counter, so that a thread slowed down by the host takes fewer
+// panels instead of holding up the others at the barrier (the float32 GEMM measured 1.08-1.33x
+// from the same change on a 2-core Zen 3 whose second core ran slower). Which thread computes a
+// row never changes its bits. Formats with a grouped prefill first build the token-interleaved
+// copy of a (its groups split among the threads).
 template <bool kVnni>
 inline void int8_act_linear(const Int8Rows& a, const uint8_t* w, int type, int64_t row_bytes,
                             int64_t n_tokens, int64_t k, int64_t n_out, float* out) {
@@ -423,21 +434,34 @@ inline void int8_act_linear(const Int8Rows& a, const uint8_t* w, int type, int64
   if (grouped && n_tokens >= kGroupedMinTokens)
     groups = int8_groups_at(thread_scratch<int8_t>(5, static_cast<size_t>(int8_groups_bytes(n_tokens, k, type))),
                             n_tokens, k, type, type == kQuantTypeQ8_0 && GroupOps256<kVnni>::kDpbusd);
+  // Panels of rows, shrunk to give every thread at least 8 (short last units).
+  const int64_t threads = omp_get_max_threads();
+  const int64_t unit = std::min(int8_panel_rows(row_bytes), std::max<int64_t>(2, (n_out / (8 * threads)) & ~int64_t{1}));
+  const int64_t n_units = (n_out + unit - 1) / unit;
+  std::atomic<int64_t> next{0};
 #pragma omp parallel
   {
     if (groups.n_groups > 0) {
 #pragma omp for schedule(static)
       for (int64_t g = 0; g < groups.n_groups; ++g) fill_int8_group(a, n_tokens, k, g, groups);
     }
+    auto rows = [&](int64_t n0, int64_t n1) {
+      switch (type) {
+        case kQuantTypeQ8_0: int8_act_rows<kVnni, kQuantTypeQ8_0>(a, groups, w, row_bytes, n_tokens, k, n_out, n0, n1, out); break;
+        case kQuantTypeQ4_0: int8_act_rows<kVnni, kQuantTypeQ4_0>(a, groups, w, row_bytes, n_tokens, k, n_out, n0, n1, out); break;
+        case kQuantTypeQ4_1: int8_act_rows<kVnni, kQuantTypeQ4_1>(a, groups, w, row_bytes, n_tokens, k, n_out, n0, n1, out); break;
+        case kQuantTypeQ4_K: int8_act_rows<kVnni, kQuantTypeQ4_K>(a, groups, w, row_bytes, n_tokens, k, n_out, n0, n1, out); break;
+        case kQuantTypeQ6_K: int8_act_rows<kVnni, kQuantTypeQ6_K>(a, groups, w, row_bytes, n_tokens, k, n_out, n0, n1, out); break;
+        default: break;
+      }
+    };
     const int64_t nth = omp_get_num_threads(), tid = omp_get_thread_num();
-    const int64_t n0 = n_out * tid / nth, n1 = n_out * (tid + 1) / nth;
-    switch (type) {
-      case kQuantTypeQ8_0: int8_act_rows<kVnni, kQuantTypeQ8_0>(a, groups, w, row_bytes, n_tokens, k, n_out, n0, n1, out); break;
-      case kQuantTypeQ4_0: int8_act_rows<kVnni, kQuantTypeQ4_0>(a, groups, w, row_bytes, n_tokens, k, n_out, n0, n1, out); break;
-      case kQuantTypeQ4_1: int8_act_rows<kVnni, kQuantTypeQ4_1>(a, groups, w, row_bytes, n_tokens, k, n_out, n0, n1, out); break;
-      case kQuantTypeQ4_K: int8_act_rows<kVnni, kQuantTypeQ4_K>(a, groups, w, row_bytes, n_tokens, k, n_out, n0, n1, out); break;
-      case kQuantTypeQ6_K: int8_act_rows<kVnni, kQuantTypeQ6_K>(a, groups, w, row_bytes, n_tokens, k, n_out, n0, n1, out); break;
-      default: break;
+    if (n_tokens == 1) {
+      rows(n_out * tid / nth, n_out * (tid + 1) / nth);
+    } else {
+      for (int64_t u = next.fetch_add(1, std::memory_order_relaxed); u < n_units;
+           u = next.fetch_add(1, std::memory_order_relaxed))
+        rows(u * unit, std::min(n_out, (u + 1) * unit));
     }
   }
 }
