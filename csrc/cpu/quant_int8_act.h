@@ -415,14 +415,28 @@ inline void int8_act_rows(const Int8Rows& a, const Int8Groups& groups, const uin
 // 1.3-1.8x slower at T = 2..4, faster from T = 8).
 constexpr int64_t kGroupedMinTokens = kGroupTokens;
 
+// Rows per unit of work for one token: about an eighth of a thread's share, so that a thread
+// slowed down by the host takes fewer units instead of holding up the others at the barrier, but
+// never so few that the unit's 4 quarter streams (int8_act_rows) get shorter than ~64 KiB each,
+// the length the prefetchers need.
+inline int64_t int8_decode_unit_rows(int64_t row_bytes, int64_t n_out, int64_t threads) {
+  const int64_t min_rows = 4 * std::max<int64_t>(1, (int64_t{64} << 10) / row_bytes);
+  return std::max<int64_t>(1, std::min((n_out + threads - 1) / threads, std::max(min_rows, n_out / (8 * threads))));
+}
+
+// Rows per unit of a prefill: a panel (int8_panel_rows), shrunk to give every thread at least 8.
+inline int64_t int8_prefill_unit_rows(int64_t row_bytes, int64_t n_out, int64_t threads) {
+  return std::min(int8_panel_rows(row_bytes), std::max<int64_t>(2, (n_out / (8 * threads)) & ~int64_t{1}));
+}
+
 // out[T, N] (float32) = the int8-activation products of every weight row, each weight byte read
-// from memory once, by one thread. A single token cuts the rows into one contiguous range per
-// thread (memory bound: long forward streams). More tokens are compute bound: the threads take
-// panels of rows from a shared counter, so that a thread slowed down by the host takes fewer
-// panels instead of holding up the others at the barrier (the float32 GEMM measured 1.08-1.33x
-// from the same change on a 2-core Zen 3 whose second core ran slower). Which thread computes a
-// row never changes its bits. Formats with a grouped prefill first build the token-interleaved
-// copy of a (its groups split among the threads).
+// from memory once, by one thread. The threads take units of rows from a shared counter: with a
+// static split, the faster core of a 2-core Zen 3 whose second core ran slower waited at the
+// barrier. In paired A/B runs there: one token 1.10x on Llama-3.2-1B's Q4_K gate_up and 1.14x on
+// its Q6_K lm_head (Q8_0 level); prefill 1.07x (Q8_0 gate_up, T = 512), 1.22x (Q4_K) and
+// 1.16x (Q6_K down, T = 8 and 128). Which thread computes a row never changes its bits. Formats
+// with a grouped prefill first build the token-interleaved copy of a (its groups split among the
+// threads).
 template <bool kVnni>
 inline void int8_act_linear(const Int8Rows& a, const uint8_t* w, int type, int64_t row_bytes,
                             int64_t n_tokens, int64_t k, int64_t n_out, float* out) {
@@ -434,9 +448,9 @@ inline void int8_act_linear(const Int8Rows& a, const uint8_t* w, int type, int64
   if (grouped && n_tokens >= kGroupedMinTokens)
     groups = int8_groups_at(thread_scratch<int8_t>(5, static_cast<size_t>(int8_groups_bytes(n_tokens, k, type))),
                             n_tokens, k, type, type == kQuantTypeQ8_0 && GroupOps256<kVnni>::kDpbusd);
-  // Panels of rows, shrunk to give every thread at least 8 (short last units).
   const int64_t threads = omp_get_max_threads();
-  const int64_t unit = std::min(int8_panel_rows(row_bytes), std::max<int64_t>(2, (n_out / (8 * threads)) & ~int64_t{1}));
+  const int64_t unit = n_tokens == 1 ? int8_decode_unit_rows(row_bytes, n_out, threads)
+                                     : int8_prefill_unit_rows(row_bytes, n_out, threads);
   const int64_t n_units = (n_out + unit - 1) / unit;
   std::atomic<int64_t> next{0};
 #pragma omp parallel
@@ -455,14 +469,9 @@ inline void int8_act_linear(const Int8Rows& a, const uint8_t* w, int type, int64
         default: break;
       }
     };
-    const int64_t nth = omp_get_num_threads(), tid = omp_get_thread_num();
-    if (n_tokens == 1) {
-      rows(n_out * tid / nth, n_out * (tid + 1) / nth);
-    } else {
-      for (int64_t u = next.fetch_add(1, std::memory_order_relaxed); u < n_units;
-           u = next.fetch_add(1, std::memory_order_relaxed))
-        rows(u * unit, std::min(n_out, (u + 1) * unit));
-    }
+    for (int64_t u = next.fetch_add(1, std::memory_order_relaxed); u < n_units;
+         u = next.fetch_add(1, std::memory_order_relaxed))
+      rows(u * unit, std::min(n_out, (u + 1) * unit));
   }
 }
 
