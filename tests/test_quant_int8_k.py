@@ -179,9 +179,10 @@ def test_weight_reading_matches_gguf(qtype):
 def test_linear_matches_integer_reference(qtype, dtype, path):
     _C.set_cpu_quant_path(path)
     gen = torch.Generator().manual_seed(qtype * 7 + len(path))
-    # (19, 256 * 8, 97): prefill over several L2 panels of rows (64 KiB of weights each)
+    # (19, 256 * 8, 97): prefill over several L2 panels of rows (64 KiB of weights each);
+    # (21, 256 * 32, 7): over several token tiles of the natural-order tiles (~128 KiB of rows)
     for t, k, n in [(1, 256, 1), (3, 256 * 3, 37), (17, 256 * 2, 13), (5, 256 * 9, 70), (1, 256 * 5, 9),
-                    (15, 256, 6), (12, 256 * 2, 5), (19, 256 * 8, 97)]:
+                    (15, 256, 6), (12, 256 * 2, 5), (19, 256 * 8, 97), (21, 256 * 32, 7)]:
         qweight = random_blocks(qtype, n, k, seed=t * 1000 + k + n)
         x = rows(gen, t, k, dtype, zero_row=t - 1 if t > 1 else None)
         bias = (torch.randn(n, generator=gen) * 0.1).to(dtype)
