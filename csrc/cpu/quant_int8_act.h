@@ -152,14 +152,20 @@ struct Q8RowBlock {
   float d;
 };
 
+// kCorrections: also the -128 * sum(w) lanes, which only the vpdpbusd tile reads (its x + 128
+// bias); the AVX2 tile skips them (a maddubs, a madd, a mullo and a store per block).
+template <bool kCorrections>
 inline void q8_0_row_blocks(const uint8_t* row, int64_t n_blocks, Q8RowBlock* out) {  // out [n_blocks]
   const __m256i ones8 = _mm256_set1_epi8(1), ones16 = _mm256_set1_epi16(1);
   for (int64_t b = 0; b < n_blocks; ++b) {
     const uint8_t* blk = row + b * 34;
     const __m256i wq = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(blk + 2));
-    const __m256i sums = _mm256_madd_epi16(_mm256_maddubs_epi16(ones8, wq), ones16);  // exact: |pair| <= 256
     _mm256_store_si256(reinterpret_cast<__m256i*>(out[b].q), wq);
-    _mm256_store_si256(reinterpret_cast<__m256i*>(out[b].neg128_sums), _mm256_mullo_epi32(sums, _mm256_set1_epi32(-128)));
+    if constexpr (kCorrections) {
+      const __m256i sums = _mm256_madd_epi16(_mm256_maddubs_epi16(ones8, wq), ones16);  // exact: |pair| <= 256
+      _mm256_store_si256(reinterpret_cast<__m256i*>(out[b].neg128_sums),
+                         _mm256_mullo_epi32(sums, _mm256_set1_epi32(-128)));
+    }
     out[b].d = half_to_float(blk);
   }
 }
@@ -275,7 +281,7 @@ constexpr int64_t row_prep_blocks(int64_t k) {
   return k / (F == kQuantTypeQ8_0 ? 32 : kSuperBlock);
 }
 
-template <int F>
+template <int F, bool kQ8Corrections>
 inline void prepare_rows(const uint8_t* w, int64_t row_bytes, int64_t k, int64_t n0, int64_t n1, RowPrepOf<F>* prep) {
   const int64_t n_blocks = row_prep_blocks<F>(k);
   for (int64_t n = n0; n < n1; ++n) {
@@ -286,7 +292,7 @@ inline void prepare_rows(const uint8_t* w, int64_t row_bytes, int64_t k, int64_t
     else if constexpr (F == kQuantTypeQ6_K)
       q6k_row_blocks(row, n_blocks, out);
     else
-      q8_0_row_blocks(row, n_blocks, out);
+      q8_0_row_blocks<kQ8Corrections>(row, n_blocks, out);
   }
 }
 
@@ -330,7 +336,7 @@ inline void grouped_prefill(const Int8Groups& g, const uint8_t* w, int64_t row_b
                             int64_t n_out, int64_t n0, int64_t n1, float* out) {
   constexpr int kSlots = F == kQuantTypeQ4_K ? 2 : 1;
   RowPrepOf<F>* prep = thread_scratch<RowPrepOf<F>>(0, static_cast<size_t>((n1 - n0) * row_prep_blocks<F>(k)));
-  prepare_rows<F>(w, row_bytes, k, n0, n1, prep);
+  prepare_rows<F, GroupOps256<kVnni>::kDpbusd>(w, row_bytes, k, n0, n1, prep);
 #if defined(ORCA_QUANT_INT8_512)
   if constexpr (kVnni) {
     const int64_t tail = n_tokens % kGroupTokens;
