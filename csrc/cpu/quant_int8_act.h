@@ -34,7 +34,7 @@
 #include "quant_int8_act_k.h"  // the 256-element formats
 #include "quant_panels.h"      // Int8Rows
 #include "skinny_gemm_blocks.h"  // hsum8_tree
-#include "vec.h"                 // thread_scratch
+#include "vec.h"                 // thread_scratch, take_units
 
 namespace orca {
 namespace cpu {
@@ -446,9 +446,10 @@ inline int64_t int8_prefill_unit_rows(int64_t row_bytes, int64_t n_out, int64_t 
 // out[T, N] (float32) = the int8-activation products of every weight row, each weight byte read
 // from memory once, by one thread. The threads take units of rows from a shared counter: with a
 // static split, the faster core of a 2-core Zen 3 whose second core ran slower waited at the
-// barrier. In paired A/B runs there: one token 1.10x on Llama-3.2-1B's Q4_K gate_up and 1.14x on
-// its Q6_K lm_head (Q8_0 level); prefill 1.07x (Q8_0 gate_up, T = 512), 1.22x (Q4_K) and
-// 1.16x (Q6_K down, T = 8 and 128). Which thread computes a row never changes its bits. Formats
+// barrier. In paired A/B runs there (Llama-3.2-1B's blocks): prefill 1.07x (Q8_0 gate_up,
+// T = 512), 1.22x (Q4_K) and 1.16x (Q6_K down, T = 8 and 128); one token within the host's
+// noise in the kernel (0.92-1.14x) and 1.00-1.08x end to end. Which thread computes a row never
+// changes its bits. Formats
 // with a grouped prefill first build the token-interleaved copy of a (its groups split among the
 // threads).
 template <bool kVnni>
@@ -483,9 +484,7 @@ inline void int8_act_linear(const Int8Rows& a, const uint8_t* w, int type, int64
         default: break;
       }
     };
-    for (int64_t u = next.fetch_add(1, std::memory_order_relaxed); u < n_units;
-         u = next.fetch_add(1, std::memory_order_relaxed))
-      rows(u * unit, std::min(n_out, (u + 1) * unit));
+    take_units(next, n_units, [&](int64_t u) { rows(u * unit, std::min(n_out, (u + 1) * unit)); });
   }
 }
 

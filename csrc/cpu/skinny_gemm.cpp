@@ -9,12 +9,11 @@
 // best. On a 2-core Zen 2, all projections of a T = 1 step ran 1.16x (float32) and 1.47x (bf16)
 // faster than with 8 neighbouring rows per panel, whose 8 streams are a few KiB long each
 // (bench_skinny_gemm; bench/RESULTS.md). Software prefetching gained nothing on top.
-// At large T each thread walks its panels in blocks of ~256 KiB of weights, and runs every token
-// tile (sized to keep the tile in L2) against one block before the next: a panel is reused by the
-// whole tile while it sits in L1, and by the other tiles from L2. When there are fewer panels
-// than threads (tiny outputs, many tokens), the threads split the token tiles instead.
-// That plan serves the few-token (memory-bound) calls; calls of many tokens walk neighbouring
-// outputs and balance the threads dynamically instead (kNeighbourPanelsFromTokens).
+// That plan serves the few-token (memory-bound) calls. From kNeighbourPanelsFromTokens tokens on
+// (compute bound) a panel holds 8 neighbouring outputs instead, and the threads take units from
+// a shared counter: one token tile (sized to stay in L2) against one block of panels (~256 KiB
+// of weights), so that a panel is reused by the whole tile while it sits in L1, and a block by
+// the tiles that follow it from L2.
 #include <omp.h>
 
 #include <algorithm>
@@ -261,47 +260,39 @@ struct PanelCall {
   }
 };
 
-// Few tokens: per thread, a contiguous range of outputs walked as kPanelRows streams, in blocks
-// of panels (each block against every token tile). When there are fewer panels than threads, the
-// threads of a range take turns over the token tiles.
+// Few tokens (one token tile: token_tile_rows is at least 12): per thread, a contiguous range of
+// outputs walked as kPanelRows streams, in blocks of panels. Threads beyond the number of panels
+// have no range and wait.
 template <typename T, typename XT, typename WT>
-void walk_streams(const PanelCall<T, XT, WT>& call, int64_t n_tokens, int64_t tile, int64_t block) {
+void walk_streams(const PanelCall<T, XT, WT>& call, int64_t n_tokens, int64_t block) {
   const int64_t per_panel = call.per_panel(), n_out = call.n_out;
   const int64_t n_panels = (n_out + per_panel - 1) / per_panel;
-  const int64_t n_tiles = (n_tokens + tile - 1) / tile;
   const int64_t nth = omp_get_num_threads(), tid = omp_get_thread_num();
-  // Threads are laid out group-major: panel_groups ranges of outputs, each walked by
-  // nth / panel_groups threads that take turns over the token tiles.
-  const int64_t panel_groups = std::min(nth, n_panels);
-  const int64_t tile_groups = std::max<int64_t>(1, nth / panel_groups);
-  const int64_t pg = tid % panel_groups, tg = tid / panel_groups;
-  const int64_t o_begin = n_out * pg / panel_groups, o_end = n_out * (pg + 1) / panel_groups;
+  const int64_t ranges = std::min(nth, n_panels);
+  if (tid >= ranges) return;
+  const int64_t o_begin = n_out * tid / ranges, o_end = n_out * (tid + 1) / ranges;
   const int64_t range = o_end - o_begin;
   const int64_t stream_len = (range + per_panel - 1) / per_panel;  // outputs per stream
-  float* c = thread_scratch<float>(7, static_cast<size_t>(tile * kPanelRows));
-  // SiLU: the gate and up sums of this thread's outputs for one tile ([tile][range] each).
+  float* c = thread_scratch<float>(7, static_cast<size_t>(n_tokens * kPanelRows));
+  // SiLU: the gate and up sums of this thread's outputs ([n_tokens][range] each).
   // Slot 5 is free here: prepare_activations used it only before this region.
-  float* gate = call.silu ? thread_scratch<float>(5, static_cast<size_t>(2 * tile * range)) : nullptr;
-  float* up = call.silu ? gate + tile * range : nullptr;
-  for (int64_t i0 = 0; tg < tile_groups && i0 < stream_len; i0 += block) {
+  float* gate = call.silu ? thread_scratch<float>(5, static_cast<size_t>(2 * n_tokens * range)) : nullptr;
+  float* up = call.silu ? gate + n_tokens * range : nullptr;
+  for (int64_t i0 = 0; i0 < stream_len; i0 += block) {
     const int64_t i1 = std::min(stream_len, i0 + block);
-    for (int64_t tt = tg; tt < n_tiles; tt += tile_groups) {
-      const int64_t t0 = tt * tile, tb = std::min(tile, n_tokens - t0);
-      for (int64_t i = i0; i < i1; ++i) {
-        // Output i of each stream; the streams that are already done form a suffix.
-        int64_t idx[kPanelRows];
-        int64_t ng = 0;
-        for (int64_t s = 0; s < per_panel && o_begin + s * stream_len + i < o_end; ++s)
-          idx[ng++] = o_begin + s * stream_len + i;
-        call.run(t0, tb, idx, ng, c, gate, up, o_begin, range);
-      }
-      if (call.silu)  // the block's outputs: [i0, i1) of each stream
-        for (int64_t s = 0; s < per_panel; ++s) {
-          const int64_t lo = s * stream_len + i0, n = std::min(range, s * stream_len + i1) - lo;
-          if (n > 0)
-            silu_mul_range(gate + lo, up + lo, range, tb, n, call.out + t0 * n_out + o_begin + lo, n_out);
-        }
+    for (int64_t i = i0; i < i1; ++i) {
+      // Output i of each stream; the streams that are already done form a suffix.
+      int64_t idx[kPanelRows];
+      int64_t ng = 0;
+      for (int64_t s = 0; s < per_panel && o_begin + s * stream_len + i < o_end; ++s)
+        idx[ng++] = o_begin + s * stream_len + i;
+      call.run(0, n_tokens, idx, ng, c, gate, up, o_begin, range);
     }
+    if (call.silu)  // the block's outputs: [i0, i1) of each stream
+      for (int64_t s = 0; s < per_panel; ++s) {
+        const int64_t lo = s * stream_len + i0, n = std::min(range, s * stream_len + i1) - lo;
+        if (n > 0) silu_mul_range(gate + lo, up + lo, range, n_tokens, n, call.out + o_begin + lo, n_out);
+      }
   }
 }
 
@@ -320,8 +311,7 @@ void walk_neighbours(const PanelCall<T, XT, WT>& call, int64_t n_tokens, int64_t
   float* c = thread_scratch<float>(7, static_cast<size_t>(tile * kPanelRows));
   float* gate = call.silu ? thread_scratch<float>(5, static_cast<size_t>(2 * tile * ld)) : nullptr;
   float* up = call.silu ? gate + tile * ld : nullptr;
-  for (int64_t u = next.fetch_add(1, std::memory_order_relaxed); u < n_units;
-       u = next.fetch_add(1, std::memory_order_relaxed)) {
+  take_units(next, n_units, [&](int64_t u) {
     const int64_t i0 = u / n_tiles * block, i1 = std::min(n_panels, i0 + block);
     const int64_t t0 = u % n_tiles * tile, tb = std::min(tile, n_tokens - t0);
     const int64_t o_lo = i0 * per_panel, o_hi = std::min(n_out, i1 * per_panel);
@@ -332,7 +322,7 @@ void walk_neighbours(const PanelCall<T, XT, WT>& call, int64_t n_tokens, int64_t
       call.run(t0, tb, idx, ng, c, gate, up, o_lo, ld);
     }
     if (call.silu) silu_mul_range(gate, up, ld, tb, o_hi - o_lo, call.out + t0 * n_out + o_lo, n_out);
-  }
+  });
 }
 
 template <typename T, typename XT, typename WT>
@@ -348,8 +338,9 @@ void run_panels(const XT* x, int64_t ldx, PanelFn<XT, WT> panel_fn, const WT* w,
   // Waking the team costs a few microseconds: not worth it for a product this small.
   const bool parallel = n_panels * n_tiles > 1 && n_tokens * n_rows * k >= (int64_t{1} << 16);
   if (n_tokens < kNeighbourPanelsFromTokens) {
+    static_assert(kNeighbourPanelsFromTokens <= 12, "the streams walk takes one token tile (token_tile_rows >= 12)");
 #pragma omp parallel if (parallel)
-    walk_streams(call, n_tokens, tile, block);
+    walk_streams(call, n_tokens, block);
     return;
   }
   // Blocks of about equal size, and at least 8 units per thread, so that the last units to

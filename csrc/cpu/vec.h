@@ -3,6 +3,7 @@
 // loops that GCC/Clang auto-vectorize at -O3 (no intrinsics), so the same source builds for
 // any x86-64 level or for aarch64.
 #pragma once
+#include <atomic>
 #include <cmath>
 #include <cstdint>
 #include <cstdlib>
@@ -86,6 +87,16 @@ inline float keep_if(float x, bool keep) {
   u &= 0u - static_cast<uint32_t>(keep);
   std::memcpy(&x, &u, sizeof x);
   return x;
+}
+
+// Runs f(u) once for each unit u in [0, n_units), on whichever of the threads sharing `next`
+// (zero at the start) takes it: each thread takes the next unit when it is done with one, so a
+// thread that runs slower takes fewer instead of holding up the others at the barrier.
+template <typename F>
+inline void take_units(std::atomic<int64_t>& next, int64_t n_units, F&& f) {
+  for (int64_t u = next.fetch_add(1, std::memory_order_relaxed); u < n_units;
+       u = next.fetch_add(1, std::memory_order_relaxed))
+    f(u);
 }
 
 // A growable 64-byte-aligned buffer of E private to the calling thread (OpenMP workers each
