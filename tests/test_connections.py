@@ -31,12 +31,12 @@ def make_app(server, **kw):
 
 
 @contextlib.contextmanager
-def serving(app, **config):
+def serving(app, log_level: str = "warning", **config):
     """The app behind the `serve` transport on a free loopback port; yields (port, limiter)."""
     from orca_ext.http import transport
 
     port = free_port()
-    cfg = transport.make_config(app, host="127.0.0.1", port=port, log_level="warning",
+    cfg = transport.make_config(app, host="127.0.0.1", port=port, log_level=log_level,
                                 client_keys=app.state.client_keys, **config)
     http = transport.DrainingServer(cfg, lambda hurry: app.state.service.drain(0.0, hurry))
     thread = threading.Thread(target=http.run, daemon=True)
@@ -363,6 +363,24 @@ def test_a_trusted_proxys_malformed_requests_are_not_charged_to_it(make_server):
             sock.close()
     assert budget.delay(proxy) == 0
     assert budget.delay(ATTACKER) > 0
+
+
+def test_forwarded_for_names_no_client_without_trusted_proxies(make_server):
+    """Without --trusted-proxies, X-Forwarded-For is the client's own words from any peer, the
+    loopback address included (which uvicorn's own proxy-header handling would trust): a bad
+    request sent from 127.0.0.1 naming 9.9.9.9 is charged to 127.0.0.1."""
+    from orca_ext.http.rejections import RejectionBudget
+
+    budget = RejectionBudget(rate=1.0, burst=1.0, max_delay=0.2)  # one rejection puts a client in debt
+    app = make_app(make_server(), rejections=budget)
+    with serving(app, rejections=budget) as (port, _):
+        sock = connect(port, "127.0.0.1")
+        body = b"{not json"
+        sock.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: application/json\r\n"
+                     b"X-Forwarded-For: 9.9.9.9\r\nContent-Length: " + str(len(body)).encode() + b"\r\n\r\n" + body)
+        assert read_response(sock)[0] == 400
+        sock.close()
+    assert budget.delay("127.0.0.1") > 0 and budget.delay("9.9.9.9") == 0
 
 
 def _post(sock: socket.socket, body: bytes) -> None:

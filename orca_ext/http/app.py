@@ -238,13 +238,13 @@ async def _handle(svc: Service, request: Request, endpoint: str, run: Runner, mo
                 await asyncio.sleep(wait)
         svc.metrics.observe_rejected(endpoint, outcome)
         # %r: the message quotes client strings (model names, field names).
-        logger.info("request %s from %r: %d %r", rid, client, exc.status, exc.message)
+        svc.logs.rejected.log("request %s from %r: %d %r", rid, client, exc.status, exc.message)
         response = exc.response()
     except ClientDisconnect:  # gone while sending its body: the client's doing, not ours
         if adm is not None:
             adm.close()
         svc.metrics.observe_rejected(endpoint, "abort")
-        logger.info("request %s: client disconnected while sending its body", rid)
+        svc.logs.hung_up.log("request %s: client disconnected while sending its body", rid)
         response = Response(status_code=499)
     except asyncio.CancelledError:
         if adm is not None:

@@ -14,6 +14,7 @@ body is never a key: any client can write anything there.
 """
 from __future__ import annotations
 
+import functools
 import ipaddress
 from typing import Iterable, Optional, Sequence, Union
 
@@ -40,6 +41,7 @@ def parse_networks(values: Iterable[str]) -> tuple[Network, ...]:
     return tuple(nets)
 
 
+@functools.lru_cache(maxsize=4096)  # every connection and request parses its peer's address again
 def _address(text: str) -> Optional[Address]:
     try:
         addr = ipaddress.ip_address(text.strip().strip("[]"))
@@ -50,6 +52,7 @@ def _address(text: str) -> Optional[Address]:
     return addr
 
 
+@functools.lru_cache(maxsize=4096)
 def address_key(addr: Address) -> str:
     if isinstance(addr, ipaddress.IPv6Address):
         return str(ipaddress.IPv6Network((addr, IPV6_CLIENT_PREFIX), strict=False))

@@ -45,6 +45,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                    help="largest accepted request body; larger get 413 (default 1 MiB)")
     g.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"],
                    help="logging level (default info)")
+    g.add_argument("--access-log", action="store_true",
+                   help="log a line per request (uvicorn's access log; off by default: refusals and "
+                        "rejections are summarised instead, at most one line per 10 s of each kind)")
     p = parser.add_argument_group("HTTP protections and limits")
     p.add_argument("--trusted-hosts", type=_names, default=None, metavar="NAMES",
                    help="comma-separated Host names to answer besides loopback ones ('*' = any; "
@@ -182,7 +185,7 @@ def main(args: argparse.Namespace) -> int:
                                        max_connections_per_client=args.max_connections_per_client,
                                        unproven_connection_rate=args.unproven_connection_rate,
                                        client_keys=app.state.client_keys,
-                                       rejections=service.rejections)
+                                       rejections=service.rejections, access_log=args.access_log)
         # SIGINT/SIGTERM: drain (stop admitting, a bounded grace, end the rest in-band), then exit 0.
         transport.DrainingServer(config, lambda hurry: service.drain(args.shutdown_grace, hurry)).run()
     finally:

@@ -34,6 +34,7 @@ from ..validation import text_prompt_ids
 from . import protocol
 from .errors import APIError, bad_request
 from .guards import bearer_ok
+from .log_every import RequestLogs
 from .logprob_fields import TokenTexts, chat_logprobs, completion_logprobs
 from .metrics import Metrics
 from .prompt_workers import DEFAULT_PROMPT_JOBS_PER_CLIENT, DEFAULT_PROMPT_THREADS, PromptWorkers
@@ -94,7 +95,8 @@ class Admission:
             for rid in self.seq_rids:
                 try:
                     aborted = server.abort(rid)
-                    logger.info("request %s aborted (client disconnected or failed; was live: %s)", rid, aborted)
+                    self.service.logs.aborted.log("request %s aborted (client disconnected or failed; was live: %s)",
+                                                  rid, aborted)
                     # Collect the final output so the server releases the id now instead of keeping
                     # an undelivered output around (abort() finishes the request synchronously).
                     server.result(rid, timeout=0)
@@ -128,6 +130,7 @@ class Service:
         self.draining = False    # no new admissions
         self.cutting = False     # the grace period is over: whatever is still admitted is aborted
         self.metrics = Metrics(server.stats)
+        self.logs = RequestLogs()  # what clients can repeat is logged at most once per 10 s per kind
         self.prompt_workers = PromptWorkers(prompt_threads, prompt_jobs_per_client)
         # Structured outputs: grammars compile on threads of their own, shared fairly between clients
         # like the prompt threads, so a slow schema delays neither prompts nor the engine; at the
@@ -401,7 +404,7 @@ class Service:
         try:
             done, _ = await asyncio.wait({result_task, watch_task}, return_when=asyncio.FIRST_COMPLETED)
             if result_task not in done:
-                logger.info("request %s: client disconnected before the result", adm.rid)
+                self.logs.aborted.log("request %s: client disconnected before the result", adm.rid)
                 return None
             finals = result_task.result()
         finally:

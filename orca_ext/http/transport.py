@@ -9,8 +9,9 @@ Limits (all options of `serve`; defaults in settings.py):
   past the limit is ever parsed (h11's own limits and a check on the parsed request back this up).
 - malformed or oversize heads are charged to their client's rejection budget (rejections.py), as
   the app's rejections are; while the client is in debt, such a head is not answered 400 but held
-  for the budget's delay, then answered with a fixed 429 and closed. Refusals are logged at most
-  once per REFUSAL_LOG_EVERY seconds of each kind, with a count, never once per request.
+  for the budget's delay, then answered with a fixed 429 and closed. Refusals are logged as a
+  warning at most once per LOG_EVERY seconds of each kind, with a count (log_every.py), the rest
+  at DEBUG. uvicorn's access log (a line per request) is off unless --access-log.
 - --keep-alive-timeout (5 s): an idle keep-alive connection is closed after this.
 - a response sent before its request's body was read (an error, or a route that reads no body)
   ends the connection: the server half-closes it at once and discards what the client still
@@ -20,7 +21,9 @@ Limits (all options of `serve`; defaults in settings.py):
   it writes to see the answer. A declared body can never keep a connection open past its response.
 - --body-timeout (30 s, enforced by the service): the whole body must arrive within this.
 - --max-connections (2048) and --max-connections-per-client (256): connections.py; a refused
-  connection gets the error at its first request, or is closed after REFUSED_WAIT seconds.
+  connection gets the error (a fixed answer written here, not by the app) as soon as it sends
+  anything, then the lingering close above; one that sends nothing is closed after REFUSED_WAIT
+  seconds.
 - --unproven-connection-rate (16 per second): a client's connections are on probation until one
   of their responses succeeds (connections.py); past --max-connections-per-client of them, its new
   connections are held unread until their turn (reading paused; the header timeout starts when
@@ -35,11 +38,12 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import functools
+import json
 import logging
 import re
 import signal
 import threading
-import time
+from http import HTTPStatus
 from typing import Any, Awaitable, Callable, Generator, Optional
 
 import h11
@@ -49,6 +53,7 @@ from uvicorn.protocols.http.h11_impl import H11Protocol
 from .clients import ClientKeys
 from .connections import ConnectionLimiter, Refusal
 from .errors import APIError
+from .log_every import LogEvery
 from .rejections import IN_DEBT_MESSAGE, RejectionBudget
 from .settings import (DEFAULT_HEADER_TIMEOUT, DEFAULT_KEEP_ALIVE_TIMEOUT, DEFAULT_MAX_CONNECTIONS,
                        DEFAULT_MAX_CONNECTIONS_PER_CLIENT, DEFAULT_UNPROVEN_CONNECTION_RATE, MAX_HEADER_BYTES)
@@ -58,7 +63,6 @@ logger = logging.getLogger(__name__)
 LINGER_SECONDS = 2.0        # after an early response: how long the rest of a body is discarded
 LINGER_BYTES = 1 << 20      # ... and how much of it, before the connection is closed
 REFUSED_WAIT = 1.0          # a refused connection's time to send the request its error answers
-REFUSAL_LOG_EVERY = 10.0    # seconds between two warnings about one kind of refusal
 
 # The end of a request head as h11 finds it: an empty line, CRLF or bare LF.
 HEAD_END = re.compile(b"\n\r?\n")
@@ -117,29 +121,9 @@ class BoundedHeadConnection(h11.Connection):
         return event
 
 
-class _WarningEvery:
-    """At most one warning per REFUSAL_LOG_EVERY seconds about one kind of refusal, counting the
-    ones left out: a client refused in a loop must not cost a log line per refusal."""
-
-    def __init__(self, what: str) -> None:
-        self.what = what  # e.g. "a connection": "refused a connection from 'client': why"
-        self.next_at = 0.0
-        self.suppressed = 0
-
-    def refused(self, key: str, why: str) -> None:
-        now = time.monotonic()
-        if now < self.next_at:
-            self.suppressed += 1
-            return
-        logger.warning("refused %s from %r: %s (%d more refused since the last warning)",
-                       self.what, key, why, self.suppressed)
-        self.next_at = now + REFUSAL_LOG_EVERY
-        self.suppressed = 0
-
-
 class _DropUvicornMalformedWarning(logging.Filter):
     """uvicorn warns once per malformed request and names no client; the protocol below logs
-    those refusals itself, with the client and at most once per REFUSAL_LOG_EVERY."""
+    those refusals itself, with the client, at most once per LOG_EVERY seconds (log_every.py)."""
 
     def filter(self, record: logging.LogRecord) -> bool:
         return record.msg != UVICORN_MALFORMED_WARNING
@@ -148,12 +132,14 @@ class _DropUvicornMalformedWarning(logging.Filter):
 _DROP_UVICORN_MALFORMED_WARNING = _DropUvicornMalformedWarning()
 
 
-def _refusal_app(refusal: Refusal) -> Callable[..., Awaitable[None]]:
-    async def refuse(scope: dict, receive: Any, send: Any) -> None:
-        await APIError(refusal.status, refusal.message, code=refusal.code,
-                       headers={"Connection": "close", "Retry-After": "1"}).response()(scope, receive, send)
-
-    return refuse
+def refusal_answer(refusal: Refusal) -> bytes:
+    """The whole response to a refused connection, in the API's error shape, built without the
+    app: a refusal costs the server one small write, whatever a client cycling connections asks."""
+    body = json.dumps(APIError(refusal.status, refusal.message, code=refusal.code).body(),
+                      separators=(",", ":")).encode()
+    return (f"HTTP/1.1 {refusal.status} {HTTPStatus(refusal.status).phrase}\r\n".encode()
+            + b"content-type: application/json\r\nconnection: close\r\nretry-after: 1\r\n"
+            + b"content-length: " + str(len(body)).encode() + b"\r\n\r\n" + body)
 
 
 def serving_protocol(timeout: float, limiter: ConnectionLimiter, keys: ClientKeys,
@@ -164,8 +150,8 @@ def serving_protocol(timeout: float, limiter: ConnectionLimiter, keys: ClientKey
     name for a connection) and is charged for every request the transport refuses as malformed
     (an oversize head included), as the app charges the requests it rejects; while the client is
     in debt, such a request is refused cheaply (see `_refuse_in_debt`)."""
-    refused_connections = _WarningEvery("a connection")
-    refused_heads = _WarningEvery("a request head")
+    refused_connections = LogEvery(logger, logging.WARNING)
+    refused_heads = LogEvery(logger, logging.WARNING)
 
     class ServingH11Protocol(H11Protocol):
         header_timeout = timeout
@@ -181,6 +167,7 @@ def serving_protocol(timeout: float, limiter: ConnectionLimiter, keys: ClientKey
         _counted = False
         _proven = False                     # a response of this connection succeeded (connections.py)
         _paced_timer: Optional[asyncio.TimerHandle] = None  # held unread until the client's turn
+        _refusal: Optional[bytes] = None    # a refused connection's answer (connections.py)
 
         def __init__(self, *args: Any, **kwargs: Any) -> None:
             super().__init__(*args, **kwargs)
@@ -202,9 +189,9 @@ def serving_protocol(timeout: float, limiter: ConnectionLimiter, keys: ClientKey
                     return
                 self._arm_header_timer(self.header_timeout)
                 return
-            refused_connections.refused(self._client_key, refusal.message)
+            refused_connections.log("refused a connection from %r: %s", self._client_key, refusal.message)
             self.connections.discard(self)  # not counted against uvicorn's limit either
-            self.app = _refusal_app(refusal)
+            self._refusal = refusal_answer(refusal)
             self._arm_header_timer(min(REFUSED_WAIT, self.header_timeout))
 
         def _succeeded(self) -> None:
@@ -224,6 +211,10 @@ def serving_protocol(timeout: float, limiter: ConnectionLimiter, keys: ClientKey
                 self._lingered += len(data)
                 if self._lingered > LINGER_BYTES:
                     self.transport.close()
+                return
+            if self._refusal is not None:  # a refused connection: its answer, as soon as it sends
+                self.transport.write(self._refusal)
+                self._linger()
                 return
             if self.conn.their_state is h11.IDLE:  # a request head is arriving
                 self._head_bytes += len(data)
@@ -248,7 +239,7 @@ def serving_protocol(timeout: float, limiter: ConnectionLimiter, keys: ClientKey
             """Refuse a request whose head passed MAX_HEADER_BYTES, unparsed: a fixed 400 and a
             lingering close, or while its client is in debt a held 429."""
             self._cancel_header_timer()
-            refused_heads.refused(self._client_key, f"request line and headers over {MAX_HEADER_BYTES} bytes")
+            refused_heads.log("refused a request head from %r: over %d bytes", self._client_key, MAX_HEADER_BYTES)
             wait = self._charge()
             if wait > 0:
                 self._refuse_in_debt(wait)
@@ -261,7 +252,7 @@ def serving_protocol(timeout: float, limiter: ConnectionLimiter, keys: ClientKey
             close: closing at once, with the rest of the request unread, would reset the
             connection and could destroy the answer before the client reads it. While the client
             is in debt, a held 429 instead."""
-            refused_heads.refused(self._client_key, "malformed request line or headers")
+            refused_heads.log("refused a request head from %r: malformed request line or headers", self._client_key)
             wait = self._charge()
             try:
                 output = self.conn.send(h11.Response(status_code=400, reason=b"Bad Request", headers=[
@@ -373,21 +364,25 @@ def make_config(app: Any, *, host: str, port: int, log_level: str,
                 max_connections_per_client: int = DEFAULT_MAX_CONNECTIONS_PER_CLIENT,
                 unproven_connection_rate: float = DEFAULT_UNPROVEN_CONNECTION_RATE,
                 client_keys: Optional[ClientKeys] = None,
-                rejections: Optional[RejectionBudget] = None) -> uvicorn.Config:
+                rejections: Optional[RejectionBudget] = None,
+                access_log: bool = False) -> uvicorn.Config:
     """The uvicorn config of one server. client_keys: who is a client (its trusted proxies);
     pass the app's (`app.state.client_keys`) so that both layers agree. rejections: pass the
     app's rejection budget (`app.state.service.rejections`): a new connection reusing a closed
     one's port then starts with a clean record, and a malformed request the transport refuses
-    costs its client as a rejected one does."""
+    costs its client as a rejected one does. access_log: uvicorn's line per request (off: a
+    client would set the number of lines, each costing about what its request does)."""
     limiter = ConnectionLimiter(max_connections, max_connections_per_client, unproven_connection_rate)
     config = uvicorn.Config(
-        app, host=host, port=port, log_level=log_level,
+        app, host=host, port=port, log_level=log_level, access_log=access_log,
+        # Clients are keyed by clients.py alone (X-Forwarded-For only from --trusted-proxies);
+        # uvicorn's own proxy headers would let any peer on 127.0.0.1 name itself.
+        proxy_headers=False,
         http=serving_protocol(header_timeout, limiter, client_keys or ClientKeys(), rejections),
         timeout_keep_alive=int(max(1, keep_alive_timeout)),
         h11_max_incomplete_event_size=MAX_HEADER_BYTES,
-        # Connections are limited by `limiter` (uvicorn's own limit would also count the short
-        # tasks that answer refused connections). Running requests are bounded by the
-        # connections (one at a time each) and, for completions, by --max-queue.
+        # Connections are limited by `limiter`. Running requests are bounded by the connections
+        # (one at a time each) and, for completions, by --max-queue.
         limit_concurrency=None,
         # After drain() every stream has ended; this only bounds connections that still linger.
         timeout_graceful_shutdown=5,
