@@ -17,6 +17,13 @@
 
 namespace py = pybind11;
 
+// The kernels run without the GIL: they touch no Python object (pybind converts the arguments
+// before and the result after), and the HTTP server's event loop shares the process. Holding
+// the GIL through a kernel would stop that loop for the kernel's duration, and any Python work
+// of the loop (answering connections) would stop the whole OpenMP team for its duration instead
+// of sharing the cores with it.
+static const auto kernel_call = py::call_guard<py::gil_scoped_release>();
+
 PYBIND11_MODULE(_C, m) {
   m.doc() = "orca_ext kernels (CPU; CUDA when built with a CUDA torch) and the KV slab allocator";
 
@@ -33,19 +40,19 @@ PYBIND11_MODULE(_C, m) {
     }
   });
 
-  m.def("rms_norm", &orca::rms_norm, py::arg("x"), py::arg("weight"), py::arg("eps"),
+  m.def("rms_norm", &orca::rms_norm, kernel_call, py::arg("x"), py::arg("weight"), py::arg("eps"),
         "rms_norm(x[T,H], weight[H], eps) -> [T,H]; the norm in float32.");
-  m.def("rmsnorm_qkv", &orca::rmsnorm_qkv, py::arg("x"), py::arg("norm_weight"), py::arg("qkv_weight"),
+  m.def("rmsnorm_qkv", &orca::rmsnorm_qkv, kernel_call, py::arg("x"), py::arg("norm_weight"), py::arg("qkv_weight"),
         py::arg("qkv_bias"), py::arg("eps"), py::arg("batch_invariant") = false,
         "rmsnorm_qkv(x[T,H], norm_weight[H], qkv_weight[N,H], qkv_bias[N] or None, eps, batch_invariant=False) "
         "-> [T,N]; batch_invariant keeps one T-independent code path (CPU: our kernel at every T; CUDA: "
         "fixed-chunk cuBLAS)");
-  m.def("slab_write", &orca::slab_write, py::arg("k_cache"), py::arg("v_cache"), py::arg("k"), py::arg("v"),
+  m.def("slab_write", &orca::slab_write, kernel_call, py::arg("k_cache"), py::arg("v_cache"), py::arg("k"), py::arg("v"),
         py::arg("slots"), "slab_write(k_cache[S,Hkv,D], v_cache, k[T,Hkv,D], v, slots[T]): cache[slots[t]] = k[t]");
-  m.def("row_argmax", &orca::row_argmax, py::arg("x"),
+  m.def("row_argmax", &orca::row_argmax, kernel_call, py::arg("x"),
         "row_argmax(x[R,V] float32) -> (index[R] int64, value[R] float32): each row's maximum and the first "
         "column holding it (NaN and its first column for a row with a NaN); CPU only");
-  m.def("rope_slab_write", &orca::rope_slab_write, py::arg("qkv"), py::arg("cos"), py::arg("sin"),
+  m.def("rope_slab_write", &orca::rope_slab_write, kernel_call, py::arg("qkv"), py::arg("cos"), py::arg("sin"),
         py::arg("k_cache"), py::arg("v_cache"), py::arg("slots"), py::arg("n_q_heads"), py::arg("n_kv_heads"),
         "rope_slab_write(qkv[T,(Hq+2Hkv)*D], cos[T,D/2] f32, sin[T,D/2] f32, k_cache[S,Hkv,D], v_cache, slots[T], "
         "n_q_heads, n_kv_heads) -> q[T,Hq,D]; rotates q and k (half-split rope, float32), writes rotated k and v "
@@ -94,40 +101,41 @@ PYBIND11_MODULE(_C, m) {
         return orca::ragged_attention(q, k_cache, v_cache, q_start, q_len, kv_start, kv_len, scale, plan.get(),
                                       batch_invariant);
       },
-      py::arg("q"), py::arg("k_cache"), py::arg("v_cache"), py::arg("q_start"), py::arg("q_len"), py::arg("kv_start"),
+      kernel_call, py::arg("q"), py::arg("k_cache"), py::arg("v_cache"), py::arg("q_start"), py::arg("q_len"),
+      py::arg("kv_start"),
       py::arg("kv_len"), py::arg("scale"), py::arg("plan") = py::none(), py::arg("batch_invariant") = false,
       "ragged_attention(q[T,Hq,D], k_cache[S,Hkv,D], v_cache, q_start[B], q_len[B], kv_start[B], kv_len[B], "
       "scale, plan=None, batch_invariant=False) -> [T,Hq,D]; causal per request, GQA, softmax in float32; "
       "batch_invariant: a row's result depends only on its own request (no decode splits on CUDA, the tile "
       "path on CPU)");
-  m.def("linear", &orca::linear, py::arg("x"), py::arg("weight"), py::arg("bias") = py::none(),
+  m.def("linear", &orca::linear, kernel_call, py::arg("x"), py::arg("weight"), py::arg("bias") = py::none(),
         py::arg("residual") = py::none(), py::arg("batch_invariant") = false,
         "linear(x[T,K], weight[N,K], bias[N] or None, residual[T,N] or None, batch_invariant=False) -> [T,N] = "
         "x W^T + bias + residual; batch_invariant: each row's result depends only on that row (CPU: our kernels "
         "at every T; CUDA: cuBLAS on fixed-shape row chunks)");
-  m.def("linear_silu_mul", &orca::linear_silu_mul, py::arg("x"), py::arg("gate_up_weight"),
+  m.def("linear_silu_mul", &orca::linear_silu_mul, kernel_call, py::arg("x"), py::arg("gate_up_weight"),
         py::arg("gate_up_bias") = py::none(), py::arg("batch_invariant") = false,
         "linear_silu_mul(x[T,K], gate_up_weight[2I,K], gate_up_bias[2I] or None, batch_invariant=False) -> [T,I] "
         "= silu(gate) * up");
   // Quantized weights in ggml block formats (docs/DESIGN.md section 4).
-  m.def("quant_linear", &orca::quant_linear, py::arg("x"), py::arg("qweight"), py::arg("qtype"), py::arg("k"),
+  m.def("quant_linear", &orca::quant_linear, kernel_call, py::arg("x"), py::arg("qweight"), py::arg("qtype"), py::arg("k"),
         py::arg("bias") = py::none(), py::arg("residual") = py::none(), py::arg("batch_invariant") = false,
         py::arg("int8_activations") = false,
         "quant_linear(x[T,K], qweight[N,row_bytes] uint8, qtype, k, bias[N] or None, residual[T,N] or None, "
         "batch_invariant=False, int8_activations=False) -> [T,N] = x W^T + bias + residual, W in ggml type "
         "qtype (quant_types()); int8_activations: CPU products on int8-quantized activations (quant_int8_types())");
-  m.def("quant_linear_silu_mul", &orca::quant_linear_silu_mul, py::arg("x"), py::arg("qweight"), py::arg("qtype"),
+  m.def("quant_linear_silu_mul", &orca::quant_linear_silu_mul, kernel_call, py::arg("x"), py::arg("qweight"), py::arg("qtype"),
         py::arg("k"), py::arg("bias") = py::none(), py::arg("batch_invariant") = false,
         py::arg("int8_activations") = false,
         "quant_linear_silu_mul(x[T,K], qweight[2I,row_bytes] uint8, qtype, k, bias[2I] or None, "
         "batch_invariant=False, int8_activations=False) -> [T,I] = silu(gate) * up");
-  m.def("quant_rmsnorm_qkv", &orca::quant_rmsnorm_qkv, py::arg("x"), py::arg("norm_weight"), py::arg("qweight"),
+  m.def("quant_rmsnorm_qkv", &orca::quant_rmsnorm_qkv, kernel_call, py::arg("x"), py::arg("norm_weight"), py::arg("qweight"),
         py::arg("qtype"), py::arg("k"), py::arg("bias"), py::arg("eps"), py::arg("batch_invariant") = false,
         py::arg("int8_activations") = false,
         "quant_rmsnorm_qkv(x[T,K], norm_weight[K], qweight[N,row_bytes] uint8, qtype, k, bias[N] or None, eps, "
         "batch_invariant=False, int8_activations=False) -> [T,N] = quant_linear(rms_norm(x) * norm_weight, "
         "qweight, bias)");
-  m.def("quant_embedding", &orca::quant_embedding, py::arg("qweight"), py::arg("qtype"), py::arg("k"),
+  m.def("quant_embedding", &orca::quant_embedding, kernel_call, py::arg("qweight"), py::arg("qtype"), py::arg("k"),
         py::arg("token_ids"), py::arg("dtype"),
         "quant_embedding(qweight[V,row_bytes] uint8, qtype, k, token_ids[T] int64, dtype) -> [T,K]: the "
         "dequantized rows");
@@ -138,7 +146,7 @@ PYBIND11_MODULE(_C, m) {
   m.def("set_cpu_quant_path", &orca::cpu_ops::set_quant_path, py::arg("path"),
         "avx2, or avx512 where the CPU has AVX-512F (they round differently).");
   m.def("cpu_quant_paths", &orca::cpu_ops::quant_paths, "The quantized paths this CPU can run.");
-  m.def("slab_move", &orca::slab_move, py::arg("pools"), py::arg("moves"),
+  m.def("slab_move", &orca::slab_move, kernel_call, py::arg("pools"), py::arg("moves"),
         "slab_move(pools[P,S,...], moves[M,3] int64 CPU): for each (src, dst, n) in order, rows [src, src+n) "
         "of every pool go to [dst, dst+n) as if through a temporary (slab compaction)");
   // CPU projections: the crossover from our weight-streaming kernels to ATen, per dtype.
