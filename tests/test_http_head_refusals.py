@@ -51,8 +51,10 @@ def assert_good_answer(sock: socket.socket) -> None:
 
 
 class Records(logging.Handler):
-    def __init__(self) -> None:
-        super().__init__(logging.WARNING)
+    """Keeps the records at `level` and above."""
+
+    def __init__(self, level: int = logging.WARNING) -> None:
+        super().__init__(level)
         self.records: list[logging.LogRecord] = []
 
     def emit(self, record: logging.LogRecord) -> None:

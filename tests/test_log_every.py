@@ -9,15 +9,7 @@ import logging
 import httpx
 
 from test_connections import ATTACKER, connect, make_app, read_response, serving
-
-
-class Records(logging.Handler):
-    def __init__(self) -> None:
-        super().__init__(logging.DEBUG)
-        self.records: list[logging.LogRecord] = []
-
-    def emit(self, record: logging.LogRecord) -> None:
-        self.records.append(record)
+from test_http_head_refusals import Records
 
 
 def test_one_line_per_interval_at_its_level_and_the_rest_at_debug():
@@ -26,7 +18,7 @@ def test_one_line_per_interval_at_its_level_and_the_rest_at_debug():
     now = [100.0]
     log = logging.getLogger("test_log_every.unit")
     log.setLevel(logging.DEBUG)
-    handler = Records()
+    handler = Records(logging.DEBUG)
     log.addHandler(handler)
     try:
         every = LogEvery(log, logging.WARNING, every=7.0, clock=lambda: now[0])
@@ -51,7 +43,7 @@ def test_one_line_per_interval_at_its_level_and_the_rest_at_debug():
 def test_rejected_requests_log_one_info_line_per_interval(make_server):
     """29 rejections of three kinds (401, 415, 400): one INFO line, every one of them at DEBUG."""
     app = make_app(make_server(), api_key="k")
-    handler = Records()
+    handler = Records(logging.DEBUG)
     log = logging.getLogger("orca_ext.http.requests")
     old_level = log.level
     log.setLevel(logging.DEBUG)
