@@ -102,8 +102,7 @@ PYBIND11_MODULE(_C, m) {
                                       batch_invariant);
       },
       kernel_call, py::arg("q"), py::arg("k_cache"), py::arg("v_cache"), py::arg("q_start"), py::arg("q_len"),
-      py::arg("kv_start"),
-      py::arg("kv_len"), py::arg("scale"), py::arg("plan") = py::none(), py::arg("batch_invariant") = false,
+      py::arg("kv_start"), py::arg("kv_len"), py::arg("scale"), py::arg("plan") = py::none(), py::arg("batch_invariant") = false,
       "ragged_attention(q[T,Hq,D], k_cache[S,Hkv,D], v_cache, q_start[B], q_len[B], kv_start[B], kv_len[B], "
       "scale, plan=None, batch_invariant=False) -> [T,Hq,D]; causal per request, GQA, softmax in float32; "
       "batch_invariant: a row's result depends only on its own request (no decode splits on CUDA, the tile "
@@ -161,7 +160,7 @@ PYBIND11_MODULE(_C, m) {
   m.def("set_cpu_f32_path", &orca::cpu_ops::set_f32_path, py::arg("path"),
         "avx2, or avx512 where the CPU has AVX-512 F/BW/VL/DQ (they round differently).");
   m.def("cpu_f32_paths", &orca::cpu_ops::f32_paths, "The float32 paths this CPU can run.");
-  m.def("stream_read", &orca::cpu_ops::stream_read, py::arg("words"), py::call_guard<py::gil_scoped_release>(),
+  m.def("stream_read", &orca::cpu_ops::stream_read, kernel_call, py::arg("words"),
         "Reads a contiguous int64 tensor once with all threads (the streaming-read bandwidth probe); "
         "returns the XOR of its words.");
   m.def("built_with_cuda", &orca::built_with_cuda,

@@ -33,8 +33,7 @@ class LogEvery:
         now = self.clock()
         if now < self.next_at:
             self.left_out += 1
-            if self.logger.isEnabledFor(logging.DEBUG):
-                self.logger.debug(msg, *args)
+            self.logger.debug(msg, *args)
             return
         self.logger.log(self.level, msg + " (%d more like it since the last such line)", *args, self.left_out)
         self.next_at = now + self.every

@@ -69,22 +69,23 @@ HEAD_END = re.compile(b"\n\r?\n")
 UVICORN_MALFORMED_WARNING = "Invalid HTTP request received."  # uvicorn's, once per malformed request
 
 
-def _plain_answer(status: bytes, text: bytes, *headers: bytes) -> bytes:
-    """A whole HTTP/1.1 response that ends its connection, built once and written as is."""
-    return (b"HTTP/1.1 " + status + b"\r\ncontent-type: text/plain; charset=utf-8\r\nconnection: close\r\n"
-            + b"".join(h + b"\r\n" for h in headers) + b"content-length: " + str(len(text)).encode()
-            + b"\r\n\r\n" + text)
+PLAIN_TEXT = b"text/plain; charset=utf-8"
 
 
-OVERSIZE_HEAD_ANSWER = _plain_answer(b"400 Bad Request",
-                                     f"Request line and headers over {MAX_HEADER_BYTES} bytes".encode())
+def _closing_answer(status: int, body: bytes, *headers: bytes, content_type: bytes = PLAIN_TEXT) -> bytes:
+    """A whole HTTP/1.1 response that ends its connection, written as is by the transport."""
+    return (f"HTTP/1.1 {status} {HTTPStatus(status).phrase}\r\n".encode() + b"content-type: " + content_type
+            + b"\r\nconnection: close\r\n" + b"".join(h + b"\r\n" for h in headers)
+            + b"content-length: " + str(len(body)).encode() + b"\r\n\r\n" + body)
+
+
+OVERSIZE_HEAD_ANSWER = _closing_answer(400, f"Request line and headers over {MAX_HEADER_BYTES} bytes".encode())
 
 
 @functools.lru_cache(maxsize=16)
 def in_debt_answer(retry_after: int) -> bytes:
     """The 429 for a bad request from a client in debt, by its Retry-After seconds."""
-    return _plain_answer(b"429 Too Many Requests", IN_DEBT_MESSAGE.encode(),
-                         b"retry-after: " + str(retry_after).encode())
+    return _closing_answer(429, IN_DEBT_MESSAGE.encode(), b"retry-after: " + str(retry_after).encode())
 
 
 def request_head_bytes(event: h11.Request) -> int:
@@ -137,9 +138,7 @@ def refusal_answer(refusal: Refusal) -> bytes:
     app: a refusal costs the server one small write, whatever a client cycling connections asks."""
     body = json.dumps(APIError(refusal.status, refusal.message, code=refusal.code).body(),
                       separators=(",", ":")).encode()
-    return (f"HTTP/1.1 {refusal.status} {HTTPStatus(refusal.status).phrase}\r\n".encode()
-            + b"content-type: application/json\r\nconnection: close\r\nretry-after: 1\r\n"
-            + b"content-length: " + str(len(body)).encode() + b"\r\n\r\n" + body)
+    return _closing_answer(refusal.status, body, b"retry-after: 1", content_type=b"application/json")
 
 
 def serving_protocol(timeout: float, limiter: ConnectionLimiter, keys: ClientKeys,
