@@ -144,18 +144,26 @@ inline void int8_act_tile_32(const Int8Rows& a, const uint8_t* w, int64_t row_by
 
 // A Q8_0 block as the prefill tiles read it, decoded once per row for every token slot: the
 // quants, copied to an aligned place (the 34-byte blocks of the file would split some 8-byte
-// loads across cache lines), the correction -128 * (the sum of w over elements 4l .. 4l + 3) of
-// each int32 lane l, and d.
+// loads across cache lines), d, and for the vpdpbusd tile (kCorrections: its x + 128 bias) the
+// correction -128 * (the sum of w over elements 4l .. 4l + 3) of each int32 lane l. Without the
+// corrections a block is one cache line instead of one and a half, so more of a panel's rows
+// stay in L1 and L2 (1.0-1.06x at T = 512 on a Zen 3, where the rows of the next unit are
+// prefetched into the same L2).
+template <bool kCorrections>
 struct Q8RowBlock {
   alignas(32) int8_t q[32];
   int32_t neg128_sums[8];
   float d;
 };
 
-// kCorrections: also the -128 * sum(w) lanes, which only the vpdpbusd tile reads (its x + 128
-// bias); the AVX2 tile skips them (a maddubs, a madd, a mullo and a store per block).
+template <>
+struct Q8RowBlock<false> {
+  alignas(32) int8_t q[32];
+  float d;
+};
+
 template <bool kCorrections>
-inline void q8_0_row_blocks(const uint8_t* row, int64_t n_blocks, Q8RowBlock* out) {  // out [n_blocks]
+inline void q8_0_row_blocks(const uint8_t* row, int64_t n_blocks, Q8RowBlock<kCorrections>* out) {  // out [n_blocks]
   const __m256i ones8 = _mm256_set1_epi8(1), ones16 = _mm256_set1_epi16(1);
   for (int64_t b = 0; b < n_blocks; ++b) {
     const uint8_t* blk = row + b * 34;
@@ -182,7 +190,7 @@ inline void q8_0_row_blocks(const uint8_t* row, int64_t n_blocks, Q8RowBlock* ou
 //   (pairs |w x| <= 2 * 128 * 127 fit int16) then vpmaddwd by 1, as the one-token tile does.
 template <class V, int R, int G>
 inline void q8_0_int8_group_tile(const Int8Groups& a, int64_t k, int64_t n_tokens, int64_t n_out, int64_t n0,
-                                 int64_t slot0, const Q8RowBlock* const* blocks, float* out) {  // blocks[r]: row n0 + r's [K / 32]
+                                 int64_t slot0, const Q8RowBlock<V::kDpbusd>* const* blocks, float* out) {  // blocks[r]: row n0 + r's [K / 32]
   using I = typename V::I;
   using F = typename V::F;
   const int64_t n_blocks = k / 32;
@@ -199,7 +207,7 @@ inline void q8_0_int8_group_tile(const Int8Groups& a, int64_t k, int64_t n_token
       for (int c = 0; c < 4; ++c) acc[r][g][c] = V::zero_f();
   for (int64_t b = 0; b < n_blocks; ++b) {
     for (int r = 0; r < R; ++r) {
-      const Q8RowBlock& rb = blocks[r][b];
+      const Q8RowBlock<V::kDpbusd>& rb = blocks[r][b];
       const F dw = V::bcast_f(rb.d);
       F scale[G];
       for (int g = 0; g < G; ++g) scale[g] = V::mul(dw, V::load_f(ds[g] + 16 * b));
@@ -254,15 +262,17 @@ inline void int8_act_rows_all_tokens(const Int8Rows& a, const uint8_t* w, int64_
 }
 
 // What a grouped format's prefill tiles read of each weight row besides its bytes, decoded
-// once per row for all token slots: Q4_K's scales, Q6_K's q6 and scales, Q8_0's corrections.
-template <int F>
+// once per row for all token slots: Q4_K's scales, Q6_K's q6 and scales, Q8_0's aligned quants
+// (and with vpdpbusd its corrections).
+template <int F, bool kDpbusd>
 using RowPrepOf = std::conditional_t<F == kQuantTypeQ4_K, Q4KScales,
-                                     std::conditional_t<F == kQuantTypeQ6_K, Q6KRowBlock, Q8RowBlock>>;
+                                     std::conditional_t<F == kQuantTypeQ6_K, Q6KRowBlock, Q8RowBlock<kDpbusd>>>;
 
 // The prefill tile of a grouped format F (Q4_K, Q6_K, Q8_0) at width V.
 template <int F, class V, int R, int G>
 inline void group_tile(const Int8Groups& g, const uint8_t* w, int64_t row_bytes, int64_t k, int64_t n_tokens,
-                       int64_t n_out, int64_t n, int64_t slot, const RowPrepOf<F>* const* prep, float* out) {
+                       int64_t n_out, int64_t n, int64_t slot, const RowPrepOf<F, V::kDpbusd>* const* prep,
+                       float* out) {
   if constexpr (F == kQuantTypeQ4_K) {
     q4k_int8_group_tile<V, R, G>(g, w, row_bytes, k, n_tokens, n_out, n, slot, prep, out);
   } else if constexpr (F == kQuantTypeQ8_0) {
@@ -282,11 +292,12 @@ constexpr int64_t row_prep_blocks(int64_t k) {
 }
 
 template <int F, bool kQ8Corrections>
-inline void prepare_rows(const uint8_t* w, int64_t row_bytes, int64_t k, int64_t n0, int64_t n1, RowPrepOf<F>* prep) {
+inline void prepare_rows(const uint8_t* w, int64_t row_bytes, int64_t k, int64_t n0, int64_t n1,
+                         RowPrepOf<F, kQ8Corrections>* prep) {
   const int64_t n_blocks = row_prep_blocks<F>(k);
   for (int64_t n = n0; n < n1; ++n) {
     const uint8_t* row = w + n * row_bytes;
-    RowPrepOf<F>* out = prep + (n - n0) * n_blocks;
+    RowPrepOf<F, kQ8Corrections>* out = prep + (n - n0) * n_blocks;
     if constexpr (F == kQuantTypeQ4_K)
       q4k_row_scales(row, n_blocks, out);
     else if constexpr (F == kQuantTypeQ6_K)
@@ -299,25 +310,29 @@ inline void prepare_rows(const uint8_t* w, int64_t row_bytes, int64_t k, int64_t
 // Token slots [s0, s1) of V::kTokens tokens (those below n_tokens) against rows [n0, n1), whose
 // prep is prep: GT slots at a time, each slot tile against the rows RT at a time, so that the
 // tile's activations stay in L1 while the rows come from L2 (the copy of the activations is
-// streamed once per panel of rows, not once per tile of rows).
+// streamed once per panel of rows, not once per tile of rows). Each tile also streams its share
+// of the thread's next unit of rows into L2 (ahead).
 template <int F, class V, int RT, int GT>
 inline void slots_against_rows(const Int8Groups& g, const uint8_t* w, int64_t row_bytes, int64_t n_tokens, int64_t k,
                                int64_t n_out, int64_t n0, int64_t n1, int64_t s0, int64_t s1,
-                               const RowPrepOf<F>* prep, float* out) {
+                               const RowPrepOf<F, V::kDpbusd>* prep, PrefetchAhead& ahead, float* out) {
   static_assert(RT == 1 || RT == 2, "tiles take 1 or 2 rows");
   const int64_t n_blocks = row_prep_blocks<F>(k);
+  ahead.plan(((s1 - s0) / GT + (s1 - s0) % GT) * ((n1 - n0) / RT + (n1 - n0) % RT));
   auto rows = [&](auto slots, int64_t slot) {
     constexpr int G = decltype(slots)::value;
     int64_t n = n0;
     if constexpr (RT == 2) {
       for (; n + 2 <= n1; n += 2) {
-        const RowPrepOf<F>* pair[2] = {prep + (n - n0) * n_blocks, prep + (n + 1 - n0) * n_blocks};
+        const RowPrepOf<F, V::kDpbusd>* pair[2] = {prep + (n - n0) * n_blocks, prep + (n + 1 - n0) * n_blocks};
         group_tile<F, V, 2, G>(g, w, row_bytes, k, n_tokens, n_out, n, slot, pair, out);
+        ahead.step();
       }
     }
     for (; n < n1; ++n) {
-      const RowPrepOf<F>* one[1] = {prep + (n - n0) * n_blocks};
+      const RowPrepOf<F, V::kDpbusd>* one[1] = {prep + (n - n0) * n_blocks};
       group_tile<F, V, 1, G>(g, w, row_bytes, k, n_tokens, n_out, n, slot, one, out);
+      ahead.step();
     }
   };
   int64_t slot = s0;
@@ -333,9 +348,10 @@ inline void slots_against_rows(const Int8Groups& g, const uint8_t* w, int64_t ro
 // tile (8-18% faster than 2 rows x 1 slot on a Zen 3).
 template <bool kVnni, int F>
 inline void grouped_prefill(const Int8Groups& g, const uint8_t* w, int64_t row_bytes, int64_t n_tokens, int64_t k,
-                            int64_t n_out, int64_t n0, int64_t n1, float* out) {
+                            int64_t n_out, int64_t n0, int64_t n1, PrefetchAhead& ahead, float* out) {
   constexpr int kSlots = F == kQuantTypeQ4_K ? 2 : 1;
-  RowPrepOf<F>* prep = thread_scratch<RowPrepOf<F>>(0, static_cast<size_t>((n1 - n0) * row_prep_blocks<F>(k)));
+  using Prep = RowPrepOf<F, GroupOps256<kVnni>::kDpbusd>;
+  Prep* prep = thread_scratch<Prep>(0, static_cast<size_t>((n1 - n0) * row_prep_blocks<F>(k)));
   prepare_rows<F, GroupOps256<kVnni>::kDpbusd>(w, row_bytes, k, n0, n1, prep);
 #if defined(ORCA_QUANT_INT8_512)
   if constexpr (kVnni) {
@@ -343,16 +359,16 @@ inline void grouped_prefill(const Int8Groups& g, const uint8_t* w, int64_t row_b
     const int64_t wide = tail > 0 && tail <= 4 ? n_tokens - tail : n_tokens;  // tokens in 8-token slots
     if (wide > 0)
       slots_against_rows<F, GroupOps512, 2, kSlots>(g, w, row_bytes, wide, k, n_out, n0, n1, 0,
-                                                    (wide + kGroupTokens - 1) / kGroupTokens, prep, out);
+                                                    (wide + kGroupTokens - 1) / kGroupTokens, prep, ahead, out);
     if (wide < n_tokens)
       slots_against_rows<F, GroupOps256<true>, 2, 1>(g, w, row_bytes, n_tokens, k, n_out, n0, n1, wide / 4,
-                                                     wide / 4 + 1, prep, out);
+                                                     wide / 4 + 1, prep, ahead, out);
     return;
   }
 #endif
   constexpr bool kQ8Sign = F == kQuantTypeQ8_0 && !GroupOps256<kVnni>::kDpbusd;
   slots_against_rows<F, GroupOps256<kVnni>, kQ8Sign ? 1 : 2, kQ8Sign ? 2 : kVnni ? kSlots : 1>(
-      g, w, row_bytes, n_tokens, k, n_out, n0, n1, 0, (n_tokens + 3) / 4, prep, out);
+      g, w, row_bytes, n_tokens, k, n_out, n0, n1, 0, (n_tokens + 3) / 4, prep, ahead, out);
 }
 
 // Whether format F's prefill reads the token-interleaved copy (Int8Groups) on this path: Q4_K
@@ -383,7 +399,8 @@ inline int64_t int8_panel_rows(int64_t row_bytes) {
 // for Q4_K and Q6_K.
 template <bool kVnni, int F>
 inline void int8_act_rows(const Int8Rows& a, const Int8Groups& groups, const uint8_t* w, int64_t row_bytes,
-                          int64_t n_tokens, int64_t k, int64_t n_out, int64_t n0, int64_t n1, float* out) {
+                          int64_t n_tokens, int64_t k, int64_t n_out, int64_t n0, int64_t n1, PrefetchAhead& ahead,
+                          float* out) {
   if (n_tokens == 1) {
     const int64_t quarter = (n1 - n0) / 4;
     for (int64_t j = 0; j < quarter; ++j) {
@@ -404,20 +421,32 @@ inline void int8_act_rows(const Int8Rows& a, const Int8Groups& groups, const uin
   for (int64_t p0 = n0; p0 < n1; p0 += panel) {
     const int64_t p1 = std::min(n1, p0 + panel);
     if (groups.n_groups > 0) {
-      if constexpr (grouped_prefill_of<kVnni, F>()) grouped_prefill<kVnni, F>(groups, w, row_bytes, n_tokens, k, n_out, p0, p1, out);
+      if constexpr (grouped_prefill_of<kVnni, F>())
+        grouped_prefill<kVnni, F>(groups, w, row_bytes, n_tokens, k, n_out, p0, p1, ahead, out);
     } else {
       // Token tiles of ~128 KiB of int8 rows, each against every row of the panel: at 512
       // tokens the rows are 1 MiB at K = 2048, more than this L2, and were streamed once per
       // weight row (Q6_K on AVX2 fell from 130-144 GFLOP/s at T = 64 to 103-121 at T = 512).
       const int64_t tile = std::max<int64_t>(8, ((int64_t{128} << 10) / (k + k / 8)) & ~int64_t{7});
+      constexpr bool kOneRow = F == kQuantTypeQ6_K || F == kQuantTypeQ4_K;
+      ahead.plan((n_tokens + tile - 1) / tile * (kOneRow ? p1 - p0 : (p1 - p0) / 2 + (p1 - p0) % 2));
       for (int64_t t0 = 0; t0 < n_tokens; t0 += tile) {
         const int64_t t1 = std::min(n_tokens, t0 + tile);
         int64_t n = p0;
-        if constexpr (F == kQuantTypeQ6_K || F == kQuantTypeQ4_K) {
-          for (; n < p1; ++n) int8_act_rows_all_tokens<kVnni, F, 1, 8>(a, w, row_bytes, t0, t1, k, n_out, n, out);
+        if constexpr (kOneRow) {
+          for (; n < p1; ++n) {
+            int8_act_rows_all_tokens<kVnni, F, 1, 8>(a, w, row_bytes, t0, t1, k, n_out, n, out);
+            ahead.step();
+          }
         } else {
-          for (; n + 2 <= p1; n += 2) int8_act_rows_all_tokens<kVnni, F, 2>(a, w, row_bytes, t0, t1, k, n_out, n, out);
-          for (; n < p1; ++n) int8_act_rows_all_tokens<kVnni, F, 1>(a, w, row_bytes, t0, t1, k, n_out, n, out);
+          for (; n + 2 <= p1; n += 2) {
+            int8_act_rows_all_tokens<kVnni, F, 2>(a, w, row_bytes, t0, t1, k, n_out, n, out);
+            ahead.step();
+          }
+          for (; n < p1; ++n) {
+            int8_act_rows_all_tokens<kVnni, F, 1>(a, w, row_bytes, t0, t1, k, n_out, n, out);
+            ahead.step();
+          }
         }
       }
     }
@@ -448,10 +477,15 @@ inline int64_t int8_prefill_unit_rows(int64_t row_bytes, int64_t n_out, int64_t 
 // static split, the faster core of a 2-core Zen 3 whose second core ran slower waited at the
 // barrier. In paired A/B runs there (Llama-3.2-1B's blocks): prefill 1.07x (Q8_0 gate_up,
 // T = 512), 1.22x (Q4_K) and 1.16x (Q6_K down, T = 8 and 128); one token within the host's
-// noise in the kernel (0.92-1.14x) and 1.00-1.08x end to end. Which thread computes a row never
-// changes its bits. Formats
-// with a grouped prefill first build the token-interleaved copy of a (its groups split among the
-// threads).
+// noise in the kernel (0.92-1.14x) and 1.00-1.08x end to end. With more than one token each
+// thread claims its next unit before computing the current one and streams the next unit's rows
+// into L2 while it computes (take_units_ahead, PrefetchAhead): otherwise each panel's rows came
+// from memory in one serial burst when the panel started, with nothing to overlap it (a quarter
+// of a 16-token Q8_0 gate_up call on a Zen 3). Paired A/B there, Llama-3.2-1B's blocks: Q4_K
+// gate_up 1.45-1.50x at T = 8-16, 1.19x at 32, 1.10x at 128; Q8_0 gate_up 1.06-1.10x at
+// T = 8-32; Q6_K down 1.07-1.09x at T = 8-32; T = 512 level (0.97-1.04x). Which thread computes a
+// row never changes its bits. Formats with a grouped prefill first build the token-interleaved
+// copy of a (its groups split among the threads).
 template <bool kVnni>
 inline void int8_act_linear(const Int8Rows& a, const uint8_t* w, int type, int64_t row_bytes,
                             int64_t n_tokens, int64_t k, int64_t n_out, float* out) {
@@ -474,17 +508,29 @@ inline void int8_act_linear(const Int8Rows& a, const uint8_t* w, int type, int64
 #pragma omp for schedule(static)
       for (int64_t g = 0; g < groups.n_groups; ++g) fill_int8_group(a, n_tokens, k, g, groups);
     }
-    auto rows = [&](int64_t n0, int64_t n1) {
+    auto rows = [&](int64_t n0, int64_t n1, PrefetchAhead& ahead) {
       switch (type) {
-        case kQuantTypeQ8_0: int8_act_rows<kVnni, kQuantTypeQ8_0>(a, groups, w, row_bytes, n_tokens, k, n_out, n0, n1, out); break;
-        case kQuantTypeQ4_0: int8_act_rows<kVnni, kQuantTypeQ4_0>(a, groups, w, row_bytes, n_tokens, k, n_out, n0, n1, out); break;
-        case kQuantTypeQ4_1: int8_act_rows<kVnni, kQuantTypeQ4_1>(a, groups, w, row_bytes, n_tokens, k, n_out, n0, n1, out); break;
-        case kQuantTypeQ4_K: int8_act_rows<kVnni, kQuantTypeQ4_K>(a, groups, w, row_bytes, n_tokens, k, n_out, n0, n1, out); break;
-        case kQuantTypeQ6_K: int8_act_rows<kVnni, kQuantTypeQ6_K>(a, groups, w, row_bytes, n_tokens, k, n_out, n0, n1, out); break;
+        case kQuantTypeQ8_0: int8_act_rows<kVnni, kQuantTypeQ8_0>(a, groups, w, row_bytes, n_tokens, k, n_out, n0, n1, ahead, out); break;
+        case kQuantTypeQ4_0: int8_act_rows<kVnni, kQuantTypeQ4_0>(a, groups, w, row_bytes, n_tokens, k, n_out, n0, n1, ahead, out); break;
+        case kQuantTypeQ4_1: int8_act_rows<kVnni, kQuantTypeQ4_1>(a, groups, w, row_bytes, n_tokens, k, n_out, n0, n1, ahead, out); break;
+        case kQuantTypeQ4_K: int8_act_rows<kVnni, kQuantTypeQ4_K>(a, groups, w, row_bytes, n_tokens, k, n_out, n0, n1, ahead, out); break;
+        case kQuantTypeQ6_K: int8_act_rows<kVnni, kQuantTypeQ6_K>(a, groups, w, row_bytes, n_tokens, k, n_out, n0, n1, ahead, out); break;
         default: break;
       }
     };
-    take_units(next, n_units, [&](int64_t u) { rows(u * unit, std::min(n_out, (u + 1) * unit)); });
+    if (n_tokens == 1) {
+      PrefetchAhead none;  // one token streams its rows (int8_act_rows)
+      take_units(next, n_units, [&](int64_t u) { rows(u * unit, std::min(n_out, (u + 1) * unit), none); });
+    } else {
+      take_units_ahead(next, n_units, 2 * threads, [&](int64_t u, int64_t u_next) {
+        PrefetchAhead ahead;
+        if (u_next >= 0) {
+          const int64_t r0 = u_next * unit, r1 = std::min(n_out, r0 + unit);
+          ahead = PrefetchAhead(w + r0 * row_bytes, (r1 - r0) * row_bytes);
+        }
+        rows(u * unit, std::min(n_out, (u + 1) * unit), ahead);
+      });
+    }
   }
 }
 

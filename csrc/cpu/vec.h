@@ -3,6 +3,7 @@
 // loops that GCC/Clang auto-vectorize at -O3 (no intrinsics), so the same source builds for
 // any x86-64 level or for aarch64.
 #pragma once
+#include <algorithm>
 #include <atomic>
 #include <cmath>
 #include <cstdint>
@@ -98,6 +99,47 @@ inline void take_units(std::atomic<int64_t>& next, int64_t n_units, F&& f) {
        u = next.fetch_add(1, std::memory_order_relaxed))
     f(u);
 }
+
+// take_units, where each thread claims the unit it computes next before it computes this one,
+// so that f(u, ahead) can bring unit ahead's data into its cache while u computes (ahead is -1
+// when there is none). While fewer than `keep_free` units are left, no unit is claimed ahead:
+// a claimed unit cannot go to a thread that falls idle, so the last units stay free to take.
+template <typename F>
+inline void take_units_ahead(std::atomic<int64_t>& next, int64_t n_units, int64_t keep_free, F&& f) {
+  int64_t u = next.fetch_add(1, std::memory_order_relaxed);
+  while (u < n_units) {
+    int64_t ahead = -1;
+    if (n_units - u > keep_free) {
+      ahead = next.fetch_add(1, std::memory_order_relaxed);
+      if (ahead >= n_units) ahead = -1;
+    }
+    f(u, ahead);
+    u = ahead >= 0 ? ahead : next.fetch_add(1, std::memory_order_relaxed);
+  }
+}
+
+// Bytes [begin, begin + bytes) streamed into L2 a few cache lines per step() over `steps`
+// steps: the data of a thread's next unit of work, fetched while the current one computes
+// instead of in one serial burst when the next one starts. Default-constructed, it does nothing.
+class PrefetchAhead {
+ public:
+  PrefetchAhead() = default;
+  PrefetchAhead(const void* begin, int64_t bytes)
+      : p_(static_cast<const char*>(begin)), end_(static_cast<const char*>(begin) + std::max<int64_t>(bytes, 0)) {}
+  // Spread what is left over `steps` calls of step().
+  void plan(int64_t steps) {
+    const int64_t lines = (end_ - p_ + 63) / 64;
+    lines_per_step_ = steps > 0 ? (lines + steps - 1) / steps : lines;
+  }
+  void step() {
+    for (int64_t i = 0; i < lines_per_step_ && p_ < end_; ++i, p_ += 64) __builtin_prefetch(p_, 0, 2);  // L2
+  }
+
+ private:
+  const char* p_ = nullptr;
+  const char* end_ = nullptr;
+  int64_t lines_per_step_ = 0;
+};
 
 // A growable 64-byte-aligned buffer of E private to the calling thread (OpenMP workers each
 // get their own). `slot` separates buffers that are alive at the same time. Reusing them
