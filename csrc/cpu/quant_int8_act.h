@@ -482,8 +482,8 @@ inline int64_t int8_prefill_unit_rows(int64_t row_bytes, int64_t n_out, int64_t 
 // into L2 while it computes (take_units_ahead, PrefetchAhead): otherwise each panel's rows came
 // from memory in one serial burst when the panel started, with nothing to overlap it (a quarter
 // of a 16-token Q8_0 gate_up call on a Zen 3). Paired A/B there, Llama-3.2-1B's blocks: Q4_K
-// gate_up 1.45-1.50x at T = 8-16, 1.19x at 32, 1.10x at 128; Q8_0 gate_up 1.06-1.10x at
-// T = 8-32; Q6_K down 1.07-1.09x at T = 8-32; T = 512 level (0.97-1.04x). Which thread computes a
+// gate_up 1.45-1.50x at T = 8-16, 1.19x at 32, 1.10x at 128; Q8_0 gate_up 1.39-1.53x at
+// T = 2-4, 1.06-1.10x at T = 8-32; Q6_K down 1.07-1.16x at T = 2-32; T = 512 level (0.97-1.04x). Which thread computes a
 // row never changes its bits. Formats with a grouped prefill first build the token-interleaved
 // copy of a (its groups split among the threads).
 template <bool kVnni>
@@ -518,19 +518,16 @@ inline void int8_act_linear(const Int8Rows& a, const uint8_t* w, int type, int64
         default: break;
       }
     };
-    if (n_tokens == 1) {
-      PrefetchAhead none;  // one token streams its rows (int8_act_rows)
-      take_units(next, n_units, [&](int64_t u) { rows(u * unit, std::min(n_out, (u + 1) * unit), none); });
-    } else {
-      take_units_ahead(next, n_units, 2 * threads, [&](int64_t u, int64_t u_next) {
-        PrefetchAhead ahead;
-        if (u_next >= 0) {
-          const int64_t r0 = u_next * unit, r1 = std::min(n_out, r0 + unit);
-          ahead = PrefetchAhead(w + r0 * row_bytes, (r1 - r0) * row_bytes);
-        }
-        rows(u * unit, std::min(n_out, (u + 1) * unit), ahead);
-      });
-    }
+    // One token streams its rows (int8_act_rows): nothing is claimed ahead, so nothing prefetched.
+    const int64_t keep_free = n_tokens == 1 ? n_units : 2 * threads;
+    take_units_ahead(next, n_units, keep_free, [&](int64_t u, int64_t u_next) {
+      PrefetchAhead ahead;
+      if (u_next >= 0) {
+        const int64_t r0 = u_next * unit, r1 = std::min(n_out, r0 + unit);
+        ahead = PrefetchAhead(w + r0 * row_bytes, (r1 - r0) * row_bytes);
+      }
+      rows(u * unit, std::min(n_out, (u + 1) * unit), ahead);
+    });
   }
 }
 
