@@ -16,6 +16,7 @@ from kernel_cases import make_ragged_case, random_kinds, scattered_slabs
 _C = pytest.importorskip("orca_ext._C")
 
 DTYPES = [torch.float32, torch.bfloat16]
+F32_PATHS = _C.cpu_f32_paths()
 # (atol, rtol) of a kernel's output against the float64 reference.
 TOL = {torch.float32: (2e-4, 2e-4), torch.bfloat16: (3e-2, 2e-2)}
 
@@ -23,6 +24,16 @@ TOL = {torch.float32: (2e-4, 2e-4), torch.bfloat16: (3e-2, 2e-2)}
 def assert_close(actual: torch.Tensor, expected: torch.Tensor, dtype: torch.dtype, what: str) -> None:
     atol, rtol = TOL[dtype]
     torch.testing.assert_close(actual.double(), expected.double(), atol=atol, rtol=rtol, msg=lambda m: f"{what}: {m}")
+
+
+@pytest.fixture(params=F32_PATHS)
+def f32_path(request):
+    """Runs the test on one float32 instruction path (attention's prefill tiles follow it), then
+    restores the previous one."""
+    before = _C.cpu_f32_path()
+    _C.set_cpu_f32_path(request.param)
+    yield request.param
+    _C.set_cpu_f32_path(before)
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
@@ -88,7 +99,7 @@ def test_slab_write_scattered(dtype, index_dtype, n_tokens):
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("heads", [(4, 4), (9, 3), (7, 1), (14, 2)])  # GQA ratios 1, 3, 7, 7
 @pytest.mark.parametrize("head_dim", [64, 80, 128])
-def test_ragged_attention_mixed_batch(dtype, heads, head_dim):
+def test_ragged_attention_mixed_batch(f32_path, dtype, heads, head_dim):
     n_q, n_kv = heads
     seed = n_q * 131 + head_dim
     case = make_ragged_case(seed, random_kinds(seed, 7), n_q, n_kv, head_dim, dtype)
@@ -115,6 +126,30 @@ def test_ragged_attention_index_dtypes_and_mixed(index_dtype):
     mixed = (case.q_start.int(), case.q_len.long(), case.kv_start.int(), case.kv_len.long())
     assert_close(_C.ragged_attention(case.q, case.k_cache, case.v_cache, *mixed, 0.125), expected,
                  torch.float32, "ragged_attention (mixed index dtypes)")
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("heads,head_dim", [((9, 3), 64), ((4, 4), 80), ((7, 1), 20), ((14, 2), 128)])
+def test_ragged_attention_same_bits_on_every_float32_path(dtype, heads, head_dim):
+    """Prefill tiles in 8-lane and in 16-lane registers perform the same float32 operations per
+    query lane, so every path gives the same bits: tiles of every lane count (prompts of 1 to
+    200 rows, over cached prefixes too) beside decodes."""
+    if len(F32_PATHS) < 2:
+        pytest.skip("this CPU has one float32 path")
+    n_q, n_kv = heads
+    seed = 7 * n_q + head_dim
+    case = make_ragged_case(seed, random_kinds(seed, 9), n_q, n_kv, head_dim, dtype, max_context=200)
+    before = _C.cpu_f32_path()
+    outs = {}
+    try:
+        for path in F32_PATHS:
+            _C.set_cpu_f32_path(path)
+            outs[path] = _C.ragged_attention(case.q, case.k_cache, case.v_cache, *case.index_tensors(), 0.1)
+    finally:
+        _C.set_cpu_f32_path(before)
+    first = outs[F32_PATHS[0]]
+    for path in F32_PATHS[1:]:
+        assert torch.equal(outs[path], first), f"ragged_attention on {path} differs from {F32_PATHS[0]}"
 
 
 def test_ragged_attention_long_context_no_overflow():
@@ -279,7 +314,7 @@ def test_linear_silu_mul_rows_do_not_depend_on_the_batch(dtype, n_inter, crossov
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("heads", [(9, 3), (4, 4)])
 @pytest.mark.parametrize("d", [64, 20])  # 20: K blocks whose width is not a multiple of the 8-wide transpose
-def test_ragged_attention_batch_invariant_rows_ignore_chunks_and_batch_mates(dtype, heads, d):
+def test_ragged_attention_batch_invariant_rows_ignore_chunks_and_batch_mates(f32_path, dtype, heads, d):
     """One request's prompt rows, computed as one prefill, as chunks over its cached prefix, as
     one-row decodes, and beside other requests: the same bits every time."""
     n_q, n_kv = heads

@@ -6,7 +6,8 @@
 //    Exits 1 on any mismatch.
 // 2. Times SmolLM2-135M shapes (Hq=9, Hkv=3, D=64): 32 decodes with contexts U[16, 512], a
 //    prefill of 4 x 512 tokens and a mix of both; prints GFLOP/s and GB/s (K/V bytes read once
-//    per KV head) next to the measured ceilings. Several copies of the KV pools (one per layer)
+//    per KV head) next to the measured ceilings. Both steps run on every float32 path the CPU
+//    has (the prefill tiles follow it; the avx512 lines are against the zmm FMA peak). Several copies of the KV pools (one per layer)
 //    are rotated so that K/V come from memory, as in a forward pass over all layers.
 #include <algorithm>
 #include <cmath>
@@ -129,7 +130,7 @@ bool validate_all() {
 }
 
 template <typename T>
-void perf(const char* dtype, const bench::Ceilings& c) {
+void perf(const char* dtype, const char* path, const bench::Ceilings& c) {
   const int64_t Hq = 9, Hkv = 3, D = 64;
   const float scale = 0.125f;
   bench::Rng rng(5);
@@ -181,21 +182,40 @@ void perf(const char* dtype, const bench::Ceilings& c) {
         },
         flops > 1e9 ? 7 : 41, layers);
     char label[96];
-    std::snprintf(label, sizeof label, "ragged_attention %s %s B=%zu T=%lld", dtype, cs.name, cs.reqs.size(),
-                  static_cast<long long>(L.n_tokens));
+    std::snprintf(label, sizeof label, "ragged_attention %s/%s %s B=%zu T=%lld", dtype, path, cs.name,
+                  cs.reqs.size(), static_cast<long long>(L.n_tokens));
     bench::report(label, t, flops, bytes, c);
   }
+}
+
+std::vector<orca::cpu::F32Path> runnable_f32_paths() {
+  std::vector<orca::cpu::F32Path> paths;
+  for (auto p : {orca::cpu::F32Path::kAvx2, orca::cpu::F32Path::kAvx512})
+    if (orca::cpu::f32_path_supported(p)) paths.push_back(p);
+  return paths;
 }
 
 }  // namespace
 
 int main(int argc, char** argv) {
-  bool ok = validate_all<float, int32_t>();
-  ok &= validate_all<float, int64_t>();
-  ok &= validate_all<bf16, int32_t>();
-  ok &= validate_all<bf16, int64_t>();
-  return bench::finish_main(argc, argv, ok, [](const bench::Ceilings& c) {
-    perf<float>("f32", c);
-    perf<bf16>("bf16", c);
+  bool ok = true;
+  for (auto path : runnable_f32_paths()) {
+    orca::cpu::set_f32_path(path);
+    ok &= validate_all<float, int32_t>();
+    ok &= validate_all<float, int64_t>();
+    ok &= validate_all<bf16, int32_t>();
+    ok &= validate_all<bf16, int64_t>();
+  }
+  return bench::finish_main(argc, argv, ok, [](const bench::Ceilings& measured) {
+    const double zmm = bench::measure_fma_gflops_zmm();
+    if (zmm > 0.0) std::printf("zmm FMA %.1f GFLOP/s (the ceiling of the avx512 lines)\n", zmm);
+    for (auto path : runnable_f32_paths()) {
+      orca::cpu::set_f32_path(path);
+      bench::Ceilings c = measured;
+      if (path == orca::cpu::F32Path::kAvx512) c.fma_gflops = std::max(c.fma_gflops, zmm);
+      const char* name = orca::cpu::f32_path_name(path);
+      perf<float>("f32", name, c);
+      perf<bf16>("bf16", name, c);
+    }
   });
 }

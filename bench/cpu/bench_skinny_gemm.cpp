@@ -340,45 +340,6 @@ void perf(const char* label, const Model<T>& m, const bench::Ceilings& c) {
 
 // ---- prefill sweep ----------------------------------------------------------------------------
 
-#if defined(__x86_64__) && defined(__GNUC__)
-// The zmm form of bench::fma_chains: 12 independent 16-lane chains.
-__attribute__((target("avx512f"), noinline)) float fma_chains_zmm(int64_t iters, float seed) {
-  constexpr int kChains = 12, kLanes = 16;
-  float acc[kChains][kLanes];
-  for (int c = 0; c < kChains; ++c)
-    for (int l = 0; l < kLanes; ++l) acc[c][l] = seed * static_cast<float>(c + l + 1);
-  const float a = 0.999999f, b = 1e-7f;
-  for (int64_t it = 0; it < iters; ++it)
-    for (int c = 0; c < kChains; ++c)
-      for (int l = 0; l < kLanes; ++l) acc[c][l] = acc[c][l] * a + b;
-  float s = 0.0f;
-  for (int c = 0; c < kChains; ++c)
-    for (int l = 0; l < kLanes; ++l) s += acc[c][l];
-  return s;
-}
-
-double measure_fma_gflops_zmm() {
-  __builtin_cpu_init();
-  if (!__builtin_cpu_supports("avx512f")) return 0.0;
-  const int64_t iters = 10000000;
-  volatile float sink = 0.0f;
-  int threads = 1;
-  auto run = [&] {
-    float total = 0.0f;
-#pragma omp parallel reduction(+ : total)
-    {
-#pragma omp single
-      threads = omp_get_num_threads();
-      total += fma_chains_zmm(iters, 1e-3f * static_cast<float>(omp_get_thread_num() + 1));
-    }
-    sink = total;
-  };
-  const double t = bench::time_calls(run, 5, 1).best;
-  return 2.0 * 12 * 16 * static_cast<double>(iters) * threads / t * 1e-9;
-}
-#else
-double measure_fma_gflops_zmm() { return 0.0; }
-#endif
 
 struct LayerShape {
   const char* name;
@@ -434,7 +395,7 @@ int main(int argc, char** argv) {
   }
   return bench::finish_main(argc, argv, ok, [](const bench::Ceilings& measured) {
     bench::Ceilings c = measured;
-    const double zmm = measure_fma_gflops_zmm();
+    const double zmm = bench::measure_fma_gflops_zmm();
     if (zmm > 0.0) std::printf("zmm FMA %.1f GFLOP/s; the peak below is the larger of ymm and zmm\n", zmm);
     c.fma_gflops = std::max(c.fma_gflops, zmm);
     bench::Rng rng(42);

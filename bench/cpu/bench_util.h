@@ -229,6 +229,48 @@ inline double measure_fma_gflops() {
   return 2.0 * 12 * 8 * static_cast<double>(iters) * threads / t * 1e-9;
 }
 
+// The zmm form of fma_chains: 12 independent 16-lane chains (0 where the CPU has no AVX-512F).
+// On CPUs that split 512-bit FMAs into two halves (Zen 4) it equals the ymm peak; on those with
+// full-width units (Zen 5, Intel server cores) it is up to twice that.
+#if defined(__x86_64__) && defined(__GNUC__)
+__attribute__((target("avx512f"), noinline)) inline float fma_chains_zmm(int64_t iters, float seed) {
+  constexpr int kChains = 12, kLanes = 16;
+  float acc[kChains][kLanes];
+  for (int c = 0; c < kChains; ++c)
+    for (int l = 0; l < kLanes; ++l) acc[c][l] = seed * static_cast<float>(c + l + 1);
+  const float a = 0.999999f, b = 1e-7f;
+  for (int64_t it = 0; it < iters; ++it)
+    for (int c = 0; c < kChains; ++c)
+      for (int l = 0; l < kLanes; ++l) acc[c][l] = acc[c][l] * a + b;
+  float s = 0.0f;
+  for (int c = 0; c < kChains; ++c)
+    for (int l = 0; l < kLanes; ++l) s += acc[c][l];
+  return s;
+}
+
+inline double measure_fma_gflops_zmm() {
+  __builtin_cpu_init();
+  if (!__builtin_cpu_supports("avx512f")) return 0.0;
+  const int64_t iters = 10000000;
+  volatile float sink = 0.0f;
+  int threads = 1;
+  auto run = [&] {
+    float total = 0.0f;
+#pragma omp parallel reduction(+ : total)
+    {
+#pragma omp single
+      threads = omp_get_num_threads();
+      total += fma_chains_zmm(iters, 1e-3f * static_cast<float>(omp_get_thread_num() + 1));
+    }
+    sink = total;
+  };
+  const double t = time_calls(run, 5, 1).best;
+  return 2.0 * 12 * 16 * static_cast<double>(iters) * threads / t * 1e-9;
+}
+#else
+inline double measure_fma_gflops_zmm() { return 0.0; }
+#endif
+
 // One result line: median and best time, then throughput at the median next to the ceilings.
 // flops == 0 leaves out the GFLOP/s column (pure data movement).
 inline void report(const char* label, const Timing& t, double flops, double bytes, const Ceilings& c) {

@@ -34,12 +34,6 @@ namespace orca {
 namespace cpu {
 namespace detail {
 
-constexpr int64_t kKeyBlock = 64;  // keys per softmax block
-constexpr float kNegInf = -std::numeric_limits<float>::infinity();
-// attend_tile's initial running max: finite (unlike -inf) so the rescale factor of the first
-// block needs no special case, and far below any real score.
-constexpr float kTileInitMax = -1e30f;
-
 // Geometry of one work item, in the request's own coordinates.
 struct AttnItem {
   int64_t t_first;     // flat token index of the tile's first query row
@@ -50,6 +44,23 @@ struct AttnItem {
   int64_t kv_row0;     // slot of context position 0
   int64_t n_keys;      // keys visible to the tile's last row = first_last + nq
 };
+
+// attend_tile compiled for AVX-512 (attention_tile_avx512.cpp): the same arithmetic per lane
+// with 16-lane registers, so it gives the same bits as the baseline attend_tile. Call it only
+// where f32_path_supported(F32Path::kAvx512).
+template <typename T>
+void attend_tile_avx512(const AttnItem& it, const T* q, const T* k_cache, const T* v_cache, T* out,
+                        int64_t n_q_heads, int64_t n_kv_heads, int64_t d, float qscale);
+
+// The rest has internal linkage: the AVX-512 unit includes this header too, and its copies must
+// never replace the baseline ones at link time (see gemm_impl.h).
+namespace {
+
+constexpr int64_t kKeyBlock = 64;  // keys per softmax block
+constexpr float kNegInf = -std::numeric_limits<float>::infinity();
+// attend_tile's initial running max: finite (unlike -inf) so the rescale factor of the first
+// block needs no special case, and far below any real score.
+constexpr float kTileInitMax = -1e30f;
 
 // Rows [row0, row0+nj) of one KV head as float32 rows with leading dimension *ld: the cache
 // itself for float, a converted copy (64-byte aligned rows) for bf16.
@@ -216,7 +227,8 @@ void attend_rows(const AttnItem& it, const T* q, const T* k_cache, const T* v_ca
 
 // ---- many query vectors: everything transposed, vectorized over queries ------------------
 
-template <typename T>
+// Shape: gemm_nn_acc's register block for this unit's vector width (gemm_impl.h).
+template <typename T, class Shape = NnYmm>
 void attend_tile(const AttnItem& it, const T* q, const T* k_cache, const T* v_cache, T* out, int64_t n_q_heads,
                  int64_t n_kv_heads, int64_t d, float qscale) {
   const int64_t r = it.r;
@@ -259,7 +271,7 @@ void attend_tile(const AttnItem& it, const T* q, const T* k_cache, const T* v_ca
     int64_t ldk = 0;
     const float* kb = kv_block(k_head, it.kv_row0 + j0, nj, ld_kv, d, kbuf, &ldk);
     for (int64_t k = 0; k < nj * mp; ++k) st[k] = 0.0f;
-    gemm_nn_acc(kb, ldk, 1, qt, mp, st, mp, nj, d, mp);  // S^T[j][m] = sum_d K[j][d] Q^T[d][m]
+    gemm_nn_acc<Shape>(kb, ldk, 1, qt, mp, st, mp, nj, d, mp);  // S^T[j][m] = sum_d K[j][d] Q^T[d][m]
 
     // Keys past the first row's limit are masked for some lanes: only the diagonal blocks.
     const bool masked = j0 + nj - 1 > first_last;
@@ -296,7 +308,7 @@ void attend_tile(const AttnItem& it, const T* q, const T* k_cache, const T* v_ca
     }
     int64_t ldv = 0;
     const float* vb = kv_block(v_head, it.kv_row0 + j0, nj, ld_kv, d, vbuf, &ldv);
-    gemm_nn_acc(vb, 1, ldv, st, mp, ot, mp, d, nj, mp);  // O^T[d][m] += sum_j V[j][d] P^T[j][m]
+    gemm_nn_acc<Shape>(vb, 1, ldv, st, mp, ot, mp, d, nj, mp);  // O^T[d][m] += sum_j V[j][d] P^T[j][m]
   }
 
   for (int64_t m = 0; m < m_rows; ++m) lsum[m] = 1.0f / lsum[m];
@@ -306,6 +318,7 @@ void attend_tile(const AttnItem& it, const T* q, const T* k_cache, const T* v_ca
   }
 }
 
+}  // namespace
 }  // namespace detail
 }  // namespace cpu
 }  // namespace orca

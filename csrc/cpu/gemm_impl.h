@@ -17,6 +17,10 @@
 //    paths rely on that to round identically in the batch-invariant mode.
 // Callers keep float32 operands in 64-byte-aligned rows where they can (vec.h: padded_ld,
 // thread_scratch): loads that straddle cache lines made these kernels ~1.6x slower.
+//
+// Everything here has internal linkage (an anonymous namespace): a unit compiled for AVX-512
+// (attention_tile_avx512.cpp) includes this header too, and its copies must never replace the
+// baseline ones at link time.
 #pragma once
 #include <cstdint>
 
@@ -25,6 +29,7 @@
 namespace orca {
 namespace cpu {
 namespace detail {
+namespace {  // one copy per translation unit, compiled for that unit's instruction set
 
 // ---- C[m][n] = sum_k A[m][k] * B[n][k] -------------------------------------------------
 
@@ -138,6 +143,18 @@ inline void gemm_nt(const float* A, int64_t lda, const float* B, int64_t ldb, fl
 // P is addressed with two strides, P(i, j) = P[i * p_rs + j * p_cs], so the same kernel serves
 // P row-major (probabilities x V), P = K rows (K * Q^T) and P = V^T (V^T * P^T).
 
+// Register blocks of gemm_nn_acc: kRows rows x kCols columns of O in accumulators. The shape
+// never changes a result (every element is its own FMA chain over j), only how many chains are
+// in flight: 12 fill 16 ymm registers with room for the V row and the broadcast; with 32 zmm
+// registers, 16 accumulators of 16 lanes (4 rows x 64 columns) keep both FMA pipes busy where
+// 3 x 32 (6 zmm chains) waited on the FMA latency.
+struct NnYmm {
+  static constexpr int kRows = 3, kCols = 32;
+};
+struct NnZmm {
+  static constexpr int kRows = 4, kCols = 64;
+};
+
 // MR rows of O, NC consecutive columns starting at O (and V), all J rows of V.
 template <int MR, int NC>
 inline void nn_block(const float* __restrict P, int64_t p_rs, int64_t p_cs, const float* __restrict V,
@@ -153,7 +170,7 @@ inline void nn_block(const float* __restrict P, int64_t p_rs, int64_t p_cs, cons
 #pragma GCC unroll 4
     for (int i = 0; i < MR; ++i) {
       const float p = P[i * p_rs + j * p_cs];
-#pragma GCC unroll 32
+#pragma GCC unroll 64
       for (int l = 0; l < NC; ++l) acc[i][l] = fmadd(p, v[l], acc[i][l]);
     }
   }
@@ -174,24 +191,30 @@ inline void nn_tail(const float* __restrict P, int64_t p_rs, int64_t p_cs, const
     }
 }
 
-template <int MR>
+template <class Shape, int MR>
 inline void nn_rows(const float* P, int64_t p_rs, int64_t p_cs, const float* V, int64_t ldv, int64_t J,
                     float* O, int64_t ldo, int64_t N) {
   int64_t n = 0;
-  for (; n + 32 <= N; n += 32) nn_block<MR, 32>(P, p_rs, p_cs, V + n, ldv, J, O + n, ldo);
+  for (; n + Shape::kCols <= N; n += Shape::kCols) nn_block<MR, Shape::kCols>(P, p_rs, p_cs, V + n, ldv, J, O + n, ldo);
+  if constexpr (Shape::kCols > 32)
+    for (; n + 32 <= N; n += 32) nn_block<MR, 32>(P, p_rs, p_cs, V + n, ldv, J, O + n, ldo);
   for (; n + 16 <= N; n += 16) nn_block<MR, 16>(P, p_rs, p_cs, V + n, ldv, J, O + n, ldo);
   if (n < N) nn_tail<MR>(P, p_rs, p_cs, V, ldv, J, O, ldo, n, N);
 }
 
 // O[M, N] (ldo) += P(M, J) * V[J, N] (ldv), P(i, j) = P[i * p_rs + j * p_cs].
-// 3 rows x 32 columns of O stay in 12 vector registers while the J rows of V stream by.
+// Shape::kRows rows x Shape::kCols columns of O stay in vector registers while the J rows of V
+// stream by.
+template <class Shape = NnYmm>
 inline void gemm_nn_acc(const float* P, int64_t p_rs, int64_t p_cs, const float* V, int64_t ldv, float* O,
                         int64_t ldo, int64_t M, int64_t J, int64_t N) {
   int64_t m = 0;
-  for (; m + 3 <= M; m += 3) nn_rows<3>(P + m * p_rs, p_rs, p_cs, V, ldv, J, O + m * ldo, ldo, N);
-  for (; m < M; ++m) nn_rows<1>(P + m * p_rs, p_rs, p_cs, V, ldv, J, O + m * ldo, ldo, N);
+  for (; m + Shape::kRows <= M; m += Shape::kRows)
+    nn_rows<Shape, Shape::kRows>(P + m * p_rs, p_rs, p_cs, V, ldv, J, O + m * ldo, ldo, N);
+  for (; m < M; ++m) nn_rows<Shape, 1>(P + m * p_rs, p_rs, p_cs, V, ldv, J, O + m * ldo, ldo, N);
 }
 
+}  // namespace
 }  // namespace detail
 }  // namespace cpu
 }  // namespace orca

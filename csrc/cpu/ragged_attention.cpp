@@ -6,7 +6,8 @@
 // it touches is read once per group. Items are sorted longest-first and handed out
 // dynamically, so a few long prefills and many short decodes balance over the threads.
 // The per-item math is in attention_impl.h: row-major for a few query vectors (decodes),
-// query-vectorized tiles for many (prefills).
+// query-vectorized tiles for many (prefills), the tiles in 16-lane registers on the `avx512`
+// float32 path (attention_tile_avx512.cpp).
 #include <algorithm>
 #include <cstdint>
 #include <vector>
@@ -65,6 +66,8 @@ void ragged_attention(const T* q,         // [T, Hq, D]
                    [](const WorkItem& a, const WorkItem& b) { return a.cost > b.cost; });
 
   const float qscale = scale * kLog2e;
+  // Prefill tiles follow the float32 path (same bits either way: attention_tile_avx512.cpp).
+  const bool zmm_tiles = f32_path() == F32Path::kAvx512;
   const int64_t n_items = static_cast<int64_t>(items.size());
   // A handful of short decodes (cost ~ keys * D * R flops) is cheaper than a team wake-up.
   const bool parallel = n_items > 1 && total_cost * r * head_dim >= (int64_t{1} << 16);
@@ -81,7 +84,10 @@ void ragged_attention(const T* q,         // [T, Hq, D]
     it.kv_row0 = static_cast<int64_t>(kv_start[w.b]);
     it.n_keys = it.first_last + w.nq;
     if (w.nq * r >= kMinTileRows) {
-      detail::attend_tile(it, q, k_cache, v_cache, out, n_q_heads, n_kv_heads, head_dim, qscale);
+      if (zmm_tiles)
+        detail::attend_tile_avx512(it, q, k_cache, v_cache, out, n_q_heads, n_kv_heads, head_dim, qscale);
+      else
+        detail::attend_tile(it, q, k_cache, v_cache, out, n_q_heads, n_kv_heads, head_dim, qscale);
     } else if (batch_invariant) {  // the tile path's arithmetic, row-major (attention_impl.h)
       detail::attend_rows<T, true>(it, q, k_cache, v_cache, out, n_q_heads, n_kv_heads, head_dim, qscale);
     } else {

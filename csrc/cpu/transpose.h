@@ -13,6 +13,7 @@
 namespace orca {
 namespace cpu {
 namespace detail {
+namespace {  // internal linkage: see gemm_impl.h
 
 #if defined(__AVX2__)
 // One 8 x 8 tile: src rows r0..r0+7 (lds apart) -> dst rows (ldd apart).
@@ -52,6 +53,7 @@ inline void transpose(const float* __restrict src, int64_t lds, int64_t rows, in
     for (int64_t c = 0; c < cols; ++c) dst[c * ldd + r] = src[r * lds + c];
 }
 
+}  // namespace
 }  // namespace detail
 }  // namespace cpu
 }  // namespace orca
