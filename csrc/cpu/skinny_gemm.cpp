@@ -137,11 +137,45 @@ inline float silu(float g) {
   return g * s;
 }
 
+// write_panel for a panel of kPanelRows neighbouring outputs [o0, o0 + 8) (the walk from
+// kNeighbourPanelsFromTokens tokens on): per token, one contiguous run that vectorizes, with the
+// bias and residual branches decided once per panel instead of per output. Same operations, in
+// the same order, as the general form below.
+template <bool kBias, bool kResidual, typename T>
+void write_neighbours(const float* __restrict c, int64_t tb, int64_t o0, const T* bias, const T* residual,
+                      T* __restrict out, int64_t ldo) {
+  float b[kPanelRows];
+  if constexpr (kBias)
+    for (int j = 0; j < kPanelRows; ++j) b[j] = to_float(bias[o0 + j]);
+  for (int64_t t = 0; t < tb; ++t) {
+    const float* ct = c + t * kPanelRows;
+    T* o = out + t * ldo + o0;
+    float v[kPanelRows];
+    for (int j = 0; j < kPanelRows; ++j) {
+      v[j] = ct[j];
+      if constexpr (kBias) v[j] += b[j];
+      if constexpr (kResidual) v[j] += to_float(residual[t * ldo + o0 + j]);
+    }
+    for (int j = 0; j < kPanelRows; ++j) o[j] = from_float<T>(v[j]);
+  }
+}
+
 // Writes one panel's outputs for tb tokens. c is [tb][kPanelRows]; panel column j holds output
 // idx[j] (j < ng) of rows of ldo elements: out = c + bias (+ residual), rounded.
 template <typename T>
 void write_panel(const float* __restrict c, int64_t tb, const int64_t* idx, int64_t ng, const T* bias,
                  const T* residual, T* out, int64_t ldo) {
+  if (ng == kPanelRows && idx[ng - 1] == idx[0] + ng - 1) {
+    const int64_t o0 = idx[0];
+    if (bias != nullptr) {
+      if (residual != nullptr) write_neighbours<true, true>(c, tb, o0, bias, residual, out, ldo);
+      else write_neighbours<true, false>(c, tb, o0, bias, residual, out, ldo);
+    } else {
+      if (residual != nullptr) write_neighbours<false, true>(c, tb, o0, bias, residual, out, ldo);
+      else write_neighbours<false, false>(c, tb, o0, bias, residual, out, ldo);
+    }
+    return;
+  }
   for (int64_t t = 0; t < tb; ++t) {
     const float* ct = c + t * kPanelRows;
     const T* r = residual != nullptr ? residual + t * ldo : nullptr;
@@ -157,10 +191,36 @@ void write_panel(const float* __restrict c, int64_t tb, const int64_t* idx, int6
 
 // The gate_up form of write_panel: columns [0, 4) are gate sums and [4, 8) the matching up sums
 // of outputs idx[j]; with their biases added they go to gate[t][idx[j] - o_begin] and
-// up[t][idx[j] - o_begin] (rows of ld floats), for silu_mul_range to finish.
+// up[t][idx[j] - o_begin] (rows of ld floats), for silu_mul_range to finish. Neighbouring
+// outputs (a full panel of consecutive idx) take a branch-free contiguous form.
+template <bool kBias, typename T>
+void stage_neighbours(const float* __restrict c, int64_t tb, int64_t o0, const T* bias, int64_t n_out,
+                      int64_t o_begin, float* __restrict gate, float* __restrict up, int64_t ld) {
+  constexpr int kHalf = kPanelRows / 2;
+  float bg[kHalf], bu[kHalf];
+  if constexpr (kBias)
+    for (int j = 0; j < kHalf; ++j) bg[j] = to_float(bias[o0 + j]), bu[j] = to_float(bias[n_out + o0 + j]);
+  for (int64_t t = 0; t < tb; ++t) {
+    const float* ct = c + t * kPanelRows;
+    float* g = gate + t * ld + o0 - o_begin;
+    float* u = up + t * ld + o0 - o_begin;
+    for (int j = 0; j < kHalf; ++j) {
+      float gj = ct[j], uj = ct[kHalf + j];
+      if constexpr (kBias) gj += bg[j], uj += bu[j];
+      g[j] = gj;
+      u[j] = uj;
+    }
+  }
+}
+
 template <typename T>
 void stage_gate_up(const float* __restrict c, int64_t tb, const int64_t* idx, int64_t ng, const T* bias,
                    int64_t n_out, int64_t o_begin, float* __restrict gate, float* __restrict up, int64_t ld) {
+  if (ng == kPanelRows / 2 && idx[ng - 1] == idx[0] + ng - 1) {
+    if (bias != nullptr) stage_neighbours<true>(c, tb, idx[0], bias, n_out, o_begin, gate, up, ld);
+    else stage_neighbours<false>(c, tb, idx[0], bias, n_out, o_begin, gate, up, ld);
+    return;
+  }
   for (int64_t t = 0; t < tb; ++t) {
     const float* ct = c + t * kPanelRows;
     for (int64_t j = 0; j < ng; ++j) {
