@@ -24,6 +24,8 @@ CEILINGS = re.compile(r"^ceilings \((\d+) threads\): streaming read ([\d.]+) GB/
                       r"\(read\+write\), FMA ([\d.]+) GFLOP/s")
 RESULT = re.compile(r"^(?P<label>.+?)\s+median\s+[\d.]+ us \(best\s+[\d.]+\)\s+(?P<gflops>[\d.]+) GFLOP/s = .*?"
                     r"(?P<gbs>[\d.]+) GB/s = ")
+# The 16-lane peak the AVX-512 benchmarks print next to the ceilings (CPUs with AVX-512F only).
+ZMM_FMA = re.compile(r"^zmm FMA ([\d.]+) GFLOP/s")
 TOKENS = re.compile(r"\bT=(\d+)\b")
 # The series a line belongs to: its weight format and instruction path ("f32/avx2", "Q8_0 avx2-int8act").
 FLOAT_SERIES = re.compile(r"\b((?:f32|bf16)/[\w-]+)")
@@ -43,6 +45,7 @@ class Ceilings:
     threads: int
     read_gbs: float
     fma_gflops: float
+    zmm_fma_gflops: float = 0.0  # 0: not printed (no AVX-512F)
 
 
 def series_of(label: str) -> str | None:
@@ -59,6 +62,9 @@ def parse(lines) -> tuple[list[Ceilings], list[Point]]:
     for line in lines:
         if m := CEILINGS.match(line):
             ceilings.append(Ceilings(int(m.group(1)), float(m.group(2)), float(m.group(4))))
+            continue
+        if (m := ZMM_FMA.match(line)) and ceilings:
+            ceilings[-1] = dataclasses.replace(ceilings[-1], zmm_fma_gflops=float(m.group(1)))
             continue
         m = RESULT.match(line)
         if not m:
@@ -86,6 +92,10 @@ def plot(ceilings: list[Ceilings], points: list[Point], out: Path, title: str) -
     ax.plot([lo, knee, hi], [read * lo, fma, fma], color="black", lw=1.5)
     ax.text(hi, fma * 1.04, f"FMA peak {fma:.0f} GFLOP/s", ha="right", va="bottom", fontsize=8)
     ax.text(lo * 1.1, read * lo * 1.3, f"read {read:.1f} GB/s", rotation=28, fontsize=8)
+    zmm = max(c.zmm_fma_gflops for c in ceilings)
+    if zmm > fma * 1.05:  # full-width 512-bit units: a second, higher roof for the avx512 paths
+        ax.plot([zmm / read, hi], [zmm, zmm], color="black", lw=1.0, ls="--")
+        ax.text(hi, zmm * 1.04, f"zmm FMA peak {zmm:.0f} GFLOP/s", ha="right", va="bottom", fontsize=8)
     for i, series in enumerate(sorted({p.series for p in points})):
         mine = sorted((p for p in points if p.series == series), key=lambda p: (p.tokens, p.intensity))
         ax.scatter([p.intensity for p in mine], [p.gflops for p in mine], s=18, color=f"C{i % 10}", label=series)

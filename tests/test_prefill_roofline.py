@@ -18,6 +18,7 @@ ok   Q8_0<f32,avx2> T=13 K=768 N=38 (linear, silu_mul, rmsnorm; invariance)     
 validation passed
 
 ceilings (2 threads): streaming read 20.9 GB/s, memcpy 14.7 GB/s (read+write), FMA 176.9 GFLOP/s
+zmm FMA 353.1 GFLOP/s; the peak below is the larger of ymm and zmm
 Q8_0 llama1b o 2048x2048/avx2-int8act T=8    median     906.8 us (best     858.4)    74.0 GFLOP/s =  42% of FMA 177     4.9 GB/s =  23% of read 20.9,  33% of memcpy 14.7
 Q8_0 llama1b up 8192x2048/avx2-int8act T=512 median  162546.2 us (best  161286.7)   105.7 GFLOP/s =  60% of FMA 177     0.1 GB/s =   1% of read 20.9,   1% of memcpy 14.7
 Q4_K smollm2 up 1536x576/avx2 T=1              median      61.2 us (best      58.0)    28.9 GFLOP/s =  16% of FMA 177    10.2 GB/s =  49% of read 20.9,  69% of memcpy 14.7
@@ -29,7 +30,7 @@ slab_write T=64 H=3 D=64                     median      10.0 us (best       9.0
 
 def test_parse_reads_series_tokens_and_intensity():
     ceilings, points = roofline.parse(OUTPUT.splitlines())
-    assert ceilings == [roofline.Ceilings(2, 20.9, 176.9)]
+    assert ceilings == [roofline.Ceilings(2, 20.9, 176.9, 353.1)]
     got = {(p.series, p.tokens): p for p in points}
     assert set(got) == {("Q8_0 avx2-int8act", 8), ("Q8_0 avx2-int8act", 512), ("Q4_K avx2", 1),
                         ("f32/avx2", 64), ("bf16/avx512bf16", 16)}
