@@ -402,16 +402,29 @@ inline void int8_act_rows(const Int8Rows& a, const Int8Groups& groups, const uin
                           int64_t n_tokens, int64_t k, int64_t n_out, int64_t n0, int64_t n1, PrefetchAhead& ahead,
                           float* out) {
   if (n_tokens == 1) {
+#if defined(ORCA_QUANT_INT8_512)
+    constexpr bool kZmmRows = kVnni;  // the one-token K-quant rows in zmm registers (same integers)
+#else
+    constexpr bool kZmmRows = false;
+#endif
     const int64_t quarter = (n1 - n0) / 4;
     for (int64_t j = 0; j < quarter; ++j) {
       if constexpr (F == kQuantTypeQ4_K)
-        q4k_int8_rows<kVnni, 4>(a, w, row_bytes, k, n0 + j, quarter, out);
+        q4k_int8_rows<kVnni, 4, kZmmRows>(a, w, row_bytes, k, n0 + j, quarter, out);
+#if defined(ORCA_QUANT_INT8_512)
+      else if constexpr (F == kQuantTypeQ6_K && kVnni)
+        q6k_int8_rows_zmm<4>(a, w, row_bytes, k, n0 + j, quarter, out);
+#endif
       else
         int8_act_tile<kVnni, F, 4, 1>(a, w, row_bytes, k, n_out, n0 + j, quarter, 0, out);
     }
     for (int64_t n = n0 + 4 * quarter; n < n1; ++n) {
       if constexpr (F == kQuantTypeQ4_K)
-        q4k_int8_rows<kVnni, 1>(a, w, row_bytes, k, n, 1, out);
+        q4k_int8_rows<kVnni, 1, kZmmRows>(a, w, row_bytes, k, n, 1, out);
+#if defined(ORCA_QUANT_INT8_512)
+      else if constexpr (F == kQuantTypeQ6_K && kVnni)
+        q6k_int8_rows_zmm<1>(a, w, row_bytes, k, n, 1, out);
+#endif
       else
         int8_act_tile<kVnni, F, 1, 1>(a, w, row_bytes, k, n_out, n, 1, 0, out);
     }

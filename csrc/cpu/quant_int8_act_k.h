@@ -351,13 +351,58 @@ inline void q4k_fold1(__m256i isum, __m256i msum, __m256i* ab, __m256i* m) {
 // rows in natural order: the int32 lanes of each sub-block product hold positions 4l .. 4l + 3,
 // folded to (A, B) = (even lanes, odd lanes) per super-block. R = 4 folds the 4 rows together
 // into one vector [A_0, B_0, A_1, B_1 | A_2, B_2, A_3, B_3] (R = 1: one row in lanes 0, 1).
-template <bool kVnni, int R>
+// One row's super-block of Q4_K quants qs (128 bytes) against its 256 activations x: 8 int32
+// lanes, lane l = sum_j sc_j * (the products at positions 4l .. 4l + 3 of sub-block j), with the
+// int16 scales sc_j in lanes j (and j + 8) of sc16. Two chains (even and odd sub-blocks), added
+// exactly.
+template <bool kVnni>
+inline __m256i q4k_isum(const uint8_t* qs, const int8_t* x, __m256i sc16) {
+  const __m256i low4 = _mm256_set1_epi8(0x0f);
+  __m256i chain[2] = {_mm256_setzero_si256(), _mm256_setzero_si256()};
+  for (int p = 0; p < 4; ++p) {
+    const __m256i qv = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(qs + 32 * p));
+    const __m256i lo = _mm256_and_si256(qv, low4), hi = _mm256_and_si256(_mm256_srli_epi16(qv, 4), low4);
+    chain[0] = dot_scaled<kVnni>(chain[0], lo, x + 64 * p, _mm256_shuffle_epi8(sc16, load_control(kBroadcast16[2 * p])));
+    chain[1] = dot_scaled<kVnni>(chain[1], hi, x + 64 * p + 32,
+                                 _mm256_shuffle_epi8(sc16, load_control(kBroadcast16[2 * p + 1])));
+  }
+  return _mm256_add_epi32(chain[0], chain[1]);
+}
+
+#if defined(ORCA_QUANT_INT8_512)
+// Lanes 0-15 of entry p: int16 scale 2p; lanes 16-31: scale 2p + 1 (vpermw indices).
+alignas(64) constexpr int16_t kQ4PairScales[4][32] = {
+#define ORCA_H(s) s, s, s, s, s, s, s, s, s, s, s, s, s, s, s, s
+    {ORCA_H(0), ORCA_H(1)}, {ORCA_H(2), ORCA_H(3)}, {ORCA_H(4), ORCA_H(5)}, {ORCA_H(6), ORCA_H(7)},
+#undef ORCA_H
+};
+
+// q4k_isum in zmm registers with VNNI: sub-blocks 2p and 2p + 1 (the low and high nibbles of the
+// same 32 bytes, against 64 contiguous activations) in one vpmaddubsw and one vpdpwssd; the upper
+// 8 int32 lanes (sub-block 2p + 1) are added to the lower 8 at the end: the same integers.
+inline __m256i q4k_isum_zmm(const uint8_t* qs, const int8_t* x, __m256i sc16) {
+  const __m512i low4 = _mm512_set1_epi8(0x0f);
+  const __m512i shifts = _mm512_inserti64x4(_mm512_setzero_si512(), _mm256_set1_epi16(4), 1);  // lo | hi nibbles
+  const __m512i sc = _mm512_castsi256_si512(sc16);
+  __m512i chain[2] = {_mm512_setzero_si512(), _mm512_setzero_si512()};
+  for (int p = 0; p < 4; ++p) {
+    const __m512i qv = _mm512_broadcast_i64x4(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(qs + 32 * p)));
+    const __m512i nib = _mm512_and_si512(_mm512_srlv_epi16(qv, shifts), low4);
+    const __m512i s = _mm512_permutexvar_epi16(_mm512_load_si512(kQ4PairScales[p]), sc);
+    chain[p % 2] = _mm512_dpwssd_epi32(chain[p % 2], _mm512_maddubs_epi16(nib, _mm512_loadu_si512(x + 64 * p)), s);
+  }
+  const __m512i z = _mm512_add_epi32(chain[0], chain[1]);
+  return _mm256_add_epi32(_mm512_castsi512_si256(z), _mm512_extracti64x4_epi64(z, 1));
+}
+#endif
+
+// kZmm: the integer sums by q4k_isum_zmm (AVX-512 VNNI units only); the same integers either way.
+template <bool kVnni, int R, bool kZmm = false>
 inline void q4k_int8_rows(const Int8Rows& a, const uint8_t* w, int64_t row_bytes, int64_t k, int64_t n0,
                           int64_t stride, float* out) {
   static_assert(R == 1 || R == 4, "one row or four");
   const int64_t n_super = k / kSuperBlock;
   __m256 acc = _mm256_setzero_ps();
-  const __m256i low4 = _mm256_set1_epi8(0x0f);
   for (int64_t b = 0; b < n_super; ++b) {
     const __m256 xd = _mm256_set1_ps(a.d[b]);
     const __m256i bs = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(a.bsums + 16 * b));
@@ -370,16 +415,12 @@ inline void q4k_int8_rows(const Int8Rows& a, const uint8_t* w, int64_t row_bytes
       const __m128i scmn = q4k_scales_mins(blk + 4);
       const __m256i sc16 = _mm256_broadcastsi128_si256(_mm_cvtepu8_epi16(scmn));
       const __m256i mn_pairs = _mm256_cvtepu8_epi16(_mm_unpackhi_epi8(scmn, scmn));  // lanes 2j, 2j+1: mn_j
-      __m256i chain[2] = {_mm256_setzero_si256(), _mm256_setzero_si256()};  // two chains, added exactly
-      const uint8_t* qs = blk + 16;
-      for (int p = 0; p < 4; ++p) {
-        const __m256i qv = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(qs + 32 * p));
-        const __m256i lo = _mm256_and_si256(qv, low4), hi = _mm256_and_si256(_mm256_srli_epi16(qv, 4), low4);
-        chain[0] = dot_scaled<kVnni>(chain[0], lo, x + 64 * p, _mm256_shuffle_epi8(sc16, load_control(kBroadcast16[2 * p])));
-        chain[1] = dot_scaled<kVnni>(chain[1], hi, x + 64 * p + 32,
-                                     _mm256_shuffle_epi8(sc16, load_control(kBroadcast16[2 * p + 1])));
-      }
-      isum[r] = _mm256_add_epi32(chain[0], chain[1]);
+#if defined(ORCA_QUANT_INT8_512)
+      if constexpr (kZmm)
+        isum[r] = q4k_isum_zmm(blk + 16, x, sc16);
+      else
+#endif
+        isum[r] = q4k_isum<kVnni>(blk + 16, x, sc16);
       msum[r] = _mm256_madd_epi16(mn_pairs, bs);  // lane j: mn_j * (bsum_2j + bsum_2j+1)
     }
     __m256i ab, m;  // lanes 2r, 2r + 1: (A, B) and (M_lo, M_hi) of row r
@@ -651,6 +692,70 @@ inline void q6k_int8_tile(const Int8Rows& a, const uint8_t* w, int64_t row_bytes
       out[(t0 + m) * n_out + n0 + r * stride] = hsum8_tree(l);
     }
 }
+
+#if defined(ORCA_QUANT_INT8_512)
+// Quarter q of the int16 scale vector of chunk pair p (chunks 2p, 2p + 1) of half h holds the
+// scale of sub-block 8h + 4p + q (vpermw indices into the super-block's 16 int16 scales).
+alignas(64) constexpr int16_t kQ6PairScales[4][32] = {
+#define ORCA_Q(s) s, s, s, s, s, s, s, s
+#define ORCA_HP(base) {ORCA_Q(base), ORCA_Q(base + 1), ORCA_Q(base + 2), ORCA_Q(base + 3)}
+    ORCA_HP(0), ORCA_HP(4), ORCA_HP(8), ORCA_HP(12),
+#undef ORCA_HP
+#undef ORCA_Q
+};
+
+// q6k_int8_tile for one token (R rows, M = 1) in zmm registers, with VNNI. The activations of a
+// half's chunks (0, 1) and (2, 3) are 64 contiguous bytes each, so one vpmaddubsw and one
+// vpdpwssd cover a pair of chunks, its q6 built with per-lane shifts (qh << 4 | << 2 for the
+// first pair, >> 0 | >> 2 for the second). When the super-block ends the pair's upper 8 int32
+// lanes are added to its lower 8: the very integers of q6k_int8_tile's 8 lanes (integer sums are
+// exact in any order), then the same float update and lane sum, so the same bits.
+template <int R>
+inline void q6k_int8_rows_zmm(const Int8Rows& a, const uint8_t* w, int64_t row_bytes, int64_t k, int64_t n0,
+                              int64_t stride, float* out) {
+  const int64_t n_super = k / kSuperBlock;
+  __m256 acc[R];
+  for (int r = 0; r < R; ++r) acc[r] = _mm256_setzero_ps();
+  const __m512i low4 = _mm512_set1_epi8(0x0f), bits45 = _mm512_set1_epi8(0x30);
+  const __m512i shl01 = _mm512_inserti64x4(_mm512_set1_epi16(4), _mm256_set1_epi16(2), 1);
+  const __m512i shr23 = _mm512_inserti64x4(_mm512_setzero_si512(), _mm256_set1_epi16(2), 1);
+  for (int64_t b = 0; b < n_super; ++b) {
+    const __m256i bs = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(a.bsums + 16 * b));
+    const int8_t* x = a.q + b * kSuperBlock;
+    const float xd = a.d[b];
+    for (int r = 0; r < R; ++r) {
+      const uint8_t* blk = w + (n0 + r * stride) * row_bytes + b * 210;
+      const __m256i sc16 = _mm256_cvtepi8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(blk + 192)));
+      const __m512i sc16z = _mm512_castsi256_si512(sc16);
+      // -32 * sum_j sc_j * bsum_j, as q6k_int8_tile starts its lanes
+      const __m256i bias = _mm256_sub_epi32(_mm256_setzero_si256(), _mm256_slli_epi32(_mm256_madd_epi16(sc16, bs), 5));
+      __m512i chain[2] = {_mm512_setzero_si512(), _mm512_setzero_si512()};
+      for (int h = 0; h < 2; ++h) {
+        const __m512i ql = _mm512_loadu_si512(blk + 64 * h);
+        const __m512i qh = _mm512_broadcast_i64x4(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(blk + 128 + 32 * h)));
+        const __m512i q01 = _mm512_or_si512(_mm512_and_si512(ql, low4), _mm512_and_si512(_mm512_sllv_epi16(qh, shl01), bits45));
+        const __m512i q23 = _mm512_or_si512(_mm512_and_si512(_mm512_srli_epi16(ql, 4), low4),
+                                            _mm512_and_si512(_mm512_srlv_epi16(qh, shr23), bits45));
+        const __m512i s01 = _mm512_permutexvar_epi16(_mm512_load_si512(kQ6PairScales[2 * h]), sc16z);
+        const __m512i s23 = _mm512_permutexvar_epi16(_mm512_load_si512(kQ6PairScales[2 * h + 1]), sc16z);
+        const __m512i x01 = _mm512_loadu_si512(x + 128 * h), x23 = _mm512_loadu_si512(x + 128 * h + 64);
+        chain[0] = _mm512_dpwssd_epi32(chain[0], _mm512_maddubs_epi16(q01, x01), s01);
+        chain[1] = _mm512_dpwssd_epi32(chain[1], _mm512_maddubs_epi16(q23, x23), s23);
+      }
+      const __m512i z = _mm512_add_epi32(chain[0], chain[1]);
+      const __m256i isum = _mm256_add_epi32(
+          bias, _mm256_add_epi32(_mm512_castsi512_si256(z), _mm512_extracti64x4_epi64(z, 1)));
+      const float d = half_to_float(blk + 208);
+      acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(isum), _mm256_set1_ps(d * xd), acc[r]);
+    }
+  }
+  for (int r = 0; r < R; ++r) {
+    alignas(32) float l[8];
+    _mm256_store_ps(l, acc[r]);
+    out[n0 + r * stride] = hsum8_tree(l);
+  }
+}
+#endif
 
 }  // namespace
 }  // namespace detail
