@@ -370,25 +370,30 @@ inline __m256i q4k_isum(const uint8_t* qs, const int8_t* x, __m256i sc16) {
 }
 
 #if defined(ORCA_QUANT_INT8_512)
-// Lanes 0-15 of entry p: int16 scale 2p; lanes 16-31: scale 2p + 1 (vpermw indices).
-alignas(64) constexpr int16_t kQ4PairScales[4][32] = {
-#define ORCA_H(s) s, s, s, s, s, s, s, s, s, s, s, s, s, s, s, s
-    {ORCA_H(0), ORCA_H(1)}, {ORCA_H(2), ORCA_H(3)}, {ORCA_H(4), ORCA_H(5)}, {ORCA_H(6), ORCA_H(7)},
-#undef ORCA_H
+// vpshufb controls over a vector whose four 128-bit lanes each hold the 8 int16 scales: the low
+// 256 bits of entry p take scale 2p in every int16 lane, the high 256 bits scale 2p + 1.
+alignas(64) constexpr int8_t kQ4PairScales[4][64] = {
+#define ORCA_S(j) 2 * (j), 2 * (j) + 1
+#define ORCA_Q(j) ORCA_S(j), ORCA_S(j), ORCA_S(j), ORCA_S(j), ORCA_S(j), ORCA_S(j), ORCA_S(j), ORCA_S(j)
+#define ORCA_P(p) {ORCA_Q(2 * (p)), ORCA_Q(2 * (p)), ORCA_Q(2 * (p) + 1), ORCA_Q(2 * (p) + 1)}
+    ORCA_P(0), ORCA_P(1), ORCA_P(2), ORCA_P(3),
+#undef ORCA_P
+#undef ORCA_Q
+#undef ORCA_S
 };
 
 // q4k_isum in zmm registers with VNNI: sub-blocks 2p and 2p + 1 (the low and high nibbles of the
 // same 32 bytes, against 64 contiguous activations) in one vpmaddubsw and one vpdpwssd; the upper
 // 8 int32 lanes (sub-block 2p + 1) are added to the lower 8 at the end: the same integers.
 inline __m256i q4k_isum_zmm(const uint8_t* qs, const int8_t* x, __m256i sc16) {
-  const __m512i low4 = _mm512_set1_epi8(0x0f);
-  const __m512i shifts = _mm512_inserti64x4(_mm512_setzero_si512(), _mm256_set1_epi16(4), 1);  // lo | hi nibbles
-  const __m512i sc = _mm512_castsi256_si512(sc16);
+  const __m256i low4 = _mm256_set1_epi8(0x0f);
+  const __m512i sc = _mm512_broadcast_i32x4(_mm256_castsi256_si128(sc16));
   __m512i chain[2] = {_mm512_setzero_si512(), _mm512_setzero_si512()};
   for (int p = 0; p < 4; ++p) {
-    const __m512i qv = _mm512_broadcast_i64x4(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(qs + 32 * p)));
-    const __m512i nib = _mm512_and_si512(_mm512_srlv_epi16(qv, shifts), low4);
-    const __m512i s = _mm512_permutexvar_epi16(_mm512_load_si512(kQ4PairScales[p]), sc);
+    const __m256i qv = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(qs + 32 * p));
+    const __m512i nib = _mm512_inserti64x4(_mm512_castsi256_si512(_mm256_and_si256(qv, low4)),
+                                           _mm256_and_si256(_mm256_srli_epi16(qv, 4), low4), 1);
+    const __m512i s = _mm512_shuffle_epi8(sc, _mm512_load_si512(kQ4PairScales[p]));
     chain[p % 2] = _mm512_dpwssd_epi32(chain[p % 2], _mm512_maddubs_epi16(nib, _mm512_loadu_si512(x + 64 * p)), s);
   }
   const __m512i z = _mm512_add_epi32(chain[0], chain[1]);
