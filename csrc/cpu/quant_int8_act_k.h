@@ -154,6 +154,22 @@ inline __m128i q4k_scales_mins(const uint8_t* packed) {
                        static_cast<int>(sc_lo));
 }
 
+// q4k_scales_mins of two super-blocks at once, one per 128-bit lane (the same bytes out): with
+// one token the scalar decode was about a third of each row's instructions.
+inline void q4k_scales_mins2(const uint8_t* packed0, const uint8_t* packed1, __m128i* out0, __m128i* out1) {
+  const __m256i v = _mm256_inserti128_si256(
+      _mm256_castsi128_si256(_mm_loadu_si128(reinterpret_cast<const __m128i*>(packed0))),
+      _mm_loadu_si128(reinterpret_cast<const __m128i*>(packed1)), 1);
+  // per lane, from the dwords u0 u1 u2: lo = (sc_lo, mins_lo), hi = (sc_hi, mins_hi)
+  const __m256i lo = _mm256_and_si256(v, _mm256_set1_epi32(0x3f3f3f3f));
+  const __m256i u2 = _mm256_srlv_epi32(_mm256_shuffle_epi32(v, 0xaa), _mm256_setr_epi32(0, 4, 0, 0, 0, 4, 0, 0));
+  const __m256i top2 = _mm256_slli_epi32(_mm256_and_si256(_mm256_srli_epi32(v, 6), _mm256_set1_epi32(0x03030303)), 4);
+  const __m256i hi = _mm256_or_si256(_mm256_and_si256(u2, _mm256_set1_epi32(0x0f0f0f0f)), top2);
+  const __m256i scmn = _mm256_unpacklo_epi32(lo, hi);  // per lane: sc_lo, sc_hi, mins_lo, mins_hi
+  *out0 = _mm256_castsi256_si128(scmn);
+  *out1 = _mm256_extracti128_si256(scmn, 1);
+}
+
 // Q4_K's reduction. Per output (weight row, token) and super-block, three exact integers:
 //   A = sum_j sc_j * sum(nib * x over the positions i of sub-block j with i % 8 < 4)
 //   B = the same over the positions with i % 8 >= 4
@@ -370,31 +386,49 @@ inline __m256i q4k_isum(const uint8_t* qs, const int8_t* x, __m256i sc16) {
 }
 
 #if defined(ORCA_QUANT_INT8_512)
-// vpshufb controls over a vector whose four 128-bit lanes each hold the 8 int16 scales: the low
-// 256 bits of entry p take scale 2p in every int16 lane, the high 256 bits scale 2p + 1.
-alignas(64) constexpr int8_t kQ4PairScales[4][64] = {
+// vpshufb controls over a vector whose four 128-bit lanes each hold the 8 int16 scales: entry q
+// takes scale kQ4ZmmLow[q] into every int16 lane of the low 256 bits and kQ4ZmmLow[q] + 2 into
+// the high 256 bits, the sub-blocks whose quants one zmm load and nibble of q4k_isum_zmm holds.
+alignas(64) constexpr int8_t kQ4SplitScales[4][64] = {
 #define ORCA_S(j) 2 * (j), 2 * (j) + 1
 #define ORCA_Q(j) ORCA_S(j), ORCA_S(j), ORCA_S(j), ORCA_S(j), ORCA_S(j), ORCA_S(j), ORCA_S(j), ORCA_S(j)
-#define ORCA_P(p) {ORCA_Q(2 * (p)), ORCA_Q(2 * (p)), ORCA_Q(2 * (p) + 1), ORCA_Q(2 * (p) + 1)}
-    ORCA_P(0), ORCA_P(1), ORCA_P(2), ORCA_P(3),
+#define ORCA_P(j) {ORCA_Q(j), ORCA_Q(j), ORCA_Q((j) + 2), ORCA_Q((j) + 2)}
+    ORCA_P(0), ORCA_P(1), ORCA_P(4), ORCA_P(5),
 #undef ORCA_P
 #undef ORCA_Q
 #undef ORCA_S
 };
 
-// q4k_isum in zmm registers with VNNI: sub-blocks 2p and 2p + 1 (the low and high nibbles of the
-// same 32 bytes, against 64 contiguous activations) in one vpmaddubsw and one vpdpwssd; the upper
-// 8 int32 lanes (sub-block 2p + 1) are added to the lower 8 at the end: the same integers.
-inline __m256i q4k_isum_zmm(const uint8_t* qs, const int8_t* x, __m256i sc16) {
-  const __m256i low4 = _mm256_set1_epi8(0x0f);
+// A super-block's 256 int8 activations as q4k_isum_zmm pairs them with the quants: vector q holds
+// the 32 activations of sub-block j in its low 256 bits and those of sub-block j + 2 in its high
+// 256 bits, j = 0, 1, 4, 5. Built once per super-block for every row that reads it.
+inline void q4k_split_activations(const int8_t* x, __m512i (&xv)[4]) {
+  for (int h = 0; h < 2; ++h)
+    for (int nib = 0; nib < 2; ++nib) {
+      const int8_t* lo = x + 128 * h + 32 * nib;
+      xv[2 * h + nib] = _mm512_inserti64x4(
+          _mm512_castsi256_si512(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(lo))),
+          _mm256_loadu_si256(reinterpret_cast<const __m256i*>(lo + 64)), 1);
+    }
+}
+
+// q4k_isum in zmm registers with VNNI. One zmm load holds 64 bytes of quants, whose low nibbles
+// are sub-blocks j and j + 2 and whose high nibbles j + 1 and j + 3 (j = 0 for the first half of
+// qs, 4 for the second), against the activations in the same order (q4k_split_activations): each
+// pair of sub-blocks takes one vpmaddubsw and one vpdpwssd, with no lane shuffles of the quants.
+// The upper 8 int32 lanes are added to the lower 8 at the end: the same integers as q4k_isum.
+inline __m256i q4k_isum_zmm(const uint8_t* qs, const __m512i (&xv)[4], __m256i sc16) {
+  const __m512i low4 = _mm512_set1_epi8(0x0f);
   const __m512i sc = _mm512_broadcast_i32x4(_mm256_castsi256_si128(sc16));
   __m512i chain[2] = {_mm512_setzero_si512(), _mm512_setzero_si512()};
-  for (int p = 0; p < 4; ++p) {
-    const __m256i qv = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(qs + 32 * p));
-    const __m512i nib = _mm512_inserti64x4(_mm512_castsi256_si512(_mm256_and_si256(qv, low4)),
-                                           _mm256_and_si256(_mm256_srli_epi16(qv, 4), low4), 1);
-    const __m512i s = _mm512_shuffle_epi8(sc, _mm512_load_si512(kQ4PairScales[p]));
-    chain[p % 2] = _mm512_dpwssd_epi32(chain[p % 2], _mm512_maddubs_epi16(nib, _mm512_loadu_si512(x + 64 * p)), s);
+  for (int h = 0; h < 2; ++h) {
+    const __m512i qv = _mm512_loadu_si512(qs + 64 * h);
+    const __m512i nib[2] = {_mm512_and_si512(qv, low4), _mm512_and_si512(_mm512_srli_epi16(qv, 4), low4)};
+    for (int n = 0; n < 2; ++n) {
+      const int q = 2 * h + n;
+      const __m512i s = _mm512_shuffle_epi8(sc, _mm512_load_si512(kQ4SplitScales[q]));
+      chain[n] = _mm512_dpwssd_epi32(chain[n], _mm512_maddubs_epi16(nib[n], xv[q]), s);
+    }
   }
   const __m512i z = _mm512_add_epi32(chain[0], chain[1]);
   return _mm256_add_epi32(_mm512_castsi512_si256(z), _mm512_extracti64x4_epi64(z, 1));
@@ -412,17 +446,29 @@ inline void q4k_int8_rows(const Int8Rows& a, const uint8_t* w, int64_t row_bytes
     const __m256 xd = _mm256_set1_ps(a.d[b]);
     const __m256i bs = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(a.bsums + 16 * b));
     const int8_t* x = a.q + b * kSuperBlock;
+#if defined(ORCA_QUANT_INT8_512)
+    __m512i xv[4];
+    if constexpr (kZmm) q4k_split_activations(x, xv);
+#endif
     __m256i isum[R], msum[R];
     int32_t scales[R];  // the fp16 d and dmin of each row's super-block
+    __m128i scmns[R];
+    auto packed = [&](int r) { return w + (n0 + r * stride) * row_bytes + b * 144 + 4; };
+    if constexpr (R == 4) {
+      q4k_scales_mins2(packed(0), packed(1), &scmns[0], &scmns[1]);
+      q4k_scales_mins2(packed(2), packed(3), &scmns[2], &scmns[3]);
+    } else {
+      scmns[0] = q4k_scales_mins(packed(0));
+    }
     for (int r = 0; r < R; ++r) {
       const uint8_t* blk = w + (n0 + r * stride) * row_bytes + b * 144;
       std::memcpy(&scales[r], blk, 4);
-      const __m128i scmn = q4k_scales_mins(blk + 4);
+      const __m128i scmn = scmns[r];
       const __m256i sc16 = _mm256_broadcastsi128_si256(_mm_cvtepu8_epi16(scmn));
       const __m256i mn_pairs = _mm256_cvtepu8_epi16(_mm_unpackhi_epi8(scmn, scmn));  // lanes 2j, 2j+1: mn_j
 #if defined(ORCA_QUANT_INT8_512)
       if constexpr (kZmm)
-        isum[r] = q4k_isum_zmm(blk + 16, x, sc16);
+        isum[r] = q4k_isum_zmm(blk + 16, xv, sc16);
       else
 #endif
         isum[r] = q4k_isum<kVnni>(blk + 16, x, sc16);
