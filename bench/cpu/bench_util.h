@@ -194,10 +194,12 @@ inline double measure_read_gbs() {
   return static_cast<double>(bytes) / t * 1e-9;
 }
 
-// 12 independent vector-wide FMA chains per thread: enough to cover the FMA latency on
-// current x86 cores. The loop auto-vectorizes to ymm FMAs at -march=x86-64-v3.
-__attribute__((noinline)) inline float fma_chains(int64_t iters, float seed) {
-  constexpr int kChains = 12, kLanes = 8;
+// 12 independent FMA chains of kLanes floats per thread: enough to cover the FMA latency on
+// current x86 cores. The loop auto-vectorizes to the caller's widest registers (inlined into
+// fma_chains, ymm at -march=x86-64-v3, or into fma_chains_zmm, zmm).
+template <int kLanes>
+__attribute__((always_inline)) inline float fma_chains_of(int64_t iters, float seed) {
+  constexpr int kChains = 12;
   float acc[kChains][kLanes];
   for (int c = 0; c < kChains; ++c)
     for (int l = 0; l < kLanes; ++l) acc[c][l] = seed * static_cast<float>(c + l + 1);
@@ -211,8 +213,10 @@ __attribute__((noinline)) inline float fma_chains(int64_t iters, float seed) {
   return s;
 }
 
-inline double measure_fma_gflops() {
-  const int64_t iters = 20000000;
+__attribute__((noinline)) inline float fma_chains(int64_t iters, float seed) { return fma_chains_of<8>(iters, seed); }
+
+// GFLOP/s of `chains` (12 chains of `lanes` floats per call) on every OpenMP thread at once.
+inline double measure_chains_gflops(float (*chains)(int64_t, float), int lanes, int64_t iters) {
   volatile float sink = 0.0f;  // keeps the chains' results alive
   int threads = 1;
   auto run = [&] {
@@ -221,51 +225,28 @@ inline double measure_fma_gflops() {
     {
 #pragma omp single
       threads = omp_get_num_threads();
-      total += fma_chains(iters, 1e-3f * static_cast<float>(omp_get_thread_num() + 1));
+      total += chains(iters, 1e-3f * static_cast<float>(omp_get_thread_num() + 1));
     }
     sink = total;
   };
   const double t = time_calls(run, 5, 1).best;
-  return 2.0 * 12 * 8 * static_cast<double>(iters) * threads / t * 1e-9;
+  return 2.0 * 12 * lanes * static_cast<double>(iters) * threads / t * 1e-9;
 }
+
+inline double measure_fma_gflops() { return measure_chains_gflops(fma_chains, 8, 20000000); }
 
 // The zmm form of fma_chains: 12 independent 16-lane chains (0 where the CPU has no AVX-512F).
 // On CPUs that split 512-bit FMAs into two halves (Zen 4) it equals the ymm peak; on those with
 // full-width units (Zen 5, Intel server cores) it is up to twice that.
 #if defined(__x86_64__) && defined(__GNUC__)
 __attribute__((target("avx512f"), noinline)) inline float fma_chains_zmm(int64_t iters, float seed) {
-  constexpr int kChains = 12, kLanes = 16;
-  float acc[kChains][kLanes];
-  for (int c = 0; c < kChains; ++c)
-    for (int l = 0; l < kLanes; ++l) acc[c][l] = seed * static_cast<float>(c + l + 1);
-  const float a = 0.999999f, b = 1e-7f;
-  for (int64_t it = 0; it < iters; ++it)
-    for (int c = 0; c < kChains; ++c)
-      for (int l = 0; l < kLanes; ++l) acc[c][l] = acc[c][l] * a + b;
-  float s = 0.0f;
-  for (int c = 0; c < kChains; ++c)
-    for (int l = 0; l < kLanes; ++l) s += acc[c][l];
-  return s;
+  return fma_chains_of<16>(iters, seed);
 }
 
 inline double measure_fma_gflops_zmm() {
   __builtin_cpu_init();
   if (!__builtin_cpu_supports("avx512f")) return 0.0;
-  const int64_t iters = 10000000;
-  volatile float sink = 0.0f;
-  int threads = 1;
-  auto run = [&] {
-    float total = 0.0f;
-#pragma omp parallel reduction(+ : total)
-    {
-#pragma omp single
-      threads = omp_get_num_threads();
-      total += fma_chains_zmm(iters, 1e-3f * static_cast<float>(omp_get_thread_num() + 1));
-    }
-    sink = total;
-  };
-  const double t = time_calls(run, 5, 1).best;
-  return 2.0 * 12 * 16 * static_cast<double>(iters) * threads / t * 1e-9;
+  return measure_chains_gflops(fma_chains_zmm, 16, 10000000);
 }
 #else
 inline double measure_fma_gflops_zmm() { return 0.0; }
