@@ -141,26 +141,15 @@ alignas(32) constexpr int8_t kPairBroadcast16[4][32] = {
 inline __m256i load_control(const int8_t* c) { return _mm256_load_si256(reinterpret_cast<const __m256i*>(c)); }
 
 // Q4_K's 12 packed bytes -> sc (bytes 0..7) and mn (bytes 8..15), 6 bits each (ggml's
-// get_scale_min_k4, four sub-blocks per 32-bit word).
-inline __m128i q4k_scales_mins(const uint8_t* packed) {
-  uint32_t u[4];
-  std::memcpy(u, packed, 12);
-  constexpr uint32_t kLow6 = 0x3f3f3f3f, kLow4 = 0x0f0f0f0f, kLow2 = 0x03030303;
-  const uint32_t mins_hi = ((u[2] >> 4) & kLow4) | (((u[1] >> 6) & kLow2) << 4);
-  const uint32_t mins_lo = u[1] & kLow6;
-  const uint32_t sc_hi = (u[2] & kLow4) | (((u[0] >> 6) & kLow2) << 4);
-  const uint32_t sc_lo = u[0] & kLow6;
-  return _mm_set_epi32(static_cast<int>(mins_hi), static_cast<int>(mins_lo), static_cast<int>(sc_hi),
-                       static_cast<int>(sc_lo));
-}
-
-// q4k_scales_mins of two super-blocks at once, one per 128-bit lane (the same bytes out): with
-// one token the scalar decode was about a third of each row's instructions.
+// get_scale_min_k4, four sub-blocks per 32-bit word), for two super-blocks at once, one per
+// 128-bit lane: a one-token row decodes 4 rows' scales per super-block, and in scalar code that
+// was about a third of its instructions. Reads 16 bytes from each `packed` (inside the block).
 inline void q4k_scales_mins2(const uint8_t* packed0, const uint8_t* packed1, __m128i* out0, __m128i* out1) {
   const __m256i v = _mm256_inserti128_si256(
       _mm256_castsi128_si256(_mm_loadu_si128(reinterpret_cast<const __m128i*>(packed0))),
       _mm_loadu_si128(reinterpret_cast<const __m128i*>(packed1)), 1);
-  // per lane, from the dwords u0 u1 u2: lo = (sc_lo, mins_lo), hi = (sc_hi, mins_hi)
+  // per lane, from the dwords u0 u1 u2: lo = (sc_lo, mins_lo) = the low 6 bits of u0, u1;
+  // hi = (sc_hi, mins_hi) = the low (high) nibbles of u2 under the top 2 bits of u0 (u1)
   const __m256i lo = _mm256_and_si256(v, _mm256_set1_epi32(0x3f3f3f3f));
   const __m256i u2 = _mm256_srlv_epi32(_mm256_shuffle_epi32(v, 0xaa), _mm256_setr_epi32(0, 4, 0, 0, 0, 4, 0, 0));
   const __m256i top2 = _mm256_slli_epi32(_mm256_and_si256(_mm256_srli_epi32(v, 6), _mm256_set1_epi32(0x03030303)), 4);
@@ -168,6 +157,13 @@ inline void q4k_scales_mins2(const uint8_t* packed0, const uint8_t* packed1, __m
   const __m256i scmn = _mm256_unpacklo_epi32(lo, hi);  // per lane: sc_lo, sc_hi, mins_lo, mins_hi
   *out0 = _mm256_castsi256_si128(scmn);
   *out1 = _mm256_extracti128_si256(scmn, 1);
+}
+
+// The same for one super-block.
+inline __m128i q4k_scales_mins(const uint8_t* packed) {
+  __m128i scmn, unused;
+  q4k_scales_mins2(packed, packed, &scmn, &unused);
+  return scmn;
 }
 
 // Q4_K's reduction. Per output (weight row, token) and super-block, three exact integers:
@@ -387,8 +383,8 @@ inline __m256i q4k_isum(const uint8_t* qs, const int8_t* x, __m256i sc16) {
 
 #if defined(ORCA_QUANT_INT8_512)
 // vpshufb controls over a vector whose four 128-bit lanes each hold the 8 int16 scales: entry q
-// takes scale kQ4ZmmLow[q] into every int16 lane of the low 256 bits and kQ4ZmmLow[q] + 2 into
-// the high 256 bits, the sub-blocks whose quants one zmm load and nibble of q4k_isum_zmm holds.
+// takes scale j into every int16 lane of the low 256 bits and scale j + 2 into the high 256 bits,
+// j = 0, 1, 4, 5: the sub-blocks whose quants one zmm load and nibble of q4k_isum_zmm holds.
 alignas(64) constexpr int8_t kQ4SplitScales[4][64] = {
 #define ORCA_S(j) 2 * (j), 2 * (j) + 1
 #define ORCA_Q(j) ORCA_S(j), ORCA_S(j), ORCA_S(j), ORCA_S(j), ORCA_S(j), ORCA_S(j), ORCA_S(j), ORCA_S(j)
@@ -452,26 +448,26 @@ inline void q4k_int8_rows(const Int8Rows& a, const uint8_t* w, int64_t row_bytes
 #endif
     __m256i isum[R], msum[R];
     int32_t scales[R];  // the fp16 d and dmin of each row's super-block
+    const uint8_t* blk[R];  // each row's super-block b
+    for (int r = 0; r < R; ++r) blk[r] = w + (n0 + r * stride) * row_bytes + b * 144;
     __m128i scmns[R];
-    auto packed = [&](int r) { return w + (n0 + r * stride) * row_bytes + b * 144 + 4; };
     if constexpr (R == 4) {
-      q4k_scales_mins2(packed(0), packed(1), &scmns[0], &scmns[1]);
-      q4k_scales_mins2(packed(2), packed(3), &scmns[2], &scmns[3]);
+      q4k_scales_mins2(blk[0] + 4, blk[1] + 4, &scmns[0], &scmns[1]);
+      q4k_scales_mins2(blk[2] + 4, blk[3] + 4, &scmns[2], &scmns[3]);
     } else {
-      scmns[0] = q4k_scales_mins(packed(0));
+      scmns[0] = q4k_scales_mins(blk[0] + 4);
     }
     for (int r = 0; r < R; ++r) {
-      const uint8_t* blk = w + (n0 + r * stride) * row_bytes + b * 144;
-      std::memcpy(&scales[r], blk, 4);
+      std::memcpy(&scales[r], blk[r], 4);
       const __m128i scmn = scmns[r];
       const __m256i sc16 = _mm256_broadcastsi128_si256(_mm_cvtepu8_epi16(scmn));
       const __m256i mn_pairs = _mm256_cvtepu8_epi16(_mm_unpackhi_epi8(scmn, scmn));  // lanes 2j, 2j+1: mn_j
 #if defined(ORCA_QUANT_INT8_512)
       if constexpr (kZmm)
-        isum[r] = q4k_isum_zmm(blk + 16, xv, sc16);
+        isum[r] = q4k_isum_zmm(blk[r] + 16, xv, sc16);
       else
 #endif
-        isum[r] = q4k_isum<kVnni>(blk + 16, x, sc16);
+        isum[r] = q4k_isum<kVnni>(blk[r] + 16, x, sc16);
       msum[r] = _mm256_madd_epi16(mn_pairs, bs);  // lane j: mn_j * (bsum_2j + bsum_2j+1)
     }
     __m256i ab, m;  // lanes 2r, 2r + 1: (A, B) and (M_lo, M_hi) of row r
