@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import logging
 import subprocess
 import sys
 import tomllib
@@ -51,6 +52,21 @@ def test_serve_takes_the_engine_options_and_its_own():
                                       "--max-queue", "3", "--served-model-name", "x"])
     assert args.model == "/m" and EngineConfig.from_args(args).scheduler == "static"
     assert (args.port, args.max_queue, args.served_model_name) == (9, 3, "x")
+    assert args.event_loop == "auto"
+    with pytest.raises(SystemExit):
+        build_parser().parse_args(["serve", "--event-loop", "trio"])
+
+
+def test_serve_refuses_uvloop_when_it_is_not_installed(monkeypatch, caplog):
+    """--event-loop uvloop without the package fails at once, before any model loads, naming
+    the option and the way out."""
+    import importlib.util
+
+    find_spec = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "uvloop" else find_spec(name, *a))
+    with caplog.at_level(logging.ERROR):
+        assert main(["serve", "--model", "/nonexistent", "--event-loop", "uvloop"]) == 2
+    assert "--event-loop uvloop needs the uvloop package" in caplog.text
 
 
 def test_generate_streams_the_greedy_answer(default_model_dir, capsys):

@@ -22,6 +22,18 @@ from http_utils import free_port
 
 ATTACKER = "127.0.0.2"
 GUARD_S = 60.0
+EVENT_LOOP = ["auto"]  # the loop `serving` runs the transport on: each test runs on both below
+
+
+@pytest.fixture(autouse=True, params=["asyncio", "uvloop"])
+def event_loop_name(request):
+    """Every test here holds under asyncio's loop and under uvloop, which differ in when a
+    connection starts reading and in how they close (the protections rely on both)."""
+    if request.param == "uvloop":
+        pytest.importorskip("uvloop")
+    EVENT_LOOP[0] = request.param
+    yield request.param
+    EVENT_LOOP[0] = "auto"
 
 
 def make_app(server, **kw):
@@ -36,6 +48,7 @@ def serving(app, log_level: str = "warning", **config):
     from orca_ext.http import transport
 
     port = free_port()
+    config.setdefault("event_loop", EVENT_LOOP[0])
     cfg = transport.make_config(app, host="127.0.0.1", port=port, log_level=log_level,
                                 client_keys=app.state.client_keys, **config)
     http = transport.DrainingServer(cfg, lambda hurry: app.state.service.drain(0.0, hurry))
@@ -303,6 +316,26 @@ def test_a_client_cycling_failed_connections_is_read_in_turn_while_a_successful_
         with pytest.raises(socket.timeout):                           # still unread, so unanswered
             held.recv(1)
         held.close()
+
+
+def test_a_held_connection_is_answered_in_its_turn_with_what_it_sent_while_held(make_server):
+    """A client out of places on probation: its next connection, whose request arrives at once,
+    is held until its turn (half a second at 2 per second), then read and answered whole; the
+    connection that proves itself gives its place back, so the next one is not held."""
+    server = make_server()
+    app = make_app(server)
+    with serving(app, max_connections_per_client=1, unproven_connection_rate=2.0) as (port, limiter):
+        failed = connect(port, ATTACKER)
+        failed.sendall(b"GET /nowhere HTTP/1.1\r\nHost: 127.0.0.1\r\n\r\n")
+        assert read_response(failed)[0] == 404                        # its one place, never given back
+        failed.close()
+        wait_for(lambda: limiter.held(ATTACKER) == 0, "the closed connection is still counted")
+        for _ in range(2):
+            held = connect(port, ATTACKER)
+            held.sendall(b"GET /health HTTP/1.1\r\nHost: 127.0.0.1\r\nConnection: close\r\n\r\n")
+            status, _, body = read_response(held)
+            assert status == 200 and json.loads(body)["status"] == "ok"
+            held.close()
 
 
 # -- request heads are bounded however they arrive -------------------------------------------------

@@ -10,6 +10,7 @@ The protections and limits are described in transport.py, guards.py and README's
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import logging
 import os
 import sys
@@ -48,6 +49,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--access-log", action="store_true",
                    help="log a line per request (uvicorn's access log; off by default: refusals and "
                         "rejections are summarised instead, at most one line per 10 s of each kind)")
+    g.add_argument("--event-loop", default="auto", choices=settings.EVENT_LOOPS,
+                   help="the HTTP event loop: uvloop (libuv) when installed, else asyncio's own (default auto)")
     p = parser.add_argument_group("HTTP protections and limits")
     p.add_argument("--trusted-hosts", type=_names, default=None, metavar="NAMES",
                    help="comma-separated Host names to answer besides loopback ones ('*' = any; "
@@ -160,6 +163,9 @@ def main(args: argparse.Namespace) -> int:
         if not value >= 0:
             logger.error("%s must be >= 0 seconds (got %g)", name, value)
             return 2
+    if args.event_loop == "uvloop" and importlib.util.find_spec("uvloop") is None:
+        logger.error("--event-loop uvloop needs the uvloop package (pip install uvloop), or --event-loop asyncio")
+        return 2
     try:
         from .clients import parse_networks
 
@@ -185,7 +191,8 @@ def main(args: argparse.Namespace) -> int:
                                        max_connections_per_client=args.max_connections_per_client,
                                        unproven_connection_rate=args.unproven_connection_rate,
                                        client_keys=app.state.client_keys,
-                                       rejections=service.rejections, access_log=args.access_log)
+                                       rejections=service.rejections, access_log=args.access_log,
+                                       event_loop=args.event_loop)
         # SIGINT/SIGTERM: drain (stop admitting, a bounded grace, end the rest in-band), then exit 0.
         transport.DrainingServer(config, lambda hurry: service.drain(args.shutdown_grace, hurry)).run()
     finally:

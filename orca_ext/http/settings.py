@@ -16,4 +16,5 @@ DEFAULT_METRICS_INTERVAL = 1.0       # seconds: /metrics serves a snapshot at mo
 DEFAULT_PROBE_RATE = 20.0           # /health + /metrics requests per second one client may send (burst 5x)
 PROBE_MAX_WAIT = 1.0                # seconds a probe past that rate waits for its turn; 429 beyond
 DEFAULT_SHUTDOWN_GRACE = 10.0        # seconds running requests get to finish on SIGINT/SIGTERM
+EVENT_LOOPS = ("auto", "asyncio", "uvloop")  # --event-loop; auto: uvloop when installed
 MAX_HEADER_BYTES = 16 * 1024         # request line + headers (400 and close above)

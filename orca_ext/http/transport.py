@@ -27,7 +27,9 @@ Limits (all options of `serve`; defaults in settings.py):
 - --unproven-connection-rate (16 per second): a client's connections are on probation until one
   of their responses succeeds (connections.py); past --max-connections-per-client of them, its new
   connections are held unread until their turn (reading paused; the header timeout starts when
-  reading does).
+  reading does). On uvloop, which reads once after connection_made whatever it paused, that
+  first read is kept unparsed until the turn.
+- the event loop (--event-loop): uvloop when installed, else asyncio's; both are tested.
 
 Shutdown (SIGINT/SIGTERM): `DrainingServer` runs the app's `drain()` first (stop admitting, a
 bounded grace period for running requests, then end the rest in-band), then uvicorn's own
@@ -166,6 +168,7 @@ def serving_protocol(timeout: float, limiter: ConnectionLimiter, keys: ClientKey
         _counted = False
         _proven = False                     # a response of this connection succeeded (connections.py)
         _paced_timer: Optional[asyncio.TimerHandle] = None  # held unread until the client's turn
+        _read_early = b""                   # what a held connection sent before its turn (see data_received)
         _refusal: Optional[bytes] = None    # a refused connection's answer (connections.py)
 
         def __init__(self, *args: Any, **kwargs: Any) -> None:
@@ -204,8 +207,18 @@ def serving_protocol(timeout: float, limiter: ConnectionLimiter, keys: ClientKey
             if not self.transport.is_closing():
                 self.transport.resume_reading()
                 self._arm_header_timer(self.header_timeout)
+                early, self._read_early = self._read_early, b""
+                if early:
+                    self.data_received(early)
 
         def data_received(self, data: bytes) -> None:
+            if self._paced_timer is not None:
+                # Held unread, yet read: uvloop starts reading after connection_made, whatever it
+                # paused. Keep this one read (bounded by the loop's read size) for the connection's
+                # turn, and pause now, which every loop honours from here on.
+                self.transport.pause_reading()
+                self._read_early += data
+                return
             if self._lingered is not None:  # the rest of an answered request's body: discarded
                 self._lingered += len(data)
                 if self._lingered > LINGER_BYTES:
@@ -364,16 +377,17 @@ def make_config(app: Any, *, host: str, port: int, log_level: str,
                 unproven_connection_rate: float = DEFAULT_UNPROVEN_CONNECTION_RATE,
                 client_keys: Optional[ClientKeys] = None,
                 rejections: Optional[RejectionBudget] = None,
-                access_log: bool = False) -> uvicorn.Config:
+                access_log: bool = False, event_loop: str = "auto") -> uvicorn.Config:
     """The uvicorn config of one server. client_keys: who is a client (its trusted proxies);
     pass the app's (`app.state.client_keys`) so that both layers agree. rejections: pass the
     app's rejection budget (`app.state.service.rejections`): a new connection reusing a closed
     one's port then starts with a clean record, and a malformed request the transport refuses
     costs its client as a rejected one does. access_log: uvicorn's line per request (off: a
-    client would set the number of lines, each costing about what its request does)."""
+    client would set the number of lines, each costing about what its request does). event_loop:
+    "uvloop", "asyncio", or "auto" (uvloop when it is installed)."""
     limiter = ConnectionLimiter(max_connections, max_connections_per_client, unproven_connection_rate)
     config = uvicorn.Config(
-        app, host=host, port=port, log_level=log_level, access_log=access_log,
+        app, host=host, port=port, log_level=log_level, access_log=access_log, loop=event_loop,
         # Clients are keyed by clients.py alone (X-Forwarded-For only from --trusted-proxies);
         # uvicorn's own proxy headers would let any peer on 127.0.0.1 name itself.
         proxy_headers=False,
