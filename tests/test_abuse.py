@@ -938,16 +938,16 @@ def test_a_client_probing_in_a_loop_is_paced_and_one_flooding_is_refused_and_hel
 
     rate = 8.0
     server = make_server()
-    app = make_app(server, probe_rate=rate, rejections=RejectionBudget(rate=1000, burst=3000, min_charge=1000,
+    # One refusal puts the client in debt for good (it costs twice the burst, refilled at 1 byte/s),
+    # however many of the probes sent at once a slow server still fits in PROBE_MAX_WAIT.
+    app = make_app(server, probe_rate=rate, rejections=RejectionBudget(rate=1, burst=1000, min_charge=2000,
                                                                         max_delay=0.01))
 
     async def go():
         async with asgi_client(app, ("127.0.0.2", 4000)) as flooder, asgi_client(app, ("127.0.0.1", 4001)) as other:
             paths = ["/health", "/metrics"]
             in_loop = [(await flooder.get(paths[i % 2])).status_code for i in range(int(5 * rate) + 3)]
-            # Enough past what PROBE_MAX_WAIT serves that the refusals' debt (1,000 bytes each
-            # past a 3,000 burst) outlasts the budget's refill (1,000/s) while the rest wait.
-            at_once = await asyncio.gather(*(flooder.get(paths[i % 2]) for i in range(int(rate * PROBE_MAX_WAIT) + 32)))
+            at_once = await asyncio.gather(*(flooder.get(paths[i % 2]) for i in range(int(rate * PROBE_MAX_WAIT) + 8)))
             last = await flooder.get("/health")
             others = [(await other.get(path)).status_code for path in paths]
             return in_loop, at_once, last, others
