@@ -61,12 +61,14 @@ def load_executor(max_batch_size: int, n_slots):
     return make_executor(model, config).executor, config, n_slots
 
 
-def engine_run(admission: str, jobs, n_clients: int, executor, config, n_slots: int) -> dict:
+def engine_run(admission: str, jobs, n_clients: int, executor, config, n_slots: int, share_rows=None) -> dict:
     """The engine stepped in this thread over requests all added first, so a run's schedule
     depends only on the policy (a Server's loop would start on the first arrivals)."""
     from orca_ext.engine import Engine
 
-    engine = Engine(executor, make_scheduler(dataclasses.replace(config, admission=admission), n_slots))
+    policy = dataclasses.replace(config, admission=admission, share_decode_rows=share_rows if admission == "fair" else None)
+    policy = policy.scheduling_for(config.device.type)
+    engine = Engine(executor, make_scheduler(policy, n_slots))
     reqs = [Request(f"r{i}", p, SamplingParams(max_tokens=o, ignore_eos=True), client=f"c{i % n_clients}")
             for i, (p, o) in enumerate(jobs)]
     for r in reqs:
@@ -89,10 +91,11 @@ def engine_run(admission: str, jobs, n_clients: int, executor, config, n_slots: 
 
 
 def scheduler_run(admission: str, jobs, n_clients: int, max_batch_size: int, n_slots: int, budget: int,
-                  cost=None):
+                  cost=None, share_rows=None):
     """Returns the batches [(request id, tokens)], the scheduler's CPU seconds, and the batches'
     time under `cost` (a sim cost model; 0 without one)."""
-    config = EngineConfig(admission=admission, max_batch_size=max_batch_size, max_num_batched_tokens=budget)
+    config = EngineConfig(admission=admission, max_batch_size=max_batch_size, max_num_batched_tokens=budget,
+                          share_decode_rows=share_rows if admission == "fair" else None).scheduling_for("cpu")
     s = make_scheduler(config, n_slots)
     for i, (p, o) in enumerate(jobs):
         s.add(Request(f"r{i}", p, SamplingParams(max_tokens=o, ignore_eos=True), client=f"c{i % n_clients}"))
@@ -129,6 +132,8 @@ def main(argv=None) -> int:
     p.add_argument("--seeds", type=int, default=1, help="scheduler: workloads with consecutive seeds")
     p.add_argument("--weight-bytes-per-param", type=float, default=None,
                    help="scheduler: price the weights at this many bytes per parameter (default: Q4_1's; 4: float32)")
+    p.add_argument("--share-decode-rows", action=argparse.BooleanOptionalAction, default=None,
+                   help="fair admission's decode-row sharing (default: the CPU's, on)")
     p.add_argument("--out", default=None, help="append the results as JSON lines here")
     args = p.parse_args(argv)
     rows = []
@@ -139,8 +144,8 @@ def main(argv=None) -> int:
         engine_run("fcfs", jobs[:2], 1, executor, config, n_slots)  # warm-up, not timed
         for rnd in range(args.rounds):
             for admission in (POLICIES if rnd % 2 == 0 else POLICIES[::-1]):
-                r = engine_run(admission, jobs, n_clients, executor, config, n_slots)
-                r.update(round=rnd + 1, clients=n_clients, mode="engine")
+                r = engine_run(admission, jobs, n_clients, executor, config, n_slots, args.share_decode_rows)
+                r.update(round=rnd + 1, clients=n_clients, mode="engine", share_decode_rows=args.share_decode_rows)
                 rows.append(r)
                 print(f"round {rnd + 1} {admission:>4}: {r['tok_s']:6.1f} tok/s, {r['tok_per_cpu_s']:6.1f} tok/CPU-s, "
                       f"{r['iterations']} iterations, TTFT p50 {r['ttft_p50_s']:.2f} s, {r['n_slots']} slots", flush=True)
@@ -163,9 +168,10 @@ def main(argv=None) -> int:
                 for rnd in range(args.rounds):
                     for admission in (POLICIES if rnd % 2 == 0 else POLICIES[::-1]):
                         runs[admission].append(scheduler_run(admission, jobs, n_clients, args.max_batch_size,
-                                                             n_slots, 128, cost))
+                                                             n_slots, 128, cost, args.share_decode_rows))
                 first = {a: v[0] for a, v in runs.items()}
                 row = {"mode": "scheduler", "clients": n_clients, "requests": args.requests, "seed": seed,
+                       "share_decode_rows": args.share_decode_rows,
                        "weight_bytes_per_param": shape.weight_bytes_per_param,
                        "iterations": {a: len(b) for a, (b, _, _) in first.items()},
                        "us_per_iteration": {a: min(sp for _, sp, _ in v) / len(v[0][0]) * 1e6 for a, v in runs.items()},

@@ -545,6 +545,7 @@ def engine_summary(delta: dict[str, float]) -> dict[str, float]:
     return {"iterations": iterations,
             "iteration_ms": 1e3 * delta["busy_s"] / iterations if iterations else float("nan"),
             "tokens_per_iteration": delta["generated"] / iterations if iterations else float("nan"),
+            "generated": delta["generated"],
             "prompt_tokens": delta["prompt"], "compactions": delta["compactions"],
             "compaction_mb": delta["compaction_bytes"] / 2**20, "cache_evictions": delta["cache_evictions"]}
 
@@ -649,6 +650,9 @@ async def run(server: ServeProcess, names: list[str], *, victims: int, window: f
                      "window_s": phase.end - phase.start,
                      "victim0_ratio": phase.rate(own) / base0 if base0 else float("nan"),
                      "victim0_ttft_ratio": phase.median_ttft(own) / base0_ttft if base0_ttft else float("nan"),
+                     # what the engine generated beyond the victims' tokens: the attacker's share
+                     # (a legal hog's rate; approximate: a victim request's tokens are spread over its life)
+                     "others_tok_s": phase.engine["generated"] / (phase.end - phase.start) - during,
                      "attacker": {str(k): v for k, v in phase.attack_statuses.items()},
                      "engine": phase.engine, "baseline_engine": [phases[i - 1].engine, phases[i + 1].engine]})
     return {"rows": rows, "victim_errors": dict(victim_errors),
@@ -731,14 +735,14 @@ def main(argv: list[str] | None = None) -> int:
                    or platform.machine(), "victims": args.victims, "window_s": args.window, "server_cwd": args.cwd})
     print(f"\n{'attack':<18} {'baseline tok/s':>14} {'attack tok/s':>12} {'ratio':>6}   "
           f"{'tok/CPU-s base':>14} {'attack':>7} {'ratio':>6}   {'TTFT base':>9} {'attack':>7} {'ratio':>6}"
-          f"   {'client CPU base':>15} {'attack':>6}  attacker statuses")
+          f"   {'client CPU base':>15} {'attack':>6} {'others tok/s':>12}  attacker statuses")
     attacks_only = [r for r in result["rows"] if r["attack"] not in REFERENCES]
     for r in result["rows"]:
         print(f"{r['attack']:<18} {r['baseline_tok_s']:>14.1f} {r['attack_tok_s']:>12.1f} {r['ratio']:>6.2f}   "
               f"{r['baseline_tok_per_cpu_s']:>14.1f} {r['attack_tok_per_cpu_s']:>7.1f} {r['cpu_ratio']:>6.2f}   "
               f"{r['baseline_ttft_s']:>9.2f} {r['attack_ttft_s']:>7.2f} {r['ttft_ratio']:>6.2f}   "
-              f"{r['baseline_client_cpu_s'] / r['window_s']:>14.0%} {r['client_cpu_s'] / r['window_s']:>6.0%}  "
-              f"{r['attacker']}")
+              f"{r['baseline_client_cpu_s'] / r['window_s']:>14.0%} {r['client_cpu_s'] / r['window_s']:>6.0%} "
+              f"{r['others_tok_s']:>12.1f}  {r['attacker']}")
     for r in result["rows"]:
         if r["attack"] == "shared_address":
             print(f"shared_address: victim 0 (the attacker's own address) kept {r['victim0_ratio']:.2f} of its rate, "

@@ -2,8 +2,8 @@
 
 Built from Python arguments (`Server(model, **options)` or `EngineConfig(...)`) or from the
 command line (`EngineConfig.from_args`), checked once at construction, and resolved once for the
-machine by `resolve()`: 'auto' device and dtype, the chunked-prefill budget and the
-batch-invariance default per device, and the KV budget from the argument or the environment.
+machine by `resolve()`: 'auto' device and dtype, the chunked-prefill budget, decode-row sharing
+and the batch-invariance default per device, and the KV budget from the argument or the environment.
 The resolved config is what the Server, the scheduler, the executors and the parallel workers'
 start-up message receive; below it no layer checks an option again.
 """
@@ -33,6 +33,13 @@ DEFAULT_HEARTBEAT_TIMEOUT_S = 10.0     # parallel workers: silence that fails th
 # decodes. CUDA: a forward of a few thousand tokens costs little more than a decode step, so the
 # budget is vLLM's online-serving default (not measured here yet).
 CHUNK_BUDGET_BY_DEVICE = {"cpu": 128, "cuda": 2048}
+
+
+def default_share_decode_rows(device_type: str) -> bool:
+    """Fair admission holds a client that is ahead to the others' decode rows on CPU, where every
+    row lengthens the iteration; not on CUDA, where a decode step's time hardly grows with its rows
+    until the batch is large, so holding rows back would cost that client without helping others."""
+    return device_type == "cpu"
 
 
 def default_batch_invariant(device: torch.device) -> bool:
@@ -67,6 +74,9 @@ class EngineConfig:
     # fair: the KV slots one client may reserve while another is present: a share of the slots
     # (float in (0, 1]), a count (int), 'auto' (fairness.DEFAULT_KV_SHARE) or None (no cap)
     max_kv_per_client: Union[int, float, str, None] = "auto"
+    # fair: a client ahead of another takes no more decode rows per iteration than the others
+    # (None: per device, default_share_decode_rows)
+    share_decode_rows: Optional[bool] = None
     prefix_caching: bool = True                         # reuse finished requests' KV for shared prompt prefixes
     prefix_cache_block_size: int = DEFAULT_BLOCK_SIZE   # tokens per key of the prefix index
     quantization: str = "auto"                          # GGUF weights: 'auto' (blocks as stored) | 'none' (dequantize)
@@ -92,8 +102,11 @@ class EngineConfig:
         for name in ("record_iterations", "enforce_eager", "slab_compaction", "prefix_caching"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"{name} must be True or False, got {getattr(self, name)!r}")
-        if self.batch_invariant is not None and not isinstance(self.batch_invariant, bool):
-            raise ValueError(f"batch_invariant must be True, False or None (per device), got {self.batch_invariant!r}")
+        for name in ("batch_invariant", "share_decode_rows"):
+            if getattr(self, name) is not None and not isinstance(getattr(self, name), bool):
+                raise ValueError(f"{name} must be True, False or None (per device), got {getattr(self, name)!r}")
+        if self.share_decode_rows and self.admission != "fair":
+            raise ValueError("share_decode_rows=True needs admission='fair' (FCFS takes every running request)")
         budget = self.max_num_batched_tokens
         if budget is not None and budget != "auto":
             check_positive_int("max_num_batched_tokens", budget)
@@ -123,6 +136,7 @@ class EngineConfig:
     def is_resolved(self) -> bool:
         return (isinstance(self.device, torch.device) and isinstance(self.dtype, torch.dtype)
                 and self.max_num_batched_tokens != "auto" and self.batch_invariant is not None
+                and self.share_decode_rows is not None
                 and (self.kv_cache_memory is None or isinstance(self.kv_cache_memory, int)))
 
     def resolve(self, model: Any = None) -> "EngineConfig":
@@ -133,14 +147,23 @@ class EngineConfig:
         else:
             device = resolve_device(self.device, parallel=self.parallel_size > 1)
             dtype = resolve_dtype(self.dtype, device)
+        invariant = default_batch_invariant(device) if self.batch_invariant is None else self.batch_invariant
+        return dataclasses.replace(self.scheduling_for(device.type), device=device, dtype=dtype,
+                                   batch_invariant=invariant, kv_cache_memory=requested_kv_bytes(self.kv_cache_memory))
+
+    def scheduling_for(self, device_type: str) -> "EngineConfig":
+        """This config with the scheduler's per-device defaults decided for `device_type` ('cpu' or
+        'cuda'): the chunk budget and decode-row sharing. Touches no device, so the simulator can
+        price one that need not exist here."""
         budget = self.max_num_batched_tokens
         if self.scheduler != "orca":
             budget = None  # the static baseline runs whole prompts
         elif budget == "auto":
-            budget = max(CHUNK_BUDGET_BY_DEVICE[device.type], self.max_batch_size)
-        invariant = default_batch_invariant(device) if self.batch_invariant is None else self.batch_invariant
-        return dataclasses.replace(self, device=device, dtype=dtype, max_num_batched_tokens=budget,
-                                   batch_invariant=invariant, kv_cache_memory=requested_kv_bytes(self.kv_cache_memory))
+            budget = max(CHUNK_BUDGET_BY_DEVICE[device_type], self.max_batch_size)
+        share_rows = self.share_decode_rows
+        if share_rows is None:
+            share_rows = self.admission == "fair" and default_share_decode_rows(device_type)
+        return dataclasses.replace(self, max_num_batched_tokens=budget, share_decode_rows=share_rows)
 
     # -- the command line ----------------------------------------------------------------------
     @classmethod

@@ -19,6 +19,12 @@ that stream back to back leave the pool for a moment between two requests, and i
 neither may the floor jump to the counter of the client that is ahead nor may that client take a
 whole token budget (the one iteration that every returning client would then wait through).
 
+A client that is ahead in the same sense takes as many decode rows per iteration as the least
+any other client with an admitted request has ready (at least one), its running requests in turn, when the
+scheduler shares decode rows (`EngineConfig.share_decode_rows`, on for CPU): on a CPU every row
+lengthens the iteration, so a client with several running requests would otherwise slow the
+others as much as several clients would, however far ahead its counter is.
+
 The scheduler keeps Algorithm 1's no-skip rule over this order: a request that does not fit in
 the KV cache blocks every admission after it (admitted requests' prompt chunks still run), so
 the client with the least service is never overtaken while it waits for space, and nothing
@@ -36,7 +42,7 @@ than the cap is admitted when its client holds no other slots, so no request wai
 from __future__ import annotations
 
 import heapq
-from collections import deque
+from collections import Counter, deque
 from typing import Callable, Iterator, Optional, Union
 
 from .request import RequestState
@@ -109,6 +115,7 @@ class FairShares:
         self.floor = 0             # the smallest active counter when last seen (never decreases)
         self.selection = 0         # selections begun so far
         self.returning: dict = {}  # client -> last selection in which it counts as present
+        self.row_turn: dict = {}   # client -> where its next share of decode rows starts (decode_rows)
 
     def order(self, pool: list, admit: Callable[[object], bool]) -> Iterator:
         """The pool's prompt work in fair-share order, each waiting request admitted (`admit`,
@@ -145,6 +152,39 @@ class FairShares:
             if queue and req.num_scheduled == req.prompt_remaining:  # a cut chunk: its share is used
                 heapq.heappush(heap, (self.counters[client], queue[0][0], client))
 
+    def decode_rows(self, ready: list, pool: list) -> list:
+        """The requests of `ready` (those of `pool` whose next input is one generated token, in
+        arrival order) that this selection takes: all, except those of a client that is ahead
+        (its counter more than one token budget above that of another client with an admitted
+        request, or between two requests). That client takes as many rows as the least any such
+        other client has ready, counting at least one for each (a client whose next input is a
+        prompt chunk, or who is between two requests, takes an iteration's time too), its
+        requests in turn from one selection to the next. A client whose requests all wait for
+        KV slots is no rival: it takes no time in the iteration, and holding rows back would
+        only keep the slots it waits for taken longer."""
+        if self.token_budget is None:
+            return ready
+        rows = Counter(req.client for req in ready)
+        present = {req.client for req in pool if req.slab_start >= 0} | set(self._returning())
+        held = set()
+        for client, n in rows.items():
+            rivals = [c for c in present if c != client]
+            if n == 1 or not rivals or not self._ahead(client, rivals):
+                continue
+            share = min(max(1, rows[c]) for c in rivals)
+            if share >= n:
+                continue
+            mine = [req for req in ready if req.client == client]
+            start = self.row_turn.get(client, 0) % n
+            self.row_turn[client] = start + share
+            held.update(id(req) for req in (mine[start:] + mine[:start])[share:])
+        return [req for req in ready if id(req) not in held] if held else ready
+
+    def _ahead(self, client, rivals: list) -> bool:
+        """client's counter is more than one token budget above the smallest of `rivals`'."""
+        least = min(self.counters.get(c, self.floor) for c in rivals)
+        return self.counters.get(client, self.floor) > least + self.token_budget
+
     def begin(self) -> None:
         """A new selection: nothing taken yet."""
         self.taken = {}
@@ -173,8 +213,7 @@ class FairShares:
             others = [c for c in self.taken if c != client]
             away = [c for c in self._returning() if c != client and c not in self.taken]
             rivals = others + away
-            counter = self.counters.get(client, self.floor)
-            if rivals and counter > min(self.counters.get(c, self.floor) for c in rivals) + self.token_budget:
+            if rivals and self._ahead(client, rivals):
                 least = min([self.taken[c] for c in others] + ([OUTPUT_WEIGHT] if away else []))
                 share = least - self.taken.get(client, 0)
                 n_tokens = max(1, min(n_tokens, self.chunk_fitting(share, context)))
@@ -221,6 +260,7 @@ class FairShares:
         Present: a request in the pool, or between two requests (`finished`)."""
         self.returning = {c: last for c, last in self.returning.items() if last >= self.selection}
         clients = clients | self.returning.keys()
+        self.row_turn = {c: turn for c, turn in self.row_turn.items() if c in clients}
         staying = clients & self.active
         if staying:
             self.floor = max(self.floor, min(self.counters[c] for c in staying))

@@ -294,12 +294,11 @@ class OrcaScheduler(_SchedulerBase):
         budget = self.max_num_batched_tokens or math.inf  # tokens this iteration may still take
         # Decodes first, one token each: a long prompt never holds up a running request's token.
         decodes = self._decode_limit()
-        for req in self.pool:
+        for req in self._decode_order():
             if len(batch) == decodes:
                 break
-            if req.state is RequestState.INCREMENT and req.prompt_remaining == 0:
-                budget -= self._take(req, 1)
-                batch.append(req)
+            budget -= self._take(req, 1)
+            batch.append(req)
         # Then prompts, whole or their next chunk, in arrival order (FCFS) until the budget is spent.
         prompts = self._prompt_order()
         while len(batch) < self.max_batch_size and budget > 0:
@@ -309,6 +308,10 @@ class OrcaScheduler(_SchedulerBase):
             budget -= self._take(req, min(req.prompt_remaining, budget))
             batch.append(req)
         return batch
+
+    def _decode_order(self):
+        """Requests whose next input is one generated token, in arrival order."""
+        return (r for r in self.pool if r.state is RequestState.INCREMENT and r.prompt_remaining == 0)
 
     def _prompt_order(self):
         """Requests with prompt tokens to run (waiting, or admitted with a chunk left), in arrival order."""
@@ -322,10 +325,14 @@ class OrcaScheduler(_SchedulerBase):
 
 class FairScheduler(OrcaScheduler):
     """The orca policy with client-aware admission (fairness.py). `config.max_kv_per_client` (a
-    share of the slots, a slot count, 'auto' or None) becomes a cap in slots of this cache."""
+    share of the slots, a slot count, 'auto' or None) becomes a cap in slots of this cache;
+    `config.share_decode_rows` holds a client that is ahead to the others' decode rows."""
 
     def __init__(self, config, *args, **kwargs):
         super().__init__(config, *args, **kwargs)
+        if config.share_decode_rows is None:
+            raise ValueError("share_decode_rows=None must be resolved first (EngineConfig.resolve())")
+        self.share_decode_rows = config.share_decode_rows
         self.max_kv_per_client = kv_cap_slots(config.max_kv_per_client, self.n_slots)
         self.shares = FairShares(self.max_kv_per_client, self.max_num_batched_tokens)
 
@@ -341,6 +348,10 @@ class FairScheduler(OrcaScheduler):
             if req.finished:
                 self.shares.finished(req)
         super().complete(batch)
+
+    def _decode_order(self):
+        ready = super()._decode_order()
+        return self.shares.decode_rows(list(ready), self.pool) if self.share_decode_rows else ready
 
     def _prompt_order(self):
         return self.shares.order(self.pool, self._admit)

@@ -5,8 +5,9 @@ engine with the fake model, whose outputs must equal the request run alone whate
 Fair admission: a victim behind a hog client is admitted within a bounded number of iterations
 (under FCFS it waits behind the hog), prompt chunks are shared between clients, the per-client KV
 cap (a share of the cache by default) holds while another client is present and never binds a
-client alone, one client alone gets Algorithm 1's batches, counters bank no idle credit, and
-nothing starves (hypothesis property tests).
+client alone, one client alone gets Algorithm 1's batches, counters bank no idle credit, a
+client that is ahead takes no more decode rows than the others (its streams in turn; CPU's
+default), and nothing starves (hypothesis property tests).
 Balance: with two batches in flight a burst is split over both; with one, nothing changes.
 """
 from __future__ import annotations
@@ -41,9 +42,10 @@ def mk(prompt_len: int, max_tokens: int, client=None, name: str | None = None) -
     return Request(name, [1] * prompt_len, SamplingParams(max_tokens=max_tokens), client=client)
 
 
-def sched(admission="fair", max_bs=8, n_slots=1000, n_workers=1, budget=None, cap=None):
+def sched(admission="fair", max_bs=8, n_slots=1000, n_workers=1, budget=None, cap=None, share_rows=None):
+    """A scheduler of `admission` whose decode-row sharing is CPU's default (share_rows=None)."""
     config = EngineConfig(max_batch_size=max_bs, max_num_batched_tokens=budget, admission=admission,
-                          max_kv_per_client=cap)
+                          max_kv_per_client=cap, share_decode_rows=share_rows).scheduling_for("cpu")
     return make_scheduler(config, n_slots, n_workers, SlabAllocatorReference(n_slots))
 
 
@@ -278,7 +280,7 @@ def test_a_share_cap_resolves_to_slots_of_the_cache():
     assert kv_cap_slots(64, 1000) == 64 and kv_cap_slots(None, 1000) is None
     assert sched(cap=0.25, n_slots=400).shares.max_kv_per_client == 100
     # The default config is fair admission's default share, resolved by the scheduler.
-    default = make_scheduler(EngineConfig(admission="fair", max_num_batched_tokens=None), 1234,
+    default = make_scheduler(EngineConfig(admission="fair", max_num_batched_tokens=None).scheduling_for("cpu"), 1234,
                              allocator=SlabAllocatorReference(1234))
     assert default.max_kv_per_client == default.shares.max_kv_per_client == 617
 
@@ -469,7 +471,7 @@ def test_with_one_client_fair_admission_selects_the_same_batches_as_fcfs(seed, m
     def batches(admission):
         rng = random.Random(seed)
         config = EngineConfig(max_batch_size=max_bs, admission=admission,
-                              max_num_batched_tokens=None if budget is None else max_bs + budget)
+                              max_num_batched_tokens=None if budget is None else max_bs + budget).scheduling_for("cpu")
         s = make_scheduler(config, n_slots, 1, SlabAllocatorReference(n_slots))
         out = []
         for step in range(60):
@@ -554,7 +556,7 @@ def engine_run(admission: str, cap=None, bystander: bool = False):
     `bystander`: a third client's short request (10 more slots) is there before the hog's, and
     prompts run whole (no chunk limit slows the hog's admissions: only the cap can)."""
     config = EngineConfig(max_batch_size=8, max_num_batched_tokens=None if bystander else 32, admission=admission,
-                          max_kv_per_client=cap)
+                          max_kv_per_client=cap).scheduling_for("cpu")
     engine = Engine(LocalExecutor(FakeModel()), make_scheduler(config, 210 if bystander else 200),
                     record_iterations=True)
     rng = random.Random(3)
@@ -717,3 +719,102 @@ def test_a_client_held_at_its_cap_does_not_throttle_the_others_prompts():
                 s.add(victims[client])
         assert reserved_by(s, "hog") == 410
     assert set(chunks) == {6} and len(chunks) > 100
+
+
+# -- decode rows -----------------------------------------------------------------------------------
+def decoding_clients(streams: dict, share_rows=None, budget: int = 32):
+    """Clients (name -> number of streams) whose one-token prompts ran; every stream now decodes."""
+    s = sched(max_bs=32, n_slots=8000, budget=budget, share_rows=share_rows)
+    reqs = {c: [mk(1, 500, c) for _ in range(n)] for c, n in streams.items()}
+    for mine in reqs.values():
+        for r in mine:
+            s.add(r)
+    run_batch(s)
+    assert all(r.output_token_ids for mine in reqs.values() for r in mine)
+    return s, reqs
+
+
+def rows_per_client(batch) -> dict:
+    rows: dict = {}
+    for r in batch:
+        rows[r.client] = rows.get(r.client, 0) + 1
+    return rows
+
+
+@pytest.mark.parametrize("share_rows", [True, False])
+def test_a_client_ahead_takes_no_more_decode_rows_than_any_other_client(share_rows):
+    """Three streams of one client beside four one-stream clients: once its counter is more than a
+    token budget ahead, the hog takes one row per iteration, each of its streams in turn, and its
+    lead stops growing; without row sharing (CUDA's default) it keeps all three rows."""
+    s, reqs = decoding_clients({"hog": 3, "v0": 1, "v1": 1, "v2": 1, "v3": 1}, share_rows)
+    hog = reqs.pop("hog")
+    lead = lambda: s.shares.counters["hog"] - min(s.shares.counters[c] for c in reqs)  # noqa: E731
+    while lead() <= 32:
+        assert rows_per_client(run_batch(s))["hog"] == 3
+    taken = {r.request_id: 0 for r in hog}
+    for _ in range(30):
+        batch = run_batch(s)
+        rows = rows_per_client(batch)
+        assert all(rows[c] == 1 for c in reqs)  # every other client decodes every iteration
+        assert rows["hog"] == (1 if share_rows else 3)
+        for r in batch:
+            if r.client == "hog":
+                taken[r.request_id] += 1
+    if share_rows:
+        assert sorted(taken.values()) == [10, 10, 10]
+        assert lead() <= 32 + 3 * OUTPUT_WEIGHT
+    else:
+        assert set(taken.values()) == {30} and lead() > 32 + 60 * OUTPUT_WEIGHT
+
+
+def test_decode_rows_even_out_to_the_least_any_client_has_ready():
+    """A client ahead takes as many rows as the least any other client has ready: clients with
+    5, 3 and 2 streams end up taking 2 rows each per iteration, and none of the 2-stream client's."""
+    s, reqs = decoding_clients({"a": 5, "b": 3, "c": 2})
+    for _ in range(60):
+        run_batch(s)
+    for _ in range(10):
+        assert rows_per_client(run_batch(s)) == {"a": 2, "b": 2, "c": 2}
+    done = {c: sorted(len(r.output_token_ids) for r in mine) for c, mine in reqs.items()}
+    # Within a client the rows go round: its streams are never more than one token apart.
+    assert all(counts[-1] - counts[0] <= 1 for counts in done.values()), done
+
+
+def test_a_client_between_requests_or_prefilling_counts_one_row_and_one_alone_takes_every_row():
+    s, reqs = decoding_clients({"hog": 4, "v": 1})
+    s.shares.counters["hog"] += 1000  # far ahead of the other client
+    (victim,) = reqs["v"]
+    batch = s.schedule()
+    advance(batch)
+    victim.mark_finished("length")  # its stream ends: it may send the next request at once
+    s.complete(batch)
+    assert rows_per_client(run_batch(s)) == {"hog": 1}
+    s.add(mk(200, 5, "v"))
+    assert rows_per_client(run_batch(s)) == {"hog": 1, "v": 1}  # admitted, its first chunk
+    assert rows_per_client(run_batch(s)) == {"hog": 1, "v": 1}  # a chunk takes part as one row
+    for r in list(s.pool):  # the other client leaves (an abort: no grace beyond the last one)
+        if r.client == "v":
+            r.mark_finished("abort"), s.remove(r)
+    rows = [rows_per_client(run_batch(s))["hog"] for _ in range(20)]
+    assert rows[0] == 1 and rows[-1] == 4  # alone once the grace of its last finished stream ends
+
+
+def test_decode_row_sharing_is_a_cpu_default_of_fair_admission():
+    fair = EngineConfig(admission="fair")
+    assert fair.share_decode_rows is None
+    assert fair.scheduling_for("cpu").share_decode_rows is True
+    assert fair.scheduling_for("cuda").share_decode_rows is False
+    assert EngineConfig(admission="fair", device="cpu").resolve().share_decode_rows is True
+    assert EngineConfig().scheduling_for("cpu").share_decode_rows is False  # fcfs takes every row
+    assert EngineConfig(admission="fair", share_decode_rows=False).scheduling_for("cpu").share_decode_rows is False
+    assert EngineConfig(admission="fair", share_decode_rows=True).scheduling_for("cuda").share_decode_rows is True
+    with pytest.raises(ValueError, match="share_decode_rows=True needs admission='fair'"):
+        EngineConfig(share_decode_rows=True)
+    with pytest.raises(ValueError, match=r"share_decode_rows must be True, False or None \(per device\), got 'yes'"):
+        EngineConfig(admission="fair", share_decode_rows="yes")
+    with pytest.raises(ValueError, match=r"share_decode_rows=None must be resolved first"):
+        make_scheduler(EngineConfig(admission="fair", max_num_batched_tokens=64), 100)
+    parser = argparse.ArgumentParser()
+    add_engine_arguments(parser)
+    for flags, value in (([], None), (["--share-decode-rows"], True), (["--no-share-decode-rows"], False)):
+        assert EngineConfig.from_args(parser.parse_args(["--admission", "fair"] + flags)).share_decode_rows is value

@@ -346,7 +346,7 @@ def test_openai_usage_and_metrics_report_cached_tokens(make_server):
 
 
 def test_fair_admission_charges_only_the_computed_prompt_tokens():
-    config = EngineConfig(max_batch_size=4, max_num_batched_tokens=16, admission="fair")
+    config = EngineConfig(max_batch_size=4, max_num_batched_tokens=16, admission="fair").scheduling_for("cpu")
     sched = make_scheduler(config, 300)
     engine = Engine(LocalExecutor(FakeModel()), sched, prefix_cache=PrefixCache(300, 8))
     charged = []

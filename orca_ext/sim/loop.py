@@ -16,7 +16,6 @@ delay the next launch by the time to copy the KV rows they move.
 """
 from __future__ import annotations
 
-import dataclasses
 import math
 from collections import deque
 from dataclasses import dataclass
@@ -24,7 +23,7 @@ from typing import Optional, Sequence
 
 import numpy as np
 
-from ..config import CHUNK_BUDGET_BY_DEVICE, EngineConfig
+from ..config import EngineConfig
 from ..prefix_cache import PrefixCache
 from ..request import Request
 from ..sampling_params import SamplingParams
@@ -77,17 +76,6 @@ class SimResult:
                 "median_ttft_s": float(np.median(ttft))}
 
 
-def sim_config(config: EngineConfig, device_type: str) -> EngineConfig:
-    """`config` with its chunk budget decided as EngineConfig.resolve() does for `device_type`,
-    without touching a device (the simulated one need not exist here)."""
-    budget = config.max_num_batched_tokens
-    if config.scheduler != "orca":
-        budget = None
-    elif budget == "auto":
-        budget = max(CHUNK_BUDGET_BY_DEVICE[device_type], config.max_batch_size)
-    return dataclasses.replace(config, max_num_batched_tokens=budget)
-
-
 class _Pipeline:
     """When each stage is free; a batch passes them in order."""
 
@@ -108,7 +96,7 @@ def simulate(trace: Sequence[TraceRequest], config: EngineConfig, cost: CostMode
              max_iterations: Optional[int] = None) -> SimResult:
     """Serve `trace` with `config`'s scheduler over `n_slots` KV slots; n_workers = cost.n_stages
     (the engine's pipeline depth). Deterministic: the same inputs give the same result."""
-    config = sim_config(config, device_type)
+    config = config.scheduling_for(device_type)  # the chunk budget and row sharing of that device
     sched = make_scheduler(config, n_slots, cost.n_stages)
     moved = [0]  # KV bytes of the pending compaction and prefix cache copies
 
