@@ -77,6 +77,17 @@ class Precision:
         self.quant_activations = quant_activations  # EngineConfig.quant_activations for our side
 
 
+def resolve_gguf(name: Path, cache: Path) -> Path:
+    """A --ggufs entry: a file here, the embedded default model's GGUF by its bare name, or else a
+    file of the GGUF cache."""
+    from orca_ext.default_model import GGUF_FILE, default_gguf_path
+    if name.exists():
+        return name
+    if str(name) == GGUF_FILE:
+        return default_gguf_path()
+    return cache / name
+
+
 def gguf_weight_bytes(path: Path) -> float:
     """Bytes one decode step reads from a GGUF served as its blocks: every tensor once except the
     token embedding, of which a step reads one row, unless it is also the (tied) lm_head."""
@@ -349,7 +360,7 @@ def main(argv=None) -> int:
         bench_binary = None
     precisions = [Precision(d, args.model, d, convert_gguf(args.llama_dir, args.model, d, args.gguf_cache)
                             if binary else None) for d in args.dtypes]
-    ggufs = [g if g.exists() else args.gguf_cache / g for g in args.ggufs]  # bare names: files of the cache
+    ggufs = [resolve_gguf(g, args.gguf_cache) for g in args.ggufs]
     precisions += [Precision(g.name if acts == "float32" else f"{g.name}+{acts}", str(g), "float32",
                              g if binary and i == 0 else None, gguf_weight_bytes(g), acts)
                    for g in ggufs for i, acts in enumerate(args.quant_activations)]
