@@ -166,6 +166,60 @@ def test_ragged_attention_long_context_no_overflow():
     assert_close(out, expected, torch.float32, "long context")
 
 
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("heads,head_dim", [((9, 3), 64), ((8, 2), 80), ((5, 5), 20), ((7, 1), 128)])
+def test_ragged_attention_decodes_in_key_blocks(dtype, heads, head_dim):
+    """Decodes over 1 to 3,000 keys (one to many 64-key blocks, with logits large enough that the
+    blocks' maxima differ widely): every row against float64. And a decode's bits depend only on
+    its own context: alone, beside other requests in another order, on one thread or two."""
+    n_q, n_kv = heads
+    seed = 17 * n_q + head_dim
+    rng = random.Random(seed)
+    gen = torch.Generator().manual_seed(seed)
+    contexts = [1, 63, 64, 65, 129, rng.randint(130, 1000), 3000]
+    others = make_ragged_case(seed, ["prefill", "prefix", "decode"], n_q, n_kv, head_dim, dtype)
+    starts, n_slots = scattered_slabs(rng, contexts)
+    base = others.k_cache.shape[0]
+    k_cache = torch.cat([others.k_cache, (4 * torch.randn(n_slots, n_kv, head_dim, generator=gen)).to(dtype)])
+    v_cache = torch.cat([others.v_cache, torch.randn(n_slots, n_kv, head_dim, generator=gen).to(dtype)])
+    q = (4 * torch.randn(len(contexts), n_q, head_dim, generator=gen)).to(dtype)
+    scale = 1.0 / math.sqrt(head_dim)
+
+    def run(decodes: list[int], with_others: bool, threads: int) -> dict[int, torch.Tensor]:
+        """The given decodes (indices into contexts), after the other requests or alone."""
+        qs, ql, ks, kl, rows = [], [], [], [], []
+        if with_others:
+            rows.append(others.q)
+            qs += others.q_start.tolist(); ql += others.q_len.tolist()
+            ks += others.kv_start.tolist(); kl += others.kv_len.tolist()
+        t = sum(r.shape[0] for r in rows)
+        for j, i in enumerate(decodes):
+            qs.append(t + j); ql.append(1); ks.append(base + starts[i]); kl.append(contexts[i])
+            rows.append(q[i:i + 1])
+        idx = [torch.tensor(v, dtype=torch.int32) for v in (qs, ql, ks, kl)]
+        before = torch.get_num_threads()
+        try:
+            torch.set_num_threads(threads)
+            out = _C.ragged_attention(torch.cat(rows), k_cache, v_cache, *idx, scale)
+        finally:
+            torch.set_num_threads(before)
+        return {i: out[t + j] for j, i in enumerate(decodes)}
+
+    every = list(range(len(contexts)))
+    batch = run(every, True, 2)
+    one = torch.tensor([0])
+    for i, n in enumerate(contexts):
+        s = base + starts[i]
+        expected = reference.ragged_attention(q[i:i + 1].double(), k_cache[s:s + n].double(), v_cache[s:s + n].double(),
+                                              one, torch.tensor([1]), one, torch.tensor([n]), scale)
+        assert_close(batch[i], expected[0], dtype, f"decode over {n} keys")
+    for threads in (1, 2):
+        for i, row in run(every[::-1], False, threads).items():
+            assert torch.equal(row, batch[i]), f"decode over {contexts[i]} keys, reversed batch, {threads} thread(s)"
+        for i in (0, 3, 6):
+            assert torch.equal(run([i], False, threads)[i], batch[i]), f"decode over {contexts[i]} keys alone"
+
+
 def test_ops_dispatch_uses_extension():
     assert ops.HAVE_EXTENSION
     case = make_ragged_case(2, ["decode", "prefill"], 2, 1, 64, torch.float32)

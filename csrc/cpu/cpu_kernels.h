@@ -92,7 +92,9 @@ void rope_slab_write(const T* qkv,      // [T, (Hq + 2*Hkv) * D]: q heads, then 
 // batch_invariant: a few query rows (decodes, short prompt chunks) take a row-major path that
 // repeats the prefill tiles' arithmetic operation for operation, so every row's result depends
 // only on its own context, never on its batch-mates or on the prompt chunk it is in. Without it,
-// that path rounds differently (dot products and vector sums) and is somewhat faster.
+// that path rounds differently (dot products and vector sums) and is somewhat faster, and a decode
+// is computed in independent 64-key blocks merged in key order (attention_impl.h), whose bits
+// depend only on its own kv_len, whatever the batch or the thread count.
 template <typename T, typename I>
 void ragged_attention(const T* q,         // [T, Hq, D]
                       const T* k_cache,   // [S, Hkv, D]
