@@ -144,34 +144,37 @@ inline void int8_act_tile_32(const Int8Rows& a, const uint8_t* w, int64_t row_by
 }
 
 #if defined(ORCA_QUANT_INT8_512)
-// One token against the 4 Q4_0 or Q4_1 rows n0 + r * stride, two rows per zmm register: each
-// 256-bit half holds one row's 8 int32 lanes of int8_act_tile_32 (its nibbles, low then high,
-// against the block's activations: vpdpbusd; Q4_0's -8 as -8 * the sum of each lane's 4
-// activations, from the same instruction against ones), then the same float updates per lane
-// (the exact integers as float, times d_w * d_x, an fma in block order; Q4_1's minimum in a chain
-// of its own) and the same hsum8_tree: the same bits as the ymm tile, with about half its
-// instructions per weight (one unpack, product, conversion and fma for two rows; both rows'
-// scales converted by one instruction).
-template <int F>
-inline void q4_int8_rows4_zmm(const Int8Rows& a, const uint8_t* w, int64_t row_bytes, int64_t k, int64_t n0,
-                              int64_t stride, float* out) {
+// int8_act_tile_32 for Q4_0 and Q4_1 with AVX-512 VNNI: the 2P rows n0 + r * stride against the M
+// tokens from t0, two rows per zmm register. Each 256-bit half holds one row's 8 int32 lanes of
+// the ymm tile (its nibbles, low then high, against the block's activations: vpdpbusd; Q4_0's -8
+// as -8 * the sum of each lane's 4 activations, from the same instruction against ones), then
+// the same float updates per lane (the exact integers as float, times d_w * d_x, an fma in block
+// order; Q4_1's minimum in a chain of its own) and the same hsum8_tree: the same bits, with about
+// half the instructions per weight (one unpack, product, conversion and fma for two rows; both
+// rows' scales converted by one instruction).
+template <int F, int P, int M>
+inline void q4_int8_tile_zmm(const Int8Rows& a, const uint8_t* w, int64_t row_bytes, int64_t k, int64_t n_out,
+                             int64_t n0, int64_t stride, int64_t t0, float* out) {
   constexpr int64_t kBytes = int8_block_bytes<F>();
   constexpr int64_t kQuants = F == kQuantTypeQ4_1 ? 4 : 2;  // offset of a block's 16 quant bytes
   const int64_t n_blocks = k / 32;
   const __m512i low4 = _mm512_set1_epi8(0x0f);
   const __m512i high_halves = _mm512_setr_epi64(0, 0, 4, 4, 0, 0, 4, 4);  // 128-bit lanes 1, 3: >> 4
   const __m512i halves = _mm512_setr_epi32(0, 0, 0, 0, 0, 0, 0, 0, 2, 2, 2, 2, 2, 2, 2, 2);  // d of each row
-  const uint8_t* row[4];
-  for (int r = 0; r < 4; ++r) row[r] = w + (n0 + r * stride) * row_bytes;
-  __m512 acc[2] = {_mm512_setzero_ps(), _mm512_setzero_ps()};
-  __m128 acc_min[2] = {_mm_setzero_ps(), _mm_setzero_ps()};  // lanes 1 and 3: the pair's rows
+  const uint8_t* row[2 * P];
+  for (int r = 0; r < 2 * P; ++r) row[r] = w + (n0 + r * stride) * row_bytes;
+  __m512 acc[P][M];
+  __m128 acc_min[P][M];  // lanes 1 and 3: the pair's rows
+  for (int p = 0; p < P; ++p)
+    for (int m = 0; m < M; ++m) acc[p][m] = _mm512_setzero_ps(), acc_min[p][m] = _mm_setzero_ps();
   for (int64_t b = 0; b < n_blocks; ++b) {
-    const __m512i x = _mm512_broadcast_i64x4(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(a.q + 32 * b)));
-    const __m512 xd = _mm512_set1_ps(a.d[b]);
-    __m512i xsum8;  // Q4_0: 8 * (each lane's 4 activations summed)
-    if constexpr (F == kQuantTypeQ4_0)
-      xsum8 = _mm512_slli_epi32(_mm512_dpbusd_epi32(_mm512_setzero_si512(), _mm512_set1_epi8(1), x), 3);
-    for (int p = 0; p < 2; ++p) {
+    __m512i x[M], xsum8[M];  // xsum8 (Q4_0): 8 * (each lane's 4 activations summed)
+    for (int m = 0; m < M; ++m) {
+      x[m] = _mm512_broadcast_i64x4(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(a.q + (t0 + m) * k + 32 * b)));
+      if constexpr (F == kQuantTypeQ4_0)
+        xsum8[m] = _mm512_slli_epi32(_mm512_dpbusd_epi32(_mm512_setzero_si512(), _mm512_set1_epi8(1), x[m]), 3);
+    }
+    for (int p = 0; p < P; ++p) {
       const uint8_t* ba = row[2 * p] + b * kBytes;
       const uint8_t* bb = row[2 * p + 1] + b * kBytes;
       // [d_a, m_a, d_b, m_b] (Q4_0: m is the first quant bytes, never used)
@@ -179,27 +182,32 @@ inline void q4_int8_rows4_zmm(const Int8Rows& a, const uint8_t* w, int64_t row_b
       std::memcpy(&ha, ba, 4);
       std::memcpy(&hb, bb, 4);
       const __m128 heads = _mm_cvtph_ps(_mm_insert_epi32(_mm_cvtsi32_si128(ha), hb, 1));
-      const __m512 scale = _mm512_mul_ps(_mm512_permutexvar_ps(halves, _mm512_castps128_ps512(heads)), xd);
-      if constexpr (F == kQuantTypeQ4_1)
-        acc_min[p] = _mm_fmadd_ps(heads, _mm_set1_ps(a.s[b]), acc_min[p]);
+      const __m512 dw = _mm512_permutexvar_ps(halves, _mm512_castps128_ps512(heads));
       const __m512i qa = _mm512_castsi256_si512(
           _mm256_broadcastsi128_si256(_mm_loadu_si128(reinterpret_cast<const __m128i*>(ba + kQuants))));
       const __m512i qab = _mm512_inserti64x4(
           qa, _mm256_broadcastsi128_si256(_mm_loadu_si128(reinterpret_cast<const __m128i*>(bb + kQuants))), 1);
       const __m512i nib = _mm512_and_si512(_mm512_srlv_epi64(qab, high_halves), low4);
-      __m512i isum = _mm512_dpbusd_epi32(_mm512_setzero_si512(), nib, x);
-      if constexpr (F == kQuantTypeQ4_0) isum = _mm512_sub_epi32(isum, xsum8);
-      acc[p] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(isum), scale, acc[p]);
+      for (int m = 0; m < M; ++m) {
+        const int64_t xb = (t0 + m) * n_blocks + b;
+        if constexpr (F == kQuantTypeQ4_1)
+          acc_min[p][m] = _mm_fmadd_ps(heads, _mm_set1_ps(a.s[xb]), acc_min[p][m]);
+        __m512i isum = _mm512_dpbusd_epi32(_mm512_setzero_si512(), nib, x[m]);
+        if constexpr (F == kQuantTypeQ4_0) isum = _mm512_sub_epi32(isum, xsum8[m]);
+        acc[p][m] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(isum), _mm512_mul_ps(dw, _mm512_set1_ps(a.d[xb])), acc[p][m]);
+      }
     }
   }
-  for (int p = 0; p < 2; ++p) {
-    alignas(64) float l[16];
-    alignas(16) float m[4];
-    _mm512_store_ps(l, acc[p]);
-    _mm_store_ps(m, acc_min[p]);
-    for (int h = 0; h < 2; ++h)  // Q4_0 adds a zero, as the ymm tile does
-      out[n0 + (2 * p + h) * stride] = hsum8_tree(l + 8 * h) + (F == kQuantTypeQ4_1 ? m[1 + 2 * h] : 0.0f);
-  }
+  for (int p = 0; p < P; ++p)
+    for (int m = 0; m < M; ++m) {
+      alignas(64) float l[16];
+      alignas(16) float mins[4];
+      _mm512_store_ps(l, acc[p][m]);
+      _mm_store_ps(mins, acc_min[p][m]);
+      for (int h = 0; h < 2; ++h)  // Q4_0 adds a zero, as the ymm tile does
+        out[(t0 + m) * n_out + n0 + (2 * p + h) * stride] =
+            hsum8_tree(l + 8 * h) + (F == kQuantTypeQ4_1 ? mins[1 + 2 * h] : 0.0f);
+    }
 }
 #endif
 
@@ -298,10 +306,15 @@ inline void int8_act_tile(const Int8Rows& a, const uint8_t* w, int64_t row_bytes
   if constexpr (F == kQuantTypeQ4_K) {
     static_assert(R == 1, "Q4_K's natural-order tile takes one row");
     q4k_int8_tokens<kVnni, M>(a, w, row_bytes, k, n_out, n0, t0, out);
-  } else if constexpr (F == kQuantTypeQ6_K)
+  } else if constexpr (F == kQuantTypeQ6_K) {
     q6k_int8_tile<kVnni, R, M>(a, w, row_bytes, k, n_out, n0, stride, t0, out);
-  else
+#if defined(ORCA_QUANT_INT8_512)
+  } else if constexpr (kVnni && R % 2 == 0 && (F == kQuantTypeQ4_0 || F == kQuantTypeQ4_1)) {
+    q4_int8_tile_zmm<F, R / 2, M>(a, w, row_bytes, k, n_out, n0, stride, t0, out);
+#endif
+  } else {
     int8_act_tile_32<kVnni, F, R, M>(a, w, row_bytes, k, n_out, n0, stride, t0, out);
+  }
 }
 
 // Rows [n0, n0 + R) against tokens [t0, t1): tiles of MT tokens, then the remainder.
@@ -486,8 +499,6 @@ inline void int8_act_rows(const Int8Rows& a, const Int8Groups& groups, const uin
 #if defined(ORCA_QUANT_INT8_512)
       else if constexpr (F == kQuantTypeQ6_K && kVnni)
         q6k_int8_rows_zmm<4>(a, w, row_bytes, k, n0 + j, quarter, out);
-      else if constexpr ((F == kQuantTypeQ4_0 || F == kQuantTypeQ4_1) && kVnni)
-        q4_int8_rows4_zmm<F>(a, w, row_bytes, k, n0 + j, quarter, out);
 #endif
       else
         int8_act_tile<kVnni, F, 4, 1>(a, w, row_bytes, k, n_out, n0 + j, quarter, 0, out);
