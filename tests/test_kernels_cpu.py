@@ -166,6 +166,12 @@ def test_ragged_attention_long_context_no_overflow():
     assert_close(out, expected, torch.float32, "long context")
 
 
+def requests_of(case) -> tuple[list, list, list, list, list]:
+    """A ragged case's requests as lists (q_start, q_len, kv_start, kv_len) and its q rows, for a
+    test to add requests of its own after them."""
+    return (case.q_start.tolist(), case.q_len.tolist(), case.kv_start.tolist(), case.kv_len.tolist(), [case.q])
+
+
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("heads,head_dim", [((9, 3), 64), ((8, 2), 80), ((5, 5), 20), ((7, 1), 128)])
 def test_ragged_attention_decodes_in_key_blocks(dtype, heads, head_dim):
@@ -187,11 +193,7 @@ def test_ragged_attention_decodes_in_key_blocks(dtype, heads, head_dim):
 
     def run(decodes: list[int], with_others: bool, threads: int) -> dict[int, torch.Tensor]:
         """The given decodes (indices into contexts), after the other requests or alone."""
-        qs, ql, ks, kl, rows = [], [], [], [], []
-        if with_others:
-            rows.append(others.q)
-            qs += others.q_start.tolist(); ql += others.q_len.tolist()
-            ks += others.kv_start.tolist(); kl += others.kv_len.tolist()
+        qs, ql, ks, kl, rows = requests_of(others) if with_others else ([], [], [], [], [])
         t = sum(r.shape[0] for r in rows)
         for j, i in enumerate(decodes):
             qs.append(t + j); ql.append(1); ks.append(base + starts[i]); kl.append(contexts[i])
@@ -383,11 +385,7 @@ def test_ragged_attention_batch_invariant_rows_ignore_chunks_and_batch_mates(f32
 
     def run(pieces: list[tuple[int, int]], with_others: bool) -> torch.Tensor:
         """Rows [lo, hi) of the prompt as requests (q_len hi-lo over kv_len hi), in one call."""
-        qs, ql, ks, kl, rows = [], [], [], [], []
-        if with_others:
-            rows.append(others.q)
-            qs += others.q_start.tolist(); ql += others.q_len.tolist()
-            ks += others.kv_start.tolist(); kl += others.kv_len.tolist()
+        qs, ql, ks, kl, rows = requests_of(others) if with_others else ([], [], [], [], [])
         base = sum(r.shape[0] for r in rows)
         for lo, hi in pieces:
             qs.append(base); ql.append(hi - lo); ks.append(slab); kl.append(hi)

@@ -92,6 +92,26 @@ inline void prefetch_rows(const T* rows, int64_t n, int64_t ld, int64_t d) {
 
 // ---- few query vectors: row-major S ------------------------------------------------------
 
+// The largest of s[0..n) (-inf for n = 0).
+inline float block_max(const float* __restrict s, int64_t n) {
+  float m = kNegInf;
+#pragma omp simd reduction(max : m)
+  for (int64_t j = 0; j < n; ++j) m = std::max(m, s[j]);
+  return m;
+}
+
+// s[j] = exp2(s[j] - m) for j < n (m >= every s[j]); returns their sum.
+inline float exp2_shifted_sum(float* __restrict s, int64_t n, float m) {
+  float sum = 0.0f;
+#pragma omp simd reduction(+ : sum)
+  for (int64_t j = 0; j < n; ++j) {
+    const float p = exp2_nonpos(s[j] - m);
+    s[j] = p;
+    sum += p;
+  }
+  return sum;
+}
+
 // Online-softmax update of one row for one key block. s[0..nj) holds scores (log2 domain);
 // only the first `valid` are visible to this row (causal limit). On return s[0..nj) holds the
 // unnormalised probabilities (0 beyond `valid`), and *mx, *l, o[0..D) are updated.
@@ -101,18 +121,9 @@ inline void softmax_row(float* __restrict s, int64_t nj, int64_t valid, float* _
     for (int64_t j = 0; j < nj; ++j) s[j] = 0.0f;
     return;
   }
-  float bmax = kNegInf;
-#pragma omp simd reduction(max : bmax)
-  for (int64_t j = 0; j < valid; ++j) bmax = std::max(bmax, s[j]);
   const float m_old = *mx;
-  const float m_new = std::max(m_old, bmax);
-  float sum = 0.0f;
-#pragma omp simd reduction(+ : sum)
-  for (int64_t j = 0; j < valid; ++j) {
-    const float p = exp2_nonpos(s[j] - m_new);
-    s[j] = p;
-    sum += p;
-  }
+  const float m_new = std::max(m_old, block_max(s, valid));
+  const float sum = exp2_shifted_sum(s, valid, m_new);
   for (int64_t j = valid; j < nj; ++j) s[j] = 0.0f;
   if (m_old == kNegInf) {
     *l = sum;  // first block of this row: O is still zero
@@ -290,18 +301,9 @@ void attend_decode_blocks(int64_t t, int64_t kv_row0, int64_t n_keys, int64_t bl
       float* o = res.o + (blk * n_q_heads + hq) * ldd;
       for (int64_t h = 0; h < r; ++h) {
         float* sh = s + h * kKeyBlock;
-        float bmax = kNegInf;
-#pragma omp simd reduction(max : bmax)
-        for (int64_t j = 0; j < nj; ++j) bmax = std::max(bmax, sh[j]);
-        float sum = 0.0f;
-#pragma omp simd reduction(+ : sum)
-        for (int64_t j = 0; j < nj; ++j) {
-          const float p = exp2_nonpos(sh[j] - bmax);
-          sh[j] = p;
-          sum += p;
-        }
+        const float bmax = block_max(sh, nj);
         res.mx[blk * n_q_heads + hq + h] = bmax;
-        res.sum[blk * n_q_heads + hq + h] = sum;
+        res.sum[blk * n_q_heads + hq + h] = exp2_shifted_sum(sh, nj, bmax);
         for (int64_t k = 0; k < d; ++k) o[h * ldd + k] = 0.0f;
       }
       int64_t ldv = 0;
