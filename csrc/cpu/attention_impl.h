@@ -24,6 +24,7 @@
 #include <algorithm>
 #include <cstdint>
 #include <limits>
+#include <type_traits>
 
 #include "cpu_kernels.h"
 #include "gemm_impl.h"
@@ -57,7 +58,12 @@ void attend_tile_avx512(const AttnItem& it, const T* q, const T* k_cache, const 
 namespace {
 
 constexpr int64_t kKeyBlock = 64;  // keys per softmax block
-constexpr int64_t kPrefetchKeys = 16;  // how far ahead a decode hints its K and V rows
+// How far ahead a decode hints its K and V rows: float32 rows are read where the score products
+// use them, 16 keys later; bf16 rows are converted a whole block of K at a time before them, so
+// the hint has to reach the next block (Zen 5, bf16 at 1,024 keys: 48-50 us per layer at 64
+// keys ahead, 56-59 at 16, 51-56 at 96).
+template <typename T>
+constexpr int64_t kPrefetchKeys = std::is_same<T, float>::value ? 16 : 64;
 constexpr float kNegInf = -std::numeric_limits<float>::infinity();
 // attend_tile's initial running max: finite (unlike -inf) so the rescale factor of the first
 // block needs no special case, and far below any real score.
@@ -245,7 +251,7 @@ void attend_rows(const AttnItem& it, const T* q, const T* k_cache, const T* v_ca
 // order. The arithmetic of a unit depends only on its keys, so a decode's bits depend only on its
 // own context, never on how the units are grouped into work items (the thread count, the other
 // requests): the grouping can follow the batch. One item covers a run of blocks and a range of KV
-// heads, blocks outer, and hints its K and V rows into cache kPrefetchKeys keys ahead of the
+// heads, blocks outer, and hints its K and V rows into cache kPrefetchKeys<T> keys ahead of the
 // score products, so only the first keys of an item wait on memory: few long items beat many
 // short ones. (A decode's K and V come from memory: a forward streams every layer's weights
 // between two reads of the same layer's cache. Without the hints, neither the per-head items of
@@ -287,11 +293,11 @@ void attend_decode_blocks(int64_t t, int64_t kv_row0, int64_t n_keys, int64_t bl
       int64_t ldk = 0;
       const float* kb = kv_block(k_cache + g * d, kv_row0 + j0, nj, ld_kv, d, kbuf, &ldk);
       // gemm_nt over 4 keys at a time (the same micro-kernels per element as one call), each
-      // group hinting this head's K and V rows kPrefetchKeys ahead into cache: a burst of hints
-      // for a whole block at once stalled on the miss buffers and overlapped with nothing.
+      // group hinting this head's K and V rows kPrefetchKeys<T> ahead into cache: a burst of
+      // hints for a whole block at once stalled on the miss buffers and overlapped with nothing.
       for (int64_t n = 0; n < nj; n += 4) {
         const int64_t nn = std::min<int64_t>(4, nj - n);
-        const int64_t ahead = j0 + n + kPrefetchKeys, n_ahead = std::min(nn, keys_end - ahead);
+        const int64_t ahead = j0 + n + kPrefetchKeys<T>, n_ahead = std::min(nn, keys_end - ahead);
         if (n_ahead > 0) {
           prefetch_rows(k_cache + (kv_row0 + ahead) * ld_kv + g * d, n_ahead, ld_kv, d);
           prefetch_rows(v_cache + (kv_row0 + ahead) * ld_kv + g * d, n_ahead, ld_kv, d);
