@@ -537,6 +537,16 @@ inline void int8_act_rows(const Int8Rows& a, const Int8Groups& groups, const uin
             ahead.step();
           }
         } else {
+#if defined(ORCA_QUANT_INT8_512)
+          // Q4_0 and Q4_1 hold two rows per zmm register (q4_int8_tile_zmm): a tile of two such
+          // pairs loads each token's activations and scales once for both.
+          if constexpr (kVnni && (F == kQuantTypeQ4_0 || F == kQuantTypeQ4_1))
+            for (; n + 4 <= p1; n += 4) {
+              int8_act_rows_all_tokens<kVnni, F, 4>(a, w, row_bytes, t0, t1, k, n_out, n, out);
+              ahead.step();
+              ahead.step();
+            }
+#endif
           for (; n + 2 <= p1; n += 2) {
             int8_act_rows_all_tokens<kVnni, F, 2>(a, w, row_bytes, t0, t1, k, n_out, n, out);
             ahead.step();
