@@ -121,7 +121,7 @@ def test_linear_matches_integer_reference(qtype, dtype, path):
     gen = torch.Generator().manual_seed(qtype * 7 + len(path))
     # (19, 32 * 64, 97): prefill over several L2 panels of rows (64 KiB of weights each);
     # (21, 32 * 256, 7): over several token tiles of the natural-order tiles (~128 KiB of rows)
-    # (1, 32 * 18, 45): one token over groups of 16 rows and a part group
+    # (1, 32 * 18, 45): one token over 4-row tiles (two rows per zmm register) and a row left over
     for t, k, n in [(1, 32, 1), (1, 32 * 18, 45), (3, 32 * 9, 37), (17, 32 * 23, 13), (5, 32 * 48, 70), (19, 32 * 64, 97),
                     (21, 32 * 256, 7)]:
         qweight = random_blocks(qtype, n, k, seed=t * 1000 + k + n)

@@ -5,8 +5,8 @@
 //    in shuffled order; large logits (running-max path); float and bf16; int32 and int64 indices.
 //    Exits 1 on any mismatch.
 // 2. Times SmolLM2-135M shapes (Hq=9, Hkv=3, D=64): 32 decodes with contexts U[16, 512], a
-//    prefill of 4 x 512 tokens, a mix of both, and one decode over 256 and over 1,024 keys; prints GFLOP/s and GB/s (K/V bytes read once
-//    per KV head) next to the measured ceilings. Both steps run on every float32 path the CPU
+//    prefill of 4 x 512 tokens, a mix of both, and one decode over 256 and over 1,024 keys;
+//    prints GFLOP/s and GB/s (K/V bytes read once per KV head) next to the measured ceilings. Both steps run on every float32 path the CPU
 //    has (the prefill tiles follow it; the avx512 lines are against the zmm FMA peak). Several copies of the KV pools (one per layer)
 //    are rotated so that K/V come from memory, as in a forward pass over all layers.
 #include <algorithm>

@@ -168,9 +168,16 @@ inline void q4_int8_tile_zmm(const Int8Rows& a, const uint8_t* w, int64_t row_by
   for (int p = 0; p < P; ++p)
     for (int m = 0; m < M; ++m) acc[p][m] = _mm512_setzero_ps(), acc_min[p][m] = _mm_setzero_ps();
   for (int64_t b = 0; b < n_blocks; ++b) {
-    __m512i x[M], xsum8[M];  // xsum8 (Q4_0): 8 * (each lane's 4 activations summed)
+    // Each token's activations and scales, once for every pair; xsum8 (Q4_0): 8 * (each lane's 4
+    // activations summed).
+    __m512i x[M], xsum8[M];
+    __m512 xd[M];
+    __m128 xs[M];
     for (int m = 0; m < M; ++m) {
+      const int64_t xb = (t0 + m) * n_blocks + b;
       x[m] = _mm512_broadcast_i64x4(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(a.q + (t0 + m) * k + 32 * b)));
+      xd[m] = _mm512_set1_ps(a.d[xb]);
+      if constexpr (F == kQuantTypeQ4_1) xs[m] = _mm_set1_ps(a.s[xb]);
       if constexpr (F == kQuantTypeQ4_0)
         xsum8[m] = _mm512_slli_epi32(_mm512_dpbusd_epi32(_mm512_setzero_si512(), _mm512_set1_epi8(1), x[m]), 3);
     }
@@ -189,12 +196,10 @@ inline void q4_int8_tile_zmm(const Int8Rows& a, const uint8_t* w, int64_t row_by
           qa, _mm256_broadcastsi128_si256(_mm_loadu_si128(reinterpret_cast<const __m128i*>(bb + kQuants))), 1);
       const __m512i nib = _mm512_and_si512(_mm512_srlv_epi64(qab, high_halves), low4);
       for (int m = 0; m < M; ++m) {
-        const int64_t xb = (t0 + m) * n_blocks + b;
-        if constexpr (F == kQuantTypeQ4_1)
-          acc_min[p][m] = _mm_fmadd_ps(heads, _mm_set1_ps(a.s[xb]), acc_min[p][m]);
+        if constexpr (F == kQuantTypeQ4_1) acc_min[p][m] = _mm_fmadd_ps(heads, xs[m], acc_min[p][m]);
         __m512i isum = _mm512_dpbusd_epi32(_mm512_setzero_si512(), nib, x[m]);
         if constexpr (F == kQuantTypeQ4_0) isum = _mm512_sub_epi32(isum, xsum8[m]);
-        acc[p][m] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(isum), _mm512_mul_ps(dw, _mm512_set1_ps(a.d[xb])), acc[p][m]);
+        acc[p][m] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(isum), _mm512_mul_ps(dw, xd[m]), acc[p][m]);
       }
     }
   }
