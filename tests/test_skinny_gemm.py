@@ -78,8 +78,13 @@ def rand(gen, *shape, scale=1.0):
     return torch.randn(*shape, generator=gen, dtype=torch.float64) * scale
 
 
-def accumulation_terms(k):
-    """Roundings on the longest path of a k-term float32 dot product, on any path (see above)."""
+def accumulation_terms(k, dtype=None):
+    """Roundings on the longest path of a k-term float32 dot product: on the lane paths (see
+    below) at most k/8 per lane and a few in the lane tree. amx_bf16 runs each sum as one chain
+    through k, in tile steps whose internal rounding Intel leaves unspecified: allow one ulp
+    (two half-ulp roundings) per product there."""
+    if dtype == torch.bfloat16 and _C.cpu_bf16_path() == "amx_bf16":
+        return 2 * k + 7
     return k // 8 + 7
 
 
@@ -88,7 +93,7 @@ def assert_within_bound(got, ref, mass, dtype, k, what, extra=0.0):
     terms (each lane adds at most ceil(k/8) products on the 8-lane paths, ceil(k/16) on the 16-lane
     ones, then a 3- or 4-level tree, then bias and residual) + extra."""
     out_rtol = 2.0 ** -8 if dtype == torch.bfloat16 else 2.0 ** -24
-    bound = out_rtol * ref.abs() + accumulation_terms(k) * 2.0 ** -24 * mass + extra + 1e-30
+    bound = out_rtol * ref.abs() + accumulation_terms(k, dtype) * 2.0 ** -24 * mass + extra + 1e-30
     err = (got.double() - ref).abs()
     bad = err > bound
     assert not bad.any(), (f"{what}: {int(bad.sum())} of {bad.numel()} out of bound; worst err "
@@ -130,7 +135,7 @@ def test_linear_silu_mul(dtype_path, streaming_everywhere, n_tokens, k, n_inter,
     # 1.1 |u| dg + |silu(g)| du; silu itself adds ~1e-7 relative; then the output is rounded.
     gate, up = reference.linear(x64, w64, b64).chunk(2, dim=-1)
     mass = (x64.abs() @ w64.abs().T + (0 if b64 is None else b64.abs())).chunk(2, dim=-1)
-    acc = accumulation_terms(k) * 2.0 ** -24
+    acc = accumulation_terms(k, dtype) * 2.0 ** -24
     bound = (1.1 * up.abs() * acc * mass[0] + torch.nn.functional.silu(gate).abs() * acc * mass[1]
              + 1e-6 * expected.abs())
     out_rtol = 2.0 ** -8 if dtype == torch.bfloat16 else 2.0 ** -24
@@ -287,6 +292,62 @@ def test_float32_prefill_sizes(streaming_everywhere, path, k, n):
     assert ((whole[1].double() - expected).abs() <= bound).all(), f"linear_silu_mul/{path} out of bound"
 
 
+AMX = pytest.mark.skipif("amx_bf16" not in BF16_PATHS, reason="this CPU (or OS) has no AMX-BF16")
+
+
+@AMX
+@pytest.mark.parametrize("k,n", [(32, 16), (576, 17), (576, 67), (2080, 131)])
+def test_amx_prefill_sizes(streaming_everywhere, k, n):
+    """The AMX tile path at every token count a prompt brings (one and two token groups, partial
+    groups, several token tiles at K = 2080) and at output counts that end mid-tile (down to a
+    single tile of 16, and gate_up halves of 17): within the float64 bound, and each request of a
+    ragged batch bit-identical to its rows run alone."""
+    gen = torch.Generator().manual_seed(k * 1000 + n)
+    w = rand(gen, 2 * n, k, scale=1 / math.sqrt(k)).bfloat16()
+    b = rand(gen, 2 * n).bfloat16()
+    nw = (1 + 0.1 * rand(gen, k)).bfloat16()
+    lengths = [1, 3, 15, 16, 17, 33, 77, 300]
+    x = rand(gen, sum(lengths), k).bfloat16()
+    r = rand(gen, sum(lengths), 2 * n).bfloat16()
+    with path_forced(torch.bfloat16, "amx_bf16"):
+        whole = (_C.linear(x, w, b, r), _C.linear_silu_mul(x, w, b), _C.rmsnorm_qkv(x, nw, w, b, 1e-6))
+        start = 0
+        for length in lengths:
+            rows, res = x[start:start + length], r[start:start + length]
+            alone = (_C.linear(rows, w, b, res), _C.linear_silu_mul(rows, w, b), _C.rmsnorm_qkv(rows, nw, w, b, 1e-6))
+            for got, part, name in zip(whole, alone, ("linear", "linear_silu_mul", "rmsnorm_qkv")):
+                assert torch.equal(got[start:start + length], part), f"{name}: request of {length} rows differs"
+            start += length
+        x64, w64, b64, r64 = x.double(), w.double(), b.double(), r.double()
+        mass = x64.abs() @ w64.abs().T + b64.abs() + r64.abs()
+        assert_within_bound(whole[0], reference.linear(x64, w64, b64, r64), mass, torch.bfloat16, k, "linear/amx")
+        gate, up = reference.linear(x64, w64, b64).chunk(2, dim=-1)
+        g_mass, u_mass = (mass - r64.abs()).chunk(2, dim=-1)
+        acc = accumulation_terms(k, torch.bfloat16) * 2.0 ** -24
+    expected = torch.nn.functional.silu(gate) * up
+    bound = (1.1 * up.abs() * acc * g_mass + torch.nn.functional.silu(gate).abs() * acc * u_mass
+             + 1e-6 * expected.abs() + 2.0 ** -8 * expected.abs() + 1e-30)
+    assert ((whole[1].double() - expected).abs() <= bound).all(), "linear_silu_mul/amx out of bound"
+
+
+@AMX
+def test_amx_path_is_its_own_kernel_and_falls_back_by_shape():
+    """Where the tiles fit (K a multiple of 32, at least 16 outputs) amx_bf16 runs its own kernel,
+    whose rounding differs from vdpbf16ps in some last bits; a matrix that does not fit runs the
+    vdpbf16ps kernel at every T, bit for bit."""
+    gen = torch.Generator().manual_seed(11)
+    outs = {}
+    # Many outputs: a float32 difference shows only where it crosses a bf16 rounding.
+    for k, n in ((1024, 1000), (1000, 1000), (1024, 15)):
+        x, w = rand(gen, 60, k).bfloat16(), rand(gen, n, k, scale=1 / math.sqrt(k)).bfloat16()
+        for path in ("amx_bf16", "avx512_bf16"):
+            with path_forced(torch.bfloat16, path):
+                outs[k, n, path] = _C.linear(x, w)
+    assert not torch.equal(outs[1024, 1000, "amx_bf16"], outs[1024, 1000, "avx512_bf16"])
+    assert torch.equal(outs[1000, 1000, "amx_bf16"], outs[1000, 1000, "avx512_bf16"])
+    assert torch.equal(outs[1024, 15, "amx_bf16"], outs[1024, 15, "avx512_bf16"])
+
+
 def test_float32_paths_round_differently_but_both_hold():
     """The paths are distinct kernels (the test above would not notice if both ran one path): on
     enough random sums, 8-lane and 16-lane accumulation differ in some last bits."""
@@ -390,7 +451,8 @@ def test_unsupported_bf16_path_is_refused():
 
 
 def test_bf16_path_from_environment():
-    """ORCA_CPU_BF16_PATH=avx2 forces the portable path (read once, at first use)."""
+    """ORCA_CPU_BF16_PATH=avx2 forces the portable path, and any other supported path can be named
+    (read once, at first use); unset, the widest path the CPU has is taken."""
     code = "import orca_ext._C as C; print(C.cpu_bf16_path(), ' '.join(C.cpu_bf16_paths()))"
     env = dict(os.environ, ORCA_CPU_BF16_PATH="avx2")
     out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=120)
@@ -401,8 +463,13 @@ def test_bf16_path_from_environment():
     default = subprocess.run([sys.executable, "-c", code], env={k: v for k, v in os.environ.items()
                                                                  if k != "ORCA_CPU_BF16_PATH"},
                              capture_output=True, text=True, timeout=120)
-    expected = "avx512_bf16" if "avx512_bf16" in supported.split() else "avx2"
-    assert default.stdout.split()[0] == expected
+    supported = supported.split()
+    widest = [p for p in ("amx_bf16", "avx512_bf16") if p in supported]
+    assert default.stdout.split()[0] == (widest[0] if widest else "avx2")
+    if "amx_bf16" in supported:  # a narrower native path can be forced too
+        forced = subprocess.run([sys.executable, "-c", code], env=dict(os.environ, ORCA_CPU_BF16_PATH="avx512_bf16"),
+                                capture_output=True, text=True, timeout=120)
+        assert forced.stdout.split()[0] == "avx512_bf16"
 
 
 def test_stream_read_probe():

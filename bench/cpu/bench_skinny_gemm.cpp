@@ -3,7 +3,8 @@
 // 1. Validates against the scalar double-precision reference (bench/common/reference.h) on random
 //    data of awkward sizes (K and N not multiples of any vector width, T across the block
 //    shapes), float32 on every float32 path this CPU can run (avx2, avx512), and bf16 on every bf16
-//    path (avx2, the scalar emulation of avx512_bf16, and the native avx512_bf16 where present). Also checks bit-for-bit batch invariance: each token's outputs
+//    path (avx2, the scalar emulation of avx512_bf16, and the native avx512_bf16 and amx_bf16 where
+//    present). Also checks bit-for-bit batch invariance: each token's outputs
 //    from a 13-token call equal those of the token alone, with 1 thread and with all threads.
 //    Exits 1 on any mismatch.
 // 2. Times SmolLM2-135M-Instruct (H = 576, I = 1536, 30 layers, tied 49152-row lm_head): every
@@ -13,7 +14,8 @@
 //    ceiling), rotating over 30 weight copies so that weights come from memory, not cache.
 // 3. Prefill: every projection of one layer at T = 1, 8, 32, 128, 512 for SmolLM2-135M and for a
 //    Llama-3.2-1B-like layer (H = 2048, I = 8192, 32 x 64 query and 8 x 64 kv heads), on each
-//    float32 path, in GFLOP/s against the FMA peak. The peak is the larger of the ymm and (where
+//    float32 and bf16 path, in GFLOP/s against the FMA peak (bf16: against the path's own
+//    multiply-add probe, vdpbf16ps chains or AMX tile products). The peak is the larger of the ymm and (where
 //    the CPU has AVX-512F) zmm FMA-chain probes: cores that split 512-bit FMAs into two halves
 //    (Zen 4) have the same peak for both, cores with two 512-bit FMA units twice the ymm one.
 #include <omp.h>
@@ -23,6 +25,10 @@
 #include <cstdio>
 #include <cstring>
 #include <vector>
+
+#if defined(__x86_64__) && defined(__GNUC__)
+#include <immintrin.h>
+#endif
 
 #include "bench_util.h"
 #include "common/reference.h"
@@ -35,8 +41,14 @@ using orca::cpu::Bf16Path;
 using orca::cpu::F32Path;
 
 // A rigorous bound on float32 accumulation error: each lane adds at most K/8 products (one
-// rounding each), then 3 tree adds, then bias and residual.
-double accumulation_rtol(int64_t K) { return static_cast<double>(K / 8 + 6) * std::ldexp(1.0, -24); }
+// rounding each), then 3 tree adds, then bias and residual. amx_bf16 runs each sum as one chain
+// through K in tile steps whose internal rounding is unspecified: one ulp per product there.
+template <typename T>
+double accumulation_rtol(int64_t K) {
+  if (sizeof(T) == 2 && orca::cpu::bf16_path() == Bf16Path::kAmxBf16)
+    return static_cast<double>(2 * K + 6) * std::ldexp(1.0, -24);
+  return static_cast<double>(K / 8 + 6) * std::ldexp(1.0, -24);
+}
 
 template <typename T>
 constexpr double out_rtol() {  // rounding of the stored result: half an ulp
@@ -82,7 +94,7 @@ bool check_linear(int64_t Tn, int64_t K, int64_t N, bool with_bias, bool with_re
   size_t bad = 0;
   double worst = 0.0;
   for (size_t i = 0; i < ref.size(); ++i) {
-    const double tol = out_rtol<T>() * std::fabs(ref[i]) + accumulation_rtol(K) * mass[i] + 1e-30;
+    const double tol = out_rtol<T>() * std::fabs(ref[i]) + accumulation_rtol<T>(K) * mass[i] + 1e-30;
     const double err = std::fabs(got[i] - ref[i]);
     if (!(err <= tol)) {
       if (bad < 5) std::printf("  index %zu got %.8g expected %.8g (tol %.3g)\n", i, got[i], ref[i], tol);
@@ -122,7 +134,7 @@ bool check_silu_mul(int64_t Tn, int64_t K, int64_t I, bool with_bias, uint64_t s
       const double ref = g * sig * u;
       // Errors dg, du of the float32 gate and up propagate through d(silu)/dg <= 1.1; silu and the
       // product add a few float32 roundings; then the output is rounded.
-      const double dg = accumulation_rtol(K) * mass[gi], du = accumulation_rtol(K) * mass[ui];
+      const double dg = accumulation_rtol<T>(K) * mass[gi], du = accumulation_rtol<T>(K) * mass[ui];
       const double tol = out_rtol<T>() * std::fabs(ref) + 1.1 * std::fabs(u) * dg + std::fabs(g * sig) * du +
                          1e-6 * std::fabs(ref) + 1e-30;
       const double err = std::fabs(got[static_cast<size_t>(t * I + n)] - ref);
@@ -187,7 +199,7 @@ template <typename T>
 bool validate_all(uint64_t seed) {
   bool ok = true;
   const int64_t tokens[] = {1, 2, 3, 5, 13, 97};
-  const int64_t ks[] = {1, 7, 33, 581};
+  const int64_t ks[] = {1, 7, 33, 96, 581};  // 96: AMX tiles (K a multiple of 32)
   const int64_t ns[] = {1, 9, 67, 260};
   for (int64_t K : ks)
     for (int64_t N : ns)
@@ -201,6 +213,7 @@ bool validate_all(uint64_t seed) {
       ok &= check_silu_mul<T>(Tn, 263, I, seed % 2 == 0, seed);
     }
   ok &= check_linear<T>(300, 97, 11, true, true, ++seed);  // more token tiles than panels: tiles split
+  ok &= check_silu_mul<T>(37, 96, 131, true, ++seed);
   ok &= check_batch_invariance<T>(581, 67, ++seed);
   ok &= check_batch_invariance<T>(64, 260, ++seed);
   return ok;
@@ -215,7 +228,7 @@ std::vector<F32Path> runnable_f32_paths() {
 
 std::vector<Bf16Path> runnable_bf16_paths() {
   std::vector<Bf16Path> paths;
-  for (Bf16Path p : {Bf16Path::kAvx2, Bf16Path::kAvx512Bf16Emulated, Bf16Path::kAvx512Bf16})
+  for (Bf16Path p : {Bf16Path::kAvx2, Bf16Path::kAvx512Bf16Emulated, Bf16Path::kAvx512Bf16, Bf16Path::kAmxBf16})
     if (orca::cpu::bf16_path_supported(p)) paths.push_back(p);
   return paths;
 }
@@ -346,36 +359,127 @@ struct LayerShape {
   int64_t hidden, qkv, inter;
 };
 
+// The bf16 multiply-add peak of the vdpbf16ps path (12 independent chains, 32 products each) or
+// of the AMX path (4 independent accumulator tiles, 16 x 16 x 32 products each), GFLOP/s on every
+// thread at once; 0 where this CPU has no such path.
+#if defined(__x86_64__) && defined(__GNUC__)
+#pragma GCC push_options
+#pragma GCC target("avx512f,avx512bw,avx512bf16,amx-tile,amx-bf16")
+__attribute__((noinline)) float dpbf16_chains(int64_t iters) {
+  __m512 acc[12];
+  for (auto& a : acc) a = _mm512_set1_ps(1e-3f);
+  const __m512bh x = (__m512bh)_mm512_set1_epi16(0x3f80), w = (__m512bh)_mm512_set1_epi16(0x2f80);  // 1, 2^-32
+  for (int64_t i = 0; i < iters; ++i)
+    for (auto& a : acc) a = _mm512_dpbf16_ps(a, x, w);
+  float s = 0.0f;
+  for (auto& a : acc) s += _mm512_reduce_add_ps(a);
+  return s;
+}
+
+__attribute__((noinline)) float amx_chains(int64_t iters) {
+  // A constant in memory: GCC's _tile_loadconfig declares an 8-byte read, so a stack copy's other
+  // bytes could be dropped.
+  struct alignas(64) Config {
+    uint8_t palette, start, reserved[14];
+    uint16_t colsb[16];
+    uint8_t rows[16];
+  };
+  static constexpr Config cfg = {1, 0, {}, {64, 64, 64, 64, 64, 64, 64, 64}, {16, 16, 16, 16, 16, 16, 16, 16}};
+  alignas(64) static const bf16 zeros[16 * 32] = {};
+  alignas(64) float out[16 * 16];
+  _tile_loadconfig(&cfg);
+  _tile_zero(0);
+  _tile_zero(1);
+  _tile_zero(2);
+  _tile_zero(3);
+  _tile_loadd(4, zeros, 64);
+  _tile_loadd(5, zeros, 64);
+  _tile_loadd(6, zeros, 64);
+  _tile_loadd(7, zeros, 64);
+  for (int64_t i = 0; i < iters; ++i) {
+    _tile_dpbf16ps(0, 4, 6);
+    _tile_dpbf16ps(1, 4, 7);
+    _tile_dpbf16ps(2, 5, 6);
+    _tile_dpbf16ps(3, 5, 7);
+  }
+  _tile_stored(3, out, 64);
+  _tile_release();
+  return out[0];
+}
+#pragma GCC pop_options
+
+double bf16_peak_gflops(Bf16Path path) {
+  if (path != Bf16Path::kAvx512Bf16 && path != Bf16Path::kAmxBf16) return 0.0;
+  const bool amx = path == Bf16Path::kAmxBf16;
+  const int64_t iters = amx ? 1000000 : 10000000;
+  const double flops_per_iter = amx ? 4.0 * 16 * 16 * 32 * 2 : 12.0 * 32 * 2;
+  volatile float sink = 0.0f;
+  int threads = 1;
+  const double t = bench::time_calls(
+                       [&] {
+                         float total = 0.0f;
+#pragma omp parallel reduction(+ : total)
+                         {
+#pragma omp single
+                           threads = omp_get_num_threads();
+                           total += amx ? amx_chains(iters) : dpbf16_chains(iters);
+                         }
+                         sink = total;
+                       },
+                       5, 1)
+                       .best;
+  return flops_per_iter * static_cast<double>(iters) * threads / t * 1e-9;
+}
+#else
+double bf16_peak_gflops(Bf16Path) { return 0.0; }
+#endif
+
 // One layer's projections (qkv with its norm, o + residual, gate_up + SiLU, down + residual) over
-// T tokens, float32 weights; each call's FLOPs and the weight bytes against the ceilings.
-void prefill_sweep(const LayerShape& s, const bench::Ceilings& c) {
+// T tokens, on each instruction path of T's kernels; each call's FLOPs against the path's peak
+// (float32: the FMA peak; bf16: the path's own multiply-add probe above) and the weight bytes
+// against the read ceiling.
+template <typename T>
+void prefill_sweep(const LayerShape& s, const bench::Ceilings& c, const std::vector<double>& bf16_peaks) {
   bench::Rng rng(7);
-  bench::Vec<float> norm(s.hidden), qkv_w(s.qkv * s.hidden), o_w(s.hidden * s.hidden), gu_w(2 * s.inter * s.hidden),
+  bench::Vec<T> norm(s.hidden), qkv_w(s.qkv * s.hidden), o_w(s.hidden * s.hidden), gu_w(2 * s.inter * s.hidden),
       down_w(s.hidden * s.inter);
   for (auto* v : {&norm, &qkv_w, &o_w, &gu_w, &down_w}) bench::fill_random(*v, rng, -0.05f, 0.05f);
   const double weight_elems = static_cast<double>(s.qkv * s.hidden + s.hidden * s.hidden + 2 * s.inter * s.hidden +
                                                   s.hidden * s.inter);
+  std::vector<int> paths;
+  if constexpr (sizeof(T) == 4) {
+    for (F32Path p : runnable_f32_paths()) paths.push_back(static_cast<int>(p));
+  } else {
+    for (Bf16Path p : runnable_bf16_paths())
+      if (p != Bf16Path::kAvx512Bf16Emulated) paths.push_back(static_cast<int>(p));  // a test aid: too slow
+  }
   for (int64_t Tn : {int64_t{1}, int64_t{8}, int64_t{32}, int64_t{128}, int64_t{512}}) {
-    bench::Vec<float> x(Tn * s.hidden), qkv(Tn * s.qkv), act(Tn * s.inter), res(Tn * s.hidden), out(Tn * s.hidden);
+    bench::Vec<T> x(Tn * s.hidden), qkv(Tn * s.qkv), act(Tn * s.inter), res(Tn * s.hidden), out(Tn * s.hidden);
     bench::fill_random(x, rng, -1.0f, 1.0f);
     bench::fill_random(act, rng, -1.0f, 1.0f);
     bench::fill_random(res, rng, -1.0f, 1.0f);
-    for (F32Path path : runnable_f32_paths()) {
-      orca::cpu::set_f32_path(path);
+    for (int path : paths) {
+      bench::Ceilings pc = c;
+      if constexpr (sizeof(T) == 4) {
+        orca::cpu::set_f32_path(static_cast<F32Path>(path));
+      } else {
+        orca::cpu::set_bf16_path(static_cast<Bf16Path>(path));
+        const double peak = bf16_peaks[static_cast<size_t>(path)];
+        if (peak > 0.0) pc.fma_gflops = peak;
+      }
       const bench::Timing t = bench::time_calls(
           [&] {
-            orca::cpu::rmsnorm_qkv<float>(x.data(), norm.data(), qkv_w.data(), nullptr, qkv.data(), Tn, s.hidden,
-                                          s.qkv, 1e-5f);
-            orca::cpu::linear<float>(x.data(), o_w.data(), nullptr, res.data(), out.data(), Tn, s.hidden, s.hidden);
-            orca::cpu::linear_silu_mul<float>(x.data(), gu_w.data(), nullptr, act.data(), Tn, s.hidden, s.inter);
-            orca::cpu::linear<float>(act.data(), down_w.data(), nullptr, res.data(), out.data(), Tn, s.inter,
-                                     s.hidden);
+            orca::cpu::rmsnorm_qkv<T>(x.data(), norm.data(), qkv_w.data(), nullptr, qkv.data(), Tn, s.hidden, s.qkv,
+                                      1e-5f);
+            orca::cpu::linear<T>(x.data(), o_w.data(), nullptr, res.data(), out.data(), Tn, s.hidden, s.hidden);
+            orca::cpu::linear_silu_mul<T>(x.data(), gu_w.data(), nullptr, act.data(), Tn, s.hidden, s.inter);
+            orca::cpu::linear<T>(act.data(), down_w.data(), nullptr, res.data(), out.data(), Tn, s.inter, s.hidden);
           },
           Tn >= 128 ? 7 : 21, 3);
       char name[96];
-      std::snprintf(name, sizeof name, "layer %s f32/%s T=%lld", s.name, orca::cpu::f32_path_name(path),
+      std::snprintf(name, sizeof name, "layer %s %s/%s T=%lld", s.name, dtype_name<T>(), path_label<T>(),
                     static_cast<long long>(Tn));
-      bench::report(name, t, 2.0 * static_cast<double>(Tn) * weight_elems, 4.0 * weight_elems, c);
+      bench::report(name, t, 2.0 * static_cast<double>(Tn) * weight_elems, sizeof(T) * weight_elems, pc);
     }
   }
 }
@@ -408,8 +512,17 @@ int main(int argc, char** argv) {
         perf<float>(label, m, c);
       }
     }
-    prefill_sweep(LayerShape{"SmolLM2-135M 576/960/1536", 576, 960, 1536}, c);
-    prefill_sweep(LayerShape{"Llama-3.2-1B-like 2048/3072/8192", 2048, 3072, 8192}, c);
+    std::vector<double> bf16_peaks(8, 0.0);  // by Bf16Path; the best of three probes
+    for (Bf16Path path : runnable_bf16_paths()) {
+      double& peak = bf16_peaks[static_cast<size_t>(path)];
+      for (int i = 0; i < 3; ++i) peak = std::max(peak, bf16_peak_gflops(path));
+      if (peak > 0.0) std::printf("bf16 multiply-add peak of %s: %.0f GFLOP/s\n", orca::cpu::bf16_path_name(path), peak);
+    }
+    for (const LayerShape& shape : {LayerShape{"SmolLM2-135M 576/960/1536", 576, 960, 1536},
+                                    LayerShape{"Llama-3.2-1B-like 2048/3072/8192", 2048, 3072, 8192}}) {
+      prefill_sweep<float>(shape, c, bf16_peaks);
+      prefill_sweep<bf16>(shape, c, bf16_peaks);
+    }
     const Model<bf16> m(rng);
     for (Bf16Path path : runnable_bf16_paths()) {
       if (path == Bf16Path::kAvx512Bf16Emulated) continue;  // a test aid, far too slow to time

@@ -128,20 +128,24 @@ void slab_move(void* pools,               // [P, S, row_bytes]
 // is in the batch. float32 paths: `avx2` uses 8-lane FMAs (lane l sums the k with k % 8 == l);
 // `avx512` uses 16-lane FMAs (k % 16 == l) and one more level of the same lane tree. bf16 paths:
 // `avx2` converts bf16 to float32 and uses the 8-lane pattern; `avx512_bf16` uses vdpbf16ps (16
-// lanes, each summing pairs of k, 32 k per step). Different paths round differently, so outputs
+// lanes, each summing pairs of k, 32 k per step); `amx_bf16` runs each sum as one chain through k
+// in AMX tile steps of 32 (skinny_gemm_amx.cpp), for matrices with K a multiple of 32 and at least
+// 16 outputs, and vdpbf16ps for the others. Different paths round differently, so outputs
 // differ in the last bits between machines with and without the wider instructions (or between
 // paths forced on one machine). bf16 activations are used as stored; a fused norm's output is
 // rounded to bf16 first.
 
 // The instruction paths of the bf16 kernels. kAvx512Bf16Emulated runs the native path's blocking,
 // masks and tails with scalar code that performs the vdpbf16ps arithmetic, so that they are tested
-// on CPUs without the instructions (slow; for tests only).
-enum class Bf16Path : int { kAvx2 = 0, kAvx512Bf16 = 1, kAvx512Bf16Emulated = 2 };
+// on CPUs without the instructions (slow; for tests only). kAmxBf16 needs AMX-BF16 (Sapphire
+// Rapids and later) and the OS's grant of the tile state.
+enum class Bf16Path : int { kAvx2 = 0, kAvx512Bf16 = 1, kAvx512Bf16Emulated = 2, kAmxBf16 = 3 };
 const char* bf16_path_name(Bf16Path path);
 // Whether this CPU (and OS) can run `path`.
 bool bf16_path_supported(Bf16Path path);
-// The path bf16 kernels use: the best supported one, or ORCA_CPU_BF16_PATH=avx2|avx512_bf16 read
-// once at first use, or the last set_bf16_path(). set_bf16_path throws std::invalid_argument for
+// The path bf16 kernels use: the best supported one (amx_bf16, then avx512_bf16, then avx2), or
+// ORCA_CPU_BF16_PATH=avx2|avx512_bf16|amx_bf16 (if supported) read once at first use, or the last
+// set_bf16_path(). set_bf16_path throws std::invalid_argument for
 // a path this CPU cannot run.
 Bf16Path bf16_path();
 void set_bf16_path(Bf16Path path);

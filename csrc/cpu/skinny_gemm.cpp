@@ -39,13 +39,17 @@ const char* bf16_path_name(Bf16Path path) {
     case Bf16Path::kAvx2: return "avx2";
     case Bf16Path::kAvx512Bf16: return "avx512_bf16";
     case Bf16Path::kAvx512Bf16Emulated: return "avx512_bf16_emulated";
+    case Bf16Path::kAmxBf16: return "amx_bf16";
   }
   return "unknown";
 }
 
 bool bf16_path_supported(Bf16Path path) {
   static const bool native = detail::cpu_has_avx512bf16();
-  return path != Bf16Path::kAvx512Bf16 || native;
+  static const bool amx = native && detail::cpu_has_amx_bf16();
+  if (path == Bf16Path::kAvx512Bf16) return native;
+  if (path == Bf16Path::kAmxBf16) return amx;
+  return true;
 }
 
 namespace {
@@ -53,13 +57,16 @@ namespace {
 std::atomic<int> g_bf16_path{-1};  // -1: not chosen yet
 
 Bf16Path initial_bf16_path() {
-  const Bf16Path best = bf16_path_supported(Bf16Path::kAvx512Bf16) ? Bf16Path::kAvx512Bf16 : Bf16Path::kAvx2;
+  Bf16Path best = Bf16Path::kAvx2;
+  for (Bf16Path p : {Bf16Path::kAvx512Bf16, Bf16Path::kAmxBf16})  // widest last
+    if (bf16_path_supported(p)) best = p;
   const char* env = std::getenv("ORCA_CPU_BF16_PATH");
-  if (env == nullptr || *env == '\0' || std::strcmp(env, "auto") == 0) return best;
-  // Only the real paths can be chosen from the environment; an unknown or unsupported value keeps
-  // the best path (the torch glue reports the active path as _C.cpu_bf16_path()).
-  if (std::strcmp(env, "avx2") == 0) return Bf16Path::kAvx2;
-  if (std::strcmp(env, "avx512_bf16") == 0) return best;
+  if (env == nullptr) return best;
+  // Only the real paths can be chosen from the environment, and only those this CPU runs; an
+  // unknown or unsupported value (or auto) keeps the best path (the torch glue reports the active
+  // path as _C.cpu_bf16_path()).
+  for (Bf16Path p : {Bf16Path::kAvx2, Bf16Path::kAvx512Bf16, Bf16Path::kAmxBf16})
+    if (std::strcmp(env, bf16_path_name(p)) == 0 && bf16_path_supported(p)) return p;
   return best;
 }
 
@@ -129,13 +136,6 @@ void set_f32_path(F32Path path) {
 
 namespace detail {
 namespace {
-
-// silu(g) = g * sigmoid(g), with e^-|g| from the vectorizable exp2 of vec.h (relative error ~1e-7).
-inline float silu(float g) {
-  const float e = exp2_nonpos(-std::fabs(g) * 1.4426950408889634f);
-  const float s = (g >= 0.0f ? 1.0f : e) / (1.0f + e);  // one division: the loop vectorizes
-  return g * s;
-}
 
 // write_panel for a panel of kPanelRows neighbouring outputs [o0, o0 + 8) (the walk from
 // kNeighbourPanelsFromTokens tokens on): per token, one contiguous run that vectorizes, with the
@@ -429,8 +429,14 @@ void stream_weights(const Activations& a, const T* w, const T* bias, const T* re
     run_panels<T, float, bf16>(static_cast<const float*>(a.rows), a.ld, &panel_avx2, w, k, bias, residual, out,
                                n_tokens, k, n_rows, epilogue);
   } else {
+    const Bf16Path path = bf16_path();
+    if (path == Bf16Path::kAmxBf16 && amx_fits(k, n_rows, epilogue == Epilogue::kSiluMul)) {
+      stream_weights_amx(a, w, bias, residual, out, n_tokens, k, n_rows, epilogue);
+      return;
+    }
+    // vdpbf16ps also serves the amx_bf16 path's matrices that do not fit the tiles.
     const PanelFn<bf16, bf16> fn =
-        bf16_path() == Bf16Path::kAvx512Bf16 ? &panel_avx512bf16 : &panel_avx512bf16_emulated;
+        path == Bf16Path::kAvx512Bf16Emulated ? &panel_avx512bf16_emulated : &panel_avx512bf16;
     run_panels<T, bf16, bf16>(static_cast<const bf16*>(a.rows), a.ld, fn, w, k, bias, residual, out, n_tokens, k,
                               n_rows, epilogue);
   }

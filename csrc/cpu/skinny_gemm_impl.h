@@ -12,6 +12,7 @@
 // is only ever executed on CPUs that report it.
 #pragma once
 #include <algorithm>
+#include <cmath>
 #include <cstdint>
 #include <cstring>
 #include <type_traits>
@@ -39,6 +40,7 @@ void panel_avx512bf16_emulated(const bf16* x, int64_t ldx, int64_t M, const bf16
 bool cpu_has_avx512bf16();
 void panel_avx512(const float* x, int64_t ldx, int64_t M, const float* const* w, int64_t K, float* c);
 bool cpu_has_avx512_f32();  // AVX-512 F, BW, VL, DQ: what panel_avx512 is compiled for
+bool cpu_has_amx_bf16();    // AMX-TILE, AMX-BF16 and AVX-512 F, and the OS grants the tile state
 
 // Activation rows as the panel kernels read them.
 struct Activations {
@@ -86,11 +88,25 @@ enum class Epilogue {
   kSiluMul,   // out = silu(acc_gate + bias_gate) * (acc_up + bias_up)
 };
 
+// silu(g) = g * sigmoid(g), with e^-|g| from the vectorizable exp2 of vec.h (relative error ~1e-7).
+inline float silu(float g) {
+  const float e = exp2_nonpos(-std::fabs(g) * 1.4426950408889634f);
+  const float s = (g >= 0.0f ? 1.0f : e) / (1.0f + e);  // one division: the loop vectorizes
+  return g * s;
+}
+
 // out = epilogue(A * W^T). W has n_rows rows of K; kSiluMul reads rows [0, n_rows/2) as gates and
 // [n_rows/2, n_rows) as ups and writes n_rows/2 outputs per token. residual (kBias only) may alias out.
 template <typename T>
 void stream_weights(const Activations& a, const T* w, const T* bias, const T* residual, T* out,
                     int64_t n_tokens, int64_t k, int64_t n_rows, Epilogue epilogue);
+
+// stream_weights on AMX tiles (skinny_gemm_amx.cpp), for bf16 rows (a.bf16_rows) and shapes where
+// amx_fits: K a multiple of 32 and at least 16 outputs (per half for kSiluMul). Whether a matrix
+// fits depends on its shape alone, so one matrix takes one path at every T.
+bool amx_fits(int64_t k, int64_t n_rows, bool gate_up);
+void stream_weights_amx(const Activations& a, const bf16* w, const bf16* bias, const bf16* residual, bf16* out,
+                        int64_t n_tokens, int64_t k, int64_t n_rows, Epilogue epilogue);
 
 // stream_weights over weight rows in a ggml block format (quant_kernels.h): row r starts at
 // w + r * row_bytes, panel_fn dequantizes while it multiplies, and a holds float32 rows.

@@ -61,7 +61,7 @@ std::atomic<int64_t>& crossover(const std::string& dtype) {
 bool use_aten(const at::Tensor& x) { return x.size(0) > crossover(x.scalar_type()).load(); }
 
 constexpr cpu::Bf16Path kBf16Paths[] = {cpu::Bf16Path::kAvx2, cpu::Bf16Path::kAvx512Bf16,
-                                        cpu::Bf16Path::kAvx512Bf16Emulated};
+                                        cpu::Bf16Path::kAvx512Bf16Emulated, cpu::Bf16Path::kAmxBf16};
 constexpr cpu::F32Path kF32Paths[] = {cpu::F32Path::kAvx2, cpu::F32Path::kAvx512};
 
 }  // namespace
