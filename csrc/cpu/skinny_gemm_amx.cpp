@@ -37,8 +37,10 @@
 
 #if defined(__x86_64__) && defined(__GNUC__)
 #include <immintrin.h>
+#if defined(__linux__)
 #include <sys/syscall.h>
 #include <unistd.h>
+#endif
 
 namespace orca {
 namespace cpu {
@@ -300,9 +302,13 @@ bool cpu_has_amx_bf16() {
   if (!__builtin_cpu_supports("amx-tile") || !__builtin_cpu_supports("amx-bf16") ||
       !__builtin_cpu_supports("avx512f"))
     return false;
+#if defined(__linux__)
   // Linux hands out the 8 KiB tile state only to processes that ask for it.
   constexpr long kArchReqXcompPerm = 0x1023, kXfeatureXtiledata = 18;
   return syscall(SYS_arch_prctl, kArchReqXcompPerm, kXfeatureXtiledata) == 0;
+#else
+  return false;  // how other systems grant the tile state is not implemented
+#endif
 }
 
 }  // namespace detail
