@@ -30,6 +30,10 @@ llama.cpp's source):
     cd /tmp/llamacpp/llama_cpp_python-*/vendor/llama.cpp
     cmake -B build -DCMAKE_BUILD_TYPE=Release -DGGML_NATIVE=ON -DLLAMA_CURL=OFF -DLLAMA_BUILD_TESTS=OFF
     cmake --build build -j 2 --target llama-server llama-batched-bench
+On a CPU with AMX, llama.cpp built this way with GCC 12 dies with SIGILL in its AMX-INT8 kernels
+(quantized files): it builds its tile configuration on the stack, and GCC's _tile_loadconfig lets
+the compiler drop those stores. Adding -DCMAKE_C_FLAGS="-mno-amx-tile -mno-amx-int8 -mno-amx-bf16"
+(and the same -DCMAKE_CXX_FLAGS) to the first cmake line gives its AVX-512 code instead.
 The GGUFs are converted from our float32 checkpoint by that tree's convert_hf_to_gguf.py (cached).
 
     python bench/peer_cpu.py --llama-dir /tmp/llamacpp/llama_cpp_python-0.3.36/vendor/llama.cpp \\
