@@ -441,13 +441,26 @@ def test_bad_input(call, match):
         call()
 
 
-def test_unsupported_bf16_path_is_refused():
-    if "avx512_bf16" in BF16_PATHS:
-        pytest.skip("this CPU has AVX512-BF16")
+@pytest.mark.parametrize("path", ["avx512_bf16", "amx_bf16"])
+def test_unsupported_bf16_path_is_refused(path):
+    if path in BF16_PATHS:
+        pytest.skip(f"this CPU runs {path}")
     before = _C.cpu_bf16_path()
-    with pytest.raises(ValueError, match="cannot run the bf16 path avx512_bf16"):
-        _C.set_cpu_bf16_path("avx512_bf16")
+    with pytest.raises(ValueError, match=f"cannot run the bf16 path {path}"):
+        _C.set_cpu_bf16_path(path)
     assert _C.cpu_bf16_path() == before
+
+
+def test_amx_path_only_where_the_cpu_reports_amx():
+    """amx_bf16 is offered only where the kernel's /proc/cpuinfo lists AMX-TILE and AMX-BF16 (an
+    independent witness of CPUID); where it does, the OS may still refuse the tile state."""
+    try:
+        flags = next(line for line in open("/proc/cpuinfo") if line.startswith("flags")).split()
+    except (OSError, StopIteration):
+        pytest.skip("no /proc/cpuinfo flags")
+    if "amx_bf16" in flags and "amx_tile" in flags:
+        pytest.skip("this CPU reports AMX")
+    assert "amx_bf16" not in BF16_PATHS
 
 
 def test_bf16_path_from_environment():
