@@ -25,7 +25,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # a checkout without an install
 
-from decode_ab import ab, decode_batch, summary  # noqa: E402
+from decode_ab import ab, decode_batch, summary, weight_bytes  # noqa: E402
 from orca_ext import _C  # noqa: E402
 from orca_ext.models import ForwardBatch, load_model  # noqa: E402
 
@@ -35,14 +35,6 @@ def on_path(path: str, fn):
         _C.set_cpu_bf16_path(path)
         return fn()
     return run
-
-
-def projection_elems(model) -> int:
-    """Weight elements of every projection a token passes through (the lm_head once)."""
-    total = model.lm_head.numel()
-    for layer in model.layers:
-        total += sum(getattr(layer, f).numel() for f in ("qkv_weight", "o_weight", "gate_up_weight", "down_weight"))
-    return total
 
 
 def main(argv=None) -> int:
@@ -81,7 +73,8 @@ def main(argv=None) -> int:
                 for label, ms in zip(args.paths, (a, b)):
                     line = summary(label, ms)
                     if tokens:
-                        line += f"  {2.0 * projection_elems(model) * tokens / statistics.median(ms) * 1e-6:7.0f} GFLOP/s"
+                        elems = weight_bytes(model) / model.lm_head.element_size()
+                        line += f"  {2.0 * elems * tokens / statistics.median(ms) * 1e-6:7.0f} GFLOP/s"
                     print(line)
                 print(f"{'':>10}  {args.paths[1]} / {args.paths[0]}: "
                       f"{statistics.median(a) / statistics.median(b):.3f}x (median time ratio)")

@@ -1,6 +1,7 @@
 """Shared pieces of the A/B benchmarks of one CPU decode forward (bench/rope_fusion.py,
-bench/huge_pages.py): interleaved timing of two callables, the summary line, the decode step of a
-model with a prompt already cached, and the common command line."""
+bench/huge_pages.py, bench/bf16_paths.py): interleaved timing of two callables, the summary line,
+the bytes of the projections' weights, the decode step of a model with a prompt already cached,
+and the common command line."""
 from __future__ import annotations
 
 import argparse
@@ -35,6 +36,18 @@ def ab(run_a, run_b, steps: int, warmup: int = 5) -> tuple[list[float], list[flo
 
 def summary(name: str, ms: list[float]) -> str:
     return f"{name:>10}: best {min(ms):7.3f} ms  median {statistics.median(ms):7.3f} ms"
+
+
+def weight_bytes(model) -> int:
+    """Bytes one decode step reads from the weight matrices (the tied lm_head once)."""
+    seen, total = set(), 0
+    tensors = [model.lm_head] + [getattr(layer, f) for layer in model.layers
+                                 for f in ("qkv_weight", "o_weight", "gate_up_weight", "down_weight")]
+    for t in tensors:
+        if t.data_ptr() not in seen:
+            seen.add(t.data_ptr())
+            total += t.numel() * t.element_size()
+    return total
 
 
 def decode_batch(model, context: int) -> ForwardBatch:

@@ -25,7 +25,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # a checkout without an install
 
-from decode_ab import ab, decode_batch, parse_args, summary  # noqa: E402
+from decode_ab import ab, decode_batch, parse_args, summary, weight_bytes  # noqa: E402
 from orca_ext import modes  # noqa: E402
 from orca_ext.models import load_model  # noqa: E402
 from peer_cpu import read_bandwidth_gbs  # noqa: E402
@@ -48,18 +48,6 @@ def load(path, dtype: str, huge: bool, context: int):
         model = load_model(path, dtype=dtype)
         model.allocate_kv_cache(context + 8)
         return model
-
-
-def weight_bytes(model) -> int:
-    """Bytes one decode step reads from the weight matrices (the tied lm_head once)."""
-    seen, total = set(), 0
-    tensors = [model.lm_head] + [getattr(layer, f) for layer in model.layers
-                                 for f in ("qkv_weight", "o_weight", "gate_up_weight", "down_weight")]
-    for t in tensors:
-        if t.data_ptr() not in seen:
-            seen.add(t.data_ptr())
-            total += t.numel() * t.element_size()
-    return total
 
 
 def decode_step(model, context: int):

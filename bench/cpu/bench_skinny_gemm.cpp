@@ -365,9 +365,9 @@ struct LayerShape {
 #if defined(__x86_64__) && defined(__GNUC__)
 #pragma GCC push_options
 #pragma GCC target("avx512f,avx512bw,avx512bf16,amx-tile,amx-bf16")
-__attribute__((noinline)) float dpbf16_chains(int64_t iters) {
+__attribute__((noinline)) float dpbf16_chains(int64_t iters, float seed) {
   __m512 acc[12];
-  for (auto& a : acc) a = _mm512_set1_ps(1e-3f);
+  for (auto& a : acc) a = _mm512_set1_ps(seed);
   const __m512bh x = (__m512bh)_mm512_set1_epi16(0x3f80), w = (__m512bh)_mm512_set1_epi16(0x2f80);  // 1, 2^-32
   for (int64_t i = 0; i < iters; ++i)
     for (auto& a : acc) a = _mm512_dpbf16_ps(a, x, w);
@@ -376,7 +376,7 @@ __attribute__((noinline)) float dpbf16_chains(int64_t iters) {
   return s;
 }
 
-__attribute__((noinline)) float amx_chains(int64_t iters) {
+__attribute__((noinline)) float amx_chains(int64_t iters, float) {
   // A constant in memory: GCC's _tile_loadconfig declares an 8-byte read, so a stack copy's other
   // bytes could be dropped.
   struct alignas(64) Config {
@@ -409,26 +409,12 @@ __attribute__((noinline)) float amx_chains(int64_t iters) {
 #pragma GCC pop_options
 
 double bf16_peak_gflops(Bf16Path path) {
-  if (path != Bf16Path::kAvx512Bf16 && path != Bf16Path::kAmxBf16) return 0.0;
-  const bool amx = path == Bf16Path::kAmxBf16;
-  const int64_t iters = amx ? 1000000 : 10000000;
-  const double flops_per_iter = amx ? 4.0 * 16 * 16 * 32 * 2 : 12.0 * 32 * 2;
-  volatile float sink = 0.0f;
-  int threads = 1;
-  const double t = bench::time_calls(
-                       [&] {
-                         float total = 0.0f;
-#pragma omp parallel reduction(+ : total)
-                         {
-#pragma omp single
-                           threads = omp_get_num_threads();
-                           total += amx ? amx_chains(iters) : dpbf16_chains(iters);
-                         }
-                         sink = total;
-                       },
-                       5, 1)
-                       .best;
-  return flops_per_iter * static_cast<double>(iters) * threads / t * 1e-9;
+  constexpr int64_t kAmxIters = 1000000;
+  if (path == Bf16Path::kAmxBf16)  // 4 tile products of 16 x 16 x 32 multiply-adds per iteration
+    return bench::measure_gflops(amx_chains, kAmxIters, 2.0 * 4 * 16 * 16 * 32 * kAmxIters);
+  if (path == Bf16Path::kAvx512Bf16)  // 12 chains of 32 products (16 lanes x a pair) per iteration
+    return bench::measure_chains_gflops(dpbf16_chains, 32, 10000000);
+  return 0.0;
 }
 #else
 double bf16_peak_gflops(Bf16Path) { return 0.0; }

@@ -215,8 +215,9 @@ __attribute__((always_inline)) inline float fma_chains_of(int64_t iters, float s
 
 __attribute__((noinline)) inline float fma_chains(int64_t iters, float seed) { return fma_chains_of<8>(iters, seed); }
 
-// GFLOP/s of `chains` (12 chains of `lanes` floats per call) on every OpenMP thread at once.
-inline double measure_chains_gflops(float (*chains)(int64_t, float), int lanes, int64_t iters) {
+// GFLOP/s of `chains(iters, seed)`, which performs `flops` floating-point operations per call,
+// run on every OpenMP thread at once (the best of 5 runs).
+inline double measure_gflops(float (*chains)(int64_t, float), int64_t iters, double flops) {
   volatile float sink = 0.0f;  // keeps the chains' results alive
   int threads = 1;
   auto run = [&] {
@@ -230,7 +231,12 @@ inline double measure_chains_gflops(float (*chains)(int64_t, float), int lanes, 
     sink = total;
   };
   const double t = time_calls(run, 5, 1).best;
-  return 2.0 * 12 * lanes * static_cast<double>(iters) * threads / t * 1e-9;
+  return flops * threads / t * 1e-9;
+}
+
+// GFLOP/s of `chains` (12 chains of `lanes` floats per call) on every OpenMP thread at once.
+inline double measure_chains_gflops(float (*chains)(int64_t, float), int lanes, int64_t iters) {
+  return measure_gflops(chains, iters, 2.0 * 12 * lanes * static_cast<double>(iters));
 }
 
 inline double measure_fma_gflops() { return measure_chains_gflops(fma_chains, 8, 20000000); }
