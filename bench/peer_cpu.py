@@ -8,11 +8,14 @@ Per dtype (float32 <-> GGUF F32, bfloat16 <-> GGUF BF16) and per round, each sys
   * batches: N requests with prompts and outputs U[16,128] (random ids, EOS ignored), all sent at
     t = 0, with the batch limit 16 and 32 (our max_batch_size; llama-server --parallel). Reports
     output tok/s and the cores the system kept busy (CPU seconds per wall second of the run).
-  * prompt processing: one prompt of N random tokens (--prompt-lengths, default 512 and 2048; the
-    shapes of llama-bench's pp512 / pp2048) and one output token. Ours: N / the request's wall
-    time, through the engine's own chunked prefill; llama.cpp: llama-bench -p N -n 0 (its
+  * prompt processing: prompts of N random tokens (--prompt-lengths, default 512 and 2048; the
+    shapes of llama-bench's pp512 / pp2048) and one output token. Both sides first process one
+    full-length prompt untimed (llama-bench's own warm-up), then --pp-reps timed ones. Ours: N /
+    each request's wall time, through the engine's own chunked prefill, every prompt new (so the
+    prefix cache never hits); llama.cpp: llama-bench -p N -n 0 -r REPS (its per-repetition
     prompt-processing tok/s on the same GGUF).
-Systems alternate inside each round; the report keeps min and median over rounds. The streaming
+Systems alternate inside each round; the report keeps min and median over every run (each
+prompt-processing repetition is a run). The streaming
 read bandwidth of this machine (`_C.stream_read`, all threads, on huge pages like the engine's
 weights) is measured before every round and right before each single-stream case; the
 single-stream bound is the median of those readings (on a shared host one reading can be an
@@ -200,16 +203,21 @@ def ours(model_dir: str, dtype: str, batch: int, jobs, stream: bool, quant_activ
     return r
 
 
-def ours_prompt(model_dir: str, dtype: str, prompt: list[int], quant_activations: str = "float32") -> dict:
-    """Prompt processing: one request of len(prompt) tokens and a single output token."""
+def ours_prompt(model_dir: str, dtype: str, prompts: list[list[int]], quant_activations: str = "float32") -> list[dict]:
+    """Prompt processing: the first prompt untimed (warm-up at full length), then each further one
+    timed alone, as one request with a single output token."""
     from orca_ext import SamplingParams, Server
 
+    one_token = SamplingParams(max_tokens=1, ignore_eos=True)
+    runs = []
     with Server(model_dir, device="cpu", dtype=dtype, max_batch_size=1,
                 quant_activations=quant_activations) as server:
-        server.generate([prompt[:8]], SamplingParams(max_tokens=1, ignore_eos=True))  # warm-up
-        with CpuMeter() as meter:
-            server.generate([prompt], SamplingParams(max_tokens=1, ignore_eos=True))
-    return dict(tok_s=len(prompt) / meter.wall, wall_s=meter.wall, cores_busy=meter.cores)
+        server.generate([prompts[0]], one_token)
+        for prompt in prompts[1:]:
+            with CpuMeter() as meter:
+                server.generate([prompt], one_token)
+            runs.append(dict(tok_s=len(prompt) / meter.wall, wall_s=meter.wall, cores_busy=meter.cores))
+    return runs
 
 
 def prompt_ids(n: int, seed: int, vocab: int, special: set[int]) -> list[int]:
@@ -219,8 +227,9 @@ def prompt_ids(n: int, seed: int, vocab: int, special: set[int]) -> list[int]:
 
 
 # -- llama.cpp ------------------------------------------------------------------------------------
-def llama_bench_prompt(binary: Path, gguf: Path, threads: int, n: int) -> dict:
-    """llama-bench's pp<n>: prompt-processing tok/s (one repetition, after its own warm-up)."""
+def llama_bench_prompt(binary: Path, gguf: Path, threads: int, n: int, reps: int) -> list[dict]:
+    """llama-bench's pp<n>: prompt-processing tok/s of each of `reps` repetitions (after its own
+    full-length warm-up)."""
     import resource
 
     def children_cpu() -> float:
@@ -228,11 +237,12 @@ def llama_bench_prompt(binary: Path, gguf: Path, threads: int, n: int) -> dict:
         return r.ru_utime + r.ru_stime
 
     cpu0, t0 = children_cpu(), time.perf_counter()
-    out = subprocess.run([str(binary), "-m", str(gguf), "-p", str(n), "-n", "0", "-t", str(threads), "-r", "1",
+    out = subprocess.run([str(binary), "-m", str(gguf), "-p", str(n), "-n", "0", "-t", str(threads), "-r", str(reps),
                           "-o", "json"], check=True, capture_output=True, text=True, timeout=1800)
     wall = time.perf_counter() - t0
-    rows = json.loads(out.stdout)
-    return dict(tok_s=float(rows[0]["avg_ts"]), wall_s=wall, cores_busy=(children_cpu() - cpu0) / wall)
+    samples = [float(ts) for ts in json.loads(out.stdout)[0]["samples_ts"]]
+    cores = (children_cpu() - cpu0) / wall  # the whole call's, model load and warm-up included
+    return [dict(tok_s=ts, wall_s=n / ts, cores_busy=cores) for ts in samples]
 
 
 def convert_gguf(llama_dir: Path, model_dir: str, dtype: str, cache: Path) -> Path:
@@ -334,6 +344,8 @@ def main(argv=None) -> int:
     p.add_argument("--batch-limits", type=int, nargs="*", default=[16, 32], help="none: single streams only")
     p.add_argument("--prompt-lengths", type=int, nargs="*", default=[512, 2048],
                    help="prompt-processing rows (llama-bench -p N); none: skip them")
+    p.add_argument("--pp-reps", type=int, default=3,
+                   help="timed prompts per prompt length, system and round (after one untimed warm-up)")
     p.add_argument("--requests", type=int, default=32)
     p.add_argument("--rounds", type=int, default=2)
     p.add_argument("--threads", type=int, default=int(os.environ.get("OMP_NUM_THREADS", os.cpu_count() or 1)))
@@ -393,23 +405,26 @@ def main(argv=None) -> int:
                     log.info("  %-9s %-8s %-9s %7.1f tok/s%s, %.2f cores busy", dtype, case, name, r["tok_s"],
                              f" (decode {r['decode_tok_s']:.1f})" if "decode_tok_s" in r else "", r["cores_busy"])
             for n in args.prompt_lengths:
-                prompt = prompt_ids(n, n, spec.vocab_size, special)
-                systems = [("ours", lambda: ours_prompt(prec.our_model, prec.our_dtype, prompt,
+                # warm-up + reps prompts, new in every round so that our prefix cache never hits
+                prompts = [prompt_ids(n, (rnd * 1000 + i) * 100_003 + n, spec.vocab_size, special)
+                           for i in range(args.pp_reps + 1)]
+                systems = [("ours", lambda: ours_prompt(prec.our_model, prec.our_dtype, prompts,
                                                         prec.quant_activations))]
                 if prec.llama_gguf is not None and bench_binary is not None:
                     systems.append(("llama.cpp", lambda: llama_bench_prompt(bench_binary, prec.llama_gguf,
-                                                                            args.threads, n)))
+                                                                            args.threads, n, args.pp_reps)))
                 if rnd % 2:
                     systems.reverse()
                 for name, fn in systems:
-                    r = fn()
-                    runs.setdefault(f"{dtype}/pp{n}/{name}", []).append(r)
-                    log.info("  %-9s pp%-6d %-9s %7.1f tok/s", dtype, n, name, r["tok_s"])
+                    reps = fn()
+                    runs.setdefault(f"{dtype}/pp{n}/{name}", []).extend(reps)
+                    log.info("  %-9s pp%-6d %-9s %s tok/s", dtype, n, name,
+                             " ".join(f"{r['tok_s']:.1f}" for r in reps))
 
     context = 128 + 64  # mean context of the single stream's decode steps
     report = dict(date=time.strftime("%Y-%m-%d %H:%M"), machine=platform.processor() or platform.machine(),
                   cpu_count=os.cpu_count(), threads=args.threads, torch=torch.__version__, model=args.model,
-                  requests=args.requests, rounds=args.rounds, read_gbs=summarize(ceilings), results={})
+                  requests=args.requests, rounds=args.rounds, pp_reps=args.pp_reps, read_gbs=summarize(ceilings), results={})
     by_label = {prec.label: prec for prec in precisions}
     for key, rs in runs.items():
         dtype, case, name = key.split("/")
