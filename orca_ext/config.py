@@ -33,6 +33,12 @@ DEFAULT_HEARTBEAT_TIMEOUT_S = 10.0     # parallel workers: silence that fails th
 # decodes. CUDA: a forward of a few thousand tokens costs little more than a decode step, so the
 # budget is vLLM's online-serving default (not measured here yet).
 CHUNK_BUDGET_BY_DEVICE = {"cpu": 128, "cuda": 2048}
+# The token budget of an iteration without decodes ("auto", FCFS admission): no request has begun
+# generating, so a larger chunk stalls no stream, and it streams the weights fewer times per
+# prompt. CPU: 512 (llama.cpp's default micro-batch) ran a lone 512-token prompt 9-11% faster than
+# chunks of 128 (bench/RESULTS.md); a request that arrives meanwhile waits for at most that chunk.
+# CUDA: the chunk budget already is a few thousand tokens.
+PREFILL_ONLY_BUDGET_BY_DEVICE = {"cpu": 512, "cuda": 2048}
 
 
 def default_share_decode_rows(device_type: str) -> bool:
@@ -65,6 +71,8 @@ class EngineConfig:
     tensor_parallel_size: int = 1
     pipeline_parallel_size: int = 1
     max_num_batched_tokens: Union[int, str, None] = "auto"  # chunked prefill budget; None: whole prompts
+    # the budget of an iteration without decodes (only prompts run); None: max_num_batched_tokens
+    prefill_only_tokens: Union[int, str, None] = "auto"
     batch_invariant: Optional[bool] = None              # None: per device (default_batch_invariant)
     slab_compaction: bool = True                        # slide live slabs together when fragmented
     worker_timeout: float = DEFAULT_WORKER_TIMEOUT_S    # parallel workers: longest wait for one batch
@@ -113,6 +121,11 @@ class EngineConfig:
             if self.scheduler == "orca" and budget < self.max_batch_size:
                 raise ValueError(f"max_num_batched_tokens ({budget}) must be >= max_batch_size "
                                  f"({self.max_batch_size}): every running request decodes one token per iteration")
+        prefill_only = self.prefill_only_tokens
+        if prefill_only is not None and prefill_only != "auto":
+            check_positive_int("prefill_only_tokens", prefill_only)
+            if isinstance(budget, int) and prefill_only < budget:
+                raise ValueError(f"prefill_only_tokens ({prefill_only}) must be >= max_num_batched_tokens ({budget})")
         for name in ("worker_timeout", "heartbeat_interval", "heartbeat_timeout"):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 < value < float("inf"):
@@ -135,7 +148,8 @@ class EngineConfig:
     @property
     def is_resolved(self) -> bool:
         return (isinstance(self.device, torch.device) and isinstance(self.dtype, torch.dtype)
-                and self.max_num_batched_tokens != "auto" and self.batch_invariant is not None
+                and self.max_num_batched_tokens != "auto" and self.prefill_only_tokens != "auto"
+                and self.batch_invariant is not None
                 and self.share_decode_rows is not None
                 and (self.kv_cache_memory is None or isinstance(self.kv_cache_memory, int)))
 
@@ -153,17 +167,27 @@ class EngineConfig:
 
     def scheduling_for(self, device_type: str) -> "EngineConfig":
         """This config with the scheduler's per-device defaults decided for `device_type` ('cpu' or
-        'cuda'): the chunk budget and decode-row sharing. Touches no device, so the simulator can
+        'cuda'): the chunk budgets and decode-row sharing. Touches no device, so the simulator can
         price one that need not exist here."""
         budget = self.max_num_batched_tokens
         if self.scheduler != "orca":
             budget = None  # the static baseline runs whole prompts
         elif budget == "auto":
             budget = max(CHUNK_BUDGET_BY_DEVICE[device_type], self.max_batch_size)
+        prefill_only = self.prefill_only_tokens
+        if budget is None or prefill_only is None:
+            prefill_only = budget
+        elif prefill_only == "auto":
+            # Fair admission keeps every chunk to the budget: a client's request that arrives
+            # while another client's prompt runs alone waits for one chunk.
+            prefill_only = budget if self.admission == "fair" else max(PREFILL_ONLY_BUDGET_BY_DEVICE[device_type], budget)
+        elif prefill_only < budget:
+            raise ValueError(f"prefill_only_tokens ({prefill_only}) must be >= max_num_batched_tokens ({budget})")
         share_rows = self.share_decode_rows
         if share_rows is None:
             share_rows = self.admission == "fair" and default_share_decode_rows(device_type)
-        return dataclasses.replace(self, max_num_batched_tokens=budget, share_decode_rows=share_rows)
+        return dataclasses.replace(self, max_num_batched_tokens=budget, prefill_only_tokens=prefill_only,
+                                   share_decode_rows=share_rows)
 
     # -- the command line ----------------------------------------------------------------------
     @classmethod

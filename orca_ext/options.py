@@ -55,6 +55,10 @@ def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
                    help="tokens per iteration: decodes first, then prompt chunks (chunked prefill); "
                         "'none' runs whole prompts (default auto: 128 on CPU, 2048 on CUDA, at least "
                         "--max-batch-size)")
+    g.add_argument("--prefill-only-tokens", type=_budget, default=_DEFAULTS.prefill_only_tokens,
+                   help="tokens of an iteration without decodes (only prompts run, so no stream waits "
+                        "on it); 'none': --max-num-batched-tokens (default auto: 512 on CPU, the chunk "
+                        "budget on CUDA and under --admission fair)")
     g.add_argument("--batch-invariant", action=argparse.BooleanOptionalAction, default=_DEFAULTS.batch_invariant,
                    help="a request's tokens do not depend on its batch-mates (default: on for CPU, off for CUDA)")
     g.add_argument("--slab-compaction", action=argparse.BooleanOptionalAction, default=_DEFAULTS.slab_compaction,
@@ -104,7 +108,7 @@ def _positive_int_or(*words: str):
     return parse
 
 
-_budget = _positive_int_or("none", "auto")          # --max-num-batched-tokens
+_budget = _positive_int_or("none", "auto")          # --max-num-batched-tokens, --prefill-only-tokens
 
 
 def _kv_cap(value: str):

@@ -50,6 +50,7 @@ class _SchedulerBase:
         self.n_slots = n_slots
         self.n_workers = n_workers
         self.max_num_batched_tokens = self._token_budget(config)  # None: whole prompts (plain Orca)
+        self.prefill_only_tokens = self._prefill_only_budget(config)  # an iteration without decodes
         self.allocator = allocator if allocator is not None else make_allocator(n_slots)
         if self.allocator.n_slots != n_slots:
             raise ValueError(f"allocator has {self.allocator.n_slots} slots, scheduler {n_slots}")
@@ -70,6 +71,14 @@ class _SchedulerBase:
     @staticmethod
     def _token_budget(config) -> Optional[int]:
         return None
+
+    def _prefill_only_budget(self, config) -> Optional[int]:
+        """config.prefill_only_tokens; None or not resolved for a device ('auto', as in a config
+        built for a scheduler alone): max_num_batched_tokens."""
+        value = config.prefill_only_tokens
+        if self.max_num_batched_tokens is None or value is None or value == "auto":
+            return self.max_num_batched_tokens
+        return max(value, self.max_num_batched_tokens)
 
     def attach_prefix_cache(self, cache: PrefixCache, copier: Callable[[list], None]) -> None:
         """Keep finished requests' KV rows in `cache` and start admitted requests from them.
@@ -300,6 +309,9 @@ class OrcaScheduler(_SchedulerBase):
             budget -= self._take(req, 1)
             batch.append(req)
         # Then prompts, whole or their next chunk, in arrival order (FCFS) until the budget is spent.
+        # While no request generates, no stream waits on this iteration: it takes larger chunks.
+        if not batch and not self._generating():
+            budget = self.prefill_only_tokens or math.inf
         prompts = self._prompt_order()
         while len(batch) < self.max_batch_size and budget > 0:
             req = next(prompts, None)
@@ -308,6 +320,12 @@ class OrcaScheduler(_SchedulerBase):
             budget -= self._take(req, min(req.prompt_remaining, budget))
             batch.append(req)
         return batch
+
+    def _generating(self) -> bool:
+        """Some request generates: its whole prompt is cached (its token ready, or a decode in a
+        batch in flight), or its prompt's last chunk runs in a batch in flight."""
+        return any(r.prompt_remaining == 0 or (r.state is RequestState.RUNNING and r.emits_token)
+                   for r in self.pool)
 
     def _decode_order(self):
         """Requests whose next input is one generated token, in arrival order."""

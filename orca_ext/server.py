@@ -168,6 +168,7 @@ class Server:
     # Read-only views of the resolved configuration.
     max_batch_size = property(lambda self: self.config.max_batch_size)
     max_num_batched_tokens = property(lambda self: self.config.max_num_batched_tokens)
+    prefill_only_tokens = property(lambda self: self.config.prefill_only_tokens)
     batch_invariant = property(lambda self: self.config.batch_invariant)
     slab_compaction = property(lambda self: self.config.slab_compaction)
     scheduler_policy = property(lambda self: self.config.scheduler)
@@ -331,6 +332,7 @@ class Server:
                 "error": eng.executor.error,
                 "workers": eng.executor.describe_workers(),
                 "max_num_batched_tokens": self.max_num_batched_tokens,
+                "prefill_only_tokens": self.prefill_only_tokens,
                 "batch_invariant": self.batch_invariant,
                 "compactions": eng.num_compactions,
                 "compaction_moved_bytes": eng.compaction_moved_bytes,

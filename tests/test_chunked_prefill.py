@@ -8,6 +8,7 @@ tiny random transformers models show that chunked outputs equal unchunked ones t
 from __future__ import annotations
 
 import random
+from typing import Optional
 
 import pytest
 import torch
@@ -22,9 +23,9 @@ from orca_ext.sampling import SamplingParams
 from orca_ext.scheduler import make_scheduler
 
 
-def make_engine(model, *, budget, max_bs=4, n_slots=2000):
-    sched = make_scheduler(EngineConfig(max_batch_size=max_bs, max_num_batched_tokens=budget), n_slots)
-    return Engine(LocalExecutor(model), sched, record_iterations=True)
+def make_engine(model, *, budget, max_bs=4, n_slots=2000, prefill_only=None):
+    config = EngineConfig(max_batch_size=max_bs, max_num_batched_tokens=budget, prefill_only_tokens=prefill_only)
+    return Engine(LocalExecutor(model), make_scheduler(config, n_slots), record_iterations=True)
 
 
 def run(engine, jobs, *, late_every: int = 2) -> list[Request]:
@@ -43,12 +44,17 @@ def run(engine, jobs, *, late_every: int = 2) -> list[Request]:
     return reqs
 
 
-def check_records(engine, budget: int) -> None:
+def check_records(engine, budget: int, prefill_only: Optional[int] = None) -> None:
+    """Iterations with decodes keep to `budget`, those without to `prefill_only` (when given, some
+    iteration took more than `budget`), and some prompt was cut into chunks."""
     for rec in engine.records:
-        assert sum(rec.chunk_sizes) <= budget, rec
+        limit = budget if rec.num_decode_tokens or prefill_only is None else prefill_only
+        assert sum(rec.chunk_sizes) <= limit, rec
         assert len(rec.chunk_sizes) == len(rec.request_ids)
         assert rec.num_prefill_tokens + rec.num_decode_tokens == sum(rec.chunk_sizes)
     assert any(0 < c < budget and c > 1 for rec in engine.records for c in rec.chunk_sizes)
+    if prefill_only is not None:
+        assert any(rec.num_prefill_tokens > budget for rec in engine.records)
 
 
 @pytest.mark.parametrize("budget", [4, 7, 16])
@@ -66,8 +72,8 @@ def test_chunks_reach_the_right_slots_with_the_fake_model(budget):
     assert engine.scheduler.allocator.n_used == 0 and not engine.scheduler.pool
 
 
-@pytest.mark.parametrize("family,budget", [("llama", 5), ("qwen3", 23)])
-def test_chunked_outputs_equal_unchunked_token_for_token(tiny_model_dir, family, budget):
+@pytest.mark.parametrize("family,budget,prefill_only", [("llama", 5, None), ("qwen3", 23, None), ("llama", 5, 37)])
+def test_chunked_outputs_equal_unchunked_token_for_token(tiny_model_dir, family, budget, prefill_only):
     model = load_model(tiny_model_dir(family), device="cpu", dtype=torch.float32)
     rng = random.Random(len(family))
     prompts = [[rng.randrange(1000) for _ in range(rng.randint(1, 70))] for _ in range(7)]
@@ -77,11 +83,11 @@ def test_chunked_outputs_equal_unchunked_token_for_token(tiny_model_dir, family,
     params[4] = SamplingParams(max_tokens=8, temperature=1.3, top_k=20, seed=12, ignore_eos=True)
     jobs = list(zip(prompts, params))
     whole = run(make_engine(model, budget=None), jobs)
-    engine = make_engine(model, budget=budget)
+    engine = make_engine(model, budget=budget, prefill_only=prefill_only)
     chunked = run(engine, jobs)
     for w, c in zip(whole, chunked):
         assert c.output_token_ids == w.output_token_ids, (family, budget, c.request_id)
-    check_records(engine, budget)
+    check_records(engine, budget, prefill_only)
 
 
 def test_a_prompt_longer_than_the_budget_runs_over_several_iterations_beside_decodes():
@@ -99,6 +105,37 @@ def test_a_prompt_longer_than_the_budget_runs_over_several_iterations_beside_dec
                     (("a", "b"), (1, 7)), (("a", "b"), (1, 2))]
     assert b.output_token_ids == fake_reference(list(range(30)), 2)
     assert a.output_token_ids == fake_reference(list(range(3)), 12)
+
+
+def test_prompts_take_the_prefill_only_budget_until_a_request_generates():
+    engine = make_engine(FakeModel(), budget=8, max_bs=4, n_slots=300, prefill_only=20)
+    a = Request("a", list(range(50)), SamplingParams(max_tokens=3, ignore_eos=True))
+    b = Request("b", list(range(7, 40)), SamplingParams(max_tokens=2, ignore_eos=True))
+    engine.add_request(a)
+    engine.step()
+    engine.add_request(b)
+    while engine.has_work():
+        engine.step()
+    rows = [(rec.request_ids, rec.chunk_sizes) for rec in engine.records[:5]]
+    # Alone, and then with b waiting, a's prompt runs 20 tokens at a time; b takes the rest of the
+    # 20 in a's last chunk; once a generates, b's prompt goes beside a's decodes 7 tokens at a time.
+    assert rows == [(("a",), (20,)), (("a",), (20,)), (("a", "b"), (10, 10)), (("a", "b"), (1, 7)),
+                    (("a", "b"), (1, 7))]
+    assert a.output_token_ids == fake_reference(list(range(50)), 3)
+    assert b.output_token_ids == fake_reference(list(range(7, 40)), 2)
+
+
+def test_a_last_prompt_chunk_in_flight_counts_as_generating():
+    """With two batches in flight, a request whose prompt's last chunk is in the other batch
+    decodes next: the batch selected meanwhile keeps to the chunk budget."""
+    config = EngineConfig(max_batch_size=4, max_num_batched_tokens=8, prefill_only_tokens=32)
+    sched = make_scheduler(config, 300, n_workers=2)
+    a = Request("a", list(range(30)), SamplingParams(max_tokens=4))
+    b = Request("b", list(range(60)), SamplingParams(max_tokens=4))
+    sched.add(a)
+    assert sched.schedule() == [a] and a.num_scheduled == 30  # alone: the whole prompt in one chunk
+    sched.add(b)
+    assert sched.schedule() == [b] and b.num_scheduled == 8   # a generates once its batch is back
 
 
 def test_abort_during_a_half_done_prefill_frees_the_slab():
@@ -124,13 +161,15 @@ def test_server_defaults_pick_the_budget_and_invariance_per_device(tiny_model_di
     since every running request decodes each iteration) and batch-invariant kernels, which the
     Server sets as the process's kernel mode."""
     from orca_ext import modes
-    from orca_ext.config import CHUNK_BUDGET_BY_DEVICE
+    from orca_ext.config import CHUNK_BUDGET_BY_DEVICE, PREFILL_ONLY_BUDGET_BY_DEVICE
     from orca_ext.options import _budget
     from orca_ext.server import Server
 
     path = str(tiny_model_dir("llama"))
     with Server(path, device="cpu", n_slots=512, max_batch_size=4) as server:
         assert server.max_num_batched_tokens == CHUNK_BUDGET_BY_DEVICE["cpu"] > 4
+        assert server.prefill_only_tokens == PREFILL_ONLY_BUDGET_BY_DEVICE["cpu"] > CHUNK_BUDGET_BY_DEVICE["cpu"]
+        assert server.stats()["prefill_only_tokens"] == server.prefill_only_tokens
         assert server.batch_invariant is True and modes.current().batch_invariant is True
     big = CHUNK_BUDGET_BY_DEVICE["cpu"] + 72
     with Server(path, device="cpu", n_slots=512, max_batch_size=big, batch_invariant=False) as server:

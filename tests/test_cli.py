@@ -36,9 +36,13 @@ def test_engine_arguments_round_trip():
     defaults = parser.parse_args([])
     assert defaults.model is None and EngineConfig.from_args(defaults) == EngineConfig()
     chosen = EngineConfig.from_args(parser.parse_args(["--max-num-batched-tokens", "96", "--no-batch-invariant",
-                                                       "--no-slab-compaction", "--worker-timeout", "7.5"]))
+                                                       "--no-slab-compaction", "--worker-timeout", "7.5",
+                                                       "--prefill-only-tokens", "400"]))
     assert (chosen.max_num_batched_tokens, chosen.batch_invariant, chosen.slab_compaction,
-            chosen.worker_timeout) == (96, False, False, 7.5)
+            chosen.worker_timeout, chosen.prefill_only_tokens) == (96, False, False, 7.5, 400)
+    assert EngineConfig.from_args(parser.parse_args(["--prefill-only-tokens", "none"])).prefill_only_tokens is None
+    with pytest.raises(ValueError, match=r"prefill_only_tokens \(64\) must be >= max_num_batched_tokens \(96\)"):
+        EngineConfig.from_args(parser.parse_args(["--max-num-batched-tokens", "96", "--prefill-only-tokens", "64"]))
     assert EngineConfig.from_args(parser.parse_args(["--max-num-batched-tokens", "none"])).max_num_batched_tokens is None
     # A value argparse accepts but the config refuses is named by the config.
     with pytest.raises(ValueError, match="max_batch_size must be an integer >= 1, got 0"):

@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from fake_model import FakeModel
-from orca_ext.config import CHUNK_BUDGET_BY_DEVICE, EngineConfig
+from orca_ext.config import CHUNK_BUDGET_BY_DEVICE, PREFILL_ONLY_BUDGET_BY_DEVICE, EngineConfig
 from orca_ext.resources import KV_MEMORY_ENV
 from orca_ext.server import Server
 
@@ -27,6 +27,10 @@ from orca_ext.server import Server
     (dict(batch_invariant="on"), "batch_invariant must be True, False or None"),
     (dict(max_num_batched_tokens=0), "max_num_batched_tokens must be an integer >= 1, got 0"),
     (dict(max_num_batched_tokens=7, max_batch_size=8), r"max_num_batched_tokens \(7\) must be >= max_batch_size \(8\)"),
+    (dict(prefill_only_tokens=0), "prefill_only_tokens must be an integer >= 1, got 0"),
+    (dict(prefill_only_tokens="lots"), "prefill_only_tokens must be an integer >= 1, got 'lots'"),
+    (dict(max_num_batched_tokens=256, prefill_only_tokens=255),
+     r"prefill_only_tokens \(255\) must be >= max_num_batched_tokens \(256\)"),
     (dict(worker_timeout=0), "worker_timeout must be a number of seconds > 0, got 0"),
     (dict(worker_timeout=float("inf")), "worker_timeout must be a number of seconds > 0, got inf"),
     (dict(heartbeat_interval=-1), "heartbeat_interval must be a number of seconds > 0, got -1"),
@@ -51,6 +55,26 @@ def test_resolve_decides_every_auto_for_the_device():
     assert EngineConfig(device="cpu", scheduler="static", max_num_batched_tokens=64).resolve().max_num_batched_tokens is None
     # Resolving twice changes nothing.
     assert config.resolve() == config
+
+
+def test_the_prefill_only_budget_resolves_per_device_and_admission():
+    def resolved(device_type, **options):
+        return EngineConfig(**options).scheduling_for(device_type).prefill_only_tokens
+
+    assert resolved("cpu") == PREFILL_ONLY_BUDGET_BY_DEVICE["cpu"] > CHUNK_BUDGET_BY_DEVICE["cpu"]
+    assert resolved("cuda") == max(PREFILL_ONLY_BUDGET_BY_DEVICE["cuda"], CHUNK_BUDGET_BY_DEVICE["cuda"])
+    # Never below the chunk budget; fair admission, None and whole prompts keep the chunk budget.
+    assert resolved("cpu", max_num_batched_tokens=1000) == 1000
+    assert resolved("cpu", max_batch_size=700) == 700
+    assert resolved("cpu", admission="fair") == CHUNK_BUDGET_BY_DEVICE["cpu"]
+    assert resolved("cpu", prefill_only_tokens=None) == CHUNK_BUDGET_BY_DEVICE["cpu"]
+    assert resolved("cpu", prefill_only_tokens=300) == 300
+    assert resolved("cpu", max_num_batched_tokens=None) is None
+    assert resolved("cpu", scheduler="static") is None
+    # An explicit value is checked against the budget it resolves beside.
+    with pytest.raises(ValueError, match=r"prefill_only_tokens \(200\) must be >= max_num_batched_tokens \(2048\)"):
+        EngineConfig(prefill_only_tokens=200).scheduling_for("cuda")
+    assert not dataclasses.replace(EngineConfig(device="cpu").resolve(), prefill_only_tokens="auto").is_resolved
 
 
 def test_a_model_object_decides_device_and_dtype():

@@ -458,7 +458,8 @@ def test_seeded_sampling_under_chunked_prefill_matches_single_process(tiny_model
     jobs = make_jobs(4, n=5)
     params = [SamplingParams(max_tokens=n, temperature=0.9, top_k=40, top_p=0.95, seed=200 + i, ignore_eos=True)
               for i, (_, n) in enumerate(jobs)]
-    with start_server(model_dir, 1, 2, max_num_batched_tokens=8, record_iterations=True) as server:
+    with start_server(model_dir, 1, 2, max_num_batched_tokens=8, prefill_only_tokens=None,
+                      record_iterations=True) as server:
         got = [o.token_ids for o in server.generate([p for p, _ in jobs], params)]
         # Every chunk fit the budget, and some prompt was longer: it was split.
         assert max(c for rec in server.iterations() for c in rec.chunk_sizes) <= 8 < max(len(p) for p, _ in jobs)

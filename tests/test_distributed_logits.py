@@ -21,7 +21,8 @@ from orca_ext.guided import GrammarCompiler, choice_spec, json_object_spec, llg_
 from orca_ext.sampling import SamplingParams
 from orca_ext.server import Server
 
-SERVER_OPTIONS = dict(device="cpu", dtype="float32", max_batch_size=4, n_slots=1024, max_num_batched_tokens=16)
+SERVER_OPTIONS = dict(device="cpu", dtype="float32", max_batch_size=4, n_slots=1024, max_num_batched_tokens=16,
+                      prefill_only_tokens=None)
 N_SEQUENCES = 3
 
 

@@ -45,7 +45,8 @@ def mk(prompt_len: int, max_tokens: int, client=None, name: str | None = None) -
 def sched(admission="fair", max_bs=8, n_slots=1000, n_workers=1, budget=None, cap=None, share_rows=None):
     """A scheduler of `admission` whose decode-row sharing is CPU's default (share_rows=None)."""
     config = EngineConfig(max_batch_size=max_bs, max_num_batched_tokens=budget, admission=admission,
-                          max_kv_per_client=cap, share_decode_rows=share_rows).scheduling_for("cpu")
+                          max_kv_per_client=cap, share_decode_rows=share_rows,
+                          prefill_only_tokens=None).scheduling_for("cpu")
     return make_scheduler(config, n_slots, n_workers, SlabAllocatorReference(n_slots))
 
 
@@ -467,10 +468,10 @@ def test_with_one_stage_a_burst_stays_in_one_batch():
        budget=st.one_of(st.none(), st.integers(0, 40)))
 def test_with_one_client_fair_admission_selects_the_same_batches_as_fcfs(seed, max_bs, n_slots, budget):
     """Alone, a client is never capped and has no one to share with: the default fair policy
-    (its default cap included) selects exactly Algorithm 1's batches."""
+    (its default cap included) selects exactly Algorithm 1's batches under the same budgets."""
     def batches(admission):
         rng = random.Random(seed)
-        config = EngineConfig(max_batch_size=max_bs, admission=admission,
+        config = EngineConfig(max_batch_size=max_bs, admission=admission, prefill_only_tokens=None,
                               max_num_batched_tokens=None if budget is None else max_bs + budget).scheduling_for("cpu")
         s = make_scheduler(config, n_slots, 1, SlabAllocatorReference(n_slots))
         out = []

@@ -29,9 +29,9 @@ def model_dir(tiny_model_dir):
 
 @pytest.fixture(scope="module")
 def server(model_dir):
-    # A budget of 16 tokens: every prompt below is prefilled in several chunks.
+    # A budget of 16 tokens in every iteration: every prompt below is prefilled in several chunks.
     with Server(str(model_dir), device="cpu", dtype="float32", n_slots=1024, max_batch_size=6,
-                max_num_batched_tokens=16) as s:
+                max_num_batched_tokens=16, prefill_only_tokens=None) as s:
         yield s
 
 

@@ -22,7 +22,7 @@ TOL = 1e-5
 @pytest.fixture(scope="module")
 def server(tiny_model_dir):
     with Server(str(tiny_model_dir("llama")), device="cpu", dtype="float32", n_slots=1024, max_batch_size=4,
-                max_num_batched_tokens=16) as s:
+                max_num_batched_tokens=16, prefill_only_tokens=None) as s:
         yield s
 
 

@@ -20,7 +20,8 @@ def server(request, tiny_model_dir):
     """Siblings share the prefill by the engine's fork (prefix caching off) or by prefix cache
     hits on the first sequence's computed rows (on)."""
     with Server(str(tiny_model_dir("llama")), device="cpu", dtype="float32", n_slots=1024, max_batch_size=6,
-                max_num_batched_tokens=16, record_iterations=True, prefix_caching=request.param) as s:
+                max_num_batched_tokens=16, prefill_only_tokens=None, record_iterations=True,
+                prefix_caching=request.param) as s:
         yield s
 
 

@@ -50,9 +50,21 @@ def test_host_time_is_serial_with_the_forward():
 def test_chunked_prefill_splits_a_prompt_under_the_budget():
     # A 300-token prompt under a 128-token budget: chunks 128, 128, 44; the token comes with the last.
     trace = [TraceRequest(0.0, 300, 3)]
-    r = simulate(trace, EngineConfig(max_batch_size=8, max_num_batched_tokens=128), ConstantCost(), 1000)
+    r = simulate(trace, EngineConfig(max_batch_size=8, max_num_batched_tokens=128, prefill_only_tokens=None),
+                 ConstantCost(), 1000)
     assert [it.prefill_tokens for it in r.iterations] == [128, 128, 44, 0, 0]
     assert r.requests[0].first_token == 3 and r.requests[0].finish == 5
+
+
+def test_iterations_without_decodes_take_the_prefill_only_budget():
+    # Two prompts (700 and 500 tokens) run in chunks of 200 while neither generates (the second
+    # starts in the first's last chunk); once the first generates, the second continues beside its
+    # decodes under the 64-token budget (63 prompt tokens and one decode).
+    trace = [TraceRequest(0.0, 700, 20), TraceRequest(0.5, 500, 2)]
+    config = EngineConfig(max_batch_size=8, max_num_batched_tokens=64, prefill_only_tokens=200)
+    r = simulate(trace, config, ConstantCost(), 2000)
+    assert [it.prefill_tokens for it in r.iterations[:7]] == [200, 200, 200, 200, 63, 63, 63]
+    assert [it.decode_tokens for it in r.iterations[:7]] == [0, 0, 0, 0, 1, 1, 1]
 
 
 def test_arrivals_wait_for_the_clock():
@@ -311,8 +323,7 @@ def test_the_simulator_makes_the_engines_batches(options, n_slots, shared_prefix
     trace = synthetic(14, float("inf"), (1, 40), (1, 30), seed=8, shared_prefix=shared_prefix)
     config = EngineConfig(**{"prefix_caching": False, **options})
     sim = simulate(trace, config, ConstantCost(), n_slots, device_type="cpu")
-    resolved = dataclasses.replace(config, max_num_batched_tokens=None if config.scheduler == "static"
-                                   else config.max_num_batched_tokens)
+    resolved = config.scheduling_for("cpu")  # the budgets the simulator priced
     cache = PrefixCache(n_slots, config.prefix_cache_block_size) if config.prefix_caching else None
     engine = Engine(LocalExecutor(FakeModel()), make_scheduler(resolved, n_slots), record_iterations=True,
                     prefix_cache=cache)

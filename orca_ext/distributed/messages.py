@@ -45,11 +45,11 @@ is sampled by the driver with the same code as one process (executor.sample_logi
 sampling worker draws nothing for it and sends its logits rows back instead. Plain rows cost what
 they always did: one token id each. The logits part of a KIND_RESULT is bounded by the
 iteration: R <= B + (prompt tokens of the chunks of prompt-logprobs requests) <= B + the
-scheduler's token budget per iteration (max_num_batched_tokens: chunked prefill splits longer
-prompts), so at most (max_batch_size + max_num_batched_tokens) * V * 4 bytes, and exactly B' * V
-* 4 bytes for B' such rows when no prompt logprobs are asked for. Without a token budget a
-prompt-logprobs request sends its whole prompt's rows in one message, as one process holds them
-in one logits tensor.
+scheduler's token budget per iteration (chunked prefill splits longer prompts: the larger of
+max_num_batched_tokens and prefill_only_tokens), so at most (max_batch_size + that budget) * V * 4
+bytes, and exactly B' * V * 4 bytes for B' such rows when no prompt logprobs are asked for.
+Without a token budget a prompt-logprobs request sends its whole prompt's rows in one message, as
+one process holds them in one logits tensor.
 """
 from __future__ import annotations
 
