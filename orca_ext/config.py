@@ -35,7 +35,7 @@ DEFAULT_HEARTBEAT_TIMEOUT_S = 10.0     # parallel workers: silence that fails th
 CHUNK_BUDGET_BY_DEVICE = {"cpu": 128, "cuda": 2048}
 # The token budget of an iteration without decodes ("auto", FCFS admission): no request has begun
 # generating, so a larger chunk stalls no stream, and it streams the weights fewer times per
-# prompt. CPU: 512 (llama.cpp's default micro-batch) ran a lone 512-token prompt 9-11% faster than
+# prompt. CPU: 512 (llama.cpp's default micro-batch) ran a lone 512-token prompt 1.10-1.17x as fast as
 # chunks of 128 (bench/RESULTS.md); a request that arrives meanwhile waits for at most that chunk.
 # CUDA: the chunk budget already is a few thousand tokens.
 PREFILL_ONLY_BUDGET_BY_DEVICE = {"cpu": 512, "cuda": 2048}

@@ -3,12 +3,12 @@ extensions (chunked prefill, slab compaction, fair admission: section 6; pipelin
 request-level `static` baseline. Pure Python over request objects; no model, no threads.
 
 A request object needs: `state` (RequestState), `reservation` (int), `slab_start` (int, -1 when
-none), `finished` (bool), `prompt_remaining` (int), `client` (fair admission's key) and
-`num_scheduled` (int, written here); fair admission also reads `num_cached` (int, the position of
-the next prompt chunk). The engine marks requests finished; the scheduler owns state
-transitions, slabs, the reservation count and the count of batches in flight (`n_scheduled`).
-With a prefix cache attached (`attach_prefix_cache`, prefix_cache.py) it also owns the cache
-entries' slabs and reads `output_token_ids`, `finish_reason`, `may_use_prefix_cache` and
+none), `finished` (bool), `prompt_remaining` (int), `emits_token` (bool), `client` (fair
+admission's key) and `num_scheduled` (int, written here); fair admission also reads
+`num_cached` (int, the position of the next prompt chunk). The engine marks requests finished;
+the scheduler owns state transitions, slabs, the reservation count and the count of batches in
+flight (`n_scheduled`). With a prefix cache attached (`attach_prefix_cache`, prefix_cache.py) it
+also owns the cache entries' slabs and reads `output_token_ids`, `finish_reason`, `may_use_prefix_cache` and
 writes `num_cached` and `num_prefix_hit` at admission.
 
 Per iteration: batch = s.schedule(); run it; s.complete(batch). Up to n_workers batches may be
@@ -40,7 +40,8 @@ def make_allocator(n_slots: int):
 
 class _SchedulerBase:
     """`config` (a resolved EngineConfig) gives the policy's limits: max_batch_size and, for the
-    orca policy, max_num_batched_tokens (None: whole prompts) and the admission policy.
+    orca policy, max_num_batched_tokens (None: whole prompts), prefill_only_tokens (the budget of
+    an iteration in which no request generates) and the admission policy.
     `n_slots` is the KV cache's capacity and `n_workers` the batches that may be in flight."""
 
     def __init__(self, config, n_slots: int, n_workers: int = 1, allocator=None):
