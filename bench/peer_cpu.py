@@ -15,12 +15,11 @@ Per dtype (float32 <-> GGUF F32, bfloat16 <-> GGUF BF16) and per round, each sys
     prefix cache never hits); llama.cpp: llama-bench -p N -n 0 -r REPS (its per-repetition
     prompt-processing tok/s on the same GGUF).
 Systems alternate inside each round; the report keeps min and median over every run (each
-prompt-processing repetition is a run). The streaming
-read bandwidth of this machine (`_C.stream_read`, all threads, on huge pages like the engine's
-weights) is measured before every round and right before each single-stream case; the
-single-stream bound is the median of those readings (on a shared host one reading can be an
-outlier) divided by the bytes a decode step reads (all weights + the lm_head + the KV cache at the
-mean context).
+prompt-processing repetition is a run). The streaming read bandwidth of this machine
+(`_C.stream_read`, all threads, on huge pages like the engine's weights) is measured before every
+round and right before each single-stream case; the single-stream bound is the median of those
+readings (on a shared host one reading can be an outlier) divided by the bytes a decode step reads
+(all weights + the lm_head + the KV cache at the mean context).
 
 Our side runs in this process (orca_ext.Server, the engine without HTTP); llama.cpp runs as its
 HTTP server, driven with token-id prompts on /completion. Everything runs with --threads threads.
@@ -424,7 +423,8 @@ def main(argv=None) -> int:
     context = 128 + 64  # mean context of the single stream's decode steps
     report = dict(date=time.strftime("%Y-%m-%d %H:%M"), machine=platform.processor() or platform.machine(),
                   cpu_count=os.cpu_count(), threads=args.threads, torch=torch.__version__, model=args.model,
-                  requests=args.requests, rounds=args.rounds, pp_reps=args.pp_reps, read_gbs=summarize(ceilings), results={})
+                  requests=args.requests, rounds=args.rounds, pp_reps=args.pp_reps,
+                  read_gbs=summarize(ceilings), results={})
     by_label = {prec.label: prec for prec in precisions}
     for key, rs in runs.items():
         dtype, case, name = key.split("/")

@@ -41,6 +41,12 @@ CHUNK_BUDGET_BY_DEVICE = {"cpu": 128, "cuda": 2048}
 PREFILL_ONLY_BUDGET_BY_DEVICE = {"cpu": 512, "cuda": 2048}
 
 
+def check_prefill_only_budget(prefill_only: int, budget: int) -> None:
+    """An iteration without decodes may take more prompt tokens than one with them, never fewer."""
+    if prefill_only < budget:
+        raise ValueError(f"prefill_only_tokens ({prefill_only}) must be >= max_num_batched_tokens ({budget})")
+
+
 def default_share_decode_rows(device_type: str) -> bool:
     """Fair admission holds a client that is ahead to the others' decode rows on CPU, where every
     row lengthens the iteration; not on CUDA, where a decode step's time hardly grows with its rows
@@ -124,8 +130,8 @@ class EngineConfig:
         prefill_only = self.prefill_only_tokens
         if prefill_only is not None and prefill_only != "auto":
             check_positive_int("prefill_only_tokens", prefill_only)
-            if isinstance(budget, int) and prefill_only < budget:
-                raise ValueError(f"prefill_only_tokens ({prefill_only}) must be >= max_num_batched_tokens ({budget})")
+            if isinstance(budget, int):
+                check_prefill_only_budget(prefill_only, budget)
         for name in ("worker_timeout", "heartbeat_interval", "heartbeat_timeout"):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 < value < float("inf"):
@@ -180,9 +186,10 @@ class EngineConfig:
         elif prefill_only == "auto":
             # Fair admission keeps every chunk to the budget: a client's request that arrives
             # while another client's prompt runs alone waits for one chunk.
-            prefill_only = budget if self.admission == "fair" else max(PREFILL_ONLY_BUDGET_BY_DEVICE[device_type], budget)
-        elif prefill_only < budget:
-            raise ValueError(f"prefill_only_tokens ({prefill_only}) must be >= max_num_batched_tokens ({budget})")
+            fair = self.admission == "fair"
+            prefill_only = budget if fair else max(PREFILL_ONLY_BUDGET_BY_DEVICE[device_type], budget)
+        else:
+            check_prefill_only_budget(prefill_only, budget)
         share_rows = self.share_decode_rows
         if share_rows is None:
             share_rows = self.admission == "fair" and default_share_decode_rows(device_type)

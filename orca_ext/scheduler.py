@@ -8,8 +8,8 @@ admission's key) and `num_scheduled` (int, written here); fair admission also re
 `num_cached` (int, the position of the next prompt chunk). The engine marks requests finished;
 the scheduler owns state transitions, slabs, the reservation count and the count of batches in
 flight (`n_scheduled`). With a prefix cache attached (`attach_prefix_cache`, prefix_cache.py) it
-also owns the cache entries' slabs and reads `output_token_ids`, `finish_reason`, `may_use_prefix_cache` and
-writes `num_cached` and `num_prefix_hit` at admission.
+also owns the cache entries' slabs and reads `output_token_ids`, `finish_reason`,
+`may_use_prefix_cache` and writes `num_cached` and `num_prefix_hit` at admission.
 
 Per iteration: batch = s.schedule(); run it; s.complete(batch). Up to n_workers batches may be
 in flight; their requests are RUNNING and are not selected again until their batch completes.
@@ -74,12 +74,13 @@ class _SchedulerBase:
         return None
 
     def _prefill_only_budget(self, config) -> Optional[int]:
-        """config.prefill_only_tokens; None or not resolved for a device ('auto', as in a config
-        built for a scheduler alone): max_num_batched_tokens."""
+        """config.prefill_only_tokens (EngineConfig keeps it >= max_num_batched_tokens); None or
+        not resolved for a device ('auto', as in a config built for a scheduler alone):
+        max_num_batched_tokens."""
         value = config.prefill_only_tokens
         if self.max_num_batched_tokens is None or value is None or value == "auto":
             return self.max_num_batched_tokens
-        return max(value, self.max_num_batched_tokens)
+        return value
 
     def attach_prefix_cache(self, cache: PrefixCache, copier: Callable[[list], None]) -> None:
         """Keep finished requests' KV rows in `cache` and start admitted requests from them.
