@@ -146,22 +146,24 @@ def test_every_path_reads_the_weights_as_gguf(quant_path, qtype):
 
 
 @pytest.mark.parametrize("qtype", sorted(FORMATS))
-def test_avx2_path_equals_linear_on_dequantized_weights(qtype):
-    """On the avx2 path the quantized product is the float32 linear's arithmetic, bit for bit."""
-    before = _C.cpu_quant_path()
+@pytest.mark.parametrize("n_tokens", [1, 3, 23])  # one token; one block of tokens; blocks reusing kept rows
+def test_every_path_equals_linear_on_dequantized_weights(quant_path, qtype, n_tokens):
+    """On each instruction path the quantized product is the float32 linear's arithmetic on the
+    same path, bit for bit, however the weights reach the FMAs (widened in registers or through a
+    buffer)."""
+    if quant_path not in _C.cpu_f32_paths():
+        pytest.skip(f"no float32 {quant_path} path on this CPU")
     k, n = K_FOR[qtype], 45
-    qw = torch.from_numpy(make_qweight(qtype, n, k, seed=7 * qtype))
+    qw = torch.from_numpy(make_qweight(qtype, n, k, seed=7 * qtype + n_tokens))
     w = _C.quant_embedding(qw, qtype, k, torch.arange(n), torch.float32)
-    gen = torch.Generator().manual_seed(qtype)
-    x, b = rand(gen, 23, k).float(), rand(gen, n).float()
+    gen = torch.Generator().manual_seed(qtype * 100 + n_tokens)
+    x, b = rand(gen, n_tokens, k).float(), rand(gen, n).float()
     f32_before = _C.cpu_f32_path()
     try:
-        _C.set_cpu_quant_path("avx2")
-        _C.set_cpu_f32_path("avx2")  # the float32 linear's avx2 path (the default may be avx512)
+        _C.set_cpu_f32_path(quant_path)  # the float32 linear's lanes of the same width
         got = _C.quant_linear(x, qw, qtype, k, b)
         expected = _C.linear(x, w, b, batch_invariant=True)
     finally:
-        _C.set_cpu_quant_path(before)
         _C.set_cpu_f32_path(f32_before)
     assert torch.equal(got, expected)
 

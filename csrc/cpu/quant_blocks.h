@@ -5,11 +5,14 @@
 //   static constexpr int kStep;        k elements one dot() consumes (8 or 16)
 //   static constexpr int kRows;        activation rows per block when there are many tokens
 //   Acc zero();  X load_x(const float*);  W load_w(const float*);  Acc dot(Acc, X, W);  float hsum(Acc);
+//   template <int F> bool kWidensInRegisters;   format F widens straight into registers, with
+//   widen<F>(row, unit, chunk, ChunkScales, W[2]) and store_w(float*, W)  (kStep 16 only)
 //
 // Per unit (kDequantUnit: 32 elements; a whole 256-element super-block of Q4_K, so that its d
 // and packed scales are decoded once), each of the block's weight rows is dequantized (quant_formats.h)
 // into a float buffer that stays in L1, then every activation row of the block consumes it kStep
-// elements at a time. Each output's accumulator takes its k range in
+// elements at a time. Where the policy widens a format's chunks straight into registers (the
+// AVX-512 panels, 4-bit formats), the FMAs take the registers instead of the buffer. Each output's accumulator takes its k range in
 // kStep steps from k = 0 upwards, then one hsum, whatever the block shape: the blocking (chosen
 // from T) never changes a result.
 //
@@ -35,15 +38,13 @@ namespace {
 // block's FMAs; reusing leaves only the FMAs, in the same k order, so every mode gives the same bits.
 enum class Rows { kOwn, kKeep, kReuse };
 
-template <class Ops, int F, int MB, int NB, Rows kRowsFrom = Rows::kOwn>
-inline void quant_dot_block(const float* __restrict x, int64_t ldx, const uint8_t* const* w, int64_t n_units,
-                            float* __restrict c, int64_t ldc, float* __restrict kept = nullptr) {
+// acc[m][j] += x row m . w[j] over every unit, through a buffer: each unit of the block's rows is
+// dequantized (quant_formats.h) into an L1 buffer (or `kept`), then every activation row of the
+// block consumes it kStep elements at a time.
+template <class Ops, int F, int MB, int NB, Rows kRowsFrom>
+inline void accumulate_buffered(typename Ops::Acc (&acc)[MB][NB], const float* __restrict x, int64_t ldx,
+                                const uint8_t* const* w, int64_t n_units, float* __restrict kept) {
   constexpr int kUnit = kDequantUnit<F>;
-  typename Ops::Acc acc[MB][NB];
-#pragma GCC unroll 8
-  for (int m = 0; m < MB; ++m)
-#pragma GCC unroll 8
-    for (int j = 0; j < NB; ++j) acc[m][j] = Ops::zero();
   alignas(64) float local[NB][kUnit];
   const int64_t k = n_units * kUnit;
   for (int64_t u = 0; u < n_units; ++u) {
@@ -71,6 +72,54 @@ inline void quant_dot_block(const float* __restrict x, int64_t ldx, const uint8_
       }
     }
   }
+}
+
+// The same sums with every 32-element chunk widened straight into two registers (Ops::widen,
+// for the formats where Ops::kWidensInRegisters<F>): no buffer between widening and the FMAs
+// (kKeep still stores the chunk to `kept` for the blocks that reuse it).
+template <class Ops, int F, int MB, int NB, Rows kRowsFrom>
+inline void accumulate_in_registers(typename Ops::Acc (&acc)[MB][NB], const float* __restrict x, int64_t ldx,
+                                    const uint8_t* const* w, int64_t n_units, float* __restrict kept) {
+  static_assert(Ops::kStep == 16 && kRowsFrom != Rows::kReuse, "a chunk is two steps; reuse reads `kept`");
+  constexpr int kUnit = kDequantUnit<F>;
+  const int64_t k = n_units * kUnit;
+  for (int64_t u = 0; u < n_units; ++u) {
+    ChunkScales scales[NB];
+#pragma GCC unroll 8
+    for (int j = 0; j < NB; ++j) chunk_scales<F>(w[j], u, scales[j]);
+#pragma GCC unroll 8
+    for (int c = 0; c < kUnit / 32; ++c) {
+      const float* xc = x + u * kUnit + c * 32;
+      typename Ops::X xv[MB][2];
+#pragma GCC unroll 8
+      for (int m = 0; m < MB; ++m) xv[m][0] = Ops::load_x(xc + m * ldx), xv[m][1] = Ops::load_x(xc + m * ldx + 16);
+#pragma GCC unroll 8
+      for (int j = 0; j < NB; ++j) {
+        typename Ops::W wv[2];  // elements 0..15 and 16..31 of the chunk
+        Ops::template widen<F>(w[j], u, c, scales[j], wv);
+        if constexpr (kRowsFrom == Rows::kKeep) {
+          float* dst = kept + j * k + u * kUnit + c * 32;
+          Ops::store_w(dst, wv[0]), Ops::store_w(dst + 16, wv[1]);
+        }
+#pragma GCC unroll 8
+        for (int m = 0; m < MB; ++m) acc[m][j] = Ops::dot(Ops::dot(acc[m][j], xv[m][0], wv[0]), xv[m][1], wv[1]);
+      }
+    }
+  }
+}
+
+template <class Ops, int F, int MB, int NB, Rows kRowsFrom = Rows::kOwn>
+inline void quant_dot_block(const float* __restrict x, int64_t ldx, const uint8_t* const* w, int64_t n_units,
+                            float* __restrict c, int64_t ldc, float* __restrict kept = nullptr) {
+  typename Ops::Acc acc[MB][NB];
+#pragma GCC unroll 8
+  for (int m = 0; m < MB; ++m)
+#pragma GCC unroll 8
+    for (int j = 0; j < NB; ++j) acc[m][j] = Ops::zero();
+  if constexpr (kRowsFrom != Rows::kReuse && Ops::template kWidensInRegisters<F>)
+    accumulate_in_registers<Ops, F, MB, NB, kRowsFrom>(acc, x, ldx, w, n_units, kept);
+  else
+    accumulate_buffered<Ops, F, MB, NB, kRowsFrom>(acc, x, ldx, w, n_units, kept);
 #pragma GCC unroll 8
   for (int m = 0; m < MB; ++m)
 #pragma GCC unroll 8

@@ -195,6 +195,74 @@ inline void dequant_q4_k_block(const uint8_t* __restrict blk, float* __restrict 
   for (int sub = 0; sub < 8; ++sub) dequant_q4_k_sub(blk, d, dmin, sub, out + 32 * sub);
 }
 
+// ---- 4-bit chunks widened straight into registers (the AVX-512 panels) ----
+// The panels for one token spend most of their instructions widening weights, not multiplying.
+// A 32-element chunk of Q4_0, Q4_1 or Q4_K holds 4-bit codes whose 16 possible weights share one
+// pair of scales (a, b): those 16 weights are computed once, each exactly as the dequant_*
+// function above computes it (the same product, then the same sum or difference), and vpermps
+// picks every element's weight by its code. It reads only the low 4 bits of an index lane, so
+// high nibbles take one shift and no mask. The weights are the dequant_* ones bit for bit, for
+// about half of their instructions and no trip through a buffer. (Q8_0 widened the same way
+// without the buffer measured level with the buffered form, so it keeps that.)
+template <int F>
+constexpr bool kRegisterFormat = F == kQuantTypeQ4_0 || F == kQuantTypeQ4_1 || F == kQuantTypeQ4_K;
+
+// The (a, b) of each chunk of one dequantization unit (kDequantUnit<F> elements): Q4_0 (d, 0),
+// Q4_1 (d, m), Q4_K (d * sc, dmin * mn) per sub-block.
+struct ChunkScales {
+  float a[8], b[8];
+};
+
+template <int F>
+inline void chunk_scales(const uint8_t* __restrict row, int64_t unit, ChunkScales& s) {
+  static_assert(kRegisterFormat<F>, "a 4-bit format");
+  if constexpr (F == kQuantTypeQ4_0) {
+    s.a[0] = half_to_float(row + unit * 18), s.b[0] = 0.0f;
+  } else if constexpr (F == kQuantTypeQ4_1) {
+    s.a[0] = half_to_float(row + unit * 20), s.b[0] = half_to_float(row + unit * 20 + 2);
+  } else {
+    const uint8_t* blk = row + unit * 144;
+    const float d = half_to_float(blk), dmin = half_to_float(blk + 2);
+    for (int sub = 0; sub < 8; ++sub) {
+      int sc, mn;
+      q4_k_scale_min(blk + 4, sub, sc, mn);
+      s.a[sub] = d * static_cast<float>(sc), s.b[sub] = dmin * static_cast<float>(mn);
+    }
+  }
+}
+
+#if defined(ORCA_QUANT_DEQUANT_512)
+// Chunk c of unit `unit` (scales s from chunk_scales): elements 0..15 into lo, 16..31 into hi.
+template <int F>
+inline void widen_chunk(const uint8_t* __restrict row, int64_t unit, int c, const ChunkScales& s, __m512& lo,
+                        __m512& hi) {
+  const __m512 iota = _mm512_setr_ps(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
+  const __m512 a = _mm512_set1_ps(s.a[c]);
+  __m512 table;
+  __m512i lo_codes, hi_codes;
+  if constexpr (F == kQuantTypeQ4_K) {  // 32 bytes, the low (c even) or high nibble of each
+    table = _mm512_sub_ps(_mm512_mul_ps(a, iota), _mm512_set1_ps(s.b[c]));
+    const uint8_t* qs = row + unit * 144 + 16 + 32 * (c / 2);
+    lo_codes = _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(qs)));
+    hi_codes = _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(qs + 16)));
+    if (c & 1) lo_codes = _mm512_srli_epi32(lo_codes, 4), hi_codes = _mm512_srli_epi32(hi_codes, 4);
+  } else {  // 16 bytes: elements 0..15 in the low nibbles, 16..31 in the high ones
+    const uint8_t* qs;
+    if constexpr (F == kQuantTypeQ4_0) {
+      table = _mm512_mul_ps(a, _mm512_sub_ps(iota, _mm512_set1_ps(8.0f)));
+      qs = row + unit * 18 + 2;
+    } else {
+      table = _mm512_add_ps(_mm512_mul_ps(a, iota), _mm512_set1_ps(s.b[c]));
+      qs = row + unit * 20 + 4;
+    }
+    lo_codes = _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(qs)));
+    hi_codes = _mm512_srli_epi32(lo_codes, 4);
+  }
+  lo = _mm512_permutexvar_ps(lo_codes, table);
+  hi = _mm512_permutexvar_ps(hi_codes, table);
+}
+#endif
+
 // Q6_K block (210 bytes): ql[128], qh[64], int8 scales[16], fp16 d. Chunk c < 8 (elements
 // 32c .. 32c+31) lies in half h = c / 4, quarter r = c % 4: element i takes the low (r < 2) or high
 // nibble of ql[64h + 32(r % 2) + i] and bits 2r, 2r+1 of qh[32h + i] as bits 4, 5; q = that - 32;

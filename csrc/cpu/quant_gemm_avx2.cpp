@@ -35,6 +35,8 @@ struct QuantAvx2Ops {
   static X load_x(const float* p) { return _mm256_load_ps(p); }  // 64-byte aligned rows, 32-element chunks
   static W load_w(const float* p) { return _mm256_load_ps(p); }
   static Acc dot(Acc acc, X x, W w) { return _mm256_fmadd_ps(x, w, acc); }
+  template <int F>
+  static constexpr bool kWidensInRegisters = false;  // every format widens through a buffer
   static float hsum(Acc v) {
     __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));  // l + l+4
     s = _mm_add_ps(s, _mm_movehl_ps(s, s));                                        // 0+2, 1+3
@@ -62,6 +64,8 @@ struct QuantScalarLanesOps {
     return acc;
   }
   static float hsum(const Acc& v) { return hsum8_tree(v.l); }
+  template <int F>
+  static constexpr bool kWidensInRegisters = false;
 };
 using QuantBaselineOps = QuantScalarLanesOps;
 #endif

@@ -38,6 +38,14 @@ struct QuantAvx512Ops {
   static X load_x(const float* p) { return _mm512_load_ps(p); }  // 64-byte aligned rows, 32-element chunks
   static W load_w(const float* p) { return _mm512_load_ps(p); }
   static Acc dot(Acc acc, X x, W w) { return _mm512_fmadd_ps(x, w, acc); }
+  // 4-bit chunks widen straight into registers through their 16 weights (quant_formats.h).
+  template <int F>
+  static constexpr bool kWidensInRegisters = kRegisterFormat<F>;
+  template <int F>
+  static void widen(const uint8_t* row, int64_t unit, int chunk, const ChunkScales& s, W* out) {  // out [2]
+    widen_chunk<F>(row, unit, chunk, s, out[0], out[1]);
+  }
+  static void store_w(float* p, W w) { _mm512_store_ps(p, w); }
   static float hsum(Acc v) {
     alignas(64) float l[16];
     _mm512_store_ps(l, v);
