@@ -161,13 +161,26 @@ inline void q4_k_scale_min(const uint8_t* __restrict s, int sub, int& sc, int& m
   }
 }
 
-// Sub-block `sub` of a Q4_K block whose d and dmin are already widened.
-inline void dequant_q4_k_sub(const uint8_t* __restrict blk, float d, float dmin, int sub,
+// All 8 scales (out[0..8)) and mins (out[8..16)) of q4_k_scale_min at once, four 6-bit fields
+// per 32-bit word (little-endian): a dozen word operations where the per-sub-block decode
+// takes about as many per field.
+inline void q4_k_scales_mins(const uint8_t* __restrict s, uint8_t* __restrict out) {  // s [12], out [16]
+  static_assert(__BYTE_ORDER__ == __ORDER_LITTLE_ENDIAN__, "byte j of a word is field j");
+  uint32_t w[3], u[4];
+  std::memcpy(w, s, sizeof w);
+  constexpr uint32_t kLow6 = 0x3f3f3f3fu, kLow4 = 0x0f0f0f0fu, kLow2 = 0x03030303u;
+  u[0] = w[0] & kLow6;                                       // sc 0..3: s[j] & 63
+  u[1] = (w[2] & kLow4) | (((w[0] >> 6) & kLow2) << 4);      // sc 4..7: s[8+j] & 15 | (s[j] >> 6) << 4
+  u[2] = w[1] & kLow6;                                       // mn 0..3: s[4+j] & 63
+  u[3] = ((w[2] >> 4) & kLow4) | (((w[1] >> 6) & kLow2) << 4);  // mn 4..7: s[8+j] >> 4 | (s[4+j] >> 6) << 4
+  std::memcpy(out, u, sizeof u);
+}
+
+// Sub-block `sub` of a Q4_K block, its scale and min already decoded and widened:
+// dl = d * sc, ml = dmin * mn.
+inline void dequant_q4_k_sub(const uint8_t* __restrict blk, float dl, float ml, int sub,
                              float* __restrict out) {  // out [32]
   const uint8_t* qs = blk + 16 + 32 * (sub / 2);
-  int sc, mn;
-  q4_k_scale_min(blk + 4, sub, sc, mn);
-  const float dl = d * static_cast<float>(sc), ml = dmin * static_cast<float>(mn);
   const int shift = (sub & 1) * 4;
 #if defined(__AVX2__)
   const __m256i q = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(qs));
@@ -186,29 +199,37 @@ inline void dequant_q4_k_sub(const uint8_t* __restrict blk, float d, float dmin,
 }
 
 inline void dequant_q4_k(const uint8_t* __restrict blk, int sub, float* __restrict out) {  // out [32]
-  dequant_q4_k_sub(blk, half_to_float(blk), half_to_float(blk + 2), sub, out);
+  int sc, mn;
+  q4_k_scale_min(blk + 4, sub, sc, mn);
+  dequant_q4_k_sub(blk, half_to_float(blk) * static_cast<float>(sc), half_to_float(blk + 2) * static_cast<float>(mn),
+                   sub, out);
 }
 
-// The whole block: d and dmin widened once for the 8 sub-blocks.
+// The whole block: d, dmin and the packed scales decoded once for the 8 sub-blocks.
 inline void dequant_q4_k_block(const uint8_t* __restrict blk, float* __restrict out) {  // out [256]
   const float d = half_to_float(blk), dmin = half_to_float(blk + 2);
-  for (int sub = 0; sub < 8; ++sub) dequant_q4_k_sub(blk, d, dmin, sub, out + 32 * sub);
+  uint8_t sc_mn[16];
+  q4_k_scales_mins(blk + 4, sc_mn);
+  for (int sub = 0; sub < 8; ++sub)
+    dequant_q4_k_sub(blk, d * static_cast<float>(sc_mn[sub]), dmin * static_cast<float>(sc_mn[8 + sub]), sub,
+                     out + 32 * sub);
 }
 
 // ---- 4-bit chunks widened straight into registers (the AVX-512 panels) ----
 // The panels for one token spend most of their instructions widening weights, not multiplying.
 // A 32-element chunk of Q4_0, Q4_1 or Q4_K holds 4-bit codes whose 16 possible weights share one
-// pair of scales (a, b): those 16 weights are computed once, each exactly as the dequant_*
-// function above computes it (the same product, then the same sum or difference), and vpermps
-// picks every element's weight by its code. It reads only the low 4 bits of an index lane, so
-// high nibbles take one shift and no mask. The weights are the dequant_* ones bit for bit, for
-// about half of their instructions and no trip through a buffer. (Q8_0 widened the same way
-// without the buffer measured level with the buffered form, so it keeps that.)
+// pair of scales (a, b): those 16 weights are computed once, and vpermps picks every element's
+// weight by its code. It reads only the low 4 bits of an index lane, so high nibbles take one
+// shift and no mask. The 16 weights are the dequant_* ones bit for bit: a * code is exact in
+// float32 (a is an fp16 scale, or one times a 6-bit integer: at most 17 significant bits; the
+// code has 4), so one FMA a * code + b rounds once, where the product and the sum above do.
+// (Q8_0 widened the same way without the buffer measured level with the buffered form, so it
+// keeps that.)
 template <int F>
 constexpr bool kRegisterFormat = F == kQuantTypeQ4_0 || F == kQuantTypeQ4_1 || F == kQuantTypeQ4_K;
 
-// The (a, b) of each chunk of one dequantization unit (kDequantUnit<F> elements): Q4_0 (d, 0),
-// Q4_1 (d, m), Q4_K (d * sc, dmin * mn) per sub-block.
+// Q4_K's (d * sc, dmin * mn) of each sub-block of one super-block, decoded once for its 8 chunks.
+// The 32-element formats read their scales from the block as each chunk widens.
 struct ChunkScales {
   float a[8], b[8];
 };
@@ -216,32 +237,28 @@ struct ChunkScales {
 template <int F>
 inline void chunk_scales(const uint8_t* __restrict row, int64_t unit, ChunkScales& s) {
   static_assert(kRegisterFormat<F>, "a 4-bit format");
-  if constexpr (F == kQuantTypeQ4_0) {
-    s.a[0] = half_to_float(row + unit * 18), s.b[0] = 0.0f;
-  } else if constexpr (F == kQuantTypeQ4_1) {
-    s.a[0] = half_to_float(row + unit * 20), s.b[0] = half_to_float(row + unit * 20 + 2);
-  } else {
+  if constexpr (F == kQuantTypeQ4_K) {
     const uint8_t* blk = row + unit * 144;
     const float d = half_to_float(blk), dmin = half_to_float(blk + 2);
-    for (int sub = 0; sub < 8; ++sub) {
-      int sc, mn;
-      q4_k_scale_min(blk + 4, sub, sc, mn);
-      s.a[sub] = d * static_cast<float>(sc), s.b[sub] = dmin * static_cast<float>(mn);
-    }
+    uint8_t sc_mn[16];
+    q4_k_scales_mins(blk + 4, sc_mn);
+    for (int sub = 0; sub < 8; ++sub)
+      s.a[sub] = d * static_cast<float>(sc_mn[sub]), s.b[sub] = dmin * static_cast<float>(sc_mn[8 + sub]);
+  } else {
+    (void)row, (void)unit, (void)s;
   }
 }
 
 #if defined(ORCA_QUANT_DEQUANT_512)
-// Chunk c of unit `unit` (scales s from chunk_scales): elements 0..15 into lo, 16..31 into hi.
+// Chunk c of unit `unit` (Q4_K: scales s from chunk_scales): elements 0..15 into lo, 16..31 into hi.
 template <int F>
 inline void widen_chunk(const uint8_t* __restrict row, int64_t unit, int c, const ChunkScales& s, __m512& lo,
                         __m512& hi) {
   const __m512 iota = _mm512_setr_ps(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
-  const __m512 a = _mm512_set1_ps(s.a[c]);
   __m512 table;
   __m512i lo_codes, hi_codes;
   if constexpr (F == kQuantTypeQ4_K) {  // 32 bytes, the low (c even) or high nibble of each
-    table = _mm512_sub_ps(_mm512_mul_ps(a, iota), _mm512_set1_ps(s.b[c]));
+    table = _mm512_fmsub_ps(_mm512_set1_ps(s.a[c]), iota, _mm512_set1_ps(s.b[c]));
     const uint8_t* qs = row + unit * 144 + 16 + 32 * (c / 2);
     lo_codes = _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(qs)));
     hi_codes = _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(qs + 16)));
@@ -249,10 +266,17 @@ inline void widen_chunk(const uint8_t* __restrict row, int64_t unit, int c, cons
   } else {  // 16 bytes: elements 0..15 in the low nibbles, 16..31 in the high ones
     const uint8_t* qs;
     if constexpr (F == kQuantTypeQ4_0) {
-      table = _mm512_mul_ps(a, _mm512_sub_ps(iota, _mm512_set1_ps(8.0f)));
+      uint16_t d;
+      std::memcpy(&d, row + unit * 18, sizeof d);
+      const __m512 dv = _mm512_broadcastss_ps(_mm_cvtph_ps(_mm_cvtsi32_si128(d)));  // exact
+      table = _mm512_mul_ps(dv, _mm512_sub_ps(iota, _mm512_set1_ps(8.0f)));
       qs = row + unit * 18 + 2;
-    } else {
-      table = _mm512_add_ps(_mm512_mul_ps(a, iota), _mm512_set1_ps(s.b[c]));
+    } else {  // d and m, adjacent fp16, widened together
+      int32_t dm;
+      std::memcpy(&dm, row + unit * 20, sizeof dm);
+      const __m512 both = _mm512_castps128_ps512(_mm_cvtph_ps(_mm_cvtsi32_si128(dm)));  // [d, m, 0, 0]
+      table = _mm512_fmadd_ps(_mm512_permutexvar_ps(_mm512_setzero_si512(), both), iota,
+                              _mm512_permutexvar_ps(_mm512_set1_epi32(1), both));
       qs = row + unit * 20 + 4;
     }
     lo_codes = _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(qs)));
