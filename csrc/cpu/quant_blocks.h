@@ -12,9 +12,9 @@
 // and packed scales are decoded once), each of the block's weight rows is dequantized (quant_formats.h)
 // into a float buffer that stays in L1, then every activation row of the block consumes it kStep
 // elements at a time. Where the policy widens a format's chunks straight into registers (the
-// AVX-512 panels, 4-bit formats), the FMAs take the registers instead of the buffer. Each output's accumulator takes its k range in
-// kStep steps from k = 0 upwards, then one hsum, whatever the block shape: the blocking (chosen
-// from T) never changes a result.
+// AVX-512 panels, 4-bit formats), the FMAs take the registers instead of the buffer. Each
+// output's accumulator takes its k range in kStep steps from k = 0 upwards, then one hsum,
+// whatever the block shape: the blocking (chosen from T) never changes a result.
 //
 // Like skinny_gemm_blocks.h, everything is local to the including translation unit, compiled for
 // its instruction set.

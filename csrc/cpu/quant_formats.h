@@ -6,7 +6,8 @@
 // block_bytes). Dequantization repeats the float32 arithmetic of gguf.quants.dequantize operation
 // for operation (fp16 scales widened exactly, then the same products and sums, each rounded on
 // its own): the files that include this header are compiled with -ffp-contract=off, so no product
-// is fused into an FMA. Every path therefore sees the same float32 weights, bit for bit.
+// is fused into an FMA (widen_chunk's one FMA fuses an exact product, which changes no bit).
+// Every path therefore sees the same float32 weights, bit for bit.
 //
 // Everything here sits in an anonymous namespace: each translation unit (one per instruction set)
 // compiles its own copy for its own target, and none leaks into another through the linker.
@@ -222,7 +223,8 @@ inline void dequant_q4_k_block(const uint8_t* __restrict blk, float* __restrict 
 // weight by its code. It reads only the low 4 bits of an index lane, so high nibbles take one
 // shift and no mask. The 16 weights are the dequant_* ones bit for bit: a * code is exact in
 // float32 (a is an fp16 scale, or one times a 6-bit integer: at most 17 significant bits; the
-// code has 4), so one FMA a * code + b rounds once, where the product and the sum above do.
+// code has 4), so the product above does not round and the one FMA a * code + b rounds where
+// its sum does.
 // (Q8_0 widened the same way without the buffer measured level with the buffered form, so it
 // keeps that.)
 template <int F>
