@@ -140,32 +140,6 @@ alignas(32) constexpr int8_t kPairBroadcast16[4][32] = {
 
 inline __m256i load_control(const int8_t* c) { return _mm256_load_si256(reinterpret_cast<const __m256i*>(c)); }
 
-// Q4_K's 12 packed bytes -> sc (bytes 0..7) and mn (bytes 8..15), 6 bits each (ggml's
-// get_scale_min_k4, four sub-blocks per 32-bit word), for two super-blocks at once, one per
-// 128-bit lane: a one-token row decodes 4 rows' scales per super-block, and in scalar code that
-// was about a third of its instructions. Reads 16 bytes from each `packed` (inside the block).
-inline void q4k_scales_mins2(const uint8_t* packed0, const uint8_t* packed1, __m128i* out0, __m128i* out1) {
-  const __m256i v = _mm256_inserti128_si256(
-      _mm256_castsi128_si256(_mm_loadu_si128(reinterpret_cast<const __m128i*>(packed0))),
-      _mm_loadu_si128(reinterpret_cast<const __m128i*>(packed1)), 1);
-  // per lane, from the dwords u0 u1 u2: lo = (sc_lo, mins_lo) = the low 6 bits of u0, u1;
-  // hi = (sc_hi, mins_hi) = the low (high) nibbles of u2 under the top 2 bits of u0 (u1)
-  const __m256i lo = _mm256_and_si256(v, _mm256_set1_epi32(0x3f3f3f3f));
-  const __m256i u2 = _mm256_srlv_epi32(_mm256_shuffle_epi32(v, 0xaa), _mm256_setr_epi32(0, 4, 0, 0, 0, 4, 0, 0));
-  const __m256i top2 = _mm256_slli_epi32(_mm256_and_si256(_mm256_srli_epi32(v, 6), _mm256_set1_epi32(0x03030303)), 4);
-  const __m256i hi = _mm256_or_si256(_mm256_and_si256(u2, _mm256_set1_epi32(0x0f0f0f0f)), top2);
-  const __m256i scmn = _mm256_unpacklo_epi32(lo, hi);  // per lane: sc_lo, sc_hi, mins_lo, mins_hi
-  *out0 = _mm256_castsi256_si128(scmn);
-  *out1 = _mm256_extracti128_si256(scmn, 1);
-}
-
-// The same for one super-block.
-inline __m128i q4k_scales_mins(const uint8_t* packed) {
-  __m128i scmn, unused;
-  q4k_scales_mins2(packed, packed, &scmn, &unused);
-  return scmn;
-}
-
 // Q4_K's reduction. Per output (weight row, token) and super-block, three exact integers:
 //   A = sum_j sc_j * sum(nib * x over the positions i of sub-block j with i % 8 < 4)
 //   B = the same over the positions with i % 8 >= 4
