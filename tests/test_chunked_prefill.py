@@ -90,16 +90,22 @@ def test_chunked_outputs_equal_unchunked_token_for_token(tiny_model_dir, family,
     check_records(engine, budget, prefill_only)
 
 
+def second_joins_after_one_step(engine, first: Request, second: Request, n_rows: int) -> list[tuple]:
+    """`first` runs one iteration alone, then `second` joins and both run to the end; the first
+    n_rows iterations as (request ids, chunk sizes)."""
+    engine.add_request(first)
+    engine.step()
+    engine.add_request(second)
+    while engine.has_work():
+        engine.step()
+    return [(rec.request_ids, rec.chunk_sizes) for rec in engine.records[:n_rows]]
+
+
 def test_a_prompt_longer_than_the_budget_runs_over_several_iterations_beside_decodes():
     engine = make_engine(FakeModel(), budget=8, max_bs=4, n_slots=200)
     a = Request("a", list(range(3)), SamplingParams(max_tokens=12, ignore_eos=True))
     b = Request("b", list(range(30)), SamplingParams(max_tokens=2, ignore_eos=True))
-    engine.add_request(a)
-    engine.step()
-    engine.add_request(b)
-    while engine.has_work():
-        engine.step()
-    rows = [(rec.request_ids, rec.chunk_sizes) for rec in engine.records[:6]]
+    rows = second_joins_after_one_step(engine, a, b, 6)
     # a decodes every iteration while b's 30-token prompt goes in chunks of 7 (budget 8 - 1).
     assert rows == [(("a",), (3,)), (("a", "b"), (1, 7)), (("a", "b"), (1, 7)), (("a", "b"), (1, 7)),
                     (("a", "b"), (1, 7)), (("a", "b"), (1, 2))]
@@ -111,12 +117,7 @@ def test_prompts_take_the_prefill_only_budget_until_a_request_generates():
     engine = make_engine(FakeModel(), budget=8, max_bs=4, n_slots=300, prefill_only=20)
     a = Request("a", list(range(50)), SamplingParams(max_tokens=3, ignore_eos=True))
     b = Request("b", list(range(7, 40)), SamplingParams(max_tokens=2, ignore_eos=True))
-    engine.add_request(a)
-    engine.step()
-    engine.add_request(b)
-    while engine.has_work():
-        engine.step()
-    rows = [(rec.request_ids, rec.chunk_sizes) for rec in engine.records[:5]]
+    rows = second_joins_after_one_step(engine, a, b, 5)
     # Alone, and then with b waiting, a's prompt runs 20 tokens at a time; b takes the rest of the
     # 20 in a's last chunk; once a generates, b's prompt goes beside a's decodes 7 tokens at a time.
     assert rows == [(("a",), (20,)), (("a",), (20,)), (("a", "b"), (10, 10)), (("a", "b"), (1, 7)),
