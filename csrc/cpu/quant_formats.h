@@ -190,20 +190,6 @@ inline __m128i q4k_scales_mins(const uint8_t* packed) {
 }
 #endif
 
-// All 8 scales (out[0..8)) and mins (out[8..16)) of q4_k_scale_min at once: one vector decode
-// where the CPU has AVX2, instead of the per-sub-block one.
-inline void q4_k_scales_and_mins(const uint8_t* __restrict s, uint8_t* __restrict out) {  // s [12], out [16]
-#if defined(__AVX2__)
-  _mm_storeu_si128(reinterpret_cast<__m128i*>(out), q4k_scales_mins(s));
-#else
-  for (int sub = 0; sub < 8; ++sub) {
-    int sc, mn;
-    q4_k_scale_min(s, sub, sc, mn);
-    out[sub] = static_cast<uint8_t>(sc), out[8 + sub] = static_cast<uint8_t>(mn);
-  }
-#endif
-}
-
 // Sub-block `sub` of a Q4_K block, its scale and min already decoded and widened:
 // dl = d * sc, ml = dmin * mn.
 inline void dequant_q4_k_sub(const uint8_t* __restrict blk, float dl, float ml, int sub,
@@ -233,14 +219,29 @@ inline void dequant_q4_k(const uint8_t* __restrict blk, int sub, float* __restri
                    sub, out);
 }
 
+// Every sub-block's a = d * sc and b = dmin * mn of a Q4_K block: the products dequant_q4_k forms.
+inline void q4_k_sub_scales(const uint8_t* __restrict blk, float* __restrict a, float* __restrict b) {  // a, b [8]
+  const float d = half_to_float(blk), dmin = half_to_float(blk + 2);
+#if defined(__AVX2__)
+  // 8 lanes at a time: per sub-block the scalar form is an extract, a conversion and a product
+  // for each of a and b, which was about half of a one-token row's instructions.
+  const __m128i sc_mn = q4k_scales_mins(blk + 4);
+  _mm256_storeu_ps(a, _mm256_mul_ps(_mm256_set1_ps(d), _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(sc_mn))));
+  _mm256_storeu_ps(b, _mm256_mul_ps(_mm256_set1_ps(dmin), _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_srli_si128(sc_mn, 8)))));
+#else
+  for (int sub = 0; sub < 8; ++sub) {
+    int sc, mn;
+    q4_k_scale_min(blk + 4, sub, sc, mn);
+    a[sub] = d * static_cast<float>(sc), b[sub] = dmin * static_cast<float>(mn);
+  }
+#endif
+}
+
 // The whole block: d, dmin and the packed scales decoded once for the 8 sub-blocks.
 inline void dequant_q4_k_block(const uint8_t* __restrict blk, float* __restrict out) {  // out [256]
-  const float d = half_to_float(blk), dmin = half_to_float(blk + 2);
-  uint8_t sc_mn[16];
-  q4_k_scales_and_mins(blk + 4, sc_mn);
-  for (int sub = 0; sub < 8; ++sub)
-    dequant_q4_k_sub(blk, d * static_cast<float>(sc_mn[sub]), dmin * static_cast<float>(sc_mn[8 + sub]), sub,
-                     out + 32 * sub);
+  float a[8], b[8];
+  q4_k_sub_scales(blk, a, b);
+  for (int sub = 0; sub < 8; ++sub) dequant_q4_k_sub(blk, a[sub], b[sub], sub, out + 32 * sub);
 }
 
 // ---- 4-bit chunks widened straight into registers (the AVX-512 panels) ----
@@ -267,12 +268,7 @@ template <int F>
 inline void chunk_scales(const uint8_t* __restrict row, int64_t unit, ChunkScales& s) {
   static_assert(kRegisterFormat<F>, "a 4-bit format");
   if constexpr (F == kQuantTypeQ4_K) {
-    const uint8_t* blk = row + unit * 144;
-    const float d = half_to_float(blk), dmin = half_to_float(blk + 2);
-    uint8_t sc_mn[16];
-    q4_k_scales_and_mins(blk + 4, sc_mn);
-    for (int sub = 0; sub < 8; ++sub)
-      s.a[sub] = d * static_cast<float>(sc_mn[sub]), s.b[sub] = dmin * static_cast<float>(sc_mn[8 + sub]);
+    q4_k_sub_scales(row + unit * 144, s.a, s.b);
   } else {
     (void)row, (void)unit, (void)s;
   }
