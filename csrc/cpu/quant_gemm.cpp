@@ -1,6 +1,9 @@
 // The quantized ops of quant_kernels.h: path selection, the activation rows, and the calls into
 // the weight-streaming driver (skinny_gemm.cpp) with the panel kernel of the format and path.
 #include <omp.h>
+#if defined(__x86_64__) && defined(__GNUC__)
+#include <cpuid.h>
+#endif
 
 #include <algorithm>
 #include <atomic>
@@ -31,6 +34,25 @@ const QuantFormat* quant_format(int type) {
 }
 
 // ---- path selection ---------------------------------------------------------------------------
+
+namespace detail {
+int q4k_decode_rows_ahead() {
+#if defined(__x86_64__) && defined(__GNUC__)
+  static const int rows = [] {
+    unsigned eax, ebx, ecx, edx;
+    if (__get_cpuid(0, &eax, &ebx, &ecx, &edx) == 0) return 0;
+    const bool amd = ebx == 0x68747541u && edx == 0x69746e65u && ecx == 0x444d4163u;  // "AuthenticAMD"
+    if (!amd || __get_cpuid(1, &eax, &ebx, &ecx, &edx) == 0) return 0;
+    const unsigned base = (eax >> 8) & 0xfu, family = base == 0xfu ? base + ((eax >> 20) & 0xffu) : base;
+    return family >= 0x1au ? 2 : 0;  // Zen 5 and later
+  }();
+  return rows;
+#else
+  return 0;
+#endif
+}
+}  // namespace detail
+
 
 const char* quant_path_name(QuantPath path) {
   switch (path) {

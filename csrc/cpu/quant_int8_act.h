@@ -487,16 +487,19 @@ inline void int8_act_rows(const Int8Rows& a, const Int8Groups& groups, const uin
     constexpr bool kZmmRows = false;
 #endif
     const int64_t quarter = (n1 - n0) / 4;
-    // Q4_K's rows are prefetched two rows ahead of use in each of the 4 streams: its one-token
-    // product waited on its weight loads with the hardware prefetchers alone. On a 2-core Zen 5
-    // the Llama-1B-shaped Q4_K_M file decoded 28-29 -> 38-42 tok/s (bench/peer_cpu.py); the same
-    // hint for every format cut the Q8_0 stream to 0.65-0.75x and Q4_K_M's Q6_K rows too, so only
-    // Q4_K takes it.
-    constexpr int64_t kRowsAhead = F == kQuantTypeQ4_K ? 2 : 0;
+    // On Zen 5, Q4_K's rows are prefetched two rows ahead of use in each of the 4 streams: its
+    // one-token product waited on its weight loads with the hardware prefetchers alone, and the
+    // Llama-1B-shaped Q4_K_M file decoded 28-29 -> 38-42 tok/s on 2 cores (bench/peer_cpu.py);
+    // the same hint for every format cut the Q8_0 stream to 0.65-0.75x and Q4_K_M's Q6_K rows
+    // too, so only Q4_K takes it. On a Zen 4, whose 512-bit integer ops take two passes, the
+    // prefetch instructions themselves cost more than they hide: the same file's forward ran
+    // 1.28x faster without them (21.6 against 27.6 ms, forwards alternated in one process), and
+    // prefetching into L2 only was in between (24.4-24.9 ms). q4k_decode_rows_ahead() chooses.
+    static const int64_t rows_ahead = F == kQuantTypeQ4_K ? q4k_decode_rows_ahead() : 0;
     for (int64_t j = 0; j < quarter; ++j) {
-      if (kRowsAhead > 0 && j + kRowsAhead < quarter)
+      if (rows_ahead > 0 && j + rows_ahead < quarter)
         for (int r = 0; r < 4; ++r) {
-          const char* row = reinterpret_cast<const char*>(w + (n0 + j + kRowsAhead + r * quarter) * row_bytes);
+          const char* row = reinterpret_cast<const char*>(w + (n0 + j + rows_ahead + r * quarter) * row_bytes);
           for (int64_t off = 0; off < row_bytes; off += 64) __builtin_prefetch(row + off, 0, 3);
         }
       if constexpr (F == kQuantTypeQ4_K)

@@ -38,6 +38,10 @@ void int8_act_linear_avx512vnni(const Int8Rows& a, const uint8_t* w, int type, i
                                 int64_t k, int64_t n_out, float* out);
 bool cpu_has_avx512vnni();
 
+// Weight rows the one-token Q4_K int8 rows prefetch ahead of use in each of their 4 streams: 2 on
+// AMD Zen 5 and later (family 0x1A), 0 elsewhere (baseline code, decided once per process).
+int q4k_decode_rows_ahead();
+
 // out[K] = row K of ggml type `type`, dequantized as every panel kernel sees it (baseline code).
 void dequant_row(int type, const uint8_t* row, int64_t k, float* out);
 
