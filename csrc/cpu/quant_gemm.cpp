@@ -53,7 +53,6 @@ int q4k_decode_rows_ahead() {
 }
 }  // namespace detail
 
-
 const char* quant_path_name(QuantPath path) {
   switch (path) {
     case QuantPath::kAvx2: return "avx2";
