@@ -212,14 +212,8 @@ inline void dequant_q4_k_sub(const uint8_t* __restrict blk, float dl, float ml, 
 #endif
 }
 
-inline void dequant_q4_k(const uint8_t* __restrict blk, int sub, float* __restrict out) {  // out [32]
-  int sc, mn;
-  q4_k_scale_min(blk + 4, sub, sc, mn);
-  dequant_q4_k_sub(blk, half_to_float(blk) * static_cast<float>(sc), half_to_float(blk + 2) * static_cast<float>(mn),
-                   sub, out);
-}
-
-// Every sub-block's a = d * sc and b = dmin * mn of a Q4_K block: the products dequant_q4_k forms.
+// Every sub-block's a = d * sc and b = dmin * mn of a Q4_K block (gguf's products: sc and mn
+// widened exactly, each product rounded once).
 inline void q4_k_sub_scales(const uint8_t* __restrict blk, float* __restrict a, float* __restrict b) {  // a, b [8]
   const float d = half_to_float(blk), dmin = half_to_float(blk + 2);
 #if defined(__AVX2__)
@@ -352,19 +346,17 @@ inline void dequant_q6_k(const uint8_t* __restrict blk, int chunk, float* __rest
   dequant_q6_k_chunk(blk, half_to_float(blk + 208), chunk, out);
 }
 
-// Chunk `chunk` (elements 32*chunk .. 32*chunk+31) of a row in format F.
+// Chunk `chunk` (elements 32*chunk .. 32*chunk+31) of a row in format F (Q4_K goes by whole
+// super-blocks: dequant_q4_k_block).
 template <int F>
 inline void dequant_chunk(const uint8_t* __restrict row, int64_t chunk, float* __restrict out) {  // out [32]
-  constexpr int kQ4_0 = kQuantTypeQ4_0, kQ4_1 = kQuantTypeQ4_1, kQ8_0 = kQuantTypeQ8_0, kQ4_K = kQuantTypeQ4_K,
-                kQ6_K = kQuantTypeQ6_K;
+  constexpr int kQ4_0 = kQuantTypeQ4_0, kQ4_1 = kQuantTypeQ4_1, kQ8_0 = kQuantTypeQ8_0, kQ6_K = kQuantTypeQ6_K;
   if constexpr (F == kQ8_0) {
     dequant_q8_0(row + chunk * 34, out);
   } else if constexpr (F == kQ4_0) {
     dequant_q4_0(row + chunk * 18, out);
   } else if constexpr (F == kQ4_1) {
     dequant_q4_1(row + chunk * 20, out);
-  } else if constexpr (F == kQ4_K) {
-    dequant_q4_k(row + (chunk / 8) * 144, static_cast<int>(chunk % 8), out);
   } else {
     static_assert(F == kQ6_K, "unknown format");
     dequant_q6_k(row + (chunk / 8) * 210, static_cast<int>(chunk % 8), out);

@@ -104,7 +104,8 @@ void int8_quantize_row_256(const float* x, int64_t k, int8_t* q, float* d, int16
 
 void dequant_row(int type, const uint8_t* row, int64_t k, float* out) {
   dispatch_quant_format(type, [&](auto f) {
-    for (int64_t c = 0; c < k / kChunk; ++c) dequant_chunk<decltype(f)::value>(row, c, out + c * kChunk);
+    constexpr int F = decltype(f)::value;
+    for (int64_t u = 0; u < k / kDequantUnit<F>; ++u) dequant_unit<F>(row, u, out + u * kDequantUnit<F>);
   });
 }
 
