@@ -39,10 +39,10 @@ namespace detail {
 int q4k_decode_rows_ahead() {
 #if defined(__x86_64__) && defined(__GNUC__)
   static const int rows = [] {
+    __builtin_cpu_init();
     unsigned eax, ebx, ecx, edx;
-    if (__get_cpuid(0, &eax, &ebx, &ecx, &edx) == 0) return 0;
-    const bool amd = ebx == 0x68747541u && edx == 0x69746e65u && ecx == 0x444d4163u;  // "AuthenticAMD"
-    if (!amd || __get_cpuid(1, &eax, &ebx, &ecx, &edx) == 0) return 0;
+    // GCC 12 names AMD families only up to 0x19, so the family comes from cpuid leaf 1.
+    if (!__builtin_cpu_is("amd") || __get_cpuid(1, &eax, &ebx, &ecx, &edx) == 0) return 0;
     const unsigned base = (eax >> 8) & 0xfu, family = base == 0xfu ? base + ((eax >> 20) & 0xffu) : base;
     return family >= 0x1au ? 2 : 0;  // Zen 5 and later
   }();

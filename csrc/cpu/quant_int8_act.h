@@ -495,7 +495,7 @@ inline void int8_act_rows(const Int8Rows& a, const Int8Groups& groups, const uin
     // prefetch instructions themselves cost more than they hide: the same file's forward ran
     // 1.28x faster without them (21.6 against 27.6 ms, forwards alternated in one process), and
     // prefetching into L2 only was in between (24.4-24.9 ms). q4k_decode_rows_ahead() chooses.
-    static const int64_t rows_ahead = F == kQuantTypeQ4_K ? q4k_decode_rows_ahead() : 0;
+    const int64_t rows_ahead = F == kQuantTypeQ4_K ? q4k_decode_rows_ahead() : 0;
     for (int64_t j = 0; j < quarter; ++j) {
       if (rows_ahead > 0 && j + rows_ahead < quarter)
         for (int r = 0; r < 4; ++r) {
