@@ -173,7 +173,7 @@ def requests_of(case) -> tuple[list, list, list, list, list]:
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
-@pytest.mark.parametrize("heads,head_dim", [((9, 3), 64), ((8, 2), 80), ((5, 5), 20), ((7, 1), 128)])
+@pytest.mark.parametrize("heads,head_dim", [((9, 3), 64), ((8, 2), 80), ((10, 2), 64), ((5, 5), 20), ((7, 1), 128)])
 def test_ragged_attention_decodes_in_key_blocks(dtype, heads, head_dim):
     """Decodes over 1 to 3,000 keys (one to many 64-key blocks, with logits large enough that the
     blocks' maxima differ widely): every row against float64. And a decode's bits depend only on

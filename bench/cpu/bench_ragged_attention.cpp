@@ -5,7 +5,8 @@
 //    in shuffled order; large logits (running-max path); float and bf16; int32 and int64 indices.
 //    Exits 1 on any mismatch.
 // 2. Times SmolLM2-135M shapes (Hq=9, Hkv=3, D=64): 32 decodes with contexts U[16, 512], a
-//    prefill of 4 x 512 tokens, a mix of both, and one decode over 256 and over 1,024 keys;
+//    prefill of 4 x 512 tokens, a mix of both, one decode over 256, 1,024 and 8,192 keys, and 4 over
+//    4,096 keys;
 //    prints GFLOP/s and GB/s (K/V bytes read once per KV head) next to the measured ceilings. Both steps run on every float32 path the CPU
 //    has (the prefill tiles follow it; the avx512 lines are against the zmm FMA peak). Several copies of the KV pools (one per layer)
 //    are rotated so that K/V come from memory, as in a forward pass over all layers.
@@ -139,7 +140,7 @@ void perf(const char* dtype, const char* path, const bench::Ceilings& c) {
     std::vector<Req> reqs;
     bool invariant = false;
   };
-  std::vector<Case> cases(7);
+  std::vector<Case> cases(9);
   cases[0].name = "decode";
   for (int i = 0; i < 32; ++i) cases[0].reqs.push_back({1, rng.randint(16, 512)});
   cases[1].name = "prefill";
@@ -155,6 +156,9 @@ void perf(const char* dtype, const char* path, const bench::Ceilings& c) {
   // One stream: its key blocks are the only work there is to share out.
   cases[5] = {"1 decode, 256 keys", {{1, 256}}};
   cases[6] = {"1 decode, 1024 keys", {{1, 1024}}};
+  // Long contexts, where a decode is bound by streaming its K and V.
+  cases[7] = {"1 decode, 8192 keys", {{1, 8192}}};
+  cases[8] = {"4 decodes, 4096 keys", {{1, 4096}, {1, 4096}, {1, 4096}, {1, 4096}}};
   const size_t es = sizeof(T);
   for (const Case& cs : cases) {
     const Layout L = make_layout(cs.reqs, rng, 0);

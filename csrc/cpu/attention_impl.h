@@ -24,7 +24,6 @@
 #include <algorithm>
 #include <cstdint>
 #include <limits>
-#include <type_traits>
 
 #include "cpu_kernels.h"
 #include "gemm_impl.h"
@@ -58,12 +57,6 @@ void attend_tile_avx512(const AttnItem& it, const T* q, const T* k_cache, const 
 namespace {
 
 constexpr int64_t kKeyBlock = 64;  // keys per softmax block
-// How far ahead a decode hints its K and V rows: float32 rows are read where the score products
-// use them, 16 keys later; bf16 rows are converted a whole block of K at a time before them, so
-// the hint has to reach the next block (Zen 5, bf16 at 1,024 keys: 48-50 us per layer at 64
-// keys ahead, 56-59 at 16, 51-56 at 96).
-template <typename T>
-constexpr int64_t kPrefetchKeys = std::is_same<T, float>::value ? 16 : 64;
 constexpr float kNegInf = -std::numeric_limits<float>::infinity();
 // attend_tile's initial running max: finite (unlike -inf) so the rescale factor of the first
 // block needs no special case, and far below any real score.
@@ -251,11 +244,13 @@ void attend_rows(const AttnItem& it, const T* q, const T* k_cache, const T* v_ca
 // order. The arithmetic of a unit depends only on its keys, so a decode's bits depend only on its
 // own context, never on how the units are grouped into work items (the thread count, the other
 // requests): the grouping can follow the batch. One item covers a run of blocks and a range of KV
-// heads, blocks outer, and hints its K and V rows into cache kPrefetchKeys<T> keys ahead of the
-// score products, so only the first keys of an item wait on memory: few long items beat many
-// short ones. (A decode's K and V come from memory: a forward streams every layer's weights
-// between two reads of the same layer's cache. Without the hints, neither the per-head items of
-// attend_rows nor these ran above ~17 GB/s on a Zen 5.)
+// heads, blocks outer, and streams the next block's K and V slots into L2 while it computes the
+// current one, so only an item's first block waits on memory: few long items beat many short
+// ones. (A decode's K and V come from memory: a forward streams every layer's weights between
+// two reads of the same layer's cache.) The hints go to whole slots in address order, every
+// KV head at once: a KV head reads only D of every Hkv * D elements of a slot, and hints that
+// followed that pattern, 16 keys ahead of each head's products, left a Zen 4 reading K and V at
+// 10-13 GB/s of its 35; whole slots reached 22-31 GB/s.
 
 // A decode's per-block results: for block b and query head h, o[(b * Hq + h) * ldd + k] (the
 // unnormalised output, rows 64-byte aligned), mx[b * Hq + h] (the block's max score, log2
@@ -288,21 +283,28 @@ void attend_decode_blocks(int64_t t, int64_t kv_row0, int64_t n_keys, int64_t bl
   const int64_t keys_end = std::min(n_keys, blk1 * kKeyBlock);  // the item's last key + 1
   for (int64_t blk = blk0; blk < blk1; ++blk) {
     const int64_t j0 = blk * kKeyBlock, nj = std::min(kKeyBlock, n_keys - j0);
+    // The next block's K and V slots, streamed into L2 over this block's score products. An item
+    // of several blocks covers every KV head (ragged_attention), so they are two contiguous
+    // ranges of slots, read in address order.
+    PrefetchAhead next_k, next_v;
+    if (j0 + nj < keys_end) {
+      const int64_t bytes = std::min(kKeyBlock, keys_end - j0 - nj) * ld_kv * static_cast<int64_t>(sizeof(T));
+      next_k = PrefetchAhead(k_cache + (kv_row0 + j0 + nj) * ld_kv, bytes);
+      next_v = PrefetchAhead(v_cache + (kv_row0 + j0 + nj) * ld_kv, bytes);
+      const int64_t steps = (g1 - g0) * ((nj + 3) / 4);
+      next_k.plan(steps);
+      next_v.plan(steps);
+    }
     for (int64_t g = g0; g < g1; ++g) {
       const int64_t hq = g * r;  // the group's first query head
       int64_t ldk = 0;
       const float* kb = kv_block(k_cache + g * d, kv_row0 + j0, nj, ld_kv, d, kbuf, &ldk);
       // gemm_nt over 4 keys at a time (the same micro-kernels per element as one call), each
-      // group hinting this head's K and V rows kPrefetchKeys<T> ahead into cache: a burst of
-      // hints for a whole block at once stalled on the miss buffers and overlapped with nothing.
+      // group streaming a share of the next block.
       for (int64_t n = 0; n < nj; n += 4) {
-        const int64_t nn = std::min<int64_t>(4, nj - n);
-        const int64_t ahead = j0 + n + kPrefetchKeys<T>, n_ahead = std::min(nn, keys_end - ahead);
-        if (n_ahead > 0) {
-          prefetch_rows(k_cache + (kv_row0 + ahead) * ld_kv + g * d, n_ahead, ld_kv, d);
-          prefetch_rows(v_cache + (kv_row0 + ahead) * ld_kv + g * d, n_ahead, ld_kv, d);
-        }
-        gemm_nt(qs + (hq - h0) * ldd, ldd, kb + n * ldk, ldk, s + n, kKeyBlock, r, nn, d);
+        next_k.step();
+        next_v.step();
+        gemm_nt(qs + (hq - h0) * ldd, ldd, kb + n * ldk, ldk, s + n, kKeyBlock, r, std::min<int64_t>(4, nj - n), d);
       }
       float* o = res.o + (blk * n_q_heads + hq) * ldd;
       for (int64_t h = 0; h < r; ++h) {

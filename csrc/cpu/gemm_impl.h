@@ -24,6 +24,10 @@
 #pragma once
 #include <cstdint>
 
+#if defined(__AVX2__)
+#include <immintrin.h>
+#endif
+
 #include "vec.h"
 
 namespace orca {
@@ -118,11 +122,60 @@ inline float nt_1x1(const float* __restrict A, const float* __restrict B, int64_
   return c;
 }
 
+#if defined(__AVX2__)
+// R rows x 4 columns of C for K a multiple of 8, in ymm registers. The 4 accumulators of a row
+// are reduced together: three hadds and one add give its 4 sums, where `omp simd` reduces each
+// accumulator on its own. With D = 64 those reductions were most of a decode's score products.
+template <int R>
+inline void nt_rx4_ymm(const float* __restrict A, int64_t lda, const float* __restrict B, int64_t ldb, int64_t K,
+                       float* __restrict C, int64_t ldc) {
+  __m256 acc[R][4];
+#pragma GCC unroll 4
+  for (int i = 0; i < R; ++i)
+#pragma GCC unroll 4
+    for (int j = 0; j < 4; ++j) acc[i][j] = _mm256_setzero_ps();
+  for (int64_t k = 0; k < K; k += 8) {
+    const __m256 b0 = _mm256_loadu_ps(B + k), b1 = _mm256_loadu_ps(B + ldb + k);
+    const __m256 b2 = _mm256_loadu_ps(B + 2 * ldb + k), b3 = _mm256_loadu_ps(B + 3 * ldb + k);
+#pragma GCC unroll 4
+    for (int i = 0; i < R; ++i) {
+      const __m256 a = _mm256_loadu_ps(A + i * lda + k);
+      acc[i][0] = _mm256_fmadd_ps(a, b0, acc[i][0]);
+      acc[i][1] = _mm256_fmadd_ps(a, b1, acc[i][1]);
+      acc[i][2] = _mm256_fmadd_ps(a, b2, acc[i][2]);
+      acc[i][3] = _mm256_fmadd_ps(a, b3, acc[i][3]);
+    }
+  }
+#pragma GCC unroll 4
+  for (int i = 0; i < R; ++i) {
+    // hadd(x, y) = [x0+x1, x2+x3, y0+y1, y2+y3 | x4+x5, x6+x7, y4+y5, y6+y7], so after two levels
+    // lane j of each 128-bit half holds half of column j's sum.
+    const __m256 h01 = _mm256_hadd_ps(acc[i][0], acc[i][1]);
+    const __m256 h23 = _mm256_hadd_ps(acc[i][2], acc[i][3]);
+    const __m256 h = _mm256_hadd_ps(h01, h23);
+    _mm_storeu_ps(C + i * ldc, _mm_add_ps(_mm256_castps256_ps128(h), _mm256_extractf128_ps(h, 1)));
+  }
+}
+#endif
+
 // C[M, N] (leading dim ldc) = A[M, K] (lda) * B[N, K]^T (ldb). Columns of C are walked in
 // groups of 4 in the outer loop so the 4 rows of B stay in L1 while all rows of A pass by.
 inline void gemm_nt(const float* A, int64_t lda, const float* B, int64_t ldb, float* C,
                     int64_t ldc, int64_t M, int64_t N, int64_t K) {
   int64_t n = 0;
+#if defined(__AVX2__)
+  if (K % 8 == 0) {
+    for (; n + 4 <= N; n += 4) {
+      int64_t m = 0;
+      for (; m + 3 <= M; m += 3) nt_rx4_ymm<3>(A + m * lda, lda, B + n * ldb, ldb, K, C + m * ldc + n, ldc);
+      if (M - m == 2) {
+        nt_rx4_ymm<2>(A + m * lda, lda, B + n * ldb, ldb, K, C + m * ldc + n, ldc);
+      } else if (M - m == 1) {
+        nt_rx4_ymm<1>(A + m * lda, lda, B + n * ldb, ldb, K, C + m * ldc + n, ldc);
+      }
+    }
+  }
+#endif
   for (; n + 4 <= N; n += 4) {
     int64_t m = 0;
     for (; m + 3 <= M; m += 3) nt_3x4(A + m * lda, lda, B + n * ldb, ldb, K, C + m * ldc + n, ldc);
