@@ -222,6 +222,43 @@ def test_ragged_attention_decodes_in_key_blocks(dtype, heads, head_dim):
             assert torch.equal(run([i], False, threads)[i], batch[i]), f"decode over {contexts[i]} keys alone"
 
 
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("heads,head_dim", [((9, 3), 64), ((32, 8), 64), ((4, 4), 20), ((14, 2), 128)])
+def test_ragged_attention_batch_invariant_decodes_over_many_blocks_equal_prefill_rows(dtype, heads, head_dim):
+    """A batch-invariant decode is cut into key blocks that any thread may compute; merged in key
+    order, it gives the bits of the same row inside one long prefill, alone or beside other
+    decodes, on one thread or two, over contexts of up to 17 blocks."""
+    n_q, n_kv = heads
+    gen = torch.Generator().manual_seed(n_q + head_dim)
+    rng = random.Random(n_q * head_dim)
+    n_ctx = 1090
+    k_cache = (3 * torch.randn(n_ctx + 5, n_kv, head_dim, generator=gen)).to(dtype)
+    v_cache = torch.randn(n_ctx + 5, n_kv, head_dim, generator=gen).to(dtype)
+    q = (3 * torch.randn(n_ctx, n_q, head_dim, generator=gen)).to(dtype)
+    slab, scale = 5, 1.0 / math.sqrt(head_dim)
+
+    def run(rows: list[int], threads: int) -> torch.Tensor:
+        """Prompt rows as decodes (one request each, q_len 1 over kv_len row + 1), in one call."""
+        idx = [torch.tensor(v, dtype=torch.int32) for v in
+               (list(range(len(rows))), [1] * len(rows), [slab] * len(rows), [p + 1 for p in rows])]
+        before = torch.get_num_threads()
+        try:
+            torch.set_num_threads(threads)
+            return _C.ragged_attention(q[rows], k_cache, v_cache, *idx, scale, batch_invariant=True)
+        finally:
+            torch.set_num_threads(before)
+
+    idx = [torch.tensor([v], dtype=torch.int32) for v in (0, n_ctx, slab, n_ctx)]
+    whole = _C.ragged_attention(q, k_cache, v_cache, *idx, scale, batch_invariant=True)
+    picks = [n_ctx - 1, 1023, 1024, 640] + rng.sample(range(n_ctx - 1), 4)
+    for threads in (1, 2):
+        for p in picks[:4]:
+            assert torch.equal(run([p], threads)[0], whole[p]), f"decode at row {p} alone, {threads} thread(s)"
+        together = run(picks, threads)
+        for i, p in enumerate(picks):
+            assert torch.equal(together[i], whole[p]), f"decode at row {p} beside others, {threads} thread(s)"
+
+
 def test_ops_dispatch_uses_extension():
     assert ops.HAVE_EXTENSION
     case = make_ragged_case(2, ["decode", "prefill"], 2, 1, 64, torch.float32)

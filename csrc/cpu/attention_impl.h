@@ -1,25 +1,29 @@
-// The two ways ragged_attention processes one work item (request b, KV head g, a tile of
-// consecutive query rows with all R = Hq/Hkv query heads of the group). Both are
-// flash-attention style over key blocks with an online softmax in float32, in the log2
-// domain (queries are pre-scaled by scale*log2(e), so exp becomes exp2).
+// The ways ragged_attention processes one work item (request b, KV head g, a tile of
+// consecutive query rows with all R = Hq/Hkv query heads of the group, or a run of a decode's
+// key blocks). All are flash-attention style over 64-key blocks with softmax statistics in
+// float32, in the log2 domain (queries are pre-scaled by scale*log2(e), so exp becomes exp2).
 //
-//  * attend_rows -- for few query vectors (decodes: M = R). S = Q K^T as dot products over D
-//    (3x4 register-blocked), softmax along each row, O += P V.
+//  * attend_rows -- for few query vectors (short prompt chunks). S = Q K^T row-major, softmax
+//    along each row, O += P V.
+//  * attend_decode_blocks + decode_merge -- for decodes (one query row): every (block, KV head)
+//    unit computes its own statistics and output, on whichever thread, and the blocks are merged
+//    in key order afterwards.
 //  * attend_tile -- for many query vectors (prefill tiles, M up to 64). Everything is kept
 //    transposed so the vector axis is the query axis m: S^T = K Q^T, the softmax statistics
-//    are per-lane vectors, O^T += V^T P^T. Both products are then "broadcast one element, FMA
+//    are per-lane vectors, O^T = V^T P^T. Both products are then "broadcast one element, FMA
 //    a row of 32 queries" with no horizontal sums, which a dot product over a short D (64)
 //    cannot avoid. The transposes happen once per item (Q in, O out), not per key block.
 //
 // Batch invariance: attend_tile's arithmetic for a query row is that row's own (its lane never
-// mixes with another), so it does not depend on which rows share the tile. attend_rows<T, true>
-// repeats that arithmetic operation for operation in row-major form -- scores as FMA chains over
-// d in order (keys transposed so the vector axis is the key axis), the running sum as
-// sum * corr followed by the probabilities added in key order, the output scaled by corr every
-// block -- so a row gets the same bits on either path. attend_rows<T, false> keeps the faster
-// dot-product scores and vector sums, whose rounding differs: without batch_invariant, a prompt
-// row computed in a short chunk (row path) can differ in the last bits from the same row in a
-// long one (tile path).
+// mixes with another), so it does not depend on which rows share the tile, and it is written in
+// block-local form: each key block gets its own max, sum and output, folded into the running
+// state by merge_block in key order. attend_rows<T, true> and attend_decode_blocks<T, true>
+// repeat that arithmetic operation for operation in row-major form (scores as FMA chains over d
+// in order against K^T, sums added in key order; "the batch-invariant order" below), so a row
+// gets the same bits on every path, and a decode's blocks can be spread over the threads as its
+// batch allows. The <T, false> forms keep the faster dot-product scores and vector sums, whose
+// rounding differs: without batch_invariant, a prompt row computed in a short chunk (row path)
+// can differ in the last bits from the same row in a long one (tile path).
 #pragma once
 #include <algorithm>
 #include <cstdint>
@@ -136,28 +140,68 @@ inline void softmax_row(float* __restrict s, int64_t nj, int64_t valid, float* _
   *mx = m_new;
 }
 
-// softmax_row in attend_tile's operation order (see the header comment): the running sum is
-// scaled by corr first (kept out of an FMA with the first addition, as in attend_tile where the
-// two happen in separate loops), then the probabilities are added one key at a time.
-inline void softmax_row_tile_order(float* __restrict s, int64_t nj, int64_t valid, float* __restrict mx,
-                                   float* __restrict l, float* __restrict o, int64_t d) {
-  if (valid <= 0) {  // a fully masked block changes neither max, sum nor output
-    for (int64_t j = 0; j < nj; ++j) s[j] = 0.0f;
-    return;
-  }
-  float m_new = *mx;
-  for (int64_t j = 0; j < valid; ++j) m_new = std::max(m_new, s[j]);
-  const float corr = exp2_nonpos(*mx - m_new);
-  float sum = no_contract(*l * corr);
-  *mx = m_new;
-  for (int64_t j = 0; j < valid; ++j) s[j] = exp2_nonpos(s[j] - m_new);
-  for (int64_t j = valid; j < nj; ++j) s[j] = 0.0f;
-  for (int64_t j = 0; j < valid; ++j) sum += s[j];
-  *l = sum;
-  for (int64_t k = 0; k < d; ++k) o[k] *= corr;
+// ---- the batch-invariant order: block-local statistics, merged in key order -------------
+//
+// In the batch-invariant mode every query row is computed with the same float32 operations on
+// each path (attend_tile, attend_rows<T, true>, attend_decode_blocks<T, true> + decode_merge):
+// per 64-key block, the scores as FMA chains over d; the block's own max over the visible keys;
+// p = exp2(s - max); the block's sum of p added in key order; its unnormalised output as FMA
+// chains over the keys in order; then merge_block folds the block into the running state. A
+// block's results depend only on its keys, so a decode can compute its blocks on any threads
+// and merge them afterwards with the bits a prefill tile gives the same row.
+
+// s[j] = exp2(s[j] - m) for j < n (m >= every s[j]); returns their sum, added in key order.
+inline float exp2_shifted_sum_in_order(float* __restrict s, int64_t n, float m) {
+  for (int64_t j = 0; j < n; ++j) s[j] = exp2_nonpos(s[j] - m);
+  float sum = 0.0f;
+  for (int64_t j = 0; j < n; ++j) sum += s[j];
+  return sum;
 }
 
-template <typename T, bool kTileOrder>
+// For rows h < r of s (ld apart, n keys each, a max per row in bmax[h]): exp2_shifted_sum_in_order
+// of every row, written to sum[h]. Four rows' additions are interleaved: each row's sum is still
+// added in key order, but four chains of dependent additions overlap instead of running one
+// after another.
+inline void exp2_shifted_sums_in_order(float* __restrict s, int64_t ld, int64_t r, int64_t n,
+                                       const float* __restrict bmax, float* __restrict sum) {
+  for (int64_t h = 0; h < r; ++h)
+    for (int64_t j = 0; j < n; ++j) s[h * ld + j] = exp2_nonpos(s[h * ld + j] - bmax[h]);
+  int64_t h = 0;
+  for (; h + 4 <= r; h += 4) {
+    const float* s0 = s + h * ld;
+    float a0 = 0.0f, a1 = 0.0f, a2 = 0.0f, a3 = 0.0f;
+    for (int64_t j = 0; j < n; ++j) {
+      a0 += s0[j];
+      a1 += s0[ld + j];
+      a2 += s0[2 * ld + j];
+      a3 += s0[3 * ld + j];
+    }
+    sum[h] = a0;
+    sum[h + 1] = a1;
+    sum[h + 2] = a2;
+    sum[h + 3] = a3;
+  }
+  for (; h < r; ++h) {
+    float a = 0.0f;
+    for (int64_t j = 0; j < n; ++j) a += s[h * ld + j];
+    sum[h] = a;
+  }
+}
+
+// One block folded into a row's running state (max *mx, sum *l, unnormalised output o[0..d)):
+// both sides rescaled to the larger max. The products go straight into fmadd, so no contraction
+// can round them differently on another path. The state starts as {kTileInitMax, 0, 0}; a block
+// with no visible key (max -inf, sum 0, output 0) leaves it unchanged.
+inline void merge_block(float* __restrict mx, float* __restrict l, float* __restrict o, float bmax, float bsum,
+                        const float* __restrict ob, int64_t d) {
+  const float m_new = std::max(*mx, bmax);
+  const float a = exp2_nonpos(*mx - m_new), b = exp2_nonpos(bmax - m_new);
+  *l = fmadd(*l, a, bsum * b);
+  for (int64_t k = 0; k < d; ++k) o[k] = fmadd(o[k], a, ob[k] * b);
+  *mx = m_new;
+}
+
+template <typename T, bool kInOrder>
 void attend_rows(const AttnItem& it, const T* q, const T* k_cache, const T* v_cache, T* out, int64_t n_q_heads,
                  int64_t n_kv_heads, int64_t d, float qscale) {
   const int64_t r = it.r;
@@ -165,15 +209,18 @@ void attend_rows(const AttnItem& it, const T* q, const T* k_cache, const T* v_ca
   const int64_t ld_kv = n_kv_heads * d;
   // Scratch rows are padded to 64-byte multiples (ldd) so vector loads stay aligned.
   const int64_t ldd = padded_ld(d);
-  float* qs = thread_scratch(0, static_cast<size_t>(m_rows * ldd));        // [M, D]
-  float* o = thread_scratch(1, static_cast<size_t>(m_rows * ldd));         // [M, D]
-  float* ml = thread_scratch(2, static_cast<size_t>(2 * m_rows));          // max | sum
+  float* qs = thread_scratch(0, static_cast<size_t>(m_rows * ldd));                         // [M, D]
+  float* o = thread_scratch(1, static_cast<size_t>((kInOrder ? 2 : 1) * m_rows * ldd));     // [M, D]
+  float* ob = o + m_rows * ldd;                                  // in order: one block's P V [M, D]
+  float* stats = thread_scratch(2, static_cast<size_t>(4 * m_rows));
   float* s = thread_scratch(3, static_cast<size_t>(m_rows * kKeyBlock));   // [M, KB]
   float* kbuf = thread_scratch(4, static_cast<size_t>(kKeyBlock * ldd));   // bf16 only
   float* vbuf = thread_scratch(5, static_cast<size_t>(kKeyBlock * ldd));   // bf16 only
-  float* kt = kTileOrder ? thread_scratch(6, static_cast<size_t>(d * kKeyBlock)) : nullptr;  // [D, KB] K^T
-  float* mx = ml;
-  float* lsum = ml + m_rows;
+  float* kt = kInOrder ? thread_scratch(6, static_cast<size_t>(d * kKeyBlock)) : nullptr;  // [D, KB] K^T
+  float* mx = stats;                 // running max
+  float* lsum = stats + m_rows;      // running sum
+  float* bmax = stats + 2 * m_rows;  // in order: the block's own max and sum
+  float* bsum = stats + 3 * m_rows;
 
   // The r heads of one token are contiguous in q; head h of query row i is row i*r + h of qs.
   for (int64_t i = 0; i < it.nq; ++i) {
@@ -186,7 +233,7 @@ void attend_rows(const AttnItem& it, const T* q, const T* k_cache, const T* v_ca
   }
   for (int64_t k = 0; k < m_rows * ldd; ++k) o[k] = 0.0f;
   for (int64_t m = 0; m < m_rows; ++m) {
-    mx[m] = kTileOrder ? kTileInitMax : kNegInf;
+    mx[m] = kInOrder ? kTileInitMax : kNegInf;
     lsum[m] = 0.0f;
   }
 
@@ -201,27 +248,34 @@ void attend_rows(const AttnItem& it, const T* q, const T* k_cache, const T* v_ca
     }
     int64_t ldk = 0;
     const float* kb = kv_block(k_head, it.kv_row0 + j0, nj, ld_kv, d, kbuf, &ldk);
-    if constexpr (kTileOrder) {
+    if constexpr (kInOrder) {
       // S[m][j] = sum_d Q[m][d] K[j][d] as an FMA chain over d, vectorized over keys.
       transpose(kb, ldk, nj, d, kt, kKeyBlock);
-      for (int64_t m = 0; m < m_rows; ++m)
-        for (int64_t j = 0; j < nj; ++j) s[m * kKeyBlock + j] = 0.0f;
-      gemm_nn_acc(qs, ldd, 1, kt, kKeyBlock, s, kKeyBlock, m_rows, d, nj);
+      gemm_nn(qs, ldd, 1, kt, kKeyBlock, s, kKeyBlock, m_rows, d, nj);
     } else {
       gemm_nt(qs, ldd, kb, ldk, s, kKeyBlock, m_rows, nj, d);
     }
     for (int64_t m = 0; m < m_rows; ++m) {
       const int64_t last = it.first_last + m / r;  // last visible key of this row
       const int64_t valid = std::min(nj, last - j0 + 1);
-      if constexpr (kTileOrder) {
-        softmax_row_tile_order(s + m * kKeyBlock, nj, valid, mx + m, lsum + m, o + m * ldd, d);
+      float* sm = s + m * kKeyBlock;
+      if constexpr (kInOrder) {
+        bmax[m] = valid > 0 ? block_max(sm, valid) : kNegInf;
+        bsum[m] = valid > 0 ? exp2_shifted_sum_in_order(sm, valid, bmax[m]) : 0.0f;
+        for (int64_t j = std::max<int64_t>(valid, 0); j < nj; ++j) sm[j] = 0.0f;
       } else {
-        softmax_row(s + m * kKeyBlock, nj, valid, mx + m, lsum + m, o + m * ldd, d);
+        softmax_row(sm, nj, valid, mx + m, lsum + m, o + m * ldd, d);
       }
     }
     int64_t ldv = 0;
     const float* vb = kv_block(v_head, it.kv_row0 + j0, nj, ld_kv, d, vbuf, &ldv);
-    gemm_nn_acc(s, kKeyBlock, 1, vb, ldv, o, ldd, m_rows, nj, d);
+    if constexpr (kInOrder) {
+      gemm_nn(s, kKeyBlock, 1, vb, ldv, ob, ldd, m_rows, nj, d);
+      for (int64_t m = 0; m < m_rows; ++m)
+        if (bmax[m] != kNegInf) merge_block(mx + m, lsum + m, o + m * ldd, bmax[m], bsum[m], ob + m * ldd, d);
+    } else {
+      gemm_nn_acc(s, kKeyBlock, 1, vb, ldv, o, ldd, m_rows, nj, d);
+    }
   }
 
   for (int64_t i = 0; i < it.nq; ++i) {
@@ -263,8 +317,9 @@ struct DecodeBlocks {
 };
 
 // Blocks [blk0, blk1) of the decode whose query row is q[t] and whose n_keys keys start at slot
-// kv_row0, for KV heads [g0, g1).
-template <typename T>
+// kv_row0, for KV heads [g0, g1). kInOrder: the batch-invariant order (scores as FMA chains over
+// d against K^T, sums in key order), else dot-product scores and vector sums.
+template <typename T, bool kInOrder>
 void attend_decode_blocks(int64_t t, int64_t kv_row0, int64_t n_keys, int64_t blk0, int64_t blk1, int64_t g0,
                           int64_t g1, const T* q, const T* k_cache, const T* v_cache, const DecodeBlocks& res,
                           int64_t n_q_heads, int64_t n_kv_heads, int64_t d, float qscale) {
@@ -272,10 +327,13 @@ void attend_decode_blocks(int64_t t, int64_t kv_row0, int64_t n_keys, int64_t bl
   const int64_t ld_kv = n_kv_heads * d;
   const int64_t ldd = padded_ld(d);
   const int64_t h0 = g0 * r, nh = (g1 - g0) * r;  // the item's query heads
+  // Keys per score step: gemm_nt's 4-key micro-kernels, or 16 columns of K^T.
+  constexpr int64_t kStepKeys = kInOrder ? 16 : 4;
   float* qs = thread_scratch(0, static_cast<size_t>(nh * ldd));            // [nh, D]
   float* s = thread_scratch(3, static_cast<size_t>(r * kKeyBlock));        // [r, KB]
   float* kbuf = thread_scratch(4, static_cast<size_t>(kKeyBlock * ldd));   // bf16 only
   float* vbuf = thread_scratch(5, static_cast<size_t>(kKeyBlock * ldd));   // bf16 only
+  float* kt = kInOrder ? thread_scratch(6, static_cast<size_t>(d * kKeyBlock)) : nullptr;  // [D, KB] K^T
   for (int64_t h = 0; h < nh; ++h) {
     const T* src = q + (t * n_q_heads + h0 + h) * d;
     for (int64_t k = 0; k < d; ++k) qs[h * ldd + k] = to_float(src[k]) * qscale;
@@ -291,53 +349,56 @@ void attend_decode_blocks(int64_t t, int64_t kv_row0, int64_t n_keys, int64_t bl
       const int64_t bytes = std::min(kKeyBlock, keys_end - j0 - nj) * ld_kv * static_cast<int64_t>(sizeof(T));
       next_k = PrefetchAhead(k_cache + (kv_row0 + j0 + nj) * ld_kv, bytes);
       next_v = PrefetchAhead(v_cache + (kv_row0 + j0 + nj) * ld_kv, bytes);
-      const int64_t steps = (g1 - g0) * ((nj + 3) / 4);
+      const int64_t steps = (g1 - g0) * ((nj + kStepKeys - 1) / kStepKeys);
       next_k.plan(steps);
       next_v.plan(steps);
     }
     for (int64_t g = g0; g < g1; ++g) {
       const int64_t hq = g * r;  // the group's first query head
+      const float* qg = qs + (hq - h0) * ldd;
       int64_t ldk = 0;
       const float* kb = kv_block(k_cache + g * d, kv_row0 + j0, nj, ld_kv, d, kbuf, &ldk);
-      // gemm_nt over 4 keys at a time (the same micro-kernels per element as one call), each
-      // group streaming a share of the next block.
-      for (int64_t n = 0; n < nj; n += 4) {
+      if constexpr (kInOrder) transpose(kb, ldk, nj, d, kt, kKeyBlock);
+      // The scores a step of keys at a time (the same arithmetic per element as one call), each
+      // step streaming a share of the next block.
+      for (int64_t n = 0; n < nj; n += kStepKeys) {
         next_k.step();
         next_v.step();
-        gemm_nt(qs + (hq - h0) * ldd, ldd, kb + n * ldk, ldk, s + n, kKeyBlock, r, std::min<int64_t>(4, nj - n), d);
+        const int64_t nn = std::min(kStepKeys, nj - n);
+        if constexpr (kInOrder) {
+          gemm_nn(qg, ldd, 1, kt + n, kKeyBlock, s + n, kKeyBlock, r, d, nn);
+        } else {
+          gemm_nt(qg, ldd, kb + n * ldk, ldk, s + n, kKeyBlock, r, nn, d);
+        }
       }
       float* o = res.o + (blk * n_q_heads + hq) * ldd;
-      for (int64_t h = 0; h < r; ++h) {
-        float* sh = s + h * kKeyBlock;
-        const float bmax = block_max(sh, nj);
-        res.mx[blk * n_q_heads + hq + h] = bmax;
-        res.sum[blk * n_q_heads + hq + h] = exp2_shifted_sum(sh, nj, bmax);
-        for (int64_t k = 0; k < d; ++k) o[h * ldd + k] = 0.0f;
+      float* bmax = res.mx + blk * n_q_heads + hq;
+      float* bsum = res.sum + blk * n_q_heads + hq;
+      for (int64_t h = 0; h < r; ++h) bmax[h] = block_max(s + h * kKeyBlock, nj);
+      if constexpr (kInOrder) {
+        exp2_shifted_sums_in_order(s, kKeyBlock, r, nj, bmax, bsum);
+      } else {
+        for (int64_t h = 0; h < r; ++h) bsum[h] = exp2_shifted_sum(s + h * kKeyBlock, nj, bmax[h]);
       }
       int64_t ldv = 0;
       const float* vb = kv_block(v_cache + g * d, kv_row0 + j0, nj, ld_kv, d, vbuf, &ldv);
-      gemm_nn_acc(s, kKeyBlock, 1, vb, ldv, o, ldd, r, nj, d);
+      gemm_nn(s, kKeyBlock, 1, vb, ldv, o, ldd, r, nj, d);
     }
   }
 }
 
-// out[t, h, :] for query heads [h0, h1) of a decode of n_blocks blocks: the blocks' outputs and
-// sums rescaled to the largest max and added in block order, then divided by the sum.
+// out[t, h, :] for query heads [h0, h1) of a decode of n_blocks blocks: the blocks folded into
+// the running state in key order (merge_block), then divided by the sum.
 template <typename T>
 void decode_merge(int64_t t, int64_t n_blocks, int64_t h0, int64_t h1, const DecodeBlocks& res, T* out,
                   int64_t n_q_heads, int64_t d) {
   float* acc = thread_scratch(1, static_cast<size_t>(d));
   for (int64_t h = h0; h < h1; ++h) {
-    float m = kNegInf;
-    for (int64_t b = 0; b < n_blocks; ++b) m = std::max(m, res.mx[b * n_q_heads + h]);
+    float mx = kTileInitMax, sum = 0.0f;
     for (int64_t k = 0; k < d; ++k) acc[k] = 0.0f;
-    float sum = 0.0f;
-    for (int64_t b = 0; b < n_blocks; ++b) {
-      const float w = exp2_nonpos(res.mx[b * n_q_heads + h] - m);
-      sum += res.sum[b * n_q_heads + h] * w;
-      const float* ob = res.o + (b * n_q_heads + h) * res.ldd;
-      for (int64_t k = 0; k < d; ++k) acc[k] += ob[k] * w;
-    }
+    for (int64_t b = 0; b < n_blocks; ++b)
+      merge_block(&mx, &sum, acc, res.mx[b * n_q_heads + h], res.sum[b * n_q_heads + h],
+                  res.o + (b * n_q_heads + h) * res.ldd, d);
     const float inv = 1.0f / sum;  // sum >= 1: the block holding the max contributes 1
     T* dst = out + (t * n_q_heads + h) * d;
     for (int64_t k = 0; k < d; ++k) dst[k] = from_float<T>(acc[k] * inv);
@@ -356,15 +417,18 @@ void attend_tile(const AttnItem& it, const T* q, const T* k_cache, const T* v_ca
   const int64_t ld_kv = n_kv_heads * d;
   const int64_t ldd = padded_ld(d);
   float* qt = thread_scratch(0, static_cast<size_t>(d * mp));          // [D, Mp]  Q^T
-  float* ot = thread_scratch(1, static_cast<size_t>(d * mp));          // [D, Mp]  O^T
+  float* ot = thread_scratch(1, static_cast<size_t>(2 * d * mp));      // [D, Mp]  O^T
+  float* obt = ot + d * mp;                                            // [D, Mp]  one block's (P V)^T
   float* st = thread_scratch(3, static_cast<size_t>(kKeyBlock * mp));  // [KB, Mp] S^T, then P^T
   float* kbuf = thread_scratch(4, static_cast<size_t>(kKeyBlock * ldd));
   float* vbuf = thread_scratch(5, static_cast<size_t>(kKeyBlock * ldd));
-  float* stats = thread_scratch(2, static_cast<size_t>(4 * mp));
+  float* stats = thread_scratch(2, static_cast<size_t>(6 * mp));
   float* mx = stats;               // running max
   float* lsum = stats + mp;        // running sum
-  float* m_new = stats + 2 * mp;
-  float* corr = stats + 3 * mp;
+  float* bmax = stats + 2 * mp;    // the block's own max and sum
+  float* bsum = stats + 3 * mp;
+  float* wa = stats + 4 * mp;      // merge weights of the running state and of the block
+  float* wb = stats + 5 * mp;
   // Last visible key per lane (int32: the masks are integer compares, see keep_if).
   int32_t* last = thread_scratch<int32_t>(0, static_cast<size_t>(mp));
 
@@ -389,45 +453,53 @@ void attend_tile(const AttnItem& it, const T* q, const T* k_cache, const T* v_ca
     const int64_t nj = std::min(kKeyBlock, it.n_keys - j0);
     int64_t ldk = 0;
     const float* kb = kv_block(k_head, it.kv_row0 + j0, nj, ld_kv, d, kbuf, &ldk);
-    for (int64_t k = 0; k < nj * mp; ++k) st[k] = 0.0f;
-    gemm_nn_acc<Shape>(kb, ldk, 1, qt, mp, st, mp, nj, d, mp);  // S^T[j][m] = sum_d K[j][d] Q^T[d][m]
+    gemm_nn<Shape>(kb, ldk, 1, qt, mp, st, mp, nj, d, mp);  // S^T[j][m] = sum_d K[j][d] Q^T[d][m]
 
-    // Keys past the first row's limit are masked for some lanes: only the diagonal blocks.
+    // Keys past the first row's limit are masked for some lanes: only the diagonal blocks. The
+    // block's statistics per lane (merge_block's order, see above), over its visible keys; a lane
+    // that sees none has max -inf, and min(., 0) keeps its masked exponents finite.
     const bool masked = j0 + nj - 1 > first_last;
-    for (int64_t m = 0; m < mp; ++m) m_new[m] = mx[m];
+    for (int64_t m = 0; m < mp; ++m) {
+      bmax[m] = kNegInf;
+      bsum[m] = 0.0f;
+    }
     for (int64_t j = 0; j < nj; ++j) {
       const float* sj = st + j * mp;
       const int32_t key = static_cast<int32_t>(j0 + j);
       if (masked) {
-        for (int64_t m = 0; m < mp; ++m) m_new[m] = std::max(m_new[m], key <= last[m] ? sj[m] : kNegInf);
+        for (int64_t m = 0; m < mp; ++m) bmax[m] = std::max(bmax[m], key <= last[m] ? sj[m] : kNegInf);
       } else {
-        for (int64_t m = 0; m < mp; ++m) m_new[m] = std::max(m_new[m], sj[m]);
+        for (int64_t m = 0; m < mp; ++m) bmax[m] = std::max(bmax[m], sj[m]);
       }
-    }
-    // In the first block mx is still kTileInitMax and corr underflows to ~1e-38, harmless
-    // because l and O are still zero.
-    for (int64_t m = 0; m < mp; ++m) {
-      corr[m] = exp2_nonpos(mx[m] - m_new[m]);
-      lsum[m] *= corr[m];
-      mx[m] = m_new[m];
     }
     for (int64_t j = 0; j < nj; ++j) {
       float* sj = st + j * mp;
       const int32_t key = static_cast<int32_t>(j0 + j);
       if (masked) {
-        for (int64_t m = 0; m < mp; ++m) sj[m] = keep_if(exp2_nonpos(sj[m] - m_new[m]), key <= last[m]);
+        for (int64_t m = 0; m < mp; ++m)
+          sj[m] = keep_if(exp2_nonpos(std::min(sj[m] - bmax[m], 0.0f)), key <= last[m]);
       } else {
-        for (int64_t m = 0; m < mp; ++m) sj[m] = exp2_nonpos(sj[m] - m_new[m]);
+        for (int64_t m = 0; m < mp; ++m) sj[m] = exp2_nonpos(sj[m] - bmax[m]);
       }
-      for (int64_t m = 0; m < mp; ++m) lsum[m] += sj[m];
-    }
-    for (int64_t k = 0; k < d; ++k) {
-      float* ok = ot + k * mp;
-      for (int64_t m = 0; m < mp; ++m) ok[m] *= corr[m];
+      for (int64_t m = 0; m < mp; ++m) bsum[m] += sj[m];
     }
     int64_t ldv = 0;
     const float* vb = kv_block(v_head, it.kv_row0 + j0, nj, ld_kv, d, vbuf, &ldv);
-    gemm_nn_acc<Shape>(vb, 1, ldv, st, mp, ot, mp, d, nj, mp);  // O^T[d][m] += sum_j V[j][d] P^T[j][m]
+    gemm_nn<Shape>(vb, 1, ldv, st, mp, obt, mp, d, nj, mp);  // (P V)^T[d][m] = sum_j V[j][d] P^T[j][m]
+
+    // merge_block, lane-wise.
+    for (int64_t m = 0; m < mp; ++m) {
+      const float m_new = std::max(mx[m], bmax[m]);
+      wa[m] = exp2_nonpos(mx[m] - m_new);
+      wb[m] = exp2_nonpos(bmax[m] - m_new);
+      lsum[m] = fmadd(lsum[m], wa[m], bsum[m] * wb[m]);
+      mx[m] = m_new;
+    }
+    for (int64_t k = 0; k < d; ++k) {
+      float* ok = ot + k * mp;
+      const float* bk = obt + k * mp;
+      for (int64_t m = 0; m < mp; ++m) ok[m] = fmadd(ok[m], wa[m], bk[m] * wb[m]);
+    }
   }
 
   for (int64_t m = 0; m < m_rows; ++m) lsum[m] = 1.0f / lsum[m];

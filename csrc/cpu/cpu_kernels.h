@@ -88,13 +88,13 @@ void rope_slab_write(const T* qkv,      // [T, (Hq + 2*Hkv) * D]: q heads, then 
 // Request b owns query rows q[q_start[b] .. q_start[b]+q_len[b]); they are the last q_len[b]
 // positions of its kv_len[b]-token context at k_cache[kv_start[b] ..]. Row i attends to context
 // positions 0 .. kv_len[b]-q_len[b]+i. Head h reads KV head h / (Hq/Hkv). Softmax in float32
-// with a running max. The caller has validated every index.
-// batch_invariant: a few query rows (decodes, short prompt chunks) take a row-major path that
-// repeats the prefill tiles' arithmetic operation for operation, so every row's result depends
-// only on its own context, never on its batch-mates or on the prompt chunk it is in. Without it,
-// that path rounds differently (dot products and vector sums) and is somewhat faster, and a decode
-// is computed in independent 64-key blocks merged in key order (attention_impl.h), whose bits
-// depend only on its own kv_len, whatever the batch or the thread count.
+// over 64-key blocks merged in key order. The caller has validated every index.
+// A decode is computed in independent 64-key blocks merged in key order (attention_impl.h), so
+// its bits depend only on its own kv_len, whatever the batch or the thread count.
+// batch_invariant: short prompt chunks and decodes repeat the prefill tiles' arithmetic operation
+// for operation, so every row's result depends only on its own context, never on its batch-mates
+// or on the prompt chunk it is in. Without it, they round differently (dot products and vector
+// sums) and are somewhat faster.
 template <typename T, typename I>
 void ragged_attention(const T* q,         // [T, Hq, D]
                       const T* k_cache,   // [S, Hkv, D]

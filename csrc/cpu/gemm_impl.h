@@ -208,13 +208,14 @@ struct NnZmm {
   static constexpr int kRows = 4, kCols = 64;
 };
 
-// MR rows of O, NC consecutive columns starting at O (and V), all J rows of V.
-template <int MR, int NC>
+// MR rows of O, NC consecutive columns starting at O (and V), all J rows of V. kAccumulate:
+// O += P V, else O = P V (the chains start at zero without reading O).
+template <int MR, int NC, bool kAccumulate>
 inline void nn_block(const float* __restrict P, int64_t p_rs, int64_t p_cs, const float* __restrict V,
                      int64_t ldv, int64_t J, float* __restrict O, int64_t ldo) {
   float acc[MR][NC];
   for (int i = 0; i < MR; ++i)
-    for (int l = 0; l < NC; ++l) acc[i][l] = O[i * ldo + l];
+    for (int l = 0; l < NC; ++l) acc[i][l] = kAccumulate ? O[i * ldo + l] : 0.0f;
   for (int64_t j = 0; j < J; ++j) {
     const float* v = V + j * ldv;
     // Without the unroll pragmas GCC keeps acc[MR][16] on the stack (a load, an FMA and a store
@@ -232,27 +233,40 @@ inline void nn_block(const float* __restrict P, int64_t p_rs, int64_t p_cs, cons
 }
 
 // Columns [n0, N) of MR rows that are not a multiple of 16 wide: a plain row update.
-template <int MR>
+template <int MR, bool kAccumulate>
 inline void nn_tail(const float* __restrict P, int64_t p_rs, int64_t p_cs, const float* __restrict V,
                     int64_t ldv, int64_t J, float* __restrict O, int64_t ldo, int64_t n0, int64_t N) {
-  for (int i = 0; i < MR; ++i)
+  for (int i = 0; i < MR; ++i) {
+    float* o = O + i * ldo;
+    if (!kAccumulate)
+      for (int64_t n = n0; n < N; ++n) o[n] = 0.0f;
     for (int64_t j = 0; j < J; ++j) {
       const float p = P[i * p_rs + j * p_cs];
       const float* v = V + j * ldv;
-      float* o = O + i * ldo;
       for (int64_t n = n0; n < N; ++n) o[n] = fmadd(p, v[n], o[n]);
     }
+  }
 }
 
-template <class Shape, int MR>
+template <class Shape, int MR, bool kAccumulate>
 inline void nn_rows(const float* P, int64_t p_rs, int64_t p_cs, const float* V, int64_t ldv, int64_t J,
                     float* O, int64_t ldo, int64_t N) {
   int64_t n = 0;
-  for (; n + Shape::kCols <= N; n += Shape::kCols) nn_block<MR, Shape::kCols>(P, p_rs, p_cs, V + n, ldv, J, O + n, ldo);
+  for (; n + Shape::kCols <= N; n += Shape::kCols)
+    nn_block<MR, Shape::kCols, kAccumulate>(P, p_rs, p_cs, V + n, ldv, J, O + n, ldo);
   if constexpr (Shape::kCols > 32)
-    for (; n + 32 <= N; n += 32) nn_block<MR, 32>(P, p_rs, p_cs, V + n, ldv, J, O + n, ldo);
-  for (; n + 16 <= N; n += 16) nn_block<MR, 16>(P, p_rs, p_cs, V + n, ldv, J, O + n, ldo);
-  if (n < N) nn_tail<MR>(P, p_rs, p_cs, V, ldv, J, O, ldo, n, N);
+    for (; n + 32 <= N; n += 32) nn_block<MR, 32, kAccumulate>(P, p_rs, p_cs, V + n, ldv, J, O + n, ldo);
+  for (; n + 16 <= N; n += 16) nn_block<MR, 16, kAccumulate>(P, p_rs, p_cs, V + n, ldv, J, O + n, ldo);
+  if (n < N) nn_tail<MR, kAccumulate>(P, p_rs, p_cs, V, ldv, J, O, ldo, n, N);
+}
+
+template <class Shape, bool kAccumulate>
+inline void gemm_nn_impl(const float* P, int64_t p_rs, int64_t p_cs, const float* V, int64_t ldv, float* O,
+                         int64_t ldo, int64_t M, int64_t J, int64_t N) {
+  int64_t m = 0;
+  for (; m + Shape::kRows <= M; m += Shape::kRows)
+    nn_rows<Shape, Shape::kRows, kAccumulate>(P + m * p_rs, p_rs, p_cs, V, ldv, J, O + m * ldo, ldo, N);
+  for (; m < M; ++m) nn_rows<Shape, 1, kAccumulate>(P + m * p_rs, p_rs, p_cs, V, ldv, J, O + m * ldo, ldo, N);
 }
 
 // O[M, N] (ldo) += P(M, J) * V[J, N] (ldv), P(i, j) = P[i * p_rs + j * p_cs].
@@ -261,10 +275,14 @@ inline void nn_rows(const float* P, int64_t p_rs, int64_t p_cs, const float* V, 
 template <class Shape = NnYmm>
 inline void gemm_nn_acc(const float* P, int64_t p_rs, int64_t p_cs, const float* V, int64_t ldv, float* O,
                         int64_t ldo, int64_t M, int64_t J, int64_t N) {
-  int64_t m = 0;
-  for (; m + Shape::kRows <= M; m += Shape::kRows)
-    nn_rows<Shape, Shape::kRows>(P + m * p_rs, p_rs, p_cs, V, ldv, J, O + m * ldo, ldo, N);
-  for (; m < M; ++m) nn_rows<Shape, 1>(P + m * p_rs, p_rs, p_cs, V, ldv, J, O + m * ldo, ldo, N);
+  gemm_nn_impl<Shape, true>(P, p_rs, p_cs, V, ldv, O, ldo, M, J, N);
+}
+
+// O = P V: gemm_nn_acc's chains started at zero, the same bits as zeroing O first.
+template <class Shape = NnYmm>
+inline void gemm_nn(const float* P, int64_t p_rs, int64_t p_cs, const float* V, int64_t ldv, float* O, int64_t ldo,
+                    int64_t M, int64_t J, int64_t N) {
+  gemm_nn_impl<Shape, false>(P, p_rs, p_cs, V, ldv, O, ldo, M, J, N);
 }
 
 }  // namespace

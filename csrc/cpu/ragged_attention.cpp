@@ -3,14 +3,15 @@
 //
 // Work decomposition: one work item = (request b, KV head g, tile of consecutive query rows).
 // The item handles all R = Hq/Hkv query heads that share KV head g together, so every K/V row
-// it touches is read once per group. Without batch invariance a decode is different: its work
-// is a set of independent (64-key block, KV head) units, and an item is a run of blocks over
-// every KV head, or one block of a few heads when there are fewer blocks than threads; a second
-// pass merges each decode's blocks. Items are sorted longest-first and handed out dynamically,
-// so a few long prefills and many short decodes balance over the threads.
+// it touches is read once per group. A decode is different: its work is a set of independent
+// (64-key block, KV head) units, and an item is a run of blocks over every KV head, or one block
+// of a few heads when there are fewer blocks than threads; a second pass merges each decode's
+// blocks. Items are sorted longest-first and handed out dynamically, so a few long prefills and
+// many short decodes balance over the threads.
 // The per-item math is in attention_impl.h: row-major for a few query vectors, key blocks for
 // decodes, query-vectorized tiles for many (prefills), the tiles in 16-lane registers on the
-// `avx512` float32 path (attention_tile_avx512.cpp).
+// `avx512` float32 path (attention_tile_avx512.cpp). With batch_invariant, the rows and the
+// decode blocks follow the tiles' order of operations, so a row's bits do not depend on the path.
 #include <omp.h>
 
 #include <algorithm>
@@ -67,9 +68,9 @@ void ragged_attention(const T* q,         // [T, Hq, D]
   const int64_t r = n_q_heads / n_kv_heads;
   const int64_t qt = std::max<int64_t>(1, kTileRows / r);  // query rows per item
   const int64_t ldd = detail::padded_ld(head_dim);
-  // Decodes in key blocks: their bits do not depend on the grouping, which batch invariance
-  // would allow too, but they differ from the tile path's (which that mode promises to match).
-  const bool block_decodes = !batch_invariant && r < kMinTileRows;
+  // Decodes in key blocks, whose bits do not depend on the grouping; in the batch-invariant mode
+  // in the order that gives the tile path's bits (attention_impl.h).
+  const bool block_decodes = r < kMinTileRows;
 
   std::vector<WorkItem> items;
   std::vector<Decode> decodes;
@@ -140,9 +141,11 @@ void ragged_attention(const T* q,         // [T, Hq, D]
       const WorkItem& w = items[static_cast<size_t>(n)];
       if (w.d >= 0) {
         const Decode& dec = decodes[static_cast<size_t>(w.d)];
-        detail::attend_decode_blocks(static_cast<int64_t>(q_start[w.b]), static_cast<int64_t>(kv_start[w.b]),
-                                     static_cast<int64_t>(kv_len[w.b]), w.i0, w.blk1, w.g, w.g1, q, k_cache, v_cache,
-                                     results(dec), n_q_heads, n_kv_heads, head_dim, qscale);
+        const auto attend = batch_invariant ? detail::attend_decode_blocks<T, true>
+                                            : detail::attend_decode_blocks<T, false>;
+        attend(static_cast<int64_t>(q_start[w.b]), static_cast<int64_t>(kv_start[w.b]),
+               static_cast<int64_t>(kv_len[w.b]), w.i0, w.blk1, w.g, w.g1, q, k_cache, v_cache, results(dec),
+               n_q_heads, n_kv_heads, head_dim, qscale);
         continue;
       }
       const int64_t ql = static_cast<int64_t>(q_len[w.b]);
