@@ -22,6 +22,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # a checkout without an install
 
 from orca_ext.benchmarks.throughput import make_workload, run_orca_engine  # noqa: E402
+from orca_ext.config import EngineConfig  # noqa: E402
 
 
 def main(argv=None) -> int:
@@ -49,9 +50,9 @@ def main(argv=None) -> int:
         runs: dict[bool, list[float]] = {False: [], True: []}
         for rep in range(args.repeat):
             for invariant in (False, True):
-                kw = dict(model=model, device="cpu", dtype=dtype, n_slots=8192, batch_invariant=invariant,
-                          max_num_batched_tokens=None)
-                r = run_orca_engine(kw, jobs, "orca", args.max_batch_size, progress=False)
+                config = EngineConfig(device="cpu", dtype=dtype, n_slots=8192, batch_invariant=invariant,
+                                      max_num_batched_tokens=None)
+                r = run_orca_engine(model, config, jobs, "orca", args.max_batch_size, progress=False)
                 runs[invariant].append(r["output_tokens_per_s"])
                 print(f"  [{rep + 1}/{args.repeat}] {dtype} batch_invariant={invariant}: "
                       f"{r['output_tokens_per_s']:.1f} output tok/s")

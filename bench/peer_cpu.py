@@ -5,6 +5,10 @@ Per dtype (float32 <-> GGUF F32, bfloat16 <-> GGUF BF16) and per round, each sys
   * one stream: one request, a 128-token prompt, 128 output tokens. Decode tok/s is measured the
     same way for both, over the tokens after the first (llama-server: its own `timings`, ours:
     first-token to finish time), next to the end-to-end rate;
+  * one stream over a long context (--stream-contexts N ...): the same with a prompt of N random
+    tokens, so that each decode step reads N tokens of K and V. llama-server gets a context of
+    N + 256 and keeps K and V in our precision (-ctk/-ctv f32 or bf16; by default it keeps them in
+    f16, which at short contexts makes no measurable difference);
   * batches: N requests with prompts and outputs U[16,128] (random ids, EOS ignored), all sent at
     t = 0, with the batch limit 16 and 32 (our max_batch_size; llama-server --parallel). Reports
     output tok/s and the cores the system kept busy (CPU seconds per wall second of the run).
@@ -42,7 +46,8 @@ The GGUFs are converted from our float32 checkpoint by that tree's convert_hf_to
         [--dtypes float32 bfloat16] [--ggufs FILE.gguf ...] [--quant-activations float32 int8] [--rounds 2] \\
         [--out bench/out/peer_cpu.json]
 --ggufs runs both engines on the same quantized file as shipped (the bytes per token of the read
-bound are then the file's tensor bytes).
+bound are then the file's tensor bytes); --gguf-dtypes bfloat16 runs ours with bf16 activations and
+KV on it too (llama.cpp's long-context streams then keep K and V in bf16).
 """
 from __future__ import annotations
 
@@ -264,11 +269,14 @@ def free_port() -> int:
 
 
 class LlamaServer:
-    def __init__(self, binary: Path, gguf: Path, parallel: int, threads: int, ctx_per_slot: int = 512):
+    def __init__(self, binary: Path, gguf: Path, parallel: int, threads: int, ctx_per_slot: int = 512,
+                 kv_type: Optional[str] = None):
         self.port = free_port()
         cmd = [str(binary), "-m", str(gguf), "--host", "127.0.0.1", "--port", str(self.port), "-t", str(threads),
                "-tb", str(threads), "--parallel", str(parallel), "-c", str(parallel * ctx_per_slot),
                "--cont-batching", "--no-webui", "--log-disable"]
+        if kv_type is not None:
+            cmd += ["-ctk", kv_type, "-ctv", kv_type]
         self.proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
         deadline = time.time() + 120
         while time.time() < deadline:
@@ -305,8 +313,9 @@ class LlamaServer:
         self.close()
 
 
-def llama(binary: Path, gguf: Path, threads: int, batch: int, jobs, stream: bool) -> dict:
-    with LlamaServer(binary, gguf, batch, threads) as server:
+def llama(binary: Path, gguf: Path, threads: int, batch: int, jobs, stream: bool, ctx_per_slot: int = 512,
+          kv_type: Optional[str] = None) -> dict:
+    with LlamaServer(binary, gguf, batch, threads, ctx_per_slot, kv_type) as server:
         server.complete(jobs[0][0][:8], 4)  # warm-up
         with CpuMeter(server.proc.pid) as meter:
             with concurrent.futures.ThreadPoolExecutor(max_workers=len(jobs)) as pool:
@@ -337,10 +346,14 @@ def main(argv=None) -> int:
                    help="GGUF files both engines serve as they are (ours: blocks, float32 activations), "
                         "e.g. the embedded SmolLM2-135M-Instruct.Q4_1.gguf; a name that is not a file here "
                         "is read from --gguf-cache")
+    p.add_argument("--gguf-dtypes", nargs="+", default=["float32"], choices=list(GGUF_TYPES),
+                   help="our activation and KV precision for each --ggufs file (one row group each)")
     p.add_argument("--quant-activations", nargs="+", default=["float32"], choices=["float32", "int8"],
                    help="our products of each --ggufs file: float32 and/or int8 activations (one row group "
                         "each; llama.cpp runs once per file, beside the first)")
     p.add_argument("--batch-limits", type=int, nargs="*", default=[16, 32], help="none: single streams only")
+    p.add_argument("--stream-contexts", type=int, nargs="*", default=[],
+                   help="prompt lengths of extra single streams over a long context (none by default)")
     p.add_argument("--prompt-lengths", type=int, nargs="*", default=[512, 2048],
                    help="prompt-processing rows (llama-bench -p N); none: skip them")
     p.add_argument("--pp-reps", type=int, default=3,
@@ -364,6 +377,7 @@ def main(argv=None) -> int:
     special = set(load_tokenizer(args.model).all_special_ids)
     jobs = batch_workload(args.requests, 0, spec.vocab_size, special)
     single = [(stream_prompt(0, spec.vocab_size, special), 128)]
+    long_streams = {n: [(prompt_ids(n, 7 * n, spec.vocab_size, special), 128)] for n in args.stream_contexts}
 
     binary = args.llama_dir / "build" / "bin" / "llama-server" if args.llama_dir else None
     if binary is not None and not binary.exists():
@@ -376,11 +390,14 @@ def main(argv=None) -> int:
     precisions = [Precision(d, args.model, d, convert_gguf(args.llama_dir, args.model, d, args.gguf_cache)
                             if binary else None) for d in args.dtypes]
     ggufs = [resolve_gguf(g, args.gguf_cache) for g in args.ggufs]
-    precisions += [Precision(g.name if acts == "float32" else f"{g.name}+{acts}", str(g), "float32",
-                             g if binary and i == 0 else None, gguf_weight_bytes(g), acts)
-                   for g in ggufs for i, acts in enumerate(args.quant_activations)]
+    precisions += [Precision(g.name + ("" if dt == "float32" else f"@{dt}") + ("" if acts == "float32" else f"+{acts}"),
+                             str(g), dt, g if binary and i == 0 else None, gguf_weight_bytes(g), acts)
+                   for g in ggufs for dt in args.gguf_dtypes for i, acts in enumerate(args.quant_activations)]
 
-    cases = [("stream", 1, single)] + [(f"batch{b}", b, jobs) for b in args.batch_limits]
+    # (name, batch limit, requests, context per llama.cpp slot, whether llama.cpp keeps K and V in our precision)
+    cases = [("stream", 1, single, 512, False)]
+    cases += [(f"stream{n}", 1, work, n + 256, True) for n, work in long_streams.items()]
+    cases += [(f"batch{b}", b, jobs, 512, False) for b in args.batch_limits]
     runs: dict[str, list[dict]] = {}
     ceilings = []
     for rnd in range(args.rounds):
@@ -388,14 +405,16 @@ def main(argv=None) -> int:
         log.info("round %d: streaming read %.1f GB/s", rnd + 1, ceilings[-1])
         for prec in precisions:
             dtype = prec.label
-            for case, limit, work in cases:
+            for case, limit, work, ctx_per_slot, same_kv in cases:
+                stream = case.startswith("stream")
                 if case == "stream":  # the ceiling right next to the runs it bounds
                     ceilings.append(read_bandwidth_gbs())
-                systems = [("ours", lambda: ours(prec.our_model, prec.our_dtype, limit, work, case == "stream",
+                systems = [("ours", lambda: ours(prec.our_model, prec.our_dtype, limit, work, stream,
                                                  prec.quant_activations))]
                 if prec.llama_gguf is not None:
+                    kv_type = GGUF_TYPES[prec.our_dtype] if same_kv else None
                     systems.append(("llama.cpp", lambda: llama(binary, prec.llama_gguf, args.threads, limit, work,
-                                                               case == "stream")))
+                                                               stream, ctx_per_slot, kv_type)))
                 if rnd % 2:
                     systems.reverse()
                 for name, fn in systems:
@@ -420,7 +439,6 @@ def main(argv=None) -> int:
                     log.info("  %-9s pp%-6d %-9s %s tok/s", dtype, n, name,
                              " ".join(f"{r['tok_s']:.1f}" for r in reps))
 
-    context = 128 + 64  # mean context of the single stream's decode steps
     report = dict(date=time.strftime("%Y-%m-%d %H:%M"), machine=platform.processor() or platform.machine(),
                   cpu_count=os.cpu_count(), threads=args.threads, torch=torch.__version__, model=args.model,
                   requests=args.requests, rounds=args.rounds, pp_reps=args.pp_reps,
@@ -430,8 +448,9 @@ def main(argv=None) -> int:
         dtype, case, name = key.split("/")
         prec = by_label[dtype]
         entry = dict(tok_s=summarize([r["tok_s"] for r in rs]), cores_busy=summarize([r["cores_busy"] for r in rs]))
-        if case == "stream":
+        if case.startswith("stream"):
             entry["decode_tok_s"] = summarize([r["decode_tok_s"] for r in rs])
+            context = int(case[len("stream"):] or 128) + 64  # mean context of the stream's decode steps
             bytes_per_token = decode_bytes_per_token(args.model, prec.our_dtype, context, prec.weight_bytes)
             entry["bytes_per_token"] = bytes_per_token
             entry["bound_tok_s"] = statistics.median(ceilings) * 1e9 / bytes_per_token
