@@ -150,17 +150,9 @@ inline void softmax_row(float* __restrict s, int64_t nj, int64_t valid, float* _
 // block's results depend only on its keys, so a decode can compute its blocks on any threads
 // and merge them afterwards with the bits a prefill tile gives the same row.
 
-// s[j] = exp2(s[j] - m) for j < n (m >= every s[j]); returns their sum, added in key order.
-inline float exp2_shifted_sum_in_order(float* __restrict s, int64_t n, float m) {
-  for (int64_t j = 0; j < n; ++j) s[j] = exp2_nonpos(s[j] - m);
-  float sum = 0.0f;
-  for (int64_t j = 0; j < n; ++j) sum += s[j];
-  return sum;
-}
-
-// For rows h < r of s (ld apart, n keys each, a max per row in bmax[h]): exp2_shifted_sum_in_order
-// of every row, written to sum[h]. Four rows' additions are interleaved: each row's sum is still
-// added in key order, but four chains of dependent additions overlap instead of running one
+// For rows h < r of s (ld apart, n keys each, bmax[h] >= every score of row h):
+// s[h][j] = exp2(s[h][j] - bmax[h]), and sum[h] = their sum, added in key order. Four rows'
+// additions are interleaved: four chains of dependent additions overlap instead of running one
 // after another.
 inline void exp2_shifted_sums_in_order(float* __restrict s, int64_t ld, int64_t r, int64_t n,
                                        const float* __restrict bmax, float* __restrict sum) {
@@ -261,7 +253,8 @@ void attend_rows(const AttnItem& it, const T* q, const T* k_cache, const T* v_ca
       float* sm = s + m * kKeyBlock;
       if constexpr (kInOrder) {
         bmax[m] = valid > 0 ? block_max(sm, valid) : kNegInf;
-        bsum[m] = valid > 0 ? exp2_shifted_sum_in_order(sm, valid, bmax[m]) : 0.0f;
+        bsum[m] = 0.0f;
+        if (valid > 0) exp2_shifted_sums_in_order(sm, kKeyBlock, 1, valid, bmax + m, bsum + m);
         for (int64_t j = std::max<int64_t>(valid, 0); j < nj; ++j) sm[j] = 0.0f;
       } else {
         softmax_row(sm, nj, valid, mx + m, lsum + m, o + m * ldd, d);
