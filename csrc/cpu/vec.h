@@ -71,14 +71,6 @@ inline float exp2_nonpos(float x) {
 // micro-kernels, so all scratch operands use padded rows and aligned buffers.
 inline int64_t padded_ld(int64_t n) { return (n + 15) & ~int64_t{15}; }
 
-// x, opaque to the optimiser: a product passed through here is rounded on its own and never
-// fused into an FMA with a later addition (GCC contracts a*b + c across statements under its
-// default -ffp-contract=fast). Used where two code paths must round identically.
-inline float no_contract(float x) {
-  asm volatile("" : "+m"(x));
-  return x;
-}
-
 // x if keep, else +0.0f, with integer bit masking. The obvious `keep ? x : 0.0f` (or
 // `x * (keep ? 1.f : 0.f)`) makes GCC move floating-point work into the branches, where under
 // the default -ftrapping-math it "could trap", so the loop is not if-converted or vectorized.
