@@ -2,11 +2,11 @@
 
 16 fixed chat prompts x 32 greedy tokens (EOS ignored), one Server per model; a prompt counts
 as changed when its 32 token ids differ from the float32 folder's anywhere, and the first
-differing position is reported. --activations int8 serves the files with the mode
-int8_quant_activations (activations rounded per 32-block to int8 in the Q8_0/Q4_0/Q4_1 products);
-the float32 reference always runs with float32 activations.
+differing position is reported. --activations sets the Server's quant_activations for the files
+(int8: activations rounded per 32-block, per 256-block for Q4_K/Q6_K, in the products; auto: int8
+for Q4_K/Q6_K only); the float32 reference always runs with float32 activations.
 
-    python bench/greedy_formats.py [--models a.gguf b.gguf ...] [--activations float32 int8]
+    python bench/greedy_formats.py [--models a.gguf b.gguf ...] [--activations float32 auto int8]
         [--out bench/out/greedy_formats.json]
 """
 from __future__ import annotations
@@ -25,18 +25,12 @@ PROMPTS = [
 ]
 
 
-def run(model: str, quantization: str, int8_activations: bool = False) -> list[list[int]]:
-    from orca_ext import modes
-
-    with modes.using(int8_quant_activations=int8_activations):
-        return _run(model, quantization)
-
-
-def _run(model: str, quantization: str) -> list[list[int]]:
-    from orca_ext import SamplingParams, Server
+def run(model: str, quantization: str, quant_activations: str = "float32") -> list[list[int]]:
+    from orca_ext import SamplingParams, Server, modes
 
     params = SamplingParams(max_tokens=32, ignore_eos=True)
-    with Server(model, device="cpu", dtype="float32", quantization=quantization, n_slots=4096) as server:
+    with modes.using(), Server(model, device="cpu", dtype="float32", quantization=quantization,
+                               quant_activations=quant_activations, n_slots=4096) as server:
         prompts = [server.tokenizer.apply_chat_template([{"role": "user", "content": p}], tokenize=False,
                                                         add_generation_prompt=True) for p in PROMPTS]
         return [list(o.token_ids) for o in server.generate(prompts, params)]
@@ -47,14 +41,14 @@ def main(argv: list[str] | None = None) -> None:
 
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--models", nargs="*", default=None)
-    p.add_argument("--activations", nargs="+", default=["float32"], choices=["float32", "int8"])
+    p.add_argument("--activations", nargs="+", default=["float32"], choices=["auto", "float32", "int8"])
     p.add_argument("--out", type=Path, default=None)
     args = p.parse_args(argv)
     reference = run(str(default_model_path()), "none")
     rows = []
     for model in args.models or [str(default_gguf_path())]:
         for acts in args.activations:
-            got = run(model, "auto", int8_activations=acts == "int8")
+            got = run(model, "auto", quant_activations=acts)
             first = [next((i for i, (a, b) in enumerate(zip(g, r)) if a != b), None) for g, r in zip(got, reference)]
             changed = [i for i, f in enumerate(first) if f is not None]
             rows.append({"model": Path(model).name, "activations": acts, "changed": len(changed), "of": len(PROMPTS),

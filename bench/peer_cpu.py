@@ -43,7 +43,7 @@ the compiler drop those stores. Adding -DCMAKE_C_FLAGS="-mno-amx-tile -mno-amx-i
 The GGUFs are converted from our float32 checkpoint by that tree's convert_hf_to_gguf.py (cached).
 
     python bench/peer_cpu.py --llama-dir /tmp/llamacpp/llama_cpp_python-0.3.36/vendor/llama.cpp \\
-        [--dtypes float32 bfloat16] [--ggufs FILE.gguf ...] [--quant-activations float32 int8] [--rounds 2] \\
+        [--dtypes float32 bfloat16] [--ggufs FILE.gguf ...] [--quant-activations auto float32 int8] [--rounds 2] \\
         [--out bench/out/peer_cpu.json]
 --ggufs runs both engines on the same quantized file as shipped (the bytes per token of the read
 bound are then the file's tensor bytes); --gguf-dtypes bfloat16 runs ours with bf16 activations and
@@ -82,7 +82,7 @@ class Precision:
     ours only)."""
 
     def __init__(self, label: str, our_model: str, our_dtype: str, llama_gguf: Optional[Path],
-                 weight_bytes: Optional[float] = None, quant_activations: str = "float32"):
+                 weight_bytes: Optional[float] = None, quant_activations: str = "auto"):
         self.label, self.our_model, self.our_dtype, self.llama_gguf = label, our_model, our_dtype, llama_gguf
         self.weight_bytes = weight_bytes  # bytes of weights one decode step reads (None: from the dtype)
         self.quant_activations = quant_activations  # EngineConfig.quant_activations for our side
@@ -188,7 +188,7 @@ def stream_prompt(seed: int, vocab: int, special: set[int]) -> list[int]:
 
 
 # -- our engine -----------------------------------------------------------------------------------
-def ours(model_dir: str, dtype: str, batch: int, jobs, stream: bool, quant_activations: str = "float32") -> dict:
+def ours(model_dir: str, dtype: str, batch: int, jobs, stream: bool, quant_activations: str = "auto") -> dict:
     from orca_ext import SamplingParams, Server
 
     with Server(model_dir, device="cpu", dtype=dtype, max_batch_size=batch,
@@ -207,7 +207,7 @@ def ours(model_dir: str, dtype: str, batch: int, jobs, stream: bool, quant_activ
     return r
 
 
-def ours_prompt(model_dir: str, dtype: str, prompts: list[list[int]], quant_activations: str = "float32") -> list[dict]:
+def ours_prompt(model_dir: str, dtype: str, prompts: list[list[int]], quant_activations: str = "auto") -> list[dict]:
     """Prompt processing: the first prompt untimed (warm-up at full length), then each further one
     timed alone, as one request with a single output token."""
     from orca_ext import SamplingParams, Server
@@ -343,13 +343,13 @@ def main(argv=None) -> int:
     p.add_argument("--model", default=None, help="checkpoint folder (default: the embedded SmolLM2-135M-Instruct)")
     p.add_argument("--dtypes", nargs="*", default=["float32", "bfloat16"], choices=list(GGUF_TYPES))
     p.add_argument("--ggufs", nargs="*", type=Path, default=[],
-                   help="GGUF files both engines serve as they are (ours: blocks, float32 activations), "
+                   help="GGUF files both engines serve as they are (ours: blocks, --quant-activations), "
                         "e.g. the embedded SmolLM2-135M-Instruct.Q4_1.gguf; a name that is not a file here "
                         "is read from --gguf-cache")
     p.add_argument("--gguf-dtypes", nargs="+", default=["float32"], choices=list(GGUF_TYPES),
                    help="our activation and KV precision for each --ggufs file (one row group each)")
-    p.add_argument("--quant-activations", nargs="+", default=["float32"], choices=["float32", "int8"],
-                   help="our products of each --ggufs file: float32 and/or int8 activations (one row group "
+    p.add_argument("--quant-activations", nargs="+", default=["auto"], choices=["auto", "float32", "int8"],
+                   help="our products of each --ggufs file (EngineConfig.quant_activations; one row group "
                         "each; llama.cpp runs once per file, beside the first)")
     p.add_argument("--batch-limits", type=int, nargs="*", default=[16, 32], help="none: single streams only")
     p.add_argument("--stream-contexts", type=int, nargs="*", default=[],
@@ -390,7 +390,7 @@ def main(argv=None) -> int:
     precisions = [Precision(d, args.model, d, convert_gguf(args.llama_dir, args.model, d, args.gguf_cache)
                             if binary else None) for d in args.dtypes]
     ggufs = [resolve_gguf(g, args.gguf_cache) for g in args.ggufs]
-    precisions += [Precision(g.name + ("" if dt == "float32" else f"@{dt}") + ("" if acts == "float32" else f"+{acts}"),
+    precisions += [Precision(g.name + ("" if dt == "float32" else f"@{dt}") + ("" if acts == "auto" else f"+{acts}"),
                              str(g), dt, g if binary and i == 0 else None, gguf_weight_bytes(g), acts)
                    for g in ggufs for dt in args.gguf_dtypes for i, acts in enumerate(args.quant_activations)]
 

@@ -11,8 +11,9 @@ every window ("all positions") is printed as well.
 
 Per model file, our side runs with --quantization auto (blocks) and, with --compare-none, none
 (dequantized at load: the float path on the same numbers). --activations picks the products of
-the blocks: float32 (the default), int8 (the mode int8_quant_activations: activations rounded per
-32-block to int8, as llama.cpp's quantized dot products do), or both (one column each). The llama.cpp side runs when
+the blocks (the mode quant_activations): float32 (the default), int8 (activations rounded per
+32-block, per 256-block for Q4_K/Q6_K, to int8, as llama.cpp's quantized dot products do), auto
+(int8 for Q4_K/Q6_K only), or several (one column each). The llama.cpp side runs when
 --llama-bin names a folder holding llama-perplexity.
 
 Formats other than the embedded Q4_1: --make-formats Q8_0 Q4_0 Q4_K_M converts our float32
@@ -74,11 +75,11 @@ def llama_tokens(llama_bin: Path, model_path: str, text: str) -> list[int]:
 
 @torch.inference_mode()
 def our_perplexity(model_path: str, text: str, ctx: int, quantization: str, max_windows: int | None,
-                   ids: list[int] | None = None, int8_activations: bool = False) -> dict:
+                   ids: list[int] | None = None, quant_activations: str = "float32") -> dict:
     """`ids`: the text's tokens from elsewhere (llama.cpp's), else our tokenizer's."""
     from orca_ext import modes
 
-    with modes.using(int8_quant_activations=int8_activations):
+    with modes.using(quant_activations=quant_activations):
         return _our_perplexity(model_path, text, ctx, quantization, max_windows, ids)
 
 
@@ -172,8 +173,8 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--llama-tokens", action="store_true",
                    help="score llama.cpp's tokenization of the text (llama-server /tokenize) instead of ours; "
                         "the tokenizers split some whitespace runs differently")
-    p.add_argument("--activations", nargs="+", default=["float32"], choices=["float32", "int8"],
-                   help="products of the blocks: float32 activations, int8 (int8_quant_activations), or both")
+    p.add_argument("--activations", nargs="+", default=["float32"], choices=["float32", "int8", "auto"],
+                   help="products of the blocks (the mode quant_activations): float32, int8, auto, or several")
     p.add_argument("--cache", type=Path, default=cache_root() / "perplexity")
     p.add_argument("--out", type=Path, default=None)
     args = p.parse_args(argv)
@@ -193,8 +194,8 @@ def main(argv: list[str] | None = None) -> None:
         ids = llama_tokens(args.llama_bin, path, text) if args.llama_tokens else None
         row = {"model": name, "path": path, "tokens": "llama.cpp" if ids else "ours"}
         for acts in args.activations:
-            row["ours" if acts == "float32" else "ours_int8"] = our_perplexity(
-                path, text, args.ctx, "auto", args.max_windows, ids, int8_activations=acts == "int8")
+            row["ours" if acts == "float32" else f"ours_{acts}"] = our_perplexity(
+                path, text, args.ctx, "auto", args.max_windows, ids, quant_activations=acts)
         if args.compare_none:
             row["ours_dequantized"] = our_perplexity(path, text, args.ctx, "none", args.max_windows, ids)
         if binary is not None:
@@ -207,7 +208,7 @@ def main(argv: list[str] | None = None) -> None:
     for r in rows:
         d = r.get("ours_dequantized", {}).get("ppl")
         ll = r.get("llama_cpp", {}).get("ppl")
-        for key, acts in (("ours", "float32"), ("ours_int8", "int8")):
+        for key, acts in (("ours", "float32"), ("ours_int8", "int8"), ("ours_auto", "auto")):
             if key not in r:
                 continue
             o = r[key]["ppl"]

@@ -94,7 +94,7 @@ class EngineConfig:
     prefix_caching: bool = True                         # reuse finished requests' KV for shared prompt prefixes
     prefix_cache_block_size: int = DEFAULT_BLOCK_SIZE   # tokens per key of the prefix index
     quantization: str = "auto"                          # GGUF weights: 'auto' (blocks as stored) | 'none' (dequantize)
-    quant_activations: str = "float32"                  # CPU products of GGUF blocks: 'float32' | 'int8'
+    quant_activations: str = "auto"                     # CPU products of GGUF blocks: 'auto' | 'float32' | 'int8'
 
     def __post_init__(self) -> None:
         for name in ("max_batch_size", "max_undelivered_outputs", "tensor_parallel_size",

@@ -6,10 +6,14 @@ and read by the ops and the model's forward, instead of flags threaded through e
     fused_rope_on_cpu    CPU layers without a q/k norm run rope and the KV write as one kernel
                          (bit-identical to the two steps; benchmarks compare the two)
     huge_pages           CPU weights and KV pools live in transparent huge pages (Linux)
-    int8_quant_activations  CPU products of quantized weights (Q8_0/Q4_0/Q4_1/Q4_K/Q6_K) quantize
-                         each activation row to int8 (per 32-block; Q4_K/Q6_K per 256-block)
-                         and take integer dot products, as llama.cpp does (docs/DESIGN.md
-                         section 4); CUDA is unaffected
+    quant_activations    what the CPU products of quantized weights multiply: "float32"
+                         activations, "int8" (each activation row rounded per 32-block, per
+                         256-block for Q4_K/Q6_K, with integer dot products, as llama.cpp does),
+                         or "auto" (int8 for Q4_K/Q6_K, float32 for Q8_0/Q4_0/Q4_1);
+                         quant/formats.py, docs/DESIGN.md section 4. CUDA is unaffected
+
+The defaults here are the kernels' plainest arithmetic; a Server sets the modes from its
+EngineConfig, whose defaults differ (batch invariance on CPUs, quant_activations="auto").
 
 `set_modes` replaces the process's modes; `using(**changes)` overrides some of them for a block
 (benchmarks and tests that compare both settings in one process) and restores them after.
@@ -23,6 +27,8 @@ import logging
 import threading
 from typing import Iterator
 
+from .quant.formats import QUANT_ACTIVATIONS
+
 log = logging.getLogger(__name__)
 
 
@@ -31,12 +37,15 @@ class Modes:
     batch_invariant: bool = False
     fused_rope_on_cpu: bool = True
     huge_pages: bool = True
-    int8_quant_activations: bool = False
+    quant_activations: str = "float32"
 
     def __post_init__(self) -> None:
         for field in dataclasses.fields(self):
             value = getattr(self, field.name)
-            if not isinstance(value, bool):
+            if field.name == "quant_activations":
+                if value not in QUANT_ACTIVATIONS:
+                    raise ValueError(f"quant_activations must be one of {QUANT_ACTIVATIONS}, got {value!r}")
+            elif not isinstance(value, bool):
                 raise ValueError(f"{field.name} must be True or False, got {value!r}")
 
 

@@ -31,8 +31,9 @@ def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
                         "none = dequantize them to --dtype at load (default auto)")
     g.add_argument("--quant-activations", default=_DEFAULTS.quant_activations, choices=list(QUANT_ACTIVATIONS),
                    help="CPU products of GGUF blocks: float32 activations (the float path's "
-                        "numbers), or int8 (per 32-block; Q4_K/Q6_K per 256-block) with integer dot "
-                        "products as llama.cpp does (faster; perplexity +0.06-0.6%%) (default float32)")
+                        "numbers), int8 (per 32-block; Q4_K/Q6_K per 256-block) with integer dot "
+                        "products as llama.cpp does (faster; perplexity +0.06-0.6%%), or auto = int8 "
+                        "for Q4_K/Q6_K and float32 for Q8_0/Q4_0/Q4_1 (default auto)")
     g.add_argument("--max-batch-size", type=int, default=_DEFAULTS.max_batch_size,
                    help=f"requests per iteration (default {_DEFAULTS.max_batch_size})")
     g.add_argument("--n-slots", type=int, default=_DEFAULTS.n_slots,

@@ -91,7 +91,7 @@ class Server:
         # Set before the executor starts: CUDA graphs capture the forward under these modes, and
         # parallel workers take them with them.
         modes.update(batch_invariant=config.batch_invariant,
-                     int8_quant_activations=config.quant_activations == "int8")
+                     quant_activations=config.quant_activations)
 
         # One thread loads, sizes the cache and runs the loop (kernel_thread.py says why). Parallel
         # workers run the kernels in their own processes: their start-up stays on this thread.

@@ -1,6 +1,6 @@
 """The int8-activation CPU products of Q8_0, Q4_0 and Q4_1 weights (Q4_K and Q6_K in
 test_quant_int8_k.py): `int8_activations=True` of `_C.quant_linear`, `_C.quant_linear_silu_mul`, `_C.quant_rmsnorm_qkv`; the process-wide mode
-`int8_quant_activations` in orca_ext/quant/kernels.py.
+`quant_activations` ("auto", "float32", "int8") in orca_ext/quant/kernels.py.
 
 The reference quantizes the activations as the contract says (per 32-block: d = amax / 127 in
 float32, q = round-half-even(x * (1 / d)), s = d * sum(q)), takes exact integer block dot products
@@ -196,13 +196,56 @@ def test_mode_selects_the_int8_products():
     k, n = 32 * 10, 19
     w = QuantizedWeight(3, torch.from_numpy(random_blocks(3, n, k, seed=1)), n, k)
     x = rows(gen, 4, k, torch.float32)
-    with modes.using(int8_quant_activations=True):
+    with modes.using(quant_activations="int8"):
         int8 = kernels.linear(x, w)
-    with modes.using(int8_quant_activations=False):
+    with modes.using(quant_activations="float32"):
         flt = kernels.linear(x, w)
     assert torch.equal(int8, _C.quant_linear(x, w.data, 3, k, None, None, int8_activations=True))
     assert torch.equal(flt, _C.quant_linear(x, w.data, 3, k, None, None))
     assert not torch.equal(int8, flt)
+
+
+def any_format_blocks(qtype: int, n: int, k: int, seed: int) -> np.ndarray:
+    """[n, row_bytes] of random bytes in any fast format, with finite fp16 scales."""
+    if qtype in BLOCK_BYTES:
+        return random_blocks(qtype, n, k, seed)
+    rng = np.random.default_rng(seed)
+    size = {12: 144, 14: 210}[qtype]
+    raw = rng.integers(0, 256, size=(n, k // 256, size), dtype=np.uint8)
+    for at in ((0, 2) if qtype == 12 else (208,)):  # Q4_K: d, dmin; Q6_K: d
+        raw[..., at:at + 2] = (rng.uniform(0.1, 1.0, raw.shape[:2]) / (512 * np.sqrt(k))).astype(
+            np.float16).view(np.uint8).reshape(*raw.shape[:2], 2)
+    return raw.reshape(n, -1)
+
+
+def test_auto_mode_takes_int8_for_k_quants_and_float32_for_32_element_blocks():
+    """quant_activations="auto": the products of Q4_K and Q6_K blocks are the int8 ones, those of
+    Q8_0, Q4_0 and Q4_1 the float32 ones, bit for bit; in a fused matrix each part by its own
+    format, whatever the number of tokens."""
+    from orca_ext.quant.weight import QuantizedStack
+
+    gen = torch.Generator().manual_seed(3)
+    k, n = 256 * 3, 21
+    weights = {t: QuantizedWeight(t, torch.from_numpy(any_format_blocks(t, n, k, seed=t)), n, k)
+               for t in (2, 3, 8, 12, 14)}
+    for t_tokens in (1, 5, 19):
+        x = rows(gen, t_tokens, k, torch.float32)
+        for qtype, w in weights.items():
+            with modes.using(quant_activations="auto"):
+                auto = kernels.linear(x, w)
+            int8 = _C.quant_linear(x, w.data, qtype, k, None, None, int8_activations=True)
+            flt = _C.quant_linear(x, w.data, qtype, k, None, None)
+            assert not torch.equal(int8, flt)
+            assert torch.equal(auto, int8 if qtype in (12, 14) else flt), (qtype, t_tokens)
+        stack = QuantizedStack((weights[12], weights[3], weights[14]))
+        with modes.using(quant_activations="auto"):
+            got = kernels.linear(x, stack)
+        want = torch.cat([_C.quant_linear(x, weights[12].data, 12, k, None, None, int8_activations=True),
+                          _C.quant_linear(x, weights[3].data, 3, k, None, None),
+                          _C.quant_linear(x, weights[14].data, 14, k, None, None, int8_activations=True)], dim=-1)
+        assert torch.equal(got, want)
+    with pytest.raises(ValueError, match="quant_activations"):
+        modes.Modes(quant_activations="int4")
 
 
 def test_every_compiled_format_has_int8_kernels():
@@ -232,12 +275,12 @@ def test_a_models_logits_with_int8_activations(tmp_path, fmt):
     model.allocate_kv_cache(192)
     g = torch.Generator().manual_seed(1)
     a, b, c = (torch.randint(0, VOCAB, (n,), generator=g).tolist() for n in (9, 14, 2))
-    with modes.using(int8_quant_activations=True, batch_invariant=True):
+    with modes.using(quant_activations="int8", batch_invariant=True):
         alone = model(ForwardBatch.build([(a, 0, 0)]))[0]
         alone_next = model(ForwardBatch.build([([5], len(a), 0)]))[0]
         mixed = model(ForwardBatch.build([(b, 0, 0), (a, 0, 64), (c, 0, 128)]))[1]
         mixed_next = model(ForwardBatch.build([([9], len(b), 0), ([5], len(a), 64), ([1, 2], len(c), 128)]))[1]
-    with modes.using(int8_quant_activations=False, batch_invariant=True):
+    with modes.using(quant_activations="float32", batch_invariant=True):
         float_acts = model(ForwardBatch.build([(a, 0, 0)]))[0]
     assert torch.equal(alone, mixed)
     assert torch.equal(alone_next, mixed_next)
@@ -248,8 +291,9 @@ def test_a_models_logits_with_int8_activations(tmp_path, fmt):
 
 
 def test_quant_activations_option_sets_the_servers_mode(tmp_path):
-    """`quant_activations` is validated, parsed from --quant-activations, and a Server built with
-    'int8' serves its GGUF with the int8 products (the tokens of the mode set by hand)."""
+    """`quant_activations` is validated, parsed from --quant-activations (default auto), sets the
+    process's mode, and a Server built with 'int8' serves its GGUF with the int8 products (the
+    tokens of the mode set by hand)."""
     import argparse
 
     from gguf import GGMLQuantizationType as T
@@ -263,7 +307,7 @@ def test_quant_activations_option_sets_the_servers_mode(tmp_path):
         EngineConfig(quant_activations="int4")
     parser = argparse.ArgumentParser()
     add_engine_arguments(parser)
-    assert EngineConfig.from_args(parser.parse_args([])).quant_activations == "float32"
+    assert EngineConfig.from_args(parser.parse_args([])).quant_activations == "auto"
     assert EngineConfig.from_args(parser.parse_args(["--quant-activations", "int8"])).quant_activations == "int8"
 
     path = tmp_path / "m.gguf"
@@ -277,10 +321,12 @@ def test_quant_activations_option_sets_the_servers_mode(tmp_path):
 
     with modes.using():  # the Servers set the process's modes; restore them after
         as_int8 = tokens(quant_activations="int8")
-        assert modes.current().int8_quant_activations
+        assert modes.current().quant_activations == "int8"
         tokens(quant_activations="float32")
-        assert not modes.current().int8_quant_activations
-    with modes.using(int8_quant_activations=True):
+        assert modes.current().quant_activations == "float32"
+        tokens()
+        assert modes.current().quant_activations == "auto"
+    with modes.using(quant_activations="int8"):
         from orca_ext.models import load_model
         from orca_ext.models.batch import ForwardBatch
         model = load_model(path)

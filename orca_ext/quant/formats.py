@@ -30,11 +30,6 @@ import torch
 # EngineConfig.quantization: "auto" serves quantized GGUF matrices as their blocks, "none"
 # dequantizes them to the activation dtype at load.
 QUANTIZATION_MODES = ("auto", "none")
-# What the CPU products of the blocks multiply: float32 activations (the same numbers as the float
-# path on the dequantized weights), or activations rounded to int8 (per 32-block for Q8_0/Q4_0/
-# Q4_1, per 256-block for Q4_K/Q6_K) with integer dot products, as llama.cpp does (faster, moves
-# perplexity by 0.06-0.6%).
-QUANT_ACTIVATIONS = ("float32", "int8")
 
 
 class QType(enum.IntEnum):
@@ -45,6 +40,30 @@ class QType(enum.IntEnum):
     Q8_0 = 8
     Q4_K = 12
     Q6_K = 14
+
+
+# What the CPU products of the blocks multiply:
+#   "float32": float32 activations, so the products are the float path's numbers on the
+#              dequantized weights;
+#   "int8":    activations rounded to int8 (per 32-block for Q8_0/Q4_0/Q4_1, per 256-block for
+#              Q4_K/Q6_K) with integer dot products, as llama.cpp computes every one of these
+#              formats (faster; moves perplexity by 0.06-0.6%);
+#   "auto":    int8 for the K-quant super-blocks, float32 for the 32-element blocks. Widening a
+#              Q4_K or Q6_K block to float32 is compute-bound on a CPU (a Q4_K_M stream decodes at
+#              about half of llama.cpp's speed that way) and int8 costs those files +0.06%
+#              perplexity, while the 32-element blocks widen at about the read bound and keep the
+#              float path's exact numbers (the embedded Q4_1 model's).
+QUANT_ACTIVATIONS = ("auto", "float32", "int8")
+AUTO_INT8_TYPES = frozenset({QType.Q4_K, QType.Q6_K})
+
+
+def int8_activations(quant_activations: str, qtype: int) -> bool:
+    """Whether the CPU products of `qtype` blocks take int8 activations under `quant_activations`
+    (one of QUANT_ACTIVATIONS). The choice depends on the format only, never on the tokens in a
+    call, so a row's outputs stay independent of its batch-mates."""
+    if quant_activations == "auto":
+        return int(qtype) in AUTO_INT8_TYPES
+    return quant_activations == "int8"
 
 
 @dataclasses.dataclass(frozen=True)

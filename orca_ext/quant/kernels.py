@@ -8,8 +8,9 @@ kernel on it).
     quant_embedding(qweight, qtype, k, token_ids, dtype)                      -> [T, K]
 
 The compiled CPU products of the formats in `_C.quant_int8_types()` (every compiled format on
-AVX2 CPUs) take int8-quantized activations when the process-wide mode `int8_quant_activations`
-(modes.py) is on, read at each call; the mode changes nothing for the fallback or CUDA.
+AVX2 CPUs) take int8-quantized activations where the process-wide mode `quant_activations`
+(modes.py), read at each call, says so for the weight's format (formats.int8_activations: "int8"
+for every format, "auto" for Q4_K and Q6_K); the mode changes nothing for the fallback or CUDA.
 
 `qweight` is QuantizedWeight.data (uint8 [N, row_bytes]); a format the compiled kernels do not
 list in `_C.quant_types()` takes the fallback. The fallback's result is exactly the
@@ -25,6 +26,7 @@ from __future__ import annotations
 import torch
 
 from .. import modes, reference
+from .formats import int8_activations
 from .weight import QuantizedStack, QuantizedWeight
 
 try:
@@ -49,7 +51,7 @@ def linear(x: torch.Tensor, w: Weight, bias=None, residual=None, batch_invariant
         out = _stacked(x, w, bias, batch_invariant)
         return out if residual is None else (out.float() + residual.float()).to(x.dtype)
     if compiled(w):
-        return _C.quant_linear(x, w.data, int(w.qtype), w.k, bias, residual, batch_invariant, _int8())
+        return _C.quant_linear(x, w.data, int(w.qtype), w.k, bias, residual, batch_invariant, _int8(w))
     return _float_linear(x, w.dequantize(x.dtype), bias, residual, batch_invariant)
 
 
@@ -59,7 +61,7 @@ def linear_silu_mul(x: torch.Tensor, w: Weight, bias=None, batch_invariant: bool
         gate, up = _stacked(x, w, bias, batch_invariant).float().chunk(2, dim=-1)
         return (torch.nn.functional.silu(gate) * up).to(x.dtype)
     if compiled(w):
-        return _C.quant_linear_silu_mul(x, w.data, int(w.qtype), w.k, bias, batch_invariant, _int8())
+        return _C.quant_linear_silu_mul(x, w.data, int(w.qtype), w.k, bias, batch_invariant, _int8(w))
     weight = w.dequantize(x.dtype)
     if _C is None:
         return reference.linear_silu_mul(x, weight, bias)
@@ -74,7 +76,7 @@ def rmsnorm_qkv(x: torch.Tensor, norm_weight: torch.Tensor, w: Weight, bias, eps
         return _stacked(_rms_norm(x, norm_weight, eps), w, bias, batch_invariant)
     if compiled(w):
         return _C.quant_rmsnorm_qkv(x, norm_weight, w.data, int(w.qtype), w.k, bias, eps, batch_invariant,
-                                    _int8())
+                                    _int8(w))
     weight = w.dequantize(x.dtype)
     if _C is None:
         return reference.rmsnorm_qkv(x, norm_weight, weight, bias, eps)
@@ -88,8 +90,8 @@ def embedding(w: QuantizedWeight, token_ids: torch.Tensor, dtype: torch.dtype) -
     return QuantizedWeight(w.qtype, w.data[token_ids.long()], token_ids.numel(), w.k).dequantize(dtype)
 
 
-def _int8() -> bool:
-    return modes.current().int8_quant_activations
+def _int8(w: QuantizedWeight) -> bool:
+    return int8_activations(modes.current().quant_activations, w.qtype)
 
 
 def _float_linear(x, weight, bias, residual, batch_invariant: bool) -> torch.Tensor:
