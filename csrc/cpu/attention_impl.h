@@ -95,11 +95,13 @@ inline void prefetch_rows(const T* rows, int64_t n, int64_t ld, int64_t d) {
 
 // ---- few query vectors: row-major S ------------------------------------------------------
 
-// The largest of s[0..n) (-inf for n = 0).
+// The largest of s[0..n) (-inf for n = 0). Spelled as a comparison: GCC vectorizes this form of
+// the max reduction, not std::max's. A maximum is exact, so the lanes' grouping gives the same
+// value; only the sign of a zero maximum can differ, and every use subtracts it or compares it.
 inline float block_max(const float* __restrict s, int64_t n) {
   float m = kNegInf;
 #pragma omp simd reduction(max : m)
-  for (int64_t j = 0; j < n; ++j) m = std::max(m, s[j]);
+  for (int64_t j = 0; j < n; ++j) m = m < s[j] ? s[j] : m;
   return m;
 }
 
