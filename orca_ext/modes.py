@@ -27,6 +27,7 @@ import logging
 import threading
 from typing import Iterator
 
+from .checks import check_choice
 from .quant.formats import QUANT_ACTIVATIONS
 
 log = logging.getLogger(__name__)
@@ -43,8 +44,7 @@ class Modes:
         for field in dataclasses.fields(self):
             value = getattr(self, field.name)
             if field.name == "quant_activations":
-                if value not in QUANT_ACTIVATIONS:
-                    raise ValueError(f"quant_activations must be one of {QUANT_ACTIVATIONS}, got {value!r}")
+                check_choice(field.name, value, QUANT_ACTIVATIONS)
             elif not isinstance(value, bool):
                 raise ValueError(f"{field.name} must be True or False, got {value!r}")
 
