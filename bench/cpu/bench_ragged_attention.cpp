@@ -6,7 +6,8 @@
 //    Exits 1 on any mismatch.
 // 2. Times SmolLM2-135M shapes (Hq=9, Hkv=3, D=64): 32 decodes with contexts U[16, 512], a
 //    prefill of 4 x 512 tokens, a mix of both, one decode over 256, 1,024 and 8,192 keys, and 4 over
-//    4,096 keys;
+//    4,096 keys; and one batch-invariant decode of Llama-3.2-1B's shape (Hq=32, Hkv=8) over 256,
+//    2,048 and 8,192 keys;
 //    prints GFLOP/s and GB/s (K/V bytes read once per KV head) next to the measured ceilings. Both steps run on every float32 path the CPU
 //    has (the prefill tiles follow it; the avx512 lines are against the zmm FMA peak). Several copies of the KV pools (one per layer)
 //    are rotated so that K/V come from memory, as in a forward pass over all layers.
@@ -124,6 +125,7 @@ bool validate_all() {
   ok &= check_case<T, I>("odd D", mixed_batch(rng), 3, 1, 13, 1.0f, ++seed);
   ok &= check_case<T, I>("single decode", {{1, 1}}, 9, 3, 64, 1.0f, ++seed);
   ok &= check_case<T, I>("single decode", {{1, 517}}, 9, 3, 64, 1.0f, ++seed);
+  ok &= check_case<T, I>("single decode GQA 4", {{1, 517}}, 32, 8, 64, 1.0f, ++seed, true);
   ok &= check_case<T, I>("single prefill", {{200, 200}}, 9, 3, 64, 1.0f, ++seed);
   // Logits in the hundreds: only a running-max softmax stays finite and accurate.
   ok &= check_case<T, I>("large logits", mixed_batch(rng), 9, 3, 64, 40.0f, ++seed);
@@ -132,15 +134,16 @@ bool validate_all() {
 
 template <typename T>
 void perf(const char* dtype, const char* path, const bench::Ceilings& c) {
-  const int64_t Hq = 9, Hkv = 3, D = 64;
+  const int64_t D = 64;
   const float scale = 0.125f;
   bench::Rng rng(5);
   struct Case {
     const char* name;
     std::vector<Req> reqs;
     bool invariant = false;
+    int64_t Hq = 9, Hkv = 3;  // SmolLM2-135M's heads
   };
-  std::vector<Case> cases(9);
+  std::vector<Case> cases(12);
   cases[0].name = "decode";
   for (int i = 0; i < 32; ++i) cases[0].reqs.push_back({1, rng.randint(16, 512)});
   cases[1].name = "prefill";
@@ -159,8 +162,14 @@ void perf(const char* dtype, const char* path, const bench::Ceilings& c) {
   // Long contexts, where a decode is bound by streaming its K and V.
   cases[7] = {"1 decode, 8192 keys", {{1, 8192}}};
   cases[8] = {"4 decodes, 4096 keys", {{1, 4096}, {1, 4096}, {1, 4096}, {1, 4096}}};
+  // Llama-3.2-1B's heads (32 query, 8 KV: GQA 4), one stream in the batch-invariant order, as
+  // the engine runs it on CPUs.
+  cases[9] = {"1 decode, 256 keys, 32/8 heads, batch-invariant", {{1, 256}}, true, 32, 8};
+  cases[10] = {"1 decode, 2048 keys, 32/8 heads, batch-invariant", {{1, 2048}}, true, 32, 8};
+  cases[11] = {"1 decode, 8192 keys, 32/8 heads, batch-invariant", {{1, 8192}}, true, 32, 8};
   const size_t es = sizeof(T);
   for (const Case& cs : cases) {
+    const int64_t Hq = cs.Hq, Hkv = cs.Hkv;
     const Layout L = make_layout(cs.reqs, rng, 0);
     const size_t pool = static_cast<size_t>(L.n_slots * Hkv * D);
     const int layers = static_cast<int>(std::max<size_t>(2, (size_t{96} << 20) / (2 * pool * es) + 1));
@@ -188,7 +197,7 @@ void perf(const char* dtype, const char* path, const bench::Ceilings& c) {
           layer = (layer + 1) % layers;
         },
         flops > 1e9 ? 7 : 41, layers);
-    char label[96];
+    char label[128];
     std::snprintf(label, sizeof label, "ragged_attention %s/%s %s B=%zu T=%lld", dtype, path, cs.name,
                   cs.reqs.size(), static_cast<long long>(L.n_tokens));
     bench::report(label, t, flops, bytes, c);

@@ -56,6 +56,24 @@ template <typename T>
 void attend_tile_avx512(const AttnItem& it, const T* q, const T* k_cache, const T* v_cache, T* out,
                         int64_t n_q_heads, int64_t n_kv_heads, int64_t d, float qscale);
 
+// A decode's per-block results: for block b and query head h, o[(b * Hq + h) * ldd + k] (the
+// unnormalised output, rows 64-byte aligned), mx[b * Hq + h] (the block's max score, log2
+// domain) and sum[b * Hq + h].
+struct DecodeBlocks {
+  float* o;
+  float* mx;
+  float* sum;
+  int64_t ldd;
+};
+
+// attend_decode_blocks<T, true> (the batch-invariant order) compiled for AVX-512
+// (attention_tile_avx512.cpp), with the zmm register block: the same bits as the baseline one.
+// Call it only where f32_path_supported(F32Path::kAvx512).
+template <typename T>
+void attend_decode_blocks_avx512(int64_t t, int64_t kv_row0, int64_t n_keys, int64_t blk0, int64_t blk1, int64_t g0,
+                                 int64_t g1, const T* q, const T* k_cache, const T* v_cache, const DecodeBlocks& res,
+                                 int64_t n_q_heads, int64_t n_kv_heads, int64_t d, float qscale);
+
 // The rest has internal linkage: the AVX-512 unit includes this header too, and its copies must
 // never replace the baseline ones at link time (see gemm_impl.h).
 namespace {
@@ -301,20 +319,11 @@ void attend_rows(const AttnItem& it, const T* q, const T* k_cache, const T* v_ca
 // followed that pattern, 16 keys ahead of each head's products, left a Zen 4 reading K and V at
 // 10-13 GB/s of its 35; whole slots reached 22-31 GB/s.
 
-// A decode's per-block results: for block b and query head h, o[(b * Hq + h) * ldd + k] (the
-// unnormalised output, rows 64-byte aligned), mx[b * Hq + h] (the block's max score, log2
-// domain) and sum[b * Hq + h].
-struct DecodeBlocks {
-  float* o;
-  float* mx;
-  float* sum;
-  int64_t ldd;
-};
-
 // Blocks [blk0, blk1) of the decode whose query row is q[t] and whose n_keys keys start at slot
 // kv_row0, for KV heads [g0, g1). kInOrder: the batch-invariant order (scores as FMA chains over
-// d against K^T, sums in key order), else dot-product scores and vector sums.
-template <typename T, bool kInOrder>
+// d against K^T, sums in key order), else dot-product scores and vector sums. Shape: the
+// register block of the two products (gemm_impl.h), which never changes a result.
+template <typename T, bool kInOrder, class Shape = NnYmm>
 void attend_decode_blocks(int64_t t, int64_t kv_row0, int64_t n_keys, int64_t blk0, int64_t blk1, int64_t g0,
                           int64_t g1, const T* q, const T* k_cache, const T* v_cache, const DecodeBlocks& res,
                           int64_t n_q_heads, int64_t n_kv_heads, int64_t d, float qscale) {
@@ -324,6 +333,12 @@ void attend_decode_blocks(int64_t t, int64_t kv_row0, int64_t n_keys, int64_t bl
   const int64_t h0 = g0 * r, nh = (g1 - g0) * r;  // the item's query heads
   // Keys per score step: gemm_nt's 4-key micro-kernels, or 16 columns of K^T.
   constexpr int64_t kStepKeys = kInOrder ? 16 : 4;
+  // Each score step streams a share of the next block (below). The in-order path's 4 steps per
+  // KV head are followed by its longest stretches of work without a hint (the softmax sums, V
+  // and P V): three more shares go between them. With the hints only among the scores, a
+  // Llama-shaped decode (32 query heads, 8 KV heads) read its cache from memory at 2,048 and
+  // 8,192 keys 1.1-1.2x slower (Zen 4, bench/RESULTS.md).
+  constexpr int64_t kExtraStreams = kInOrder ? 3 : 0;
   float* qs = thread_scratch(0, static_cast<size_t>(nh * ldd));            // [nh, D]
   float* s = thread_scratch(3, static_cast<size_t>(r * kKeyBlock));        // [r, KB]
   float* kbuf = thread_scratch(4, static_cast<size_t>(kKeyBlock * ldd));   // bf16 only
@@ -344,7 +359,7 @@ void attend_decode_blocks(int64_t t, int64_t kv_row0, int64_t n_keys, int64_t bl
       const int64_t bytes = std::min(kKeyBlock, keys_end - j0 - nj) * ld_kv * static_cast<int64_t>(sizeof(T));
       next_k = PrefetchAhead(k_cache + (kv_row0 + j0 + nj) * ld_kv, bytes);
       next_v = PrefetchAhead(v_cache + (kv_row0 + j0 + nj) * ld_kv, bytes);
-      const int64_t steps = (g1 - g0) * ((nj + kStepKeys - 1) / kStepKeys);
+      const int64_t steps = (g1 - g0) * ((nj + kStepKeys - 1) / kStepKeys + kExtraStreams);
       next_k.plan(steps);
       next_v.plan(steps);
     }
@@ -361,7 +376,7 @@ void attend_decode_blocks(int64_t t, int64_t kv_row0, int64_t n_keys, int64_t bl
         next_v.step();
         const int64_t nn = std::min(kStepKeys, nj - n);
         if constexpr (kInOrder) {
-          gemm_nn(qg, ldd, 1, kt + n, kKeyBlock, s + n, kKeyBlock, r, d, nn);
+          gemm_nn<Shape>(qg, ldd, 1, kt + n, kKeyBlock, s + n, kKeyBlock, r, d, nn);
         } else {
           gemm_nt(qg, ldd, kb + n * ldk, ldk, s + n, kKeyBlock, r, nn, d);
         }
@@ -375,9 +390,18 @@ void attend_decode_blocks(int64_t t, int64_t kv_row0, int64_t n_keys, int64_t bl
       } else {
         for (int64_t h = 0; h < r; ++h) bsum[h] = exp2_shifted_sum(s + h * kKeyBlock, nj, bmax[h]);
       }
+      auto stream_extra = [&] {
+        if constexpr (kExtraStreams > 0) {
+          next_k.step();
+          next_v.step();
+        }
+      };
+      stream_extra();
       int64_t ldv = 0;
       const float* vb = kv_block(v_cache + g * d, kv_row0 + j0, nj, ld_kv, d, vbuf, &ldv);
-      gemm_nn(s, kKeyBlock, 1, vb, ldv, o, ldd, r, nj, d);
+      stream_extra();
+      gemm_nn<Shape>(s, kKeyBlock, 1, vb, ldv, o, ldd, r, nj, d);
+      stream_extra();
     }
   }
 }

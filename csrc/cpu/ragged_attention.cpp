@@ -9,8 +9,8 @@
 // blocks. Items are sorted longest-first and handed out dynamically, so a few long prefills and
 // many short decodes balance over the threads.
 // The per-item math is in attention_impl.h: row-major for a few query vectors, key blocks for
-// decodes, query-vectorized tiles for many (prefills), the tiles in 16-lane registers on the
-// `avx512` float32 path (attention_tile_avx512.cpp). With batch_invariant, the rows and the
+// decodes, query-vectorized tiles for many (prefills), the tiles and the decode blocks in 16-lane
+// registers on the `avx512` float32 path (attention_tile_avx512.cpp). With batch_invariant, the rows and the
 // decode blocks follow the tiles' order of operations, so a row's bits do not depend on the path.
 #include <omp.h>
 
@@ -119,7 +119,8 @@ void ragged_attention(const T* q,         // [T, Hq, D]
                    [](const WorkItem& a, const WorkItem& b) { return a.cost > b.cost; });
 
   const float qscale = scale * kLog2e;
-  // Prefill tiles follow the float32 path (same bits either way: attention_tile_avx512.cpp).
+  // Prefill tiles and decode blocks follow the float32 path (same bits either way:
+  // attention_tile_avx512.cpp).
   const bool zmm_tiles = f32_path() == F32Path::kAvx512;
   const int64_t n_items = static_cast<int64_t>(items.size());
   const int64_t n_decodes = static_cast<int64_t>(decodes.size());
@@ -141,8 +142,13 @@ void ragged_attention(const T* q,         // [T, Hq, D]
       const WorkItem& w = items[static_cast<size_t>(n)];
       if (w.d >= 0) {
         const Decode& dec = decodes[static_cast<size_t>(w.d)];
-        const auto attend = batch_invariant ? detail::attend_decode_blocks<T, true>
-                                            : detail::attend_decode_blocks<T, false>;
+        // The in-order blocks in zmm registers where the tiles are: their sums run in key order,
+        // so the vector width changes no bit. The others' vector sums would.
+        using DecodeFn = void (*)(int64_t, int64_t, int64_t, int64_t, int64_t, int64_t, int64_t, const T*, const T*,
+                                  const T*, const detail::DecodeBlocks&, int64_t, int64_t, int64_t, float);
+        const DecodeFn attend = !batch_invariant ? &detail::attend_decode_blocks<T, false>
+                                : zmm_tiles      ? &detail::attend_decode_blocks_avx512<T>
+                                                 : &detail::attend_decode_blocks<T, true>;
         attend(static_cast<int64_t>(q_start[w.b]), static_cast<int64_t>(kv_start[w.b]),
                static_cast<int64_t>(kv_len[w.b]), w.i0, w.blk1, w.g, w.g1, q, k_cache, v_cache, results(dec),
                n_q_heads, n_kv_heads, head_dim, qscale);
