@@ -7,7 +7,8 @@
 // 2. Times SmolLM2-135M shapes (Hq=9, Hkv=3, D=64): 32 decodes with contexts U[16, 512], a
 //    prefill of 4 x 512 tokens, a mix of both, one decode over 256, 1,024 and 8,192 keys, and 4 over
 //    4,096 keys; and one batch-invariant decode of Llama-3.2-1B's shape (Hq=32, Hkv=8) over 256,
-//    2,048 and 8,192 keys;
+//    2,048 and 8,192 keys, and over 256 and 2,048 keys with one K/V pool reused (its compute,
+//    with K and V in cache);
 //    prints GFLOP/s and GB/s (K/V bytes read once per KV head) next to the measured ceilings. Both steps run on every float32 path the CPU
 //    has (the prefill tiles follow it; the avx512 lines are against the zmm FMA peak). Several copies of the KV pools (one per layer)
 //    are rotated so that K/V come from memory, as in a forward pass over all layers.
@@ -142,8 +143,9 @@ void perf(const char* dtype, const char* path, const bench::Ceilings& c) {
     std::vector<Req> reqs;
     bool invariant = false;
     int64_t Hq = 9, Hkv = 3;  // SmolLM2-135M's heads
+    bool resident = false;    // one K/V pool, reused: its compute alone, from L2/L3
   };
-  std::vector<Case> cases(12);
+  std::vector<Case> cases(14);
   cases[0].name = "decode";
   for (int i = 0; i < 32; ++i) cases[0].reqs.push_back({1, rng.randint(16, 512)});
   cases[1].name = "prefill";
@@ -167,12 +169,15 @@ void perf(const char* dtype, const char* path, const bench::Ceilings& c) {
   cases[9] = {"1 decode, 256 keys, 32/8 heads, batch-invariant", {{1, 256}}, true, 32, 8};
   cases[10] = {"1 decode, 2048 keys, 32/8 heads, batch-invariant", {{1, 2048}}, true, 32, 8};
   cases[11] = {"1 decode, 8192 keys, 32/8 heads, batch-invariant", {{1, 8192}}, true, 32, 8};
+  cases[12] = {"1 decode, 256 keys, 32/8 heads, batch-invariant, cache-resident", {{1, 256}}, true, 32, 8, true};
+  cases[13] = {"1 decode, 2048 keys, 32/8 heads, batch-invariant, cache-resident", {{1, 2048}}, true, 32, 8, true};
   const size_t es = sizeof(T);
   for (const Case& cs : cases) {
     const int64_t Hq = cs.Hq, Hkv = cs.Hkv;
     const Layout L = make_layout(cs.reqs, rng, 0);
     const size_t pool = static_cast<size_t>(L.n_slots * Hkv * D);
-    const int layers = static_cast<int>(std::max<size_t>(2, (size_t{96} << 20) / (2 * pool * es) + 1));
+    const int layers =
+        cs.resident ? 1 : static_cast<int>(std::max<size_t>(2, (size_t{96} << 20) / (2 * pool * es) + 1));
     std::vector<bench::Vec<T>> k(static_cast<size_t>(layers), bench::Vec<T>(pool)), v = k;
     for (int l = 0; l < layers; ++l) {
       bench::fill_random(k[static_cast<size_t>(l)], rng);
@@ -197,7 +202,7 @@ void perf(const char* dtype, const char* path, const bench::Ceilings& c) {
           layer = (layer + 1) % layers;
         },
         flops > 1e9 ? 7 : 41, layers);
-    char label[128];
+    char label[160];
     std::snprintf(label, sizeof label, "ragged_attention %s/%s %s B=%zu T=%lld", dtype, path, cs.name,
                   cs.reqs.size(), static_cast<long long>(L.n_tokens));
     bench::report(label, t, flops, bytes, c);
