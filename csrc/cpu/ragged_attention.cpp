@@ -9,9 +9,10 @@
 // blocks. Items are sorted longest-first and handed out dynamically, so a few long prefills and
 // many short decodes balance over the threads.
 // The per-item math is in attention_impl.h: row-major for a few query vectors, key blocks for
-// decodes, query-vectorized tiles for many (prefills), the tiles and the decode blocks in 16-lane
-// registers on the `avx512` float32 path (attention_tile_avx512.cpp). With batch_invariant, the rows and the
-// decode blocks follow the tiles' order of operations, so a row's bits do not depend on the path.
+// decodes, query-vectorized tiles for many (prefills), the tiles and the batch-invariant decode
+// blocks in 16-lane registers on the `avx512` float32 path (attention_tile_avx512.cpp). With
+// batch_invariant, the rows and the decode blocks follow the tiles' order of operations, so a
+// row's bits do not depend on the path.
 #include <omp.h>
 
 #include <algorithm>
