@@ -122,7 +122,7 @@ void ragged_attention(const T* q,         // [T, Hq, D]
   const float qscale = scale * kLog2e;
   // Prefill tiles and decode blocks follow the float32 path (same bits either way:
   // attention_tile_avx512.cpp).
-  const bool zmm_tiles = f32_path() == F32Path::kAvx512;
+  const bool zmm = f32_path() == F32Path::kAvx512;
   const int64_t n_items = static_cast<int64_t>(items.size());
   const int64_t n_decodes = static_cast<int64_t>(decodes.size());
   // The decodes' block results, in the calling thread's buffer (slot 7: the items use 0-6):
@@ -145,10 +145,9 @@ void ragged_attention(const T* q,         // [T, Hq, D]
         const Decode& dec = decodes[static_cast<size_t>(w.d)];
         // The in-order blocks in zmm registers where the tiles are: their sums run in key order,
         // so the vector width changes no bit. The others' vector sums would.
-        using DecodeFn = void (*)(int64_t, int64_t, int64_t, int64_t, int64_t, int64_t, int64_t, const T*, const T*,
-                                  const T*, const detail::DecodeBlocks&, int64_t, int64_t, int64_t, float);
+        using DecodeFn = decltype(&detail::attend_decode_blocks_avx512<T>);
         const DecodeFn attend = !batch_invariant ? &detail::attend_decode_blocks<T, false>
-                                : zmm_tiles      ? &detail::attend_decode_blocks_avx512<T>
+                                : zmm            ? &detail::attend_decode_blocks_avx512<T>
                                                  : &detail::attend_decode_blocks<T, true>;
         attend(static_cast<int64_t>(q_start[w.b]), static_cast<int64_t>(kv_start[w.b]),
                static_cast<int64_t>(kv_len[w.b]), w.i0, w.blk1, w.g, w.g1, q, k_cache, v_cache, results(dec),
@@ -165,7 +164,7 @@ void ragged_attention(const T* q,         // [T, Hq, D]
       it.kv_row0 = static_cast<int64_t>(kv_start[w.b]);
       it.n_keys = it.first_last + w.nq;
       if (w.nq * r >= kMinTileRows) {
-        if (zmm_tiles)
+        if (zmm)
           detail::attend_tile_avx512(it, q, k_cache, v_cache, out, n_q_heads, n_kv_heads, head_dim, qscale);
         else
           detail::attend_tile(it, q, k_cache, v_cache, out, n_q_heads, n_kv_heads, head_dim, qscale);
