@@ -130,7 +130,7 @@ def test_ragged_attention_index_dtypes_and_mixed(index_dtype):
 
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("heads,head_dim", [((9, 3), 64), ((4, 4), 80), ((7, 1), 20), ((14, 2), 128),
-                                            ((32, 8), 64)])
+                                            ((32, 8), 64), ((12, 2), 64)])
 def test_ragged_attention_same_bits_on_every_float32_path(dtype, heads, head_dim):
     """Prefill tiles in 8-lane and in 16-lane registers perform the same float32 operations per
     query lane, so every path gives the same bits: tiles of every lane count (prompts of 1 to
@@ -406,9 +406,9 @@ def test_linear_silu_mul_rows_do_not_depend_on_the_batch(dtype, n_inter, crossov
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
-# GQA ratios 3, 1, 4 and 8: the decode blocks' register blocks split 4 and 8 query heads differently
-# from the prefill tiles' lanes
-@pytest.mark.parametrize("heads", [(9, 3), (4, 4), (8, 2), (16, 2)])
+# GQA ratios 3, 1, 4, 8 and 2: the decode blocks' register blocks split 4 and 8 query heads differently
+# from the prefill tiles' lanes, and take 1 to 3 heads left over as a shorter block
+@pytest.mark.parametrize("heads", [(9, 3), (4, 4), (8, 2), (16, 2), (6, 3)])
 @pytest.mark.parametrize("d", [64, 20])  # 20: K blocks whose width is not a multiple of the 8-wide transpose
 def test_ragged_attention_batch_invariant_rows_ignore_chunks_and_batch_mates(f32_path, dtype, heads, d):
     """One request's prompt rows, computed as one prefill, as chunks over its cached prefix, as

@@ -145,7 +145,7 @@ void perf(const char* dtype, const char* path, const bench::Ceilings& c) {
     int64_t Hq = 9, Hkv = 3;  // SmolLM2-135M's heads
     bool resident = false;    // one K/V pool, reused: its compute alone, from L2/L3
   };
-  std::vector<Case> cases(14);
+  std::vector<Case> cases(17);
   cases[0].name = "decode";
   for (int i = 0; i < 32; ++i) cases[0].reqs.push_back({1, rng.randint(16, 512)});
   cases[1].name = "prefill";
@@ -171,6 +171,11 @@ void perf(const char* dtype, const char* path, const bench::Ceilings& c) {
   cases[11] = {"1 decode, 8192 keys, 32/8 heads, batch-invariant", {{1, 8192}}, true, 32, 8};
   cases[12] = {"1 decode, 256 keys, 32/8 heads, batch-invariant, cache-resident", {{1, 256}}, true, 32, 8, true};
   cases[13] = {"1 decode, 2048 keys, 32/8 heads, batch-invariant, cache-resident", {{1, 2048}}, true, 32, 8, true};
+  // The default model's own stream (SmolLM2-135M, GQA 3) at a chat's contexts, and GQA 7
+  // (Qwen2.5-0.5B's 14/2 heads): query heads that the 4-row register block does not divide.
+  cases[14] = {"1 decode, 128 keys, batch-invariant", {{1, 128}}, true};
+  cases[15] = {"1 decode, 1024 keys, batch-invariant", {{1, 1024}}, true};
+  cases[16] = {"1 decode, 2048 keys, 14/2 heads, batch-invariant", {{1, 2048}}, true, 14, 2};
   const size_t es = sizeof(T);
   for (const Case& cs : cases) {
     const int64_t Hq = cs.Hq, Hkv = cs.Hkv;

@@ -263,10 +263,20 @@ inline void nn_rows(const float* P, int64_t p_rs, int64_t p_cs, const float* V, 
 template <class Shape, bool kAccumulate>
 inline void gemm_nn_impl(const float* P, int64_t p_rs, int64_t p_cs, const float* V, int64_t ldv, float* O,
                          int64_t ldo, int64_t M, int64_t J, int64_t N) {
+  static_assert(Shape::kRows <= 4, "the rows left over below a full block are 3 at most");
   int64_t m = 0;
   for (; m + Shape::kRows <= M; m += Shape::kRows)
     nn_rows<Shape, Shape::kRows, kAccumulate>(P + m * p_rs, p_rs, p_cs, V, ldv, J, O + m * ldo, ldo, N);
-  for (; m < M; ++m) nn_rows<Shape, 1, kAccumulate>(P + m * p_rs, p_rs, p_cs, V, ldv, J, O + m * ldo, ldo, N);
+  // The rows left over run as one shorter block, not one at a time: a decode's 3 query heads
+  // per KV head (GQA 3) under the 4-row zmm block would otherwise be three single chains.
+  P += m * p_rs;
+  O += m * ldo;
+  switch (M - m) {
+    case 3: nn_rows<Shape, 3, kAccumulate>(P, p_rs, p_cs, V, ldv, J, O, ldo, N); break;
+    case 2: nn_rows<Shape, 2, kAccumulate>(P, p_rs, p_cs, V, ldv, J, O, ldo, N); break;
+    case 1: nn_rows<Shape, 1, kAccumulate>(P, p_rs, p_cs, V, ldv, J, O, ldo, N); break;
+    default: break;
+  }
 }
 
 // O[M, N] (ldo) += P(M, J) * V[J, N] (ldv), P(i, j) = P[i * p_rs + j * p_cs].
