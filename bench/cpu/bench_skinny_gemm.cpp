@@ -21,6 +21,7 @@
 #include <omp.h>
 
 #include <algorithm>
+#include <atomic>
 #include <cmath>
 #include <cstdio>
 #include <cstring>
@@ -33,6 +34,7 @@
 #include "bench_util.h"
 #include "common/reference.h"
 #include "cpu/cpu_kernels.h"
+#include "cpu/vec.h"
 
 namespace {
 
@@ -195,6 +197,76 @@ bool check_batch_invariance(int64_t K, int64_t N, uint64_t seed) {
   return report_case(name, ok ? 0 : 1, 1, 0.0);
 }
 
+// Few-token calls split the outputs into one range per thread, and a thread done with its own
+// takes the rest of another's from its end. With more threads than ranges (N of a few panels),
+// the extra threads do nothing but take from the ends, from the start: every output must still
+// come out once, with the bits of a one-thread call.
+template <typename T>
+bool check_helpers(int64_t Tn, int64_t K, int64_t N, uint64_t seed) {
+  bench::Rng rng(seed);
+  bench::Vec<T> x(Tn * K), w(N * K), gu(2 * N * K), alone(Tn * N), act_alone(Tn * N), out(Tn * N), act(Tn * N);
+  bench::fill_random(x, rng, -2.0f, 2.0f);
+  bench::fill_random(w, rng, -0.2f, 0.2f);
+  bench::fill_random(gu, rng, -0.3f, 0.3f);
+  const int max_threads = omp_get_max_threads();
+  omp_set_num_threads(1);
+  orca::cpu::linear<T>(x.data(), w.data(), nullptr, nullptr, alone.data(), Tn, K, N);
+  orca::cpu::linear_silu_mul<T>(x.data(), gu.data(), nullptr, act_alone.data(), Tn, K, N);
+  size_t bad = 0;
+  const size_t bytes = static_cast<size_t>(Tn * N) * sizeof(T);
+  for (int threads : {3, 5, 8}) {
+    omp_set_num_threads(threads);
+    for (int rep = 0; rep < 20; ++rep) {
+      std::memset(out.data(), 0, bytes);
+      std::memset(act.data(), 0, bytes);
+      orca::cpu::linear<T>(x.data(), w.data(), nullptr, nullptr, out.data(), Tn, K, N);
+      orca::cpu::linear_silu_mul<T>(x.data(), gu.data(), nullptr, act.data(), Tn, K, N);
+      bad += std::memcmp(out.data(), alone.data(), bytes) != 0;
+      bad += std::memcmp(act.data(), act_alone.data(), bytes) != 0;
+    }
+  }
+  omp_set_num_threads(max_threads);
+  char name[160];
+  std::snprintf(name, sizeof name, "helper threads <%s,%s> T=%lld K=%lld N=%lld (3, 5, 8 threads = 1 thread)",
+                dtype_name<T>(), path_label<T>(), static_cast<long long>(Tn), static_cast<long long>(K),
+                static_cast<long long>(N));
+  return report_case(name, bad, 2 * 3 * 20, 0.0);
+}
+
+// WorkClaims under contention: owners take from the front and helpers from the back of the same
+// shares at once, and every position is taken exactly once.
+bool check_work_claims() {
+  size_t bad = 0, cases = 0;
+  const int max_threads = omp_get_max_threads();
+  omp_set_num_threads(4);
+  for (int64_t n : {int64_t{1}, int64_t{2}, int64_t{7}, int64_t{64}, int64_t{1000}, int64_t{100003}})
+    for (int64_t min_take : {int64_t{1}, int64_t{3}, int64_t{50}})
+      for (int shares : {1, 2, 3}) {
+        std::vector<orca::cpu::detail::WorkClaims> claims(static_cast<size_t>(shares));
+        for (auto& c : claims) c.reset(n);
+        std::vector<std::atomic<int>> taken(static_cast<size_t>(shares * n));
+        for (auto& t : taken) t.store(0);
+#pragma omp parallel
+        {
+          const int tid = omp_get_thread_num(), nth = omp_get_num_threads();
+          int64_t i0 = 0, i1 = 0;
+          auto mark = [&](int share) {
+            for (int64_t i = i0; i < i1; ++i) taken[static_cast<size_t>(share * n + i)].fetch_add(1);
+          };
+          if (tid < shares)
+            while (claims[static_cast<size_t>(tid)].take(min_take, true, &i0, &i1)) mark(tid);
+          for (int k = 1; k <= nth + shares; ++k) {
+            const int share = (tid + k) % shares;
+            while (claims[static_cast<size_t>(share)].take(min_take, false, &i0, &i1)) mark(share);
+          }
+        }
+        for (const auto& t : taken) bad += t.load() != 1;
+        cases += static_cast<size_t>(shares * n);
+      }
+  omp_set_num_threads(max_threads);
+  return report_case("WorkClaims: owners from the front, helpers from the back, 4 threads", bad, cases, 0.0);
+}
+
 template <typename T>
 bool validate_all(uint64_t seed) {
   bool ok = true;
@@ -216,6 +288,8 @@ bool validate_all(uint64_t seed) {
   ok &= check_silu_mul<T>(37, 96, 131, true, ++seed);
   ok &= check_batch_invariance<T>(581, 67, ++seed);
   ok &= check_batch_invariance<T>(64, 260, ++seed);
+  ok &= check_helpers<T>(1, 8200, 9, ++seed);   // 2 panels (1 for gate_up): ranges < threads
+  ok &= check_helpers<T>(3, 2900, 37, ++seed);  // 5 panels, 3 tokens
   return ok;
 }
 
@@ -479,6 +553,7 @@ int main(int argc, char** argv) {
     ok &= validate_all<float>(1000 + 50 * static_cast<uint64_t>(path));
   }
   ok &= check_linear<float>(513, 581, 67, true, true, 7);  // prompt-sized T: token blocks and remainders
+  ok &= check_work_claims();
   for (Bf16Path path : runnable_bf16_paths()) {
     orca::cpu::set_bf16_path(path);
     ok &= validate_all<bf16>(2000 + 100 * static_cast<uint64_t>(path));

@@ -3,8 +3,9 @@
 //  1. prepare_activations: the T activation rows, in the element type the chosen instruction path
 //     reads (float32, or bf16 for vdpbf16ps), in 64-byte-aligned rows zero-padded past K. A fused
 //     producer (the RMS norm of rmsnorm_qkv) writes its rows straight into this buffer.
-//  2. stream_weights: each thread owns a contiguous range of outputs, cut into kPanelRows streams;
-//     panel i holds the weight rows of output i of every stream (skinny_gemm.cpp says why). Per
+//  2. stream_weights: each thread owns a contiguous range of outputs, cut into kPanelRows streams
+//     (a thread done with its own range early takes the rest of another's from its end); panel i
+//     holds the weight rows of output i of every stream (skinny_gemm.cpp says why). Per
 //     token tile, a panel kernel runs all tile rows against the panel's rows (full K each), then
 //     the epilogue (bias, residual or SiLU * up, rounding) writes the panel's outputs.
 // The panel kernels live in one translation unit per instruction set (skinny_gemm_avx2.cpp,
