@@ -204,6 +204,43 @@ bool check_int8_activations(const QuantFormat& f, int64_t Tn, int64_t K, int64_t
   return true;
 }
 
+// One token's rows are split into a share per thread, and a thread done with its own share takes
+// what is left of the others' from their far ends. With 3, 5 and 8 threads on 2 cores the threads
+// finish at different times and take from each other's shares: every output must still have the
+// bits of a one-thread call, with float32 and (where the format has them) int8 activations.
+bool check_thread_counts(const QuantFormat& f, int64_t K, int64_t N, uint64_t seed) {
+  bench::Rng rng(seed);
+  const bench::Vec<uint8_t> w = random_qweight(f, N, K, rng);
+  bench::Vec<float> x(K), alone(N), out(N);
+  bench::fill_random(x, rng, -2.0f, 2.0f);
+  const int max_threads = omp_get_max_threads();
+  size_t bad = 0, runs = 0;
+  for (auto act : {orca::cpu::QuantActivations::kFloat32, orca::cpu::QuantActivations::kInt8}) {
+    if (act == orca::cpu::QuantActivations::kInt8 && !orca::cpu::quant_int8_supported(f.type)) continue;
+    omp_set_num_threads(1);
+    orca::cpu::quant_linear<float>(x.data(), w.data(), f.type, nullptr, nullptr, alone.data(), 1, K, N, act);
+    for (int threads : {3, 5, 8}) {
+      omp_set_num_threads(threads);
+      for (int rep = 0; rep < 10; ++rep, ++runs) {
+        std::memset(out.data(), 0, static_cast<size_t>(N) * sizeof(float));
+        orca::cpu::quant_linear<float>(x.data(), w.data(), f.type, nullptr, nullptr, out.data(), 1, K, N, act);
+        bad += std::memcmp(out.data(), alone.data(), static_cast<size_t>(N) * sizeof(float)) != 0;
+      }
+    }
+  }
+  omp_set_num_threads(max_threads);
+  char name[160];
+  std::snprintf(name, sizeof name, "%s one token on 3, 5, 8 threads = 1 thread <%s> K=%lld N=%lld", f.name,
+                orca::cpu::quant_path_name(orca::cpu::quant_path()), static_cast<long long>(K),
+                static_cast<long long>(N));
+  if (bad) {
+    std::printf("FAIL %s: %zu of %zu runs differ\n", name, bad, runs);
+    return false;
+  }
+  std::printf("ok   %-84s max abs err %.2e\n", name, 0.0);
+  return true;
+}
+
 std::vector<QuantPath> runnable_paths() {
   std::vector<QuantPath> paths;
   for (QuantPath p : {QuantPath::kAvx2, QuantPath::kAvx512})
@@ -224,6 +261,8 @@ bool validate_all() {
         ok &= check_case<bf16>(f, Tn, K, 38, ++seed);
         ok &= check_int8_activations(f, Tn, K, 38, ++seed);
       }
+      ok &= check_thread_counts(f, K, 38, ++seed);
+      ok &= check_thread_counts(f, K, 3000, ++seed);  // shares longer than a claim: claims split them
     }
   }
   return ok;

@@ -340,7 +340,6 @@ template <typename T, typename XT, typename WT>
 void walk_streams(const PanelCall<T, XT, WT>& call, int64_t n_tokens, int64_t min_claim, WorkClaims* claims,
                   int64_t ranges) {
   const int64_t per_panel = call.per_panel(), n_out = call.n_out;
-  const int64_t tid = omp_get_thread_num();
   const int64_t max_range = (n_out + ranges - 1) / ranges;
   float* c = thread_scratch<float>(7, static_cast<size_t>(n_tokens * kPanelRows));
   // SiLU: the gate and up sums of the claimed outputs, each at its offset in its range (rows of
@@ -366,13 +365,7 @@ void walk_streams(const PanelCall<T, XT, WT>& call, int64_t n_tokens, int64_t mi
         if (n > 0) silu_mul_range(gate + lo, up + lo, max_range, n_tokens, n, call.out + o_begin + lo, n_out);
       }
   };
-  int64_t i0 = 0, i1 = 0;
-  if (tid < ranges)
-    while (claims[tid].take(min_claim, true, &i0, &i1)) run(tid, i0, i1);
-  for (int64_t k = 1; k <= ranges; ++k) {  // the others' ranges, from the next one on
-    const int64_t r = (tid + k) % ranges;
-    while (claims[r].take(min_claim, false, &i0, &i1)) run(r, i0, i1);
-  }
+  take_shares(claims, ranges, min_claim, omp_get_thread_num(), run);
 }
 
 // Many tokens: panel i holds outputs [i * per_panel, (i + 1) * per_panel), and the threads take

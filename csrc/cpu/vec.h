@@ -144,6 +144,21 @@ class alignas(64) WorkClaims {
   std::atomic<uint64_t> ends_{0};
 };
 
+// The calling thread's part of work split into `shares` shares of positions, each with its
+// WorkClaims: thread `tid` takes its own share from the front, then what is left of every other
+// share from the back, and runs f(share, i0, i1) on each claim. Every position of every share is
+// run exactly once, by some thread, once every thread of the team has returned.
+template <typename F>
+inline void take_shares(WorkClaims* claims, int64_t shares, int64_t min_take, int64_t tid, F&& f) {
+  int64_t i0 = 0, i1 = 0;
+  if (tid < shares)
+    while (claims[tid].take(min_take, true, &i0, &i1)) f(tid, i0, i1);
+  for (int64_t k = 1; k <= shares; ++k) {  // the others' shares, from the next one on
+    const int64_t r = (tid + k) % shares;
+    while (claims[r].take(min_take, false, &i0, &i1)) f(r, i0, i1);
+  }
+}
+
 // Bytes [begin, begin + bytes) streamed into L2 a few cache lines per step() over `steps`
 // steps: the data of a thread's next unit of work, fetched while the current one computes
 // instead of in one serial burst when the next one starts. Default-constructed, it does nothing.
