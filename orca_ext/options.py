@@ -33,7 +33,8 @@ def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
                    help="CPU products of GGUF blocks: float32 activations (the float path's "
                         "numbers), int8 (per 32-block; Q4_K/Q6_K per 256-block) with integer dot "
                         "products as llama.cpp does (faster; perplexity +0.06-0.6%%), or auto = int8 "
-                        "for Q4_K/Q6_K and float32 for Q8_0/Q4_0/Q4_1 (default auto)")
+                        "for a file mostly of Q8_0 or K-quant blocks, and for a Q4_0/Q4_1 file int8 "
+                        "for its Q4_K/Q6_K and float32 for its 32-element blocks (default auto)")
     g.add_argument("--max-batch-size", type=int, default=_DEFAULTS.max_batch_size,
                    help=f"requests per iteration (default {_DEFAULTS.max_batch_size})")
     g.add_argument("--n-slots", type=int, default=_DEFAULTS.n_slots,

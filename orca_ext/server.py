@@ -32,6 +32,7 @@ from .request import IterationRecord, Request, RequestOutput
 from .resources import default_kv_memory, plan_kv_cache
 from .sampling import SamplingParams
 from .prefix_cache import PrefixCache
+from .quant.formats import resolve_quant_activations
 from .scheduler import make_scheduler
 from .executor_factory import is_model_object, make_executor
 from .kernel_thread import KernelThread
@@ -104,6 +105,12 @@ class Server:
             raise
         executor, spec, tokenizer = started.executor, started.spec, started.tokenizer
         try:
+            # quant_activations="auto" is decided per model, from the block formats its matrices
+            # are stored in (parallel workers decide the same from the same spec); no forward has
+            # run yet, and the mode reaches only CPU products of blocks.
+            config = self.config = dataclasses.replace(config, quant_activations=resolve_quant_activations(
+                config.quant_activations, dict(spec.block_bytes)))
+            modes.update(quant_activations=config.quant_activations)
             self._plan_kv(executor, spec)
             lock = threading.RLock()
             self._outputs = OutputBroker(lock, config.max_undelivered_outputs)

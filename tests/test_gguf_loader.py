@@ -194,8 +194,12 @@ def test_default_gguf_spec_equals_its_float32_conversion(default_model_dir):
 
     ours = ModelSpec.from_pretrained(default_gguf_path())
     theirs = ModelSpec.from_pretrained(default_model_dir)
-    assert dataclasses.replace(ours, eos_token_ids=theirs.eos_token_ids) == theirs
+    assert dataclasses.replace(ours, eos_token_ids=theirs.eos_token_ids, block_bytes=()) == theirs
     assert set(theirs.eos_token_ids) <= set(ours.eos_token_ids)
+    # the file's matrices: Q4_1, and its tied Q8_0 embedding (about 30 MB of 96)
+    assert theirs.block_bytes == () and {t for t, _ in ours.block_bytes} == {3, 8}
+    assert sum(n for _, n in ours.block_bytes) == sum(int(t.n_bytes) for t in gguf.GGUFReader(default_gguf_path()).tensors
+                                                      if int(t.tensor_type) in (3, 8))
 
 
 def test_default_model_as_q4_1_generates_the_float32_text(default_model_dir):

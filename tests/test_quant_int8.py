@@ -337,3 +337,66 @@ def test_quant_activations_option_sets_the_servers_mode(tmp_path):
             reference.append(int(logits[0].argmax()))
             ids.append(reference[-1])
     assert as_int8 == reference
+
+
+def test_auto_is_resolved_from_the_models_main_block_format():
+    """resolve_quant_activations: "float32" and "int8" stand; "auto" stays the per-format rule for
+    a model whose blocks are mostly Q4_0 or Q4_1 (bytes decide, a smaller Q8_0 lm_head included)
+    and becomes "int8" for every other model; a model without blocks keeps it."""
+    from orca_ext.quant.formats import resolve_quant_activations
+
+    for mode in ("float32", "int8"):
+        assert resolve_quant_activations(mode, {8: 100}) == mode
+    assert resolve_quant_activations("auto", {}) == "auto"
+    assert resolve_quant_activations("auto", {3: 66, 8: 30}) == "auto"   # the embedded Q4_1 file's mix
+    assert resolve_quant_activations("auto", {2: 10}) == "auto"
+    assert resolve_quant_activations("auto", {8: 1313}) == "int8"
+    assert resolve_quant_activations("auto", {12: 467, 14: 332}) == "int8"  # Q4_K_M
+    assert resolve_quant_activations("auto", {3: 30, 8: 66}) == "int8"    # mostly Q8_0
+    with pytest.raises(ValueError, match="quant_activations"):
+        resolve_quant_activations("int4", {8: 1})
+
+
+def _greedy_with_logprobs(path, **options):
+    from orca_ext import SamplingParams, Server
+
+    params = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True, logprobs=2)
+    with Server(str(path), device="cpu", n_slots=128, **options) as server:
+        out = server.generate([3, 17, 40, 2, 9, 11, 5], params)[0]
+        return server.config.quant_activations, modes.current().quant_activations, out.token_ids, [
+            (lp.logprob, lp.top) for lp in out.logprobs]
+
+
+def test_a_q8_0_file_is_served_with_int8_activations_by_default(tmp_path):
+    """Under the default quant_activations="auto", a Server resolves the mode from the spec's
+    block bytes: a Q8_0 file runs the int8 products (the config, the process's mode and the
+    numbers of an explicit "int8" Server, not those of "float32"), on one process and on
+    pipeline workers alike; a Q4_1 file with a Q8_0 lm_head keeps "auto" (its Q8_0 head takes
+    float32 activations: the numbers of an explicit "float32" Server)."""
+    from gguf import GGMLQuantizationType as T
+    from gguf_models import write_gguf
+
+    from orca_ext.models.config import ModelSpec
+
+    q8 = tmp_path / "q8.gguf"
+    write_gguf(q8, "llama", lambda name: T.Q8_0, seed=7)
+    mixed = tmp_path / "mixed.gguf"
+    write_gguf(mixed, "llama", lambda name: T.Q8_0 if name == "output.weight" else T.Q4_1, seed=7)
+    spec = ModelSpec.from_pretrained(q8)
+    assert [t for t, _ in spec.block_bytes] == [8] and spec.block_bytes[0][1] > 0
+    assert {t for t, _ in ModelSpec.from_pretrained(mixed).block_bytes} == {3, 8}
+
+    with modes.using():  # the Servers set the process's modes; restore them after
+        auto = _greedy_with_logprobs(q8)
+        int8 = _greedy_with_logprobs(q8, quant_activations="int8")
+        as_float = _greedy_with_logprobs(q8, quant_activations="float32")
+        assert auto[:2] == ("int8", "int8")
+        assert auto[2:] == int8[2:]
+        assert auto[3] != as_float[3]
+        pipelined = _greedy_with_logprobs(q8, pipeline_parallel_size=2)
+        assert pipelined[0] == "int8" and pipelined[2:] == int8[2:]
+
+        mixed_auto = _greedy_with_logprobs(mixed)
+        assert mixed_auto[:2] == ("auto", "auto")
+        assert mixed_auto[2:] == _greedy_with_logprobs(mixed, quant_activations="float32")[2:]
+        assert mixed_auto[3] != _greedy_with_logprobs(mixed, quant_activations="int8")[3]

@@ -272,4 +272,5 @@ def spec_from_dict(d: dict):
     d = dict(d)
     d["rope"] = RopeConfig(**d["rope"])
     d["eos_token_ids"] = tuple(d["eos_token_ids"])
+    d["block_bytes"] = tuple((int(t), int(n)) for t, n in d.get("block_bytes", ()))
     return ModelSpec(**d)

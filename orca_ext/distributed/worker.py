@@ -56,6 +56,7 @@ from .. import modes, ops
 from ..models.batch import ForwardBatch
 from ..models.loader import load_model
 from ..models.sharding import make_shard
+from ..quant.formats import resolve_quant_activations
 from ..sampling import Sampler
 from .batch_trace import BatchTrace
 from .batch_trace import now as trace_now
@@ -205,6 +206,9 @@ class Worker:
                                 rank=self.rank, world_size=self.num_processes, timeout=timeout, **kwargs)
         tp_comm = None
         spec = spec_from_dict(cfg["spec"])
+        # quant_activations="auto" is decided per model, as the Server decides it for its process.
+        modes.update(quant_activations=resolve_quant_activations(modes.current().quant_activations,
+                                                                 dict(spec.block_bytes)))
         shard = make_shard(spec, self.tp, self.pp, self.tp_rank, self.stage)
         if self.tp > 1:
             for stage in range(self.pp):  # every worker creates every subgroup, in one order

@@ -52,6 +52,7 @@ import math
 import torch
 
 from .. import modes, ops
+from ..quant.weight import bytes_by_type
 from . import huge_pages
 from .batch import ForwardBatch
 from .config import ModelSpec
@@ -115,6 +116,12 @@ class CausalLM:
         return (f"CausalLM({s.architecture}, layers={len(self.layers)}, hidden={s.hidden_size}, "
                 f"heads={self.num_heads}/{self.num_kv_heads}x{s.head_dim}, vocab={s.vocab_size}, "
                 f"device={self.device}, dtype={self.dtype}, n_slots={self.n_slots})")
+
+    def block_bytes(self) -> dict[int, int]:
+        """Bytes of this model's quantized matrices per ggml type id ({} for float weights)."""
+        matrices = [self.embed, self.lm_head] + [m for layer in self.layers for m in (
+            layer.qkv_weight, layer.o_weight, layer.gate_up_weight, layer.down_weight)]
+        return bytes_by_type(matrices)
 
     def kv_bytes_per_slot(self) -> int:
         """Bytes of one KV slot in this model's pools (its layers and KV heads only)."""

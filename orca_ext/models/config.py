@@ -68,6 +68,9 @@ class ModelSpec:
     eos_token_ids: tuple[int, ...]
     bos_token_id: int | None
     sliding_window: int | None = None     # the window the config enables, if any (informational)
+    # (ggml type id, bytes) of the matrices a GGUF file stores in served block formats; () for a
+    # float checkpoint (what quant_activations='auto' is resolved from: resolve_quant_activations)
+    block_bytes: tuple[tuple[int, int], ...] = ()
 
     @property
     def q_size(self) -> int:
@@ -203,6 +206,7 @@ class ModelSpec:
             eos = tuple(dict.fromkeys(eos + _as_id_tuple(eot)))
         bos = g.field("tokenizer.ggml.bos_token_id", None)
         return cls(
+            block_bytes=tuple(sorted(g.block_bytes().items())),
             architecture=_ARCH_BY_MODEL_TYPE[model_type],
             vocab_size=vocab,
             hidden_size=hidden,

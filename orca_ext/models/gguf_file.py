@@ -101,6 +101,15 @@ class GGUFFile:
     def __contains__(self, name: str) -> bool:
         return name in self.tensors
 
+    def block_bytes(self) -> dict[int, int]:
+        """Bytes of the tensors in each served block format (ggml type id -> bytes), read from the
+        headers alone: what a model loaded with quantization="auto" keeps as blocks."""
+        total: dict[int, int] = {}
+        for t in self.reader.tensors:
+            if int(t.tensor_type) in FORMATS:
+                total[int(t.tensor_type)] = total.get(int(t.tensor_type), 0) + int(t.n_bytes)
+        return total
+
     def tensor_type(self, name: str) -> int:
         return int(self._tensor(name).tensor_type)
 

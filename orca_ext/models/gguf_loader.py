@@ -256,9 +256,7 @@ def load_gguf_model(path: str | Path, device: torch.device | str = "cpu",
     g.close()
     _release_freed_heap()
     model = CausalLM(spec, embed, layers, final_norm, lm_head, device, dtype, shard=shard, tp_comm=tp_comm)
-    block_bytes = sum(_block_bytes(w) for w in [embed, lm_head if lm_head is not embed else None] +
-                      [getattr(layer, f) for layer in layers for f in ("qkv_weight", "o_weight",
-                                                                        "gate_up_weight", "down_weight")])
+    block_bytes = sum(model.block_bytes().values())
     where = "" if shard is None else (f" (stage {shard.stage} layers {shard.layer_start}-{shard.layer_end - 1}, "
                                       f"tensor rank {shard.tp_rank}/{shard.tp_size})")
     log.info("loaded %s GGUF %s in %.1fs%s: %d layers, hidden %d, %.1f MB of weights as blocks "
@@ -282,10 +280,6 @@ def _release_freed_heap() -> None:
         trim = None
     if trim is not None:
         trim(0)
-
-
-def _block_bytes(w) -> int:
-    return w.nbytes if isinstance(w, (QuantizedWeight, QuantizedStack)) else 0
 
 
 def load_gguf_tokenizer(path: str | Path):

@@ -23,8 +23,11 @@ from __future__ import annotations
 
 import dataclasses
 import enum
+from typing import Mapping
 
 import torch
+
+from ..checks import check_choice
 
 
 # EngineConfig.quantization: "auto" serves quantized GGUF matrices as their blocks, "none"
@@ -51,10 +54,29 @@ class QType(enum.IntEnum):
 #   "auto":    int8 for the K-quant super-blocks, float32 for the 32-element blocks. Widening a
 #              Q4_K or Q6_K block to float32 is compute-bound on a CPU (a Q4_K_M stream decodes at
 #              about half of llama.cpp's speed that way) and int8 costs those files +0.06%
-#              perplexity, while the 32-element blocks widen at about the read bound and keep the
-#              float path's exact numbers (the embedded Q4_1 model's).
+#              perplexity, while the 4-bit 32-element blocks widen near the read bound and keep
+#              the float path's exact numbers (the embedded Q4_1 model's).
+# A server resolves "auto" once per model (resolve_quant_activations): a model whose blocks are
+# mostly Q4_0 or Q4_1 keeps the per-format rule above; any other model (Q8_0, Q4_K_M, ...) takes
+# "int8" for all its blocks. Widening Q8_0 to float32 costs 4 vector instructions per 16 weights
+# and leaves a stream level with llama.cpp; int8 runs it 1.1-1.7x as fast at llama.cpp's own
+# perplexity (bench/RESULTS.md).
 QUANT_ACTIVATIONS = ("auto", "float32", "int8")
 AUTO_INT8_TYPES = frozenset({QType.Q4_K, QType.Q6_K})
+# The main formats of the models that keep "auto" as the per-format rule.
+FLOAT_ACTIVATION_MODEL_TYPES = frozenset({QType.Q4_0, QType.Q4_1})
+
+
+def resolve_quant_activations(mode: str, block_bytes: Mapping[int, int]) -> str:
+    """The mode a model is served in whose quantized matrices hold `block_bytes` (bytes per ggml
+    type id): `mode` itself unless it is "auto"; for "auto", "int8" when the type holding most
+    bytes is not Q4_0 or Q4_1, else "auto" (the per-format rule). A model without blocks keeps
+    `mode` (nothing reads it)."""
+    check_choice("quant_activations", mode, QUANT_ACTIVATIONS)
+    if mode != "auto" or not block_bytes:
+        return mode
+    main = max(block_bytes, key=lambda t: (block_bytes[t], int(t)))
+    return "auto" if int(main) in FLOAT_ACTIVATION_MODEL_TYPES else "int8"
 
 
 def int8_activations(quant_activations: str, qtype: int) -> bool:

@@ -12,6 +12,7 @@ by its own format's kernel; no bytes are added and no part is dequantized.
 from __future__ import annotations
 
 import dataclasses
+from typing import Iterable
 
 import torch
 
@@ -119,6 +120,20 @@ class QuantizedStack:
 
 
 Quantized = (QuantizedWeight, QuantizedStack)   # isinstance() target of the ops' dispatch
+
+
+def bytes_by_type(weights: Iterable) -> dict[int, int]:
+    """Bytes of blocks per ggml type id over `weights` (anything not quantized counts nothing; a
+    matrix listed twice, as a tied embedding is, counts once)."""
+    total: dict[int, int] = {}
+    seen: set[int] = set()
+    for w in weights:
+        if id(w) in seen:
+            continue
+        seen.add(id(w))
+        for part in w.parts if isinstance(w, QuantizedStack) else (w,) if isinstance(w, QuantizedWeight) else ():
+            total[int(part.qtype)] = total.get(int(part.qtype), 0) + part.nbytes
+    return total
 
 
 def stack_rows(parts: list[QuantizedWeight]) -> QuantizedWeight | QuantizedStack:
