@@ -25,6 +25,7 @@ class FakeSpec:
     eos_token_ids: tuple = ()
     bos_token_id: Optional[int] = None
     architecture: str = "FakeForCausalLM"
+    block_bytes: tuple = ()  # no quantized matrices
 
 
 def fake_next_token(context: list[int], vocab_size: int) -> int:
