@@ -376,6 +376,7 @@ def test_a_q8_0_file_is_served_with_int8_activations_by_default(tmp_path):
     from gguf import GGMLQuantizationType as T
     from gguf_models import write_gguf
 
+    from orca_ext.models import load_model
     from orca_ext.models.config import ModelSpec
 
     q8 = tmp_path / "q8.gguf"
@@ -385,6 +386,8 @@ def test_a_q8_0_file_is_served_with_int8_activations_by_default(tmp_path):
     spec = ModelSpec.from_pretrained(q8)
     assert [t for t, _ in spec.block_bytes] == [8] and spec.block_bytes[0][1] > 0
     assert {t for t, _ in ModelSpec.from_pretrained(mixed).block_bytes} == {3, 8}
+    for path in (q8, mixed):  # a loaded model keeps exactly the file's blocks
+        assert load_model(path).block_bytes() == dict(ModelSpec.from_pretrained(path).block_bytes)
 
     with modes.using():  # the Servers set the process's modes; restore them after
         auto = _greedy_with_logprobs(q8)

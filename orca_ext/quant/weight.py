@@ -128,10 +128,10 @@ def bytes_by_type(weights: Iterable) -> dict[int, int]:
     total: dict[int, int] = {}
     seen: set[int] = set()
     for w in weights:
-        if id(w) in seen:
+        if id(w) in seen or not isinstance(w, Quantized):
             continue
         seen.add(id(w))
-        for part in w.parts if isinstance(w, QuantizedStack) else (w,) if isinstance(w, QuantizedWeight) else ():
+        for part in w.parts if isinstance(w, QuantizedStack) else (w,):
             total[int(part.qtype)] = total.get(int(part.qtype), 0) + part.nbytes
     return total
 
