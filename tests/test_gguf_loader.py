@@ -119,6 +119,29 @@ def _tensor(path: Path, name: str):
     return next(t for t in gguf.GGUFReader(str(path)).tensors if t.name == name)
 
 
+def test_our_reader_reads_what_the_gguf_package_reads():
+    """GGUFFile's reader (plain ndarray views over the mapping) gives every metadata field, part
+    and tensor of the embedded model's file (a 49k vocabulary and its merges) exactly as the
+    `gguf` package's own GGUFReader does."""
+    from orca_ext.default_model import default_gguf_path
+    from orca_ext.models.gguf_file import GGUFFile
+
+    ours, theirs = GGUFFile(default_gguf_path()).reader, gguf.GGUFReader(default_gguf_path(), "r")
+    assert list(ours.fields) == list(theirs.fields)
+    for key, field in theirs.fields.items():
+        mine = ours.fields[key]
+        assert (mine.offset, mine.data, mine.types) == (field.offset, field.data, field.types), key
+        assert len(mine.parts) == len(field.parts), key
+        for a, b in zip(mine.parts, field.parts):
+            assert a.dtype == b.dtype and np.array_equal(a, b), key
+        assert mine.contents() == field.contents(), key
+    assert len(ours.tensors) == len(theirs.tensors) > 0
+    for a, b in zip(ours.tensors, theirs.tensors):
+        assert (a.name, a.tensor_type, a.data_offset, a.n_bytes, a.data.shape, a.data.dtype) == \
+               (b.name, b.tensor_type, b.data_offset, b.n_bytes, b.data.shape, b.data.dtype)
+        assert np.array_equal(a.data, b.data), a.name
+
+
 def test_truncated_file_names_the_tensor(good_file):
     last = max(gguf.GGUFReader(str(good_file)).tensors, key=lambda t: t.data_offset)
     data = good_file.read_bytes()
