@@ -292,14 +292,16 @@ def load_gguf_tokenizer(path: str | Path):
         raise FileNotFoundError(f"GGUF file {path} does not exist")
     from transformers import AutoTokenizer
 
-    if GGUFFile(path).field("tokenizer.ggml.model", None) is None:
-        raise FileNotFoundError(f"{path} has no tokenizer (no tokenizer.ggml.* metadata)")
+    # A cache entry exists only for this very file (name, size, mtime) and only once its tokenizer
+    # was built, so it is read first, without parsing the file's metadata again.
     cached = tokenizer_cache_folder(path)
     if (cached / "tokenizer_config.json").is_file():
         try:
             return AutoTokenizer.from_pretrained(str(cached))
         except Exception as exc:  # a damaged cache entry is rebuilt
             log.warning("rebuilding the cached tokenizer %s: %s", cached, exc)
+    if GGUFFile(path).field("tokenizer.ggml.model", None) is None:
+        raise FileNotFoundError(f"{path} has no tokenizer (no tokenizer.ggml.* metadata)")
     tokenizer = _build_gguf_tokenizer(path)
     _save_atomically(tokenizer, cached)
     return tokenizer
