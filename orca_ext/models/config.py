@@ -206,7 +206,6 @@ class ModelSpec:
             eos = tuple(dict.fromkeys(eos + _as_id_tuple(eot)))
         bos = g.field("tokenizer.ggml.bos_token_id", None)
         return cls(
-            block_bytes=tuple(sorted(g.block_bytes().items())),
             architecture=_ARCH_BY_MODEL_TYPE[model_type],
             vocab_size=vocab,
             hidden_size=hidden,
@@ -225,6 +224,7 @@ class ModelSpec:
             qk_norm="blk.0.attn_q_norm.weight" in g,
             eos_token_ids=eos,
             bos_token_id=None if bos is None else int(bos),
+            block_bytes=tuple(sorted(g.block_bytes().items())),
         )
 
 
