@@ -635,9 +635,7 @@ inline void int8_act_linear(const Int8Rows& a, const uint8_t* w, int type, int64
   if (n_tokens == 1) {  // a share of the rows per thread, the ends taken over by whoever is done first
     const int64_t min_rows = int8_decode_min_rows(row_bytes);
     const int64_t ranges = std::max<int64_t>(1, std::min(threads, n_out));
-    std::vector<WorkClaims> claims(static_cast<size_t>(ranges));
-    for (int64_t r = 0; r < ranges; ++r)
-      claims[static_cast<size_t>(r)].reset(n_out * (r + 1) / ranges - n_out * r / ranges);
+    std::vector<WorkClaims> claims = even_share_claims(n_out, ranges, 1);
 #pragma omp parallel if (ranges > 1)
     take_shares(claims.data(), ranges, min_rows, omp_get_thread_num(), [&](int64_t r, int64_t i0, int64_t i1) {
       PrefetchAhead none;  // one token streams its rows: nothing is claimed ahead to prefetch

@@ -412,11 +412,7 @@ void run_panels(const XT* x, int64_t ldx, PanelFn<XT, WT> panel_fn, const WT* w,
   if (n_tokens < kNeighbourPanelsFromTokens) {
     static_assert(kNeighbourPanelsFromTokens <= 12, "the streams walk takes one token tile (token_tile_rows >= 12)");
     const int64_t ranges = std::min<int64_t>(parallel ? omp_get_max_threads() : 1, n_panels);
-    std::vector<WorkClaims> claims(static_cast<size_t>(ranges));
-    for (int64_t r = 0; r < ranges; ++r) {
-      const int64_t range = call.n_out * (r + 1) / ranges - call.n_out * r / ranges;
-      claims[static_cast<size_t>(r)].reset((range + call.per_panel() - 1) / call.per_panel());
-    }
+    std::vector<WorkClaims> claims = even_share_claims(call.n_out, ranges, call.per_panel());
     const int64_t min_claim = min_positions_per_claim(w_stride * static_cast<int64_t>(sizeof(WT)) * (silu ? 2 : 1));
 #pragma omp parallel if (parallel)
     walk_streams(call, n_tokens, min_claim, claims.data(), ranges);

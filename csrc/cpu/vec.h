@@ -10,6 +10,7 @@
 #include <cstdlib>
 #include <cstring>
 #include <new>
+#include <vector>
 
 #include "cpu_kernels.h"
 
@@ -143,6 +144,17 @@ class alignas(64) WorkClaims {
  private:
   std::atomic<uint64_t> ends_{0};
 };
+
+// One WorkClaims per share of n items split evenly (share r: items [n * r / shares,
+// n * (r + 1) / shares)), each counting the positions of per_position items its share covers.
+inline std::vector<WorkClaims> even_share_claims(int64_t n, int64_t shares, int64_t per_position) {
+  std::vector<WorkClaims> claims(static_cast<size_t>(shares));
+  for (int64_t r = 0; r < shares; ++r) {
+    const int64_t items = n * (r + 1) / shares - n * r / shares;
+    claims[static_cast<size_t>(r)].reset((items + per_position - 1) / per_position);
+  }
+  return claims;
+}
 
 // The calling thread's part of work split into `shares` shares of positions, each with its
 // WorkClaims: thread `tid` takes its own share from the front, then what is left of every other
