@@ -1,17 +1,26 @@
 """What a prompt chunk at a long context adds to an iteration of decodes, on CPU.
 
 One iteration's forward, as the engine's LocalExecutor runs it (ForwardBatch.build + forward +
-greedy pick of the next tokens), on the default model in float32: 4 decodes over ~100-token
-contexts alone, then with one more request's prompt chunk of c tokens whose first token sits at
-position L (L tokens of its prompt already in the KV cache). Median of `--repeat` runs after a
-warm-up. The extra cost of the chunk over its token count is what a long prompt's chunks take
-from the decodes that share its iterations beyond what their tokens say.
+greedy pick of the next tokens), on the default model as a server loads it (`--weights served`:
+the embedded GGUF's Q4_1 blocks with float32 activations; `--weights float32`: the converted
+float32 folder): 4 decodes over ~100-token contexts alone, then with one more request's prompt
+chunk of c tokens whose first token sits at position L (L tokens of its prompt already in the KV
+cache). Median of `--repeat` runs after a warm-up. The extra cost of the chunk over its token
+count is what a long prompt's chunks take from the decodes that share its iterations beyond what
+their tokens say. A chunk of one token at position L is one more decode row at context L
+(`--chunks 1`): what a stream deep into a long context adds to every iteration it takes part in.
+
+`--decode-rows` measures decode rows instead: 4 more rows whose tokens sit at position L beside
+the 4 decodes, per row, the cases interleaved round by round (one extra row alone lands on the
+kernels' register-block edges, so it says more about T = 5 than about a row): what a stream
+deep into a long context adds to every iteration it takes part in (fairness.DECODE_CONTEXT_COST_TOKENS).
 
 `--attention` times the attention kernel alone instead (ops.ragged_attention for the chunk's one
 request, the model's head shape, times its layers), on one thread so that nothing but the
 kernel's own work is timed: it shows which chunk sizes take a slow path.
 
-    python bench/chunk_cost.py [--chunks 8 32 128] [--contexts 0 300 600 1200] [--repeat 7] [--attention]
+    python bench/chunk_cost.py [--chunks 1 8 32 128] [--contexts 0 300 600 1200] [--repeat 7] [--attention]
+                               [--decode-rows] [--weights served|float32]
 """
 from __future__ import annotations
 
@@ -29,7 +38,7 @@ sys.path.insert(0, str(REPO))  # a checkout without an install
 
 N_DECODES = 4
 DECODE_CONTEXT = 100
-SLAB = 2048  # slots per request in the KV cache (the chunk's request needs up to L + c)
+SLAB = 8192  # slots per request in the KV cache (the chunk's request needs up to L + c)
 
 
 def iteration_ms(model, inputs, batch_invariant: bool, repeat: int) -> float:
@@ -65,6 +74,34 @@ def measure(model, chunks, contexts, batch_invariant: bool, repeat: int) -> list
     for r in rows:
         r["decodes_ms_after"] = after
     return rows
+
+
+def decode_rows_ms(model, contexts, batch_invariant: bool, repeat: int) -> None:
+    """Per-row cost of N_DECODES more decode rows at each context, over the N_DECODES decodes alone."""
+    from orca_ext import modes
+    from orca_ext.models import ForwardBatch
+
+    rng = random.Random(0)
+    decodes = [([rng.randrange(1000, 40000)], DECODE_CONTEXT, SLAB * i) for i in range(N_DECODES)]
+    cases = {"alone": decodes}
+    for ctx in [DECODE_CONTEXT] + [c for c in contexts if c != DECODE_CONTEXT]:
+        cases[ctx] = decodes + [([rng.randrange(1000, 40000)], ctx, SLAB * (N_DECODES + i)) for i in range(N_DECODES)]
+    times: dict = {name: [] for name in cases}
+    with torch.inference_mode(), modes.using(batch_invariant=batch_invariant):
+        for round_ in range(repeat + 2):  # two warm-up rounds
+            for name, inputs in cases.items():  # interleaved: the host's drift falls on every case
+                t0 = time.perf_counter()
+                model.forward(ForwardBatch.build(inputs)).argmax(dim=-1).tolist()
+                if round_ >= 2:
+                    times[name].append(time.perf_counter() - t0)
+    ms = {name: 1e3 * statistics.median(t) for name, t in times.items()}
+    short = (ms[DECODE_CONTEXT] - ms["alone"]) / N_DECODES
+    print(f"\nbatch_invariant={batch_invariant}: {N_DECODES} decodes (context {DECODE_CONTEXT}) alone: {ms['alone']:.1f} ms")
+    print(f"| {N_DECODES} more rows at context L | iteration ms | ms per added row | against a row at {DECODE_CONTEXT} |")
+    print("|---|---|---|---|")
+    for ctx in sorted(c for c in cases if c != "alone"):
+        per_row = (ms[ctx] - ms["alone"]) / N_DECODES
+        print(f"| {ctx} | {ms[ctx]:.1f} | {per_row:.2f} | {per_row / short:.2f}x |")
 
 
 def attention_ms(spec, chunks, contexts, repeat: int) -> None:
@@ -118,17 +155,26 @@ def main() -> None:
     parser.add_argument("--invariant", choices=["on", "off", "both"], default="both",
                         help="batch-invariant kernels (on: the CPU server's default)")
     parser.add_argument("--attention", action="store_true", help="time the attention kernel alone")
+    parser.add_argument("--decode-rows", action="store_true", help="time added decode rows at each context")
+    parser.add_argument("--weights", choices=["served", "float32"], default="served",
+                        help="served: the embedded GGUF as a server loads it (default); float32: the converted folder")
     args = parser.parse_args()
     if max(args.contexts) + max(args.chunks) > SLAB:
         parser.error(f"context + chunk must fit in {SLAB} slots")
     torch.set_num_threads(args.threads)
 
-    from orca_ext.default_model import default_model_path
+    from orca_ext.default_model import default_model_path, default_model_source
     from orca_ext.models import load_model
 
-    model = load_model(default_model_path(), device="cpu", dtype=torch.float32)
+    path = default_model_source() if args.weights == "served" else default_model_path()
+    model = load_model(path, device="cpu", dtype=torch.float32)
     if args.attention:
         attention_ms(model.spec, args.chunks, args.contexts, args.repeat)
+        return
+    if args.decode_rows:
+        model.allocate_kv_cache(SLAB * 2 * N_DECODES)
+        for invariant in {"on": [True], "off": [False], "both": [True, False]}[args.invariant]:
+            decode_rows_ms(model, args.contexts, invariant, args.repeat)
         return
     model.allocate_kv_cache(SLAB * (N_DECODES + 1))
     for invariant in {"on": [True], "off": [False], "both": [True, False]}[args.invariant]:

@@ -38,6 +38,12 @@ noted; requests are sent back to back):
                      few of the KV slots (each one legal), held open for the whole phase
   long_prompt_hog    accepted: one very long legal prompt (`--long-prompt-words` words, one token
                      asked) after another, so its chunked prefill runs the whole phase
+  long_context_hog   accepted: four streams of a long legal prompt (`--long-context-words` words)
+                     asking LONG_CONTEXT_TOKENS tokens each, held open for the whole phase: every
+                     decode row attends to thousands of cached keys. The prompt is put into the
+                     prefix cache once before the victims start (as a client would at a quiet
+                     moment), so the streams decode deep in their context from the phase's start;
+                     it runs before kv_hog and cache_thrash, which may evict that entry
   cache_thrash       accepted: prompts of ~100 tokens, never the same twice, one token asked, back to
                      back: each leaves a prefix cache entry no one will use, pushing out the entries
                      of the victims' shared prompt (one client's entries hold at most an equal share
@@ -61,11 +67,11 @@ noted; requests are sent back to back):
                      controls and logprobs do for one row
   logprobs_top5 / logit_bias_max / penalties_max  the three parts of logits_controls_max alone
 
-kv_hog and long_prompt_hog are legal requests from one client: what stops them is the server's admission
+kv_hog, long_prompt_hog and long_context_hog are legal requests from one client: what stops them is the server's admission
 policy (`--admission`, `--max-kv-per-client`), not a limit. Without those two options the server
 runs with its own defaults; run them under both policies:
-  python bench/isolation.py --attacks kv_hog,long_prompt_hog --admission fcfs
-  python bench/isolation.py --attacks kv_hog,long_prompt_hog --admission fair --max-kv-per-client 0.5
+  python bench/isolation.py --attacks long_context_hog,kv_hog,long_prompt_hog --admission fcfs
+  python bench/isolation.py --attacks long_context_hog,kv_hog,long_prompt_hog --admission fair --max-kv-per-client 0.5
 Next to the rate ratio the table gives the victims' median time to first token during the attack
 over that of the baselines around it (target: within 2x), and the CPU share this process (the
 victims' and the attacker's client side) took during the phase and its baselines: on a machine with
@@ -118,6 +124,8 @@ VICTIM_TOKENS = 16
 MAX_PENALTIES = {"presence_penalty": 2.0, "frequency_penalty": -2.0, "repetition_penalty": 1.3, "min_tokens": 16}
 ATTACK_ADDRESSES = 8  # loopback addresses per attack phase (connection_holding's eight clients)
 HUGE_LENGTH = 1_000_000_000  # a declared Content-Length no body will ever fill
+LONG_CONTEXT_TOKENS = 1000  # what each long_context_hog stream asks for, beyond its prompt
+PRIMER_ADDRESS = "127.2.0.2"  # where long_context_hog's prompt is first sent from, before the victims start
 
 
 def attack_addresses(phase: int) -> list[str]:
@@ -314,6 +322,11 @@ async def _kv_hog(client, url, model: str, n_slots: int, statuses: Counter, stre
     prompt = "Count from one to a million, one number a line."
     per_stream = (n_slots - spare) // streams
     body = {"model": model, "prompt": prompt, "max_tokens": per_stream - 14, "temperature": 0, "ignore_eos": True}
+    await _held_streams(client, url, body, statuses, streams)
+
+
+async def _held_streams(client, url, body: dict, statuses: Counter, streams: int) -> None:
+    """`streams` concurrent streams of `body`, each sent again as soon as it ends."""
 
     async def one() -> None:
         while True:
@@ -450,8 +463,16 @@ async def _upload_loop(port: int, address: str, head: bytes, body: bytes, status
         statuses[await raw_upload(port, address, head, body)] += 1
 
 
+def long_context_body(model: str, words: int) -> dict:
+    """long_context_hog's request: a prompt of `words` words, LONG_CONTEXT_TOKENS tokens asked."""
+    rng = random.Random(1)
+    prompt = " ".join(rng.choice(["tide", "lamp", "rock", "gull", "storm", "rope", "fog", "shore"]) for _ in range(words))
+    return {"model": model, "prompt": prompt, "max_tokens": LONG_CONTEXT_TOKENS, "temperature": 0, "ignore_eos": True}
+
+
 def attacks(model: str, port: int, n_slots: int = 0, long_prompt_words: int = 1200,
-            api_key: str = "") -> dict[str, Callable[[httpx.AsyncClient, str, Counter, list[str]], Awaitable[None]]]:
+            api_key: str = "", long_context_words: int = 3000,
+            ) -> dict[str, Callable[[httpx.AsyncClient, str, Counter, list[str]], Awaitable[None]]]:
     rng = random.Random(0)
     letters = "abcdefghijklmnopqrstuvwxyz"
     # Long random stops: they never occur in the text, so every character is checked against all.
@@ -485,6 +506,7 @@ def attacks(model: str, port: int, n_slots: int = 0, long_prompt_words: int = 12
                                                          oversize_body, s),
         "disconnect_churn": lambda c, u, s, a: _disconnect_loop(c, u, _body(model), s),
         "slow_headers": lambda c, u, s, a: _slow_headers(port, a[0], s),
+        "long_context_hog": lambda c, u, s, a: _held_streams(c, u, long_context_body(model, long_context_words), s, 4),
         "kv_hog": lambda c, u, s, a: _kv_hog(c, u, model, n_slots, s),
         "long_prompt_hog": lambda c, u, s, a: _accepted_loop(c, u, long_prompt_body, s),
         "cache_thrash": lambda c, u, s, a: _cache_thrash(c, u, model, s),
@@ -554,11 +576,25 @@ def victim_spans(spans: list[Span], victim: int) -> list[Span]:
     return [s for s in spans if s.victim == victim]
 
 
+async def prime_long_context(url: str, model: str, words: int, api_key: str) -> None:
+    """Send long_context_hog's prompt once (one token asked) while the server is idle, so that the
+    prefix cache holds it when the attack's streams come."""
+    transport = httpx.AsyncHTTPTransport(local_address=PRIMER_ADDRESS)
+    async with httpx.AsyncClient(timeout=httpx.Timeout(600.0), headers=auth_headers(api_key), transport=transport) as c:
+        t0 = time.perf_counter()
+        res = await stream_completion(c, url, {**long_context_body(model, words), "max_tokens": 1})
+        if res.status != 200 or res.error:
+            raise RuntimeError(f"priming long_context_hog's prompt failed: {res.status} {res.error[:200]}")
+        log.info("long_context_hog's prompt (%d words) is in the prefix cache (%.1f s)", words, time.perf_counter() - t0)
+
+
 async def run(server: ServeProcess, names: list[str], *, victims: int, window: float, settle: float,
-              long_prompt_words: int = 1200, api_key: str = "") -> dict:
+              long_prompt_words: int = 1200, api_key: str = "", long_context_words: int = 3000) -> dict:
     model = httpx.get(server.base_url + "/v1/models", headers=auth_headers(api_key), timeout=30).json()["data"][0]["id"]
     url = server.base_url + "/v1/completions"
-    table = attacks(model, server.port, kv_slots(server, api_key), long_prompt_words, api_key)
+    table = attacks(model, server.port, kv_slots(server, api_key), long_prompt_words, api_key, long_context_words)
+    if "long_context_hog" in names:
+        await prime_long_context(url, model, long_context_words, api_key)
     spans: list[Span] = []
     victim_errors: Counter = Counter()
     stop = asyncio.Event()
@@ -693,6 +729,8 @@ def main(argv: list[str] | None = None) -> int:
                         "is 0.5), slots, 'auto' or 'none' (default: the server's default)")
     p.add_argument("--long-prompt-words", type=int, default=1200,
                    help="words in long_prompt_hog's prompt (default 1200, about 1,200 tokens)")
+    p.add_argument("--long-context-words", type=int, default=3000,
+                   help="words in long_context_hog's prompt (default 3000, about 3,000 tokens)")
     p.add_argument("-tp", "--tensor-parallel-size", type=int, default=1,
                    help="serve with -tp N worker processes (default 1: one process)")
     p.add_argument("-pp", "--pipeline-parallel-size", type=int, default=1,
@@ -724,7 +762,8 @@ def main(argv: list[str] | None = None) -> int:
         serve_args += ["--max-kv-per-client", args.max_kv_per_client]
     with ServeProcess(*serve_args, python=args.python, cwd=args.cwd, env=env) as server:
         result = asyncio.run(run(server, names, victims=args.victims, window=args.window, settle=args.settle,
-                                 long_prompt_words=args.long_prompt_words, api_key=args.api_key))
+                                 long_prompt_words=args.long_prompt_words, api_key=args.api_key,
+                                 long_context_words=args.long_context_words))
     result.update({"admission": args.admission or "default", "max_kv_per_client": args.max_kv_per_client or "default",
                    "prefix_caching": args.prefix_caching,
                    "tensor_parallel_size": args.tensor_parallel_size,

@@ -88,7 +88,7 @@ class EngineConfig:
     # fair: the KV slots one client may reserve while another is present: a share of the slots
     # (float in (0, 1]), a count (int), 'auto' (fairness.DEFAULT_KV_SHARE) or None (no cap)
     max_kv_per_client: Union[int, float, str, None] = "auto"
-    # fair: a client ahead of another takes no more decode rows per iteration than the others
+    # fair: a client ahead of another takes decode rows worth no more per iteration than the others'
     # (None: per device, default_share_decode_rows)
     share_decode_rows: Optional[bool] = None
     prefix_caching: bool = True                         # reuse finished requests' KV for shared prompt prefixes

@@ -3,9 +3,9 @@ manner of the Virtual Token Counter (Sheng et al., OSDI '24, "Fairness in Servin
 Models"), and a per-client cap on reserved KV slots (docs/DESIGN.md section 6).
 
 Each client (`Request.client`; None is one shared anonymous client) has a counter of the service
-it has received: OUTPUT_WEIGHT per generated token and, for a prompt chunk, its cost in prompt
-tokens (`chunk_cost`: PROMPT_WEIGHT per token, scaled up by the context the chunk attends to),
-charged when the tokens are scheduled. The requests that want prompt tokens (waiting ones, and admitted
+it has received, charged when the tokens are scheduled: for a generated token's decode row,
+OUTPUT_WEIGHT scaled up by the context the row attends to (`decode_cost`), and for a prompt chunk
+its cost in prompt tokens (`chunk_cost`: PROMPT_WEIGHT per token, scaled up the same way). The requests that want prompt tokens (waiting ones, and admitted
 ones with part of their prompt left) are taken client by client, always from the client whose
 counter (with what this selection already gave it) is smallest, and in arrival order within a
 client. A client that becomes active is lifted to the smallest counter of the active clients, or
@@ -19,11 +19,14 @@ that stream back to back leave the pool for a moment between two requests, and i
 neither may the floor jump to the counter of the client that is ahead nor may that client take a
 whole token budget (the one iteration that every returning client would then wait through).
 
-A client that is ahead in the same sense takes as many decode rows per iteration as the least
-any other client with an admitted request has ready (at least one), its running requests in turn, when the
-scheduler shares decode rows (`EngineConfig.share_decode_rows`, on for CPU): on a CPU every row
-lengthens the iteration, so a client with several running requests would otherwise slow the
-others as much as several clients would, however far ahead its counter is.
+A client that is ahead in the same sense takes decode rows worth, over time, what the least any
+other client with an admitted request takes per iteration (its ready rows' `decode_cost`, at
+least one decode's at position 0), its running requests in turn, when the scheduler shares decode
+rows (`EngineConfig.share_decode_rows`, on for CPU): on a CPU every row lengthens the iteration,
+by more the longer its context, so a client with several running requests, or with streams deep
+into long contexts, would otherwise slow the others as much as several clients would, however
+far ahead its counter is. What it may take but a row does not use carries to the next
+iteration (`row_credit`), so a row costlier than that share still runs, every few iterations.
 
 The scheduler keeps Algorithm 1's no-skip rule over this order: a request that does not fit in
 the KV cache blocks every admission after it (admitted requests' prompt chunks still run), so
@@ -64,6 +67,15 @@ OUTPUT_WEIGHT = 2
 # attend more cheaply per token (double at L ~ 2,000), so for them the estimate errs high, on
 # the side of the other clients.
 CONTEXT_COST_TOKENS = 720
+# A decode row at context L costs OUTPUT_WEIGHT x (1 + L / DECODE_CONTEXT_COST_TOKENS): its
+# projections cost the same at any L, its attention reads L cached keys for its one query. Measured
+# on the default model as a server runs it (Q4_1 blocks, float32 activations, batch-invariant) on a
+# 2-core CPU (bench/chunk_cost.py --decode-rows, bench/RESULTS.md): rows beside 4 decodes add
+# 2.0-2.6 ms each at L = 0 and 1.9-2.4 ms more per 1,000 positions, a slope that doubled a row's
+# cost at L = 970-1,360 in five runs.
+# Larger models spend more on projections per cached key, so for them the estimate errs high, on
+# the side of the other clients.
+DECODE_CONTEXT_COST_TOKENS = 1150
 # A client whose request just finished (a stop or its length) usually sends its next one at once:
 # for this many selections after it leaves it still counts as present, so the gap between two of
 # its requests neither lifts the floor to the other clients' counters (which would erase their
@@ -105,10 +117,12 @@ class FairShares:
     `max_kv_per_client`: the cap in slots (`kv_cap_slots`), None for none."""
 
     def __init__(self, max_kv_per_client: Optional[int] = None, token_budget: Optional[int] = None,
-                 context_cost_tokens: int = CONTEXT_COST_TOKENS):
+                 context_cost_tokens: int = CONTEXT_COST_TOKENS,
+                 decode_context_cost_tokens: int = DECODE_CONTEXT_COST_TOKENS):
         self.max_kv_per_client = max_kv_per_client
         self.token_budget = token_budget  # the scheduler's max_num_batched_tokens (None: whole prompts)
         self.context_cost_tokens = context_cost_tokens  # context that doubles a prompt token's cost
+        self.decode_context_cost_tokens = decode_context_cost_tokens  # ... and a decode row's
         self.counters: dict = {}   # client -> weighted tokens received
         self.taken: dict = {}      # client -> weighted tokens in the batch being selected
         self.active: set = set()   # clients with a request in the pool at the last selection
@@ -116,6 +130,8 @@ class FairShares:
         self.selection = 0         # selections begun so far
         self.returning: dict = {}  # client -> last selection in which it counts as present
         self.row_turn: dict = {}   # client -> where its next share of decode rows starts (decode_rows)
+        self.row_credit: dict = {}  # client ahead -> decode cost it may still take (decode_rows)
+        self.held: list = []       # each held client's next row in turn, from the last decode_rows
 
     def order(self, pool: list, admit: Callable[[object], bool]) -> Iterator:
         """The pool's prompt work in fair-share order, each waiting request admitted (`admit`,
@@ -156,29 +172,56 @@ class FairShares:
         """The requests of `ready` (those of `pool` whose next input is one generated token, in
         arrival order) that this selection takes: all, except those of a client that is ahead
         (its counter more than one token budget above that of another client with an admitted
-        request, or between two requests). That client takes as many rows as the least any such
-        other client has ready, counting at least one for each (a client whose next input is a
-        prompt chunk, or who is between two requests, takes an iteration's time too), its
-        requests in turn from one selection to the next. A client whose requests all wait for
-        KV slots is no rival: it takes no time in the iteration, and holding rows back would
-        only keep the slots it waits for taken longer."""
+        request, or between two requests). That client may take, in this iteration and what it
+        left unused before, the least decode cost any such other client has ready (`decode_cost`
+        of its rows, at least one decode's at position 0 for each: a client whose next input is
+        a prompt chunk, or who is between two requests, takes an iteration's time too). Its
+        requests take rows in turn from one selection to the next while that credit covers the
+        next one's cost, so a row deep into a long context runs only every few iterations. A
+        client whose requests all wait for KV slots is no rival: it takes no time in the
+        iteration, and holding rows back would only keep the slots it waits for taken longer."""
+        self.held = []
         if self.token_budget is None:
             return ready
-        rows = Counter(req.client for req in ready)
+        costs: dict = {}
+        for req in ready:
+            costs[req.client] = costs.get(req.client, 0) + self.decode_cost(req.num_cached)
         present = {req.client for req in pool if req.slab_start >= 0} | set(self._returning())
         held = set()
-        for client, n in rows.items():
+        for client in costs:
             rivals = [c for c in present if c != client]
-            if n == 1 or not rivals or not self._ahead(client, rivals):
+            if not rivals or not self._ahead(client, rivals):
+                self.row_credit.pop(client, None)
                 continue
-            share = min(max(1, rows[c]) for c in rivals)
-            if share >= n:
-                continue
+            share = min(max(OUTPUT_WEIGHT, costs.get(c, 0)) for c in rivals)
             mine = [req for req in ready if req.client == client]
-            start = self.row_turn.get(client, 0) % n
-            self.row_turn[client] = start + share
-            held.update(id(req) for req in (mine[start:] + mine[:start])[share:])
+            start = self.row_turn.get(client, 0) % len(mine)
+            credit = self.row_credit.get(client, 0) + share
+            in_turn = mine[start:] + mine[:start]
+            taken = 0
+            for req in in_turn:  # rows go in turn: none after the first that the credit cannot cover
+                cost = self.decode_cost(req.num_cached)
+                if cost > credit:
+                    break
+                credit -= cost
+                taken += 1
+            held.update(id(req) for req in in_turn[taken:])
+            self.held += in_turn[taken:taken + 1]
+            self.row_turn[client] = start + taken
+            # What is left carries only while a row waits for it (less than that row's cost): a
+            # client whose every row ran banks nothing toward a later burst.
+            self.row_credit[client] = credit if taken < len(in_turn) else 0
         return [req for req in ready if id(req) not in held] if held else ready
+
+    def release_held(self) -> Optional[object]:
+        """The first held row of the last `decode_rows`, now taken after all (its client's turn
+        moves past it), or None: the scheduler asks when nothing else runs in the iteration,
+        where holding it back would only leave the iteration empty."""
+        if not self.held:
+            return None
+        req = self.held.pop(0)
+        self.row_turn[req.client] = self.row_turn.get(req.client, 0) + 1
+        return req
 
     def _ahead(self, client, rivals: list) -> bool:
         """client's counter is more than one token budget above the smallest of `rivals`'."""
@@ -217,7 +260,7 @@ class FairShares:
                 least = min([self.taken[c] for c in others] + ([OUTPUT_WEIGHT] if away else []))
                 share = least - self.taken.get(client, 0)
                 n_tokens = max(1, min(n_tokens, self.chunk_fitting(share, context)))
-        cost = self.chunk_cost(n_tokens, context) if req.prompt_remaining else OUTPUT_WEIGHT * n_tokens
+        cost = self.chunk_cost(n_tokens, context) if req.prompt_remaining else n_tokens * self.decode_cost(context)
         self.taken[client] = self.taken.get(client, 0) + cost
         self.counters[client] = self.counters.get(client, self.floor) + cost
         return n_tokens
@@ -233,10 +276,16 @@ class FairShares:
         scale = self.context_cost_tokens
         return -(-PROMPT_WEIGHT * n_tokens * (scale + context) // scale)
 
+    def decode_cost(self, context: int) -> float:
+        """Weighted cost of a decode row whose token sits at position `context` (it attends to the
+        `context` cached keys before it): OUTPUT_WEIGHT x (1 + context / decode_context_cost_tokens)."""
+        scale = self.decode_context_cost_tokens
+        return OUTPUT_WEIGHT * (scale + context) / scale
+
     def chunk_fitting(self, cost: int, context: int) -> int:
         """The most tokens of a prompt chunk at position `context` whose cost is at most `cost`."""
         scale = self.context_cost_tokens
-        return max(0, cost) * scale // (PROMPT_WEIGHT * (scale + context))
+        return int(max(0, cost) * scale // (PROMPT_WEIGHT * (scale + context)))
 
     def _hold_at_cap(self, client) -> None:
         """The cap, not the fair order, holds `client` back: its counter banks no credit for the
@@ -261,6 +310,7 @@ class FairShares:
         self.returning = {c: last for c, last in self.returning.items() if last >= self.selection}
         clients = clients | self.returning.keys()
         self.row_turn = {c: turn for c, turn in self.row_turn.items() if c in clients}
+        self.row_credit = {c: credit for c, credit in self.row_credit.items() if c in clients}
         staying = clients & self.active
         if staying:
             self.floor = max(self.floor, min(self.counters[c] for c in staying))

@@ -84,8 +84,9 @@ def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
                         "the slots such as 0.5, a slot count such as 4096, or 'none' (default auto: "
                         f"{DEFAULT_KV_SHARE:g} of the slots)")
     g.add_argument("--share-decode-rows", action=argparse.BooleanOptionalAction, default=_DEFAULTS.share_decode_rows,
-                   help="with --admission fair: a client ahead of the others takes no more decode rows per "
-                        "iteration than they do (default: on for CPU, off for CUDA)")
+                   help="with --admission fair: a client ahead of the others takes decode rows worth no more "
+                        "per iteration than theirs, a row costing more the longer its context (default: on "
+                        "for CPU, off for CUDA)")
     g.add_argument("--prefix-caching", action=argparse.BooleanOptionalAction, default=_DEFAULTS.prefix_caching,
                    help="keep finished requests' KV rows in free slots and start requests that share "
                         "their prompt prefix from them (default on; evicted first when space is needed)")

@@ -358,7 +358,13 @@ class FairScheduler(OrcaScheduler):
 
     def _select(self) -> list:
         self.shares.begin()
-        return super()._select()
+        batch = super()._select()
+        if not batch:  # only held decode rows were ready: one runs rather than none
+            req = self.shares.release_held()
+            if req is not None:
+                self._take(req, 1)
+                batch.append(req)
+        return batch
 
     def _take(self, req, n_tokens: int) -> int:
         return super()._take(req, self.shares.take(req, n_tokens))

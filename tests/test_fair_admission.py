@@ -6,8 +6,9 @@ Fair admission: a victim behind a hog client is admitted within a bounded number
 (under FCFS it waits behind the hog), prompt chunks are shared between clients, the per-client KV
 cap (a share of the cache by default) holds while another client is present and never binds a
 client alone, one client alone gets Algorithm 1's batches, counters bank no idle credit, a
-client that is ahead takes no more decode rows than the others (its streams in turn; CPU's
-default), and nothing starves (hypothesis property tests).
+client that is ahead takes decode rows worth no more than the others' (its streams in turn, a
+row costing more the longer its context; CPU's default), and nothing starves (hypothesis
+property tests).
 Balance: with two batches in flight a burst is split over both; with one, nothing changes.
 """
 from __future__ import annotations
@@ -26,7 +27,7 @@ from orca_ext import InvalidRequestError, Server
 from orca_ext.config import EngineConfig
 from orca_ext.engine import Engine
 from orca_ext.executor import LocalExecutor
-from orca_ext.fairness import (CONTEXT_COST_TOKENS, DEFAULT_KV_SHARE, MAX_IDLE_COUNTERS, OUTPUT_WEIGHT,
+from orca_ext.fairness import (CONTEXT_COST_TOKENS, DECODE_CONTEXT_COST_TOKENS, DEFAULT_KV_SHARE, MAX_IDLE_COUNTERS, OUTPUT_WEIGHT,
                                PROMPT_WEIGHT, FairShares, kv_cap_slots)
 from orca_ext.options import add_engine_arguments
 from orca_ext.reference import SlabAllocatorReference
@@ -405,13 +406,14 @@ def test_counters_charge_weighted_tokens_and_lift_newcomers_without_banked_credi
     a = mk(10, 5, "a")
     s.add(a)
     run_batch(s)  # a's prompt
-    run_batch(s)  # one decode
-    assert s.shares.counters["a"] == 10 * PROMPT_WEIGHT + OUTPUT_WEIGHT
+    run_batch(s)  # one decode, its token at position 10
+    decode = lambda L: OUTPUT_WEIGHT * (1 + L / DECODE_CONTEXT_COST_TOKENS)  # noqa: E731
+    assert s.shares.counters["a"] == pytest.approx(10 * PROMPT_WEIGHT + decode(10))
     s.add(mk(3, 5, "b"))
     s.schedule()
     # b arrived while a was active: lifted to a's counter (with this selection's decode), then
     # charged its prompt.
-    assert s.shares.floor == s.shares.counters["a"] == 10 * PROMPT_WEIGHT + 2 * OUTPUT_WEIGHT
+    assert s.shares.floor == s.shares.counters["a"] == pytest.approx(10 * PROMPT_WEIGHT + decode(10) + decode(11))
     assert s.shares.counters["b"] == s.shares.floor + 3 * PROMPT_WEIGHT
 
 
@@ -768,17 +770,60 @@ def test_a_client_ahead_takes_no_more_decode_rows_than_any_other_client(share_ro
         assert set(taken.values()) == {30} and lead() > 32 + 60 * OUTPUT_WEIGHT
 
 
-def test_decode_rows_even_out_to_the_least_any_client_has_ready():
-    """A client ahead takes as many rows as the least any other client has ready: clients with
-    5, 3 and 2 streams end up taking 2 rows each per iteration, and none of the 2-stream client's."""
+def row_cost(req) -> float:
+    """What a decode row at req's next position costs (computed here, not by the scheduler)."""
+    return OUTPUT_WEIGHT * (1 + req.num_cached / DECODE_CONTEXT_COST_TOKENS)
+
+
+def test_decode_rows_even_out_to_the_least_decode_cost_any_client_has_ready():
+    """Clients ahead take decode rows worth what the least of the others takes: clients with 5, 3
+    and 2 streams end up taking about 2 rows each per iteration (within one row's cost over a
+    window), and none of the 2-stream client's."""
     s, reqs = decoding_clients({"a": 5, "b": 3, "c": 2})
     for _ in range(60):
         run_batch(s)
-    for _ in range(10):
-        assert rows_per_client(run_batch(s)) == {"a": 2, "b": 2, "c": 2}
+    costs = {c: 0.0 for c in reqs}
+    rows = {c: 0 for c in reqs}
+    for _ in range(30):
+        batch = s.schedule()
+        for r in batch:
+            costs[r.client] += row_cost(r)
+            rows[r.client] += 1
+        run_batch(s, batch)
+    assert rows["c"] == 60  # never held: it is the least
+    widest = max(row_cost(r) for mine in reqs.values() for r in mine)
+    assert abs(costs["a"] - costs["c"]) <= widest and abs(costs["b"] - costs["c"]) <= widest, costs
     done = {c: sorted(len(r.output_token_ids) for r in mine) for c, mine in reqs.items()}
     # Within a client the rows go round: its streams are never more than one token apart.
     assert all(counts[-1] - counts[0] <= 1 for counts in done.values()), done
+
+
+@pytest.mark.parametrize("context", [600, 3000, 7000])
+def test_a_stream_deep_in_a_long_context_takes_rows_worth_one_short_stream(context):
+    """One client's single stream at a long context beside four short ones: once ahead, it runs a
+    row only as often as its cost allows (every ~decode cost ratio iterations), so it slows each
+    iteration by no more than one more short stream would, and it still runs."""
+    s = sched(max_bs=16, n_slots=20000, budget=32)
+    hog = mk(context, 2000, "hog")
+    s.add(hog)
+    while hog.prompt_remaining:
+        run_batch(s)
+    victims = [mk(1, 1000, f"v{i}") for i in range(4)]
+    for v in victims:
+        s.add(v)
+    run_batch(s)
+    for _ in range(200):  # until the hog is a budget ahead (its prompt counts) and settles
+        run_batch(s)
+    hog_costs, victim_costs = [], []
+    for _ in range(300):
+        batch = s.schedule()
+        assert all(v in batch for v in victims)  # the short streams decode every iteration
+        hog_costs += [row_cost(r) for r in batch if r is hog]
+        victim_costs += [row_cost(r) for r in batch if r is victims[0]]
+        run_batch(s, batch)
+    assert abs(sum(hog_costs) - sum(victim_costs)) <= max(hog_costs), (sum(hog_costs), sum(victim_costs))
+    # Rows: as many as one short stream's cost buys at the hog's cost, between the extremes.
+    assert 300 * min(victim_costs) / max(hog_costs) - 1 <= len(hog_costs) <= 300 * max(victim_costs) / min(hog_costs) + 1
 
 
 def test_a_client_between_requests_or_prefilling_counts_one_row_and_one_alone_takes_every_row():
