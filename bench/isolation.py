@@ -6,7 +6,8 @@ alternate: a baseline with the victims alone, then one attack, then a baseline a
 An attack's ratio is the victims' token rate during it over the mean of the two baselines around
 it, so slow drift of a shared machine cancels out. The target: no attack may cut the rate by more
 than 25% (ratio >= 0.75). A stream of accepted requests is load, not one request, so the
-attack that sends one (disconnect_churn) is held to its polite twin instead (TWINS below).
+attack that sends one (disconnect_churn, and each accepted stream of extreme parameters) is held
+to its polite twin instead (TWINS below).
 
 Next to the wall-clock rate it reports the victims' tokens per CPU second of the server process
 and its workers (utime + stime from /proc). An attack that makes the server burn CPU (encoding,
@@ -20,7 +21,8 @@ it would separate machines, and no attack inherits what an earlier one left in t
 per-client state (a rejection debt outlasts a phase by minutes). Attacks (each is one client unless
 noted; requests are sent back to back):
   benign_client      a reference, not an attack: a fifth client with ordinary parameters
-                     (temperature 1), i.e. what any extra client costs the victims
+                     (temperature 1), i.e. what any extra client costs the victims; the accepted
+                     single-stream attacks below are held to it (TWINS)
   one_token_client   a reference, not an attack: a fifth client whose requests ask for one token
                      each, back to back: the prompt-heavy load that disconnect_churn also sends,
                      without hanging up
@@ -148,8 +150,14 @@ REFERENCES = ("benign_client", "one_token_client")  # extra clients, not attacks
 # A stream of accepted requests is load, which the target does not bound (it bounds one request and
 # a stream of rejected ones; the server has no per-client rate limit for accepted requests). Such an
 # attack passes when it costs the victims no more than its reference twin, the same requests sent
-# politely, within TWIN_TOLERANCE: its way of misbehaving (hanging up) must add nothing to the load.
-TWINS = {"disconnect_churn": "one_token_client"}
+# politely, within TWIN_TOLERANCE: its way of misbehaving (hanging up, extreme sampling parameters,
+# the most stop strings or logits controls allowed) must add nothing to the load. The twin of one
+# client's stream of 32-token requests is benign_client, an ordinary fifth client; where a step is
+# compute-bound that alone costs the victims up to a fifth of their rate and more (bench/RESULTS.md).
+TWINS = {"disconnect_churn": "one_token_client",
+         **{attack: "benign_client" for attack in ("top_k_overflow", "tiny_temperature", "stop_strings_max",
+                                                   "logits_controls_max", "logprobs_top5", "logit_bias_max",
+                                                   "penalties_max")}}
 TWIN_TOLERANCE = 0.05
 
 
