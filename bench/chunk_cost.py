@@ -10,17 +10,18 @@ count is what a long prompt's chunks take from the decodes that share its iterat
 their tokens say. A chunk of one token at position L is one more decode row at context L
 (`--chunks 1`): what a stream deep into a long context adds to every iteration it takes part in.
 
-`--decode-rows` measures decode rows instead: 4 more rows whose tokens sit at position L beside
-the 4 decodes, per row, the cases interleaved round by round (one extra row alone lands on the
-kernels' register-block edges, so it says more about T = 5 than about a row): what a stream
-deep into a long context adds to every iteration it takes part in (fairness.DECODE_CONTEXT_COST_TOKENS).
+`--decode-rows` measures decode rows instead (of `--model`, if given): 4 more rows whose tokens
+sit at position L beside the 4 decodes, per row, the cases interleaved round by round (one extra
+row alone lands on the kernels' register-block edges, so it says more about T = 5 than about a
+row): what a stream deep into a long context adds to every iteration it takes part in
+(fairness.DECODE_CONTEXT_COST_TOKENS).
 
 `--attention` times the attention kernel alone instead (ops.ragged_attention for the chunk's one
 request, the model's head shape, times its layers), on one thread so that nothing but the
 kernel's own work is timed: it shows which chunk sizes take a slow path.
 
     python bench/chunk_cost.py [--chunks 1 8 32 128] [--contexts 0 300 600 1200] [--repeat 7] [--attention]
-                               [--decode-rows] [--weights served|float32]
+                               [--decode-rows] [--weights served|float32] [--model PATH]
 """
 from __future__ import annotations
 
@@ -158,6 +159,7 @@ def main() -> None:
     parser.add_argument("--decode-rows", action="store_true", help="time added decode rows at each context")
     parser.add_argument("--weights", choices=["served", "float32"], default="served",
                         help="served: the embedded GGUF as a server loads it (default); float32: the converted folder")
+    parser.add_argument("--model", default=None, help="another model folder or .gguf instead of the default model")
     args = parser.parse_args()
     if max(args.contexts) + max(args.chunks) > SLAB:
         parser.error(f"context + chunk must fit in {SLAB} slots")
@@ -166,8 +168,20 @@ def main() -> None:
     from orca_ext.default_model import default_model_path, default_model_source
     from orca_ext.models import load_model
 
-    path = default_model_source() if args.weights == "served" else default_model_path()
+    if args.model:
+        path = args.model
+    else:
+        path = default_model_source() if args.weights == "served" else default_model_path()
     model = load_model(path, device="cpu", dtype=torch.float32)
+    from orca_ext import modes
+    from orca_ext.quant.formats import resolve_quant_activations
+
+    # Products of GGUF blocks as a server runs them (int8 activations for a Q8_0 or K-quant file).
+    modes.update(quant_activations=resolve_quant_activations("auto", dict(model.spec.block_bytes)))
+    if args.decode_rows:
+        from orca_ext.fairness import DECODE_CONTEXT_COST_TOKENS
+
+        print(f"{Path(path).name}: fair admission charges a decode row 2 x (1 + L / {DECODE_CONTEXT_COST_TOKENS})")
     if args.attention:
         attention_ms(model.spec, args.chunks, args.contexts, args.repeat)
         return

@@ -74,7 +74,10 @@ CONTEXT_COST_TOKENS = 720
 # 2.0-2.6 ms each at L = 0 and 1.9-2.4 ms more per 1,000 positions, a slope that doubled a row's
 # cost at L = 970-1,360 in five runs.
 # Larger models spend more on projections per cached key, so for them the estimate errs high, on
-# the side of the other clients.
+# the side of the other clients: on the Llama-3.2-1B shape (Q8_0 blocks, int8 activations) a row's
+# cost doubles at L = 2,300-2,800. Scaling by projection FLOPs per KV byte would predict ~7,400
+# there, right for float activations but 3x too late for the int8 products, which run at twice
+# the FLOP rate: the balance depends on the kernels as much as on the shape.
 DECODE_CONTEXT_COST_TOKENS = 1150
 # A client whose request just finished (a stop or its length) usually sends its next one at once:
 # for this many selections after it leaves it still counts as present, so the gap between two of
