@@ -5,10 +5,10 @@ Models"), and a per-client cap on reserved KV slots (docs/DESIGN.md section 6).
 Each client (`Request.client`; None is one shared anonymous client) has a counter of the service
 it has received, charged when the tokens are scheduled: for a generated token's decode row,
 OUTPUT_WEIGHT scaled up by the context the row attends to (`decode_cost`), and for a prompt chunk
-its cost in prompt tokens (`chunk_cost`: PROMPT_WEIGHT per token, scaled up the same way). The requests that want prompt tokens (waiting ones, and admitted
-ones with part of their prompt left) are taken client by client, always from the client whose
-counter (with what this selection already gave it) is smallest, and in arrival order within a
-client. A client that becomes active is lifted to the smallest counter of the active clients, or
+its cost in prompt tokens (`chunk_cost`: PROMPT_WEIGHT per token, scaled up the same way). The
+requests that want prompt tokens (waiting ones, and admitted ones with part of their prompt
+left) are taken client by client, always from the client whose counter (with what this
+selection already gave it) is smallest, and in arrival order within a client. A client that becomes active is lifted to the smallest counter of the active clients, or
 to the last such minimum when none is active, so time spent idle banks no credit. A client that
 is ahead by more than one token budget takes at most as many weighted tokens of prompt in an
 iteration as the least any other present client takes in it (no more than any other's share): on a CPU an
@@ -45,7 +45,7 @@ than the cap is admitted when its client holds no other slots, so no request wai
 from __future__ import annotations
 
 import heapq
-from collections import Counter, deque
+from collections import deque
 from typing import Callable, Iterator, Optional, Union
 
 from .request import RequestState
