@@ -8,8 +8,9 @@ OUTPUT_WEIGHT scaled up by the context the row attends to (`decode_cost`), and f
 its cost in prompt tokens (`chunk_cost`: PROMPT_WEIGHT per token, scaled up the same way). The
 requests that want prompt tokens (waiting ones, and admitted ones with part of their prompt
 left) are taken client by client, always from the client whose counter (with what this
-selection already gave it) is smallest, and in arrival order within a client. A client that becomes active is lifted to the smallest counter of the active clients, or
-to the last such minimum when none is active, so time spent idle banks no credit. A client that
+selection already gave it) is smallest, and in arrival order within a client. A client that
+becomes active is lifted to the smallest counter of the active clients, or to the last such
+minimum when none is active, so time spent idle banks no credit. A client that
 is ahead by more than one token budget takes at most as many weighted tokens of prompt in an
 iteration as the least any other present client takes in it (no more than any other's share): on a CPU an
 iteration's time grows with its tokens and with the context its prompt tokens attend to, so a
@@ -186,34 +187,34 @@ class FairShares:
         self.held = []
         if self.token_budget is None:
             return ready
-        costs: dict = {}
+        rows: dict = {}  # client -> its ready requests in arrival order, each with its row's cost
         for req in ready:
-            costs[req.client] = costs.get(req.client, 0) + self.decode_cost(req.num_cached)
+            rows.setdefault(req.client, []).append((req, self.decode_cost(req.num_cached)))
+        costs = {client: sum(cost for _, cost in mine) for client, mine in rows.items()}
         present = {req.client for req in pool if req.slab_start >= 0} | set(self._returning())
         held = set()
-        for client in costs:
+        for client, mine in rows.items():
             rivals = [c for c in present if c != client]
             if not rivals or not self._ahead(client, rivals):
                 self.row_credit.pop(client, None)
                 continue
             share = min(max(OUTPUT_WEIGHT, costs.get(c, 0)) for c in rivals)
-            mine = [req for req in ready if req.client == client]
             start = self.row_turn.get(client, 0) % len(mine)
-            credit = self.row_credit.get(client, 0) + share
             in_turn = mine[start:] + mine[:start]
+            credit = self.row_credit.get(client, 0) + share
             taken = 0
-            for req in in_turn:  # rows go in turn: none after the first that the credit cannot cover
-                cost = self.decode_cost(req.num_cached)
+            for _, cost in in_turn:  # rows go in turn: none after the first that the credit cannot cover
                 if cost > credit:
                     break
                 credit -= cost
                 taken += 1
-            held.update(id(req) for req in in_turn[taken:])
-            self.held += in_turn[taken:taken + 1]
+            waiting = [req for req, _ in in_turn[taken:]]
+            held.update(id(req) for req in waiting)
+            self.held += waiting[:1]
             self.row_turn[client] = start + taken
             # What is left carries only while a row waits for it (less than that row's cost): a
             # client whose every row ran banks nothing toward a later burst.
-            self.row_credit[client] = credit if taken < len(in_turn) else 0
+            self.row_credit[client] = credit if waiting else 0
         return [req for req in ready if id(req) not in held] if held else ready
 
     def release_held(self) -> Optional[object]:
