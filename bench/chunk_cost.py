@@ -42,24 +42,33 @@ DECODE_CONTEXT = 100
 SLAB = 8192  # slots per request in the KV cache (the chunk's request needs up to L + c)
 
 
-def iteration_ms(model, inputs, batch_invariant: bool, repeat: int) -> float:
-    from orca_ext import modes
+def iteration_s(model, inputs) -> float:
+    """Seconds of one iteration's forward and greedy pick, as the engine's LocalExecutor runs it
+    (inside inference_mode and the modes being measured)."""
     from orca_ext.models import ForwardBatch
 
+    t0 = time.perf_counter()
+    model.forward(ForwardBatch.build(inputs)).argmax(dim=-1).tolist()
+    return time.perf_counter() - t0
+
+
+def decode_inputs(rng: random.Random, context: int, first_slab: int) -> list:
+    """N_DECODES decode rows (one random token each) at position `context`, in consecutive slabs."""
+    return [([rng.randrange(1000, 40000)], context, SLAB * (first_slab + i)) for i in range(N_DECODES)]
+
+
+def iteration_ms(model, inputs, batch_invariant: bool, repeat: int) -> float:
+    from orca_ext import modes
+
     with torch.inference_mode(), modes.using(batch_invariant=batch_invariant):
-        times = []
-        for i in range(repeat + 1):  # the first is a warm-up
-            t0 = time.perf_counter()
-            logits = model.forward(ForwardBatch.build(inputs))
-            logits.argmax(dim=-1).tolist()
-            if i:
-                times.append(time.perf_counter() - t0)
+        iteration_s(model, inputs)  # a warm-up
+        times = [iteration_s(model, inputs) for _ in range(repeat)]
     return 1e3 * statistics.median(times)
 
 
 def measure(model, chunks, contexts, batch_invariant: bool, repeat: int) -> list[dict]:
     rng = random.Random(0)
-    decodes = [([rng.randrange(1000, 40000)], DECODE_CONTEXT, SLAB * i) for i in range(N_DECODES)]
+    decodes = decode_inputs(rng, DECODE_CONTEXT, 0)
     # Warm-up: the first forwards after loading (page faults, thread start-up) are far slower.
     widest = ([rng.randrange(1000, 40000) for _ in range(max(chunks))], max(contexts), SLAB * N_DECODES)
     iteration_ms(model, decodes + [widest], batch_invariant, 3)
@@ -80,21 +89,19 @@ def measure(model, chunks, contexts, batch_invariant: bool, repeat: int) -> list
 def decode_rows_ms(model, contexts, batch_invariant: bool, repeat: int) -> None:
     """Per-row cost of N_DECODES more decode rows at each context, over the N_DECODES decodes alone."""
     from orca_ext import modes
-    from orca_ext.models import ForwardBatch
 
     rng = random.Random(0)
-    decodes = [([rng.randrange(1000, 40000)], DECODE_CONTEXT, SLAB * i) for i in range(N_DECODES)]
+    decodes = decode_inputs(rng, DECODE_CONTEXT, 0)
     cases = {"alone": decodes}
     for ctx in [DECODE_CONTEXT] + [c for c in contexts if c != DECODE_CONTEXT]:
-        cases[ctx] = decodes + [([rng.randrange(1000, 40000)], ctx, SLAB * (N_DECODES + i)) for i in range(N_DECODES)]
+        cases[ctx] = decodes + decode_inputs(rng, ctx, N_DECODES)
     times: dict = {name: [] for name in cases}
     with torch.inference_mode(), modes.using(batch_invariant=batch_invariant):
         for round_ in range(repeat + 2):  # two warm-up rounds
             for name, inputs in cases.items():  # interleaved: the host's drift falls on every case
-                t0 = time.perf_counter()
-                model.forward(ForwardBatch.build(inputs)).argmax(dim=-1).tolist()
+                seconds = iteration_s(model, inputs)
                 if round_ >= 2:
-                    times[name].append(time.perf_counter() - t0)
+                    times[name].append(seconds)
     ms = {name: 1e3 * statistics.median(t) for name, t in times.items()}
     short = (ms[DECODE_CONTEXT] - ms["alone"]) / N_DECODES
     print(f"\nbatch_invariant={batch_invariant}: {N_DECODES} decodes (context {DECODE_CONTEXT}) alone: {ms['alone']:.1f} ms")
