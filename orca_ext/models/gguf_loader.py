@@ -300,9 +300,10 @@ def load_gguf_tokenizer(path: str | Path):
             return AutoTokenizer.from_pretrained(str(cached))
         except Exception as exc:  # a damaged cache entry is rebuilt
             log.warning("rebuilding the cached tokenizer %s: %s", cached, exc)
-    if GGUFFile(path).field("tokenizer.ggml.model", None) is None:
+    metadata = GGUFFile(path)
+    if metadata.field("tokenizer.ggml.model", None) is None:
         raise FileNotFoundError(f"{path} has no tokenizer (no tokenizer.ggml.* metadata)")
-    tokenizer = _build_gguf_tokenizer(path)
+    tokenizer = _build_gguf_tokenizer(path, metadata.field("tokenizer.chat_template", None))
     _save_atomically(tokenizer, cached)
     return tokenizer
 
@@ -338,7 +339,9 @@ def _save_atomically(tokenizer, folder: Path) -> None:
         shutil.rmtree(tmp, ignore_errors=True)
 
 
-def _build_gguf_tokenizer(path: Path):
+def _build_gguf_tokenizer(path: Path, chat_template):
+    """transformers' tokenizer of the file, with the file's `chat_template` (its metadata value,
+    or None) when transformers kept none."""
     from transformers import AutoTokenizer
 
     try:
@@ -347,8 +350,6 @@ def _build_gguf_tokenizer(path: Path):
             tokenizer = AutoTokenizer.from_pretrained(str(path.parent), gguf_file=path.name)
     except Exception as exc:  # transformers raises many types for a tokenizer it cannot build
         raise ValueError(f"{path}: the tokenizer could not be built from the file: {exc}") from exc
-    if not getattr(tokenizer, "chat_template", None):
-        template = GGUFFile(path).field("tokenizer.chat_template", None)
-        if isinstance(template, str) and template:
-            tokenizer.chat_template = template
+    if not getattr(tokenizer, "chat_template", None) and isinstance(chat_template, str) and chat_template:
+        tokenizer.chat_template = chat_template
     return tokenizer
