@@ -90,9 +90,10 @@ class Server:
         config = _engine_config(config, options)
         config = self.config = config.resolve(model if is_model_object(model) else None)
         # Set before the executor starts: CUDA graphs capture the forward under these modes, and
-        # parallel workers take them with them.
-        modes.update(batch_invariant=config.batch_invariant,
-                     quant_activations=config.quant_activations)
+        # parallel workers take them with them. Shutdown puts back the modes these replaced.
+        self._modes_before = modes.current()
+        self._modes = modes.update(batch_invariant=config.batch_invariant,
+                                   quant_activations=config.quant_activations)
 
         # One thread loads, sizes the cache and runs the loop (kernel_thread.py says why). Parallel
         # workers run the kernels in their own processes: their start-up stays on this thread.
@@ -102,6 +103,7 @@ class Server:
             started = on_kernels(lambda: make_executor(model, config, tokenizer))
         except BaseException:
             kernels.stop()
+            self._restore_modes()
             raise
         executor, spec, tokenizer = started.executor, started.spec, started.tokenizer
         try:
@@ -110,7 +112,7 @@ class Server:
             # run yet, and the mode reaches only CPU products of blocks.
             config = self.config = dataclasses.replace(config, quant_activations=resolve_quant_activations(
                 config.quant_activations, dict(spec.block_bytes)))
-            modes.update(quant_activations=config.quant_activations)
+            self._modes = modes.update(quant_activations=config.quant_activations)
             self._plan_kv(executor, spec)
             lock = threading.RLock()
             self._outputs = OutputBroker(lock, config.max_undelivered_outputs)
@@ -124,6 +126,7 @@ class Server:
         except BaseException:
             executor.shutdown()
             kernels.stop()
+            self._restore_modes()
             raise
         self._lock = lock
         self.model_path = started.model_path
@@ -384,6 +387,14 @@ class Server:
             self._outputs.publish(self._engine.abort_all("abort"))
             self._outputs.report_drops()
         self._engine.shutdown()
+        self._restore_modes()
+
+    def _restore_modes(self) -> None:
+        """Put back the kernel modes this server replaced, unless a later server (or a caller)
+        has set modes since (even equal ones): those stay in force."""
+        if modes.current() is self._modes:
+            modes.set_modes(self._modes_before)
+        self._modes = None   # once: a second shutdown leaves the modes alone
 
     @property
     def closed(self) -> bool:

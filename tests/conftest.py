@@ -25,13 +25,24 @@ def _seed():
 
 
 @pytest.fixture(autouse=True)
-def _default_modes():
-    """Every test starts in the default kernel modes, whatever a Server before it set."""
+def _kernel_modes():
+    """Every test leaves the kernel modes as it found them: the modes of the servers its module
+    keeps alive (a Server sets them at start and puts back the ones it replaced at shutdown), or
+    the defaults."""
+    from orca_ext import modes
+
+    found = modes.current()
+    yield
+    modes.set_modes(found)
+
+
+@pytest.fixture(autouse=True, scope="module")
+def _default_modes_per_module():
+    """Every module starts in the default kernel modes, whatever ran before it."""
     from orca_ext import modes
 
     modes.set_modes(modes.Modes())
     yield
-    modes.set_modes(modes.Modes())
 
 
 @pytest.fixture(scope="session")

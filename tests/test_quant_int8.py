@@ -315,17 +315,18 @@ def test_quant_activations_option_sets_the_servers_mode(tmp_path):
     params = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True)
     prompt = [3, 17, 40, 2, 9, 11, 5]
 
-    def tokens(**options):
+    def tokens(mode: str, **options):
+        """The Server's greedy tokens; it runs in `mode` and puts back the modes it found."""
+        before = modes.current()
         with Server(str(path), device="cpu", n_slots=128, **options) as server:
-            return list(server.generate(prompt, params)[0].token_ids)
+            assert modes.current().quant_activations == mode
+            out = list(server.generate(prompt, params)[0].token_ids)
+        assert modes.current() is before
+        return out
 
-    with modes.using():  # the Servers set the process's modes; restore them after
-        as_int8 = tokens(quant_activations="int8")
-        assert modes.current().quant_activations == "int8"
-        tokens(quant_activations="float32")
-        assert modes.current().quant_activations == "float32"
-        tokens()
-        assert modes.current().quant_activations == "auto"
+    as_int8 = tokens("int8", quant_activations="int8")
+    tokens("float32", quant_activations="float32")
+    tokens("auto")
     with modes.using(quant_activations="int8"):
         from orca_ext.models import load_model
         from orca_ext.models.batch import ForwardBatch

@@ -580,3 +580,33 @@ def test_a_failed_start_leaves_no_loop_thread():
     while loops() > before and time.monotonic() < deadline:
         time.sleep(0.05)
     assert loops() == before
+
+
+def test_shutdown_puts_back_the_kernel_modes_it_replaced(make_server):
+    """A server's modes are in force while it runs; at shutdown it puts back the ones it found,
+    unless modes were set since (by a later server), which then stay. A failed start puts them
+    back too."""
+    from orca_ext import modes
+
+    class NoMemory(FakeModel):
+        def allocate_kv_cache(self, n_slots):
+            raise MemoryError("no room for the KV cache")
+
+    found = modes.current()
+    assert not found.batch_invariant
+    with pytest.raises(MemoryError):
+        Server(NoMemory(), n_slots=64, batch_invariant=True)
+    assert modes.current() is found
+    first = make_server(batch_invariant=True)
+    assert modes.current().batch_invariant
+    second = make_server(batch_invariant=True)   # equal modes, set anew
+    first.shutdown()
+    assert modes.current().batch_invariant       # the second server's modes stay
+    second.shutdown()
+    assert modes.current().batch_invariant       # what the second one found: the first's
+    inner_found = modes.current()
+    inner = make_server(batch_invariant=False)
+    assert not modes.current().batch_invariant
+    inner.shutdown()
+    inner.shutdown()                              # idempotent: nothing changes
+    assert modes.current() is inner_found
