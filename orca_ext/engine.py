@@ -108,6 +108,11 @@ class Engine:
                 self.scheduler.add(req)
             self.signal()
 
+    @property
+    def num_held(self) -> int:
+        """Siblings held until their parent's prompt is cached (not yet in the pool)."""
+        return sum(len(siblings) for siblings in self._held.values())
+
     def _release_held(self, parent: Request) -> None:
         """parent's prompt is cached (or it ended): its held siblings join the pool."""
         for sibling in self._held.pop(parent, ()):
@@ -118,8 +123,10 @@ class Engine:
         """Newly admitted siblings copy their parent's cached prompt KV into their own slabs
         instead of prefilling it: all but the prompt's last token, which each sibling runs
         itself, so that its first token is drawn from its own logits row with its own
-        generator. Only with no batch in flight (executor.move_slabs' rule); a sibling whose
-        parent has left the pool prefills in full."""
+        generator. A sibling that asks for prompt logprobs takes the parent's (the same raw
+        logits rows, bit for bit). Only with no batch in flight (executor.move_slabs' rule); a
+        sibling whose parent has left the pool, or lacks the prompt logprobs it needs, prefills
+        in full."""
         if self._inflight:
             return
         moves = []
@@ -130,6 +137,13 @@ class Engine:
                     or parent.state is RequestState.RELEASED or parent.num_cached < n
                     or parent.prompt_token_ids != r.prompt_token_ids):
                 continue
+            if r.prompt_logprobs is not None:
+                # Entries 1..n are the logprobs of prompt tokens 1..n, which the parent's rows
+                # 0..n-1 gave; the sibling's own run of token n predicts its first output.
+                copied = parent.prompt_logprobs_upto(n + 1, r.params.prompt_logprobs)
+                if copied is None:
+                    continue
+                r.prompt_logprobs = copied
             moves.append((parent.slab_start, r.slab_start, n))
             r.num_cached = n
             self.num_forked_tokens += n

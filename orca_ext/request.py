@@ -163,6 +163,15 @@ class Request:
             return self.prompt_token_ids[self.num_cached:self.num_cached + n], self.num_cached
         return [self.output_token_ids[-1]], self.num_cached
 
+    def prompt_logprobs_upto(self, count: int, top: int) -> Optional[list[Optional[TokenLogprob]]]:
+        """Its first `count` prompt logprob entries with at most `top` alternatives each, or None
+        when it has fewer entries or kept fewer alternatives."""
+        have = self.prompt_logprobs
+        if have is None or len(have) < count or self.params.prompt_logprobs < top:
+            return None
+        return [e if e is None or len(e.top) <= top else TokenLogprob(e.token_id, e.logprob, e.top[:top])
+                for e in have[:count]]
+
     # -- lifecycle ---------------------------------------------------------------------------
     def mark_finished(self, reason: str, error: Optional[str] = None) -> None:
         """Set the finish reason (first call wins). Leaving the pool is the scheduler's job."""

@@ -317,7 +317,7 @@ class Server:
             sched = eng.scheduler
             return {
                 "iterations": eng.num_iterations,
-                "waiting": sched.num_waiting,
+                "waiting": sched.num_waiting + eng.num_held,
                 "running": sched.num_running,
                 "finished": eng.num_finished,
                 "n_slots": self.n_slots,

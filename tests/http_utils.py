@@ -93,3 +93,21 @@ class ServerProcess:
         self.stop()
         self._log.close()
         os.unlink(self._log.name)
+
+
+def with_openai_client(server, fn, **app_options):
+    """asyncio.run(fn(client, app)): `client` an openai.AsyncOpenAI that reaches create_app(server,
+    model_name="m", **app_options) in this process (httpx's ASGI transport, no socket)."""
+    import asyncio
+
+    import openai
+
+    from orca_ext.http import create_app
+
+    app = create_app(server, model_name="m", **app_options)
+
+    async def go():
+        async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://app") as c:
+            client = openai.AsyncOpenAI(base_url="http://app/v1", api_key="none", http_client=c, max_retries=0)
+            return await fn(client, app)
+    return asyncio.run(go())

@@ -9,6 +9,7 @@ logprobs, and the iteration records must show one prefill of the prompt.
 from __future__ import annotations
 
 import pytest
+from http_utils import with_openai_client
 
 from orca_ext import SamplingParams, Server
 
@@ -53,6 +54,26 @@ def test_siblings_equal_single_runs_of_their_seeds(server, prompt_len):
         assert [e.logprob for e in out.logprobs] == pytest.approx([e.logprob for e in alone.logprobs], abs=1e-5)
 
 
+@pytest.mark.parametrize("prompt_len", [2, 37])
+def test_siblings_asking_for_prompt_logprobs_get_every_entry(server, prompt_len):
+    """A sibling that skips the prompt's prefill still reports the logprob of every prompt token
+    (echo with logprobs), the same as a single run's; the prefill is still done once."""
+    prompt = list(range(4000, 4000 + prompt_len))
+    params = SamplingParams(max_tokens=6, temperature=0.7, seed=12, logprobs=1, prompt_logprobs=2, ignore_eos=True)
+    records_before = len(server.iterations())
+    outs = [server.result(r, timeout=300) for r in submit_n(server, prompt, params)]
+    prefilled = sum(r.num_prefill_tokens for r in server.iterations()[records_before:])
+    assert prefilled <= prompt_len
+    alone = server.generate(prompt, SamplingParams(max_tokens=3, prompt_logprobs=2))[0].prompt_logprobs
+    assert len(alone) == prompt_len and alone[0] is None
+    for out in outs:
+        assert len(out.prompt_logprobs) == prompt_len and out.prompt_logprobs[0] is None
+        for got, want in zip(out.prompt_logprobs[1:], alone[1:]):
+            assert (got.token_id, [t for t, _ in got.top]) == (want.token_id, [t for t, _ in want.top])
+            assert [got.logprob, *(v for _, v in got.top)] == \
+                pytest.approx([want.logprob, *(v for _, v in want.top)], abs=1e-5)
+
+
 def test_aborts_leave_the_siblings_correct(server):
     prompt = list(range(2000, 2050))
     params = SamplingParams(max_tokens=4, ignore_eos=True)
@@ -69,20 +90,7 @@ def test_aborts_leave_the_siblings_correct(server):
 # -- over HTTP ------------------------------------------------------------------------------------
 
 def _call(server, fn):
-    import asyncio
-
-    import httpx
-    import openai
-
-    from orca_ext.http import create_app
-
-    app = create_app(server, model_name="m", max_queue=8)
-
-    async def go():
-        async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://app") as c:
-            client = openai.AsyncOpenAI(base_url="http://app/v1", api_key="none", http_client=c, max_retries=0)
-            return await fn(client)
-    return asyncio.run(go())
+    return with_openai_client(server, lambda client, _: fn(client), max_queue=8)
 
 
 def test_http_n_choices_match_single_runs_streamed_or_not(server):
