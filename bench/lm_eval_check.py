@@ -76,15 +76,16 @@ metric_list:
     return folder
 
 
-def evaluate(task_dir: Path, model: str, model_args: dict) -> dict:
+def evaluate(task_dir: Path, model: str, model_args: dict, batch_size: int = 1) -> dict:
     """lm_eval.simple_evaluate of both tasks -> {"acc", "exact_match", "loglik": [[(ll, greedy)]
-    per choice, per doc], "gens": [str per doc]}."""
+    per choice, per doc], "gens": [str per doc]}. With local-completions, batch_size > 1 sends
+    that many prompts per request (a completions batch)."""
     import lm_eval
     from lm_eval.tasks import TaskManager
 
     out = lm_eval.simple_evaluate(model=model, model_args=model_args, tasks=[MC_TASK, GEN_TASK],
                                   task_manager=TaskManager(include_path=str(task_dir), include_defaults=False),
-                                  batch_size=1, device="cpu", log_samples=True, bootstrap_iters=0,
+                                  batch_size=batch_size, device="cpu", log_samples=True, bootstrap_iters=0,
                                   random_seed=0, numpy_random_seed=0, torch_random_seed=0)
     mc = sorted(out["samples"][MC_TASK], key=lambda s: s["doc_id"])
     gen = sorted(out["samples"][GEN_TASK], key=lambda s: s["doc_id"])
@@ -119,15 +120,16 @@ def compare(ours: dict, ref: dict, tol: float) -> list[str]:
 
 
 def run_check(model_dir: Path, base_url: str, served_name: str, work: Path, n_mc: int, n_gen: int,
-              tol: float) -> tuple[dict, dict, list[str]]:
-    """Both backends on the tasks; the server at `base_url` must serve `model_dir` in float32."""
+              tol: float, batch_size: int = 1) -> tuple[dict, dict, list[str]]:
+    """Both backends on the tasks; the server at `base_url` must serve `model_dir` in float32.
+    batch_size: prompts per request to our server."""
     os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     task_dir = write_tasks(work / "tasks", n_mc, n_gen)
     ours = evaluate(task_dir, "local-completions", {
         "base_url": f"{base_url}/v1/completions", "model": served_name, "tokenizer_backend": "huggingface",
         "tokenizer": str(model_dir), "tokenized_requests": True, "num_concurrent": 1, "max_retries": 1,
-        "max_length": 512})
+        "max_length": 512}, batch_size)
     ref = evaluate(task_dir, "hf", {"pretrained": str(model_dir), "dtype": "float32", "max_length": 512})
     return ours, ref, compare(ours, ref, tol)
 
@@ -138,6 +140,7 @@ def main() -> int:
     ap.add_argument("--n-mc", type=int, default=100)
     ap.add_argument("--n-gen", type=int, default=30)
     ap.add_argument("--tol", type=float, default=1e-3)
+    ap.add_argument("--batch-size", type=int, default=1, help="prompts per request to our server")
     args = ap.parse_args()
     sys.path[:0] = [str(REPO), str(REPO / "tests")]
     from http_utils import ServerProcess
@@ -148,7 +151,7 @@ def main() -> int:
         with ServerProcess("--model", str(model_dir), "--device", "cpu", "--dtype", "float32",
                            "--served-model-name", "orca-check", "--n-slots", "2048") as sp:
             ours, ref, problems = run_check(model_dir, sp.base_url, "orca-check", work, args.n_mc, args.n_gen,
-                                            args.tol)
+                                            args.tol, args.batch_size)
     print(json.dumps({"ours": {k: ours[k] for k in ("acc", "exact_match", "max_abs_loglik_diff")},
                       "hf": {k: ref[k] for k in ("acc", "exact_match")},
                       "problems": problems[:20]}, indent=2))

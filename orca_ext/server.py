@@ -215,8 +215,7 @@ class Server:
         if client is not None and not isinstance(client, str):
             raise InvalidRequestError(f"client must be a string or None, got {type(client).__name__}",
                                       param="client")
-        prompt_ids = self._validator.prompt_ids(prompt)
-        self._validator.check(prompt_ids, params)
+        prompt_ids = self.check(prompt, params)
         detok = (IncrementalDetokenizer(self._tok, prompt_ids) if self._tok is not None else None)
         with self._lock:
             if self._closed:
@@ -232,6 +231,14 @@ class Server:
             self._outputs.add(req)  # raises if the id is in use
             self._engine.add_request(req)
         return request_id
+
+    def check(self, prompt: Prompt, params: SamplingParams) -> list[int]:
+        """The prompt's token ids when submit(prompt, params) would accept them; otherwise the
+        InvalidRequestError submit would raise. Lets a caller check a batch whole before any of it
+        is queued."""
+        prompt_ids = self._validator.prompt_ids(prompt)
+        self._validator.check(prompt_ids, params)
+        return prompt_ids
 
     def _check_engine(self) -> None:
         error = self._engine.executor.error

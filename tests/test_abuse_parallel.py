@@ -205,3 +205,32 @@ def test_an_abort_storm_leaves_the_victims_exact(parallel, victim_reference):
         t.join(120)
     assert aborted
     assert_healthy_and_idle(parallel)
+
+
+def test_a_prompt_batch_over_http_matches_one_process(parallel, local):
+    """A completions batch (token-id prompts of awkward lengths, n = 2, echo with logprobs:
+    forked siblings take the first sequence's prompt logprobs) gets the single process's
+    choices; a batch with one refused prompt queues nothing; every slot comes back."""
+    import openai
+    from http_utils import with_openai_client
+
+    rng = random.Random(5)
+    prompts = [[rng.randrange(3, 500) for _ in range(n)] for n in (1, 9, 26)]
+    body = dict(model="m", prompt=prompts, n=2, max_tokens=6, temperature=0, echo=True, logprobs=2,
+                extra_body={"ignore_eos": True})
+
+    async def ask(client, _):
+        batch = await client.completions.create(**body)
+        with pytest.raises(openai.BadRequestError) as info:
+            await client.completions.create(**{**body, "prompt": prompts + [[1, 10**7]]})
+        return batch, info.value
+
+    got, refused = with_openai_client(parallel, ask)
+    want, _ = with_openai_client(local, ask)
+    assert refused.body["param"] == "prompt.3"
+    assert [c.index for c in got.choices] == list(range(6))
+    for g, w in zip(got.choices, want.choices):
+        assert (g.text, g.logprobs.tokens) == (w.text, w.logprobs.tokens)
+        assert g.logprobs.token_logprobs == pytest.approx(w.logprobs.token_logprobs, abs=1e-5, nan_ok=True)
+    assert got.usage == want.usage
+    assert_healthy_and_idle(parallel)

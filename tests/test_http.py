@@ -255,11 +255,16 @@ def test_64_concurrent_streams(client, server, engine, model_name, tokenizer):
 
 # -- disconnects -------------------------------------------------------------------------------
 
-def test_disconnect_mid_stream_aborts(server, model_name):
+@pytest.mark.parametrize("prompt, n", [("Tell me everything about the sea.", 1),
+                                       (["Tell me everything about the sea.", [7, 300, 4000]], 2)],
+                         ids=["one_prompt", "batch_of_two_n2"])
+def test_disconnect_mid_stream_aborts(server, model_name, prompt, n):
+    """Every sequence of the request (each prompt of a batch, each of its n) is aborted."""
     before = _wait_idle(server)
     abort_key = "orca_http_requests_total{endpoint=completions,outcome=abort}"
-    body = {"model": model_name, "prompt": "Tell me everything about the sea.", "max_tokens": 3000,
+    body = {"model": model_name, "prompt": prompt, "n": n, "max_tokens": 3000,
             "temperature": 0, "ignore_eos": True, "stream": True}
+    sequences = (len(prompt) if isinstance(prompt, list) else 1) * n
     with httpx.Client(headers=_auth(), timeout=120) as c:
         with c.stream("POST", server.url("/v1/completions"), json=body) as r:
             lines = r.iter_lines()  # keep a reference: a collected iterator closes the response
@@ -270,7 +275,7 @@ def test_disconnect_mid_stream_aborts(server, model_name):
                     if n == 3:
                         break
             busy = _metrics(server)
-            assert busy["orca_requests_running"] + busy["orca_requests_waiting"] == 1
+            assert busy["orca_requests_running"] + busy["orca_requests_waiting"] == sequences
             assert busy["orca_kv_slots_reserved"] >= 3000
         # leaving the block closes the connection mid-stream
     after = _wait_idle(server)
@@ -307,7 +312,9 @@ BAD_COMPLETIONS = [
     ({"prompt": "hi", "stop": 5}, 400, "stop"),
     ({"prompt": "hi", "seed": 1.5}, 400, "seed"),
     ({"prompt": [1, True]}, 400, "prompt"),
-    ({"prompt": ["one", "two"]}, 400, "prompt"),
+    ({"prompt": ["one", [1, 2], 3]}, 400, "prompt"),
+    ({"prompt": ["x"] * 257}, 400, "prompt"),
+    ({"prompt": ["x"] * 20, "n": 13}, 400, "prompt"),
     ({"prompt": {"text": "hi"}}, 400, "prompt"),
     ({"max_tokens": 3}, 400, "prompt"),
     ({"prompt": "hi", "frobnicate": 1}, 400, "frobnicate"),
@@ -329,6 +336,10 @@ BAD_COMPLETIONS = [
     ({"prompt": [1, 2, 49152]}, 400, "prompt"),
     ({"prompt": [-1]}, 400, "prompt"),
     ({"prompt": list(range(9000))}, 400, "prompt"),
+    # A batch is checked whole: the refused prompt's place names it.
+    ({"prompt": ["hi", [1, 2, 49152]]}, 400, "prompt.1"),
+    ({"prompt": [[5, 6], ""]}, 400, "prompt.1"),
+    ({"prompt": ["hi", [1, 2, 3]], "max_tokens": 100000}, 400, "max_tokens"),
 ]
 
 HI = [{"role": "user", "content": "hi"}]
@@ -492,6 +503,10 @@ def test_queue_full_backpressure(engine, server, model_name):
             _wait_idle(small)
             ok = c.post(small.url("/v1/completions"), json=short_body)
             assert ok.status_code == 200 and ok.json()["usage"]["completion_tokens"] >= 1
+            # A batch's prompts count one each: two can never fit a queue of one.
+            err = _check_error(c.post(small.url("/v1/completions"), json={**short_body, "prompt": ["a", "b"]}),
+                               400, "prompt")
+            assert "--max-queue" in err["message"]
 
 
 # -- in-process app ------------------------------------------------------------------------------

@@ -115,7 +115,6 @@ def test_each_unsupported_field_is_a_400_naming_it(http):
      "tool_choice"),
     ("/chat/completions", {**CHAT, "tools": [WEATHER], "tool_choice": {"type": "function", "function": {}}},
      "tool_choice"),
-    ("/completions", {**COMPLETION, "prompt": ["one", "two"]}, "prompt"),
 ])
 def test_unsupported_values_are_400s_naming_the_field(http, path, body, param):
     err = _refused(http, path, body)

@@ -5,9 +5,9 @@ Request path of one completion (`_handle`):
   already rejected while its client is in debt: 429 after a delay, body unread; rejections.py)
   -> auth (401) -> Content-Type application/json (415)
   -> body read with a size limit (413) and a time limit (408) -> strict parse (400)
-  -> model name (404) -> unsupported options (400) -> admission against --max-queue (429 +
-  Retry-After; 503 while draining) -> chat template and prompt encoding (chat), SamplingParams
-  + Server.submit (InvalidRequestError -> 400, its param in the endpoint's field names,
+  -> model name (404) -> unsupported options (400) -> admission against --max-queue, one place
+  per prompt (429 + Retry-After; 503 while draining) -> chat template and prompt encoding (chat),
+  SamplingParams + Server.submit (InvalidRequestError -> 400, its param in the endpoint's field names,
   errors.request_rejected) -> stream or collect.
 A rejection (4xx other than 429) is charged to the client (clients.py's key) by the body bytes
 actually read; one from a client already in debt is answered after the debt's delay, with
@@ -217,7 +217,7 @@ async def _handle(svc: Service, request: Request, endpoint: str, run: Runner, mo
             raise request_rejected(exc) from exc
         svc.check_model(body.model)
         body.check_unsupported()
-        adm = svc.admit(rid, endpoint)
+        adm = svc.admit(rid, endpoint, body.num_prompts)
         try:
             response = await run(svc, request, body, adm)
         except InvalidRequestError as exc:  # refused by the engine's checks, before any engine work
@@ -297,7 +297,7 @@ async def _respond(svc: Service, request: Request, body: Any, adm: Admission,
 async def _run_completion(svc: Service, request: Request, body: protocol.CompletionRequest,
                           adm: Admission) -> Response:
     max_tokens = body.max_tokens if body.max_tokens is not None else protocol.COMPLETIONS_DEFAULT_MAX_TOKENS
-    await svc.submit(adm, body.prompt, body, max_tokens, client=client_key(request))
+    await svc.submit(adm, body.prompts, body, max_tokens, client=client_key(request))
     created = protocol.now()
     return await _respond(
         svc, request, body, adm, lambda: sse.completion_events(adm, body, created),
@@ -310,7 +310,7 @@ async def _run_chat(svc: Service, request: Request, body: protocol.ChatCompletio
     max_tokens = body.requested_max_tokens
     if max_tokens is None:
         max_tokens = svc.chat_default_max_tokens(len(prompt_ids))
-    await svc.submit(adm, prompt_ids, body, max_tokens, client=client_key(request))
+    await svc.submit(adm, [prompt_ids], body, max_tokens, client=client_key(request))
     created = protocol.now()
     return await _respond(
         svc, request, body, adm, lambda: sse.chat_events(adm, body, created),

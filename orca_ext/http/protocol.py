@@ -121,8 +121,14 @@ class _SamplingFields(_Strict):
         )
 
     @property
+    def num_prompts(self) -> int:
+        """Prompts in this request (a completions batch has several); each counts as one request
+        against the server's --max-queue."""
+        return 1
+
+    @property
     def num_sequences(self) -> int:
-        """Sequences generated for this request: n (best_of when larger)."""
+        """Sequences generated for each prompt: n (best_of when larger)."""
         return self.n or 1
 
     @property
@@ -163,6 +169,9 @@ MAX_LOGIT_BIAS_KEY_CHARS = 20
 # n and best_of: sequences per request. Each is a request of its own in the engine (sharing one
 # prefill), so this bounds how much of the batch one HTTP request can take.
 MAX_SEQUENCES = 16
+# A completions batch (several prompts, each with its n / best_of sequences) is at most this many
+# engine requests; its prompts also count one each against the server's --max-queue.
+MAX_REQUEST_SEQUENCES = 256
 
 
 def logit_bias_ids(bias: dict[str, float] | None) -> dict[int, float]:
@@ -234,19 +243,26 @@ class CompletionRequest(_SamplingFields, _GuidedFields):
 
     @field_validator("prompt", mode="before")
     @classmethod
-    def _prompt(cls, v: Any) -> str | list[int]:
+    def _prompt(cls, v: Any) -> tuple[str | list[int], ...]:
+        """The prompts of the request: one text or token-id list, or OpenAI's batch (a list of
+        texts or of token-id lists)."""
         def is_ids(x: Any) -> bool:
             # bool is an int subclass in Python; true/false are not token ids.
             return isinstance(x, list) and all(type(t) is int for t in x)
 
         if isinstance(v, str) or is_ids(v):
-            return v
-        # OpenAI also takes a batch: a list of strings or of token-id lists. One is fine.
-        if isinstance(v, list) and v and all(isinstance(p, str) or (p and is_ids(p)) for p in v):
-            if len(v) == 1:
-                return v[0]
-            raise ValueError(f"prompt: a batch of {len(v)} prompts is not supported; send one prompt per request")
-        raise ValueError("prompt must be a string or a list of token ids")
+            return (v,)
+        if isinstance(v, list) and all(isinstance(p, str) or (p and is_ids(p)) for p in v):
+            return tuple(v)
+        raise ValueError("prompt must be a string, a list of token ids, or a list of either")
+
+    @property
+    def prompts(self) -> tuple[str | list[int], ...]:
+        return self.prompt
+
+    @property
+    def num_prompts(self) -> int:
+        return len(self.prompt)
 
     def logprobs_kwargs(self) -> dict[str, Any]:
         # echo reports the prompt's logprobs too; max_tokens 0 with echo scores the prompt alone.
@@ -276,6 +292,11 @@ class CompletionRequest(_SamplingFields, _GuidedFields):
                               "best_of")
         if self.suffix:
             raise bad_request("suffix is not supported", "suffix")
+        sequences = self.num_prompts * self.num_sequences
+        if sequences > MAX_REQUEST_SEQUENCES:
+            raise bad_request(f"prompt: {self.num_prompts} prompts x {self.num_sequences} sequences each = "
+                              f"{sequences} sequences, over the limit of {MAX_REQUEST_SEQUENCES} per request",
+                              "prompt")
 
 
 class FunctionCall(_Strict):

@@ -18,9 +18,10 @@ period, then aborts the rest, which end with an in-band error event (streams, se
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import dataclasses
 import logging
-from typing import Any, Callable
+from typing import Any, Callable, Iterator, Sequence
 
 from fastapi import Request
 from pydantic import ValidationError
@@ -68,25 +69,32 @@ class Admission:
     """One admitted request's hold on the queue; closing is idempotent (stream end, disconnect,
     error paths may all try)."""
 
-    def __init__(self, service: "Service", rid: str, endpoint: str) -> None:
+    def __init__(self, service: "Service", rid: str, endpoint: str, weight: int = 1) -> None:
         self.service = service
         self.rid = rid
         self.endpoint = endpoint
+        self.weight = weight    # its place in --max-queue: one per prompt
         self.submitted = False
         self.finished = False
         self.shutdown = False   # ended by the server's drain, not by the client or the engine
         self._closed = False
-        # Engine request ids of its sequences (n / best_of > 1: rid, rid-1, rid-2, ...), and
-        # their final outputs in that order once collected.
+        # Engine request ids of its sequences, prompt by prompt (n / best_of > 1 or a batch of
+        # prompts: rid, rid-1, rid-2, ...; sequence k is prompt k // per_prompt's), and their
+        # final outputs in that order once collected.
         self.seq_rids: list[str] = [rid]
+        self.per_prompt = 1
         self.outputs: list[Any] = []
+
+    def prompt_index(self, k: int) -> int:
+        """The prompt that sequence k of the request continues."""
+        return k // self.per_prompt
 
     def close(self) -> None:
         if self._closed:
             return
         self._closed = True
         self.service.admissions.pop(self.rid, None)
-        self.service.inflight -= 1
+        self.service.inflight -= self.weight
         self.service.metrics.inflight.set(self.service.inflight)
         if self.submitted and not self.finished:
             # The client is gone (or we failed): free the slab now, not when max_tokens is reached.
@@ -199,16 +207,21 @@ class Service:
             raise APIError(404, f"The model {name[:200]!r} does not exist; this server serves "
                            f"{self.model_name!r}", param="model", code="model_not_found")
 
-    def admit(self, rid: str, endpoint: str) -> Admission:
+    def admit(self, rid: str, endpoint: str, prompts: int = 1) -> Admission:
+        """A place in --max-queue for a request of `prompts` prompts (a completions batch counts
+        as that many requests)."""
         if self.draining:
             raise APIError(503, "The server is shutting down", code="server_shutting_down",
                            headers={"Retry-After": "5", "Connection": "close"})
-        if self.inflight >= self.max_queue:
+        if prompts > self.max_queue:
+            raise bad_request(f"prompt: a batch of {prompts} prompts is over this server's --max-queue of "
+                              f"{self.max_queue} requests", "prompt")
+        if self.inflight + prompts > self.max_queue:
             raise APIError(429, f"Server busy: {self.inflight} requests in flight (limit --max-queue "
                            f"{self.max_queue}); retry later", code="queue_full", headers={"Retry-After": "1"})
-        self.inflight += 1
+        self.inflight += prompts
         self.metrics.inflight.set(self.inflight)
-        adm = Admission(self, rid, endpoint)
+        adm = Admission(self, rid, endpoint, prompts)
         self.admissions[rid] = adm
         return adm
 
@@ -272,9 +285,9 @@ class Service:
             self._token_texts = TokenTexts(self.server.tokenizer)
         return self._token_texts
 
-    def echo_text(self, body: protocol.CompletionRequest, out: Any) -> str:
+    def echo_text(self, prompt: str | list[int], out: Any) -> str:
         """The prompt as completions' echo shows it: the client's text, or its token ids decoded."""
-        return body.prompt if isinstance(body.prompt, str) else self.token_texts.text(out.prompt_token_ids)
+        return prompt if isinstance(prompt, str) else self.token_texts.text(out.prompt_token_ids)
 
     def completion_choice_logprobs(self, body: protocol.CompletionRequest, out: Any, *, start: int = 0,
                                    prompt: bool = False, text_offset: int = 0) -> dict | None:
@@ -296,77 +309,94 @@ class Service:
         return chat_logprobs(out.logprobs[start:], self.token_texts)
 
     @staticmethod
-    def chosen(adm: Admission, body: protocol._SamplingFields) -> list:
-        """The outputs that become choices: all n, or with best_of > n the n of highest cumulative
-        logprob (ties: the lower sequence index first)."""
-        outs = adm.outputs
-        n = body.n or 1
-        if len(outs) > n:
-            ranked = sorted(range(len(outs)), key=lambda i: (-sum(e.logprob for e in outs[i].logprobs), i))
-            outs = [outs[i] for i in sorted(ranked[:n])]
-        return outs
+    def chosen(adm: Admission, body: protocol._SamplingFields) -> list[tuple[int, Any]]:
+        """(prompt index, output) of the outputs that become choices, in choice order: each
+        prompt's n, or with best_of > n its n of highest cumulative logprob (ties: the lower
+        sequence index first)."""
+        n, per_prompt = body.n or 1, adm.per_prompt
+        choices = []
+        for p, start in enumerate(range(0, len(adm.outputs), per_prompt)):
+            outs = adm.outputs[start:start + per_prompt]
+            if len(outs) > n:
+                ranked = sorted(range(len(outs)), key=lambda i: (-sum(e.logprob for e in outs[i].logprobs), i))
+                outs = [outs[i] for i in sorted(ranked[:n])]
+            choices += [(p, out) for out in outs]
+        return choices
 
     @staticmethod
-    def usage_of(adm: Admission) -> dict:
-        """Usage over every sequence generated (best_of's extra ones included, as OpenAI bills);
-        the cached prompt tokens are the first sequence's (its siblings share its prefill)."""
-        first = adm.outputs[0]
-        return protocol.usage(len(first.prompt_token_ids), sum(len(o.token_ids) for o in adm.outputs),
-                              first.num_cached_tokens)
+    def usage_of(outputs: list[Any], per_prompt: int) -> dict:
+        """Usage over every sequence generated (best_of's extra ones included, as OpenAI bills).
+        Each prompt counts once, with its first sequence's cached tokens (its siblings share that
+        prefill)."""
+        firsts = outputs[::per_prompt]
+        return protocol.usage(sum(len(o.prompt_token_ids) for o in firsts), sum(len(o.token_ids) for o in outputs),
+                              sum(o.num_cached_tokens for o in firsts))
 
     def completion_json(self, adm: Admission, created: int, body: protocol.CompletionRequest) -> dict:
         """The non-streaming completions response of a finished request: one choice per sequence."""
         choices = []
-        for index, out in enumerate(self.chosen(adm, body)):
-            prefix = self.echo_text(body, out) if body.echo else ""
+        for index, (p, out) in enumerate(self.chosen(adm, body)):
+            prefix = self.echo_text(body.prompts[p], out) if body.echo else ""
             choice = protocol.completion_body(adm.rid, created, self.model_name, prefix + out.text,
                                               out.finish_reason, None, chunk=True)["choices"][0]
             choice.update(index=index, logprobs=self.completion_choice_logprobs(
                 body, out, prompt=bool(body.echo), text_offset=0))
             choices.append(choice)
-        result = protocol.completion_body(adm.rid, created, self.model_name, "", None, self.usage_of(adm),
-                                          chunk=False)
+        result = protocol.completion_body(adm.rid, created, self.model_name, "", None,
+                                          self.usage_of(adm.outputs, adm.per_prompt), chunk=False)
         result["choices"] = choices
         return result
 
     def chat_json(self, adm: Admission, created: int, body: protocol.ChatCompletionRequest) -> dict:
         """The non-streaming chat response of a finished request: one choice per sequence."""
         choices = []
-        for index, out in enumerate(self.chosen(adm, body)):
+        for index, (_, out) in enumerate(self.chosen(adm, body)):
             choice = protocol.chat_body(adm.rid, created, self.model_name, out.text, out.finish_reason,
                                         None)["choices"][0]
             choice.update(index=index, logprobs=self.chat_choice_logprobs(body, out))
             choices.append(choice)
-        result = protocol.chat_body(adm.rid, created, self.model_name, "", None, self.usage_of(adm))
+        result = protocol.chat_body(adm.rid, created, self.model_name, "", None,
+                                    self.usage_of(adm.outputs, adm.per_prompt))
         result["choices"] = choices
         return result
 
     # -- engine ---------------------------------------------------------------------------------
 
-    async def submit(self, adm: Admission, prompt: str | list[int], body: protocol._SamplingFields,
+    async def submit(self, adm: Admission, prompts: Sequence[str | list[int]], body: protocol._SamplingFields,
                      max_tokens: int, *, client: str) -> None:
-        """Submit the request to the engine. A request the engine refuses raises its
-        InvalidRequestError (app.py reports it in the endpoint's field names). A text prompt is
-        encoded first, on a prompt thread within `client`'s share."""
+        """Submit the request's sequences to the engine: body.num_sequences of each prompt. Text
+        prompts are encoded first, on a prompt thread within `client`'s share. A batch is checked
+        whole before any of it is queued: a prompt the engine refuses raises its
+        InvalidRequestError (app.py reports it in the endpoint's field names), for a batch with
+        the prompt's place in front ("prompt.2: ...")."""
         try:
             guided = await self.guided_grammar(body, client)
             params = SamplingParams(**body.sampling_kwargs(max_tokens), **body.logits_kwargs(), guided=guided)
-            encoder = self.server.prompt_encoder
-            if isinstance(prompt, str) and encoder is not None:
-                prompt = await self.prompt_workers.run(client, text_prompt_ids, encoder, prompt)
             count = body.num_sequences
             if count > 1 and body.ranks_sequences:
                 # best_of > n ranks the sequences by their cumulative logprob.
                 params = dataclasses.replace(params, logprobs=params.logprobs or 0)
-            await asyncio.to_thread(self.server.submit, prompt, params, request_id=adm.rid,
-                                    client=client)
-            adm.submitted = True
-            for i in range(1, count):
-                rid = f"{adm.rid}-{i}"
-                adm.seq_rids.append(rid)
-                # `prompt` is token ids by now: the siblings reuse the first sequence's and its prefill.
-                await asyncio.to_thread(self.server.submit, prompt, params.for_sequence(i), request_id=rid,
-                                        client=client, share_prefill_with=adm.rid)
+            encoder = self.server.prompt_encoder
+            ids = []
+            for p, prompt in enumerate(prompts):
+                with _naming_prompt(p if len(prompts) > 1 else None):
+                    if isinstance(prompt, str) and encoder is not None:
+                        prompt = await self.prompt_workers.run(client, text_prompt_ids, encoder, prompt)
+                    ids.append(self.server.check(prompt, params) if len(prompts) > 1 else prompt)
+            adm.per_prompt = count
+            adm.seq_rids = []   # grows as the engine takes them: only those are aborted on failure
+            for p, prompt in enumerate(ids):
+                first = adm.rid if p == 0 else f"{adm.rid}-{p * count}"
+                with _naming_prompt(p if len(ids) > 1 else None):
+                    await asyncio.to_thread(self.server.submit, prompt, params, request_id=first, client=client)
+                adm.seq_rids.append(first)
+                adm.submitted = True
+                for i in range(1, count):
+                    # `prompt` is token ids by now: the siblings reuse the first sequence's and its prefill.
+                    rid = f"{adm.rid}-{p * count + i}"
+                    await asyncio.to_thread(self.server.submit, prompt, params.for_sequence(i), request_id=rid,
+                                            client=client, share_prefill_with=first)
+                    adm.seq_rids.append(rid)
         except EngineDeadError as exc:
             raise APIError(503, str(exc), code="engine_dead") from exc
         except ServerClosedError as exc:
@@ -420,6 +450,19 @@ class Service:
                      next((o for o in finals if o.finish_reason == "abort"), finals[0]))
         self.observe_finished(adm, final)
         return final
+
+
+@contextlib.contextmanager
+def _naming_prompt(index: int | None) -> Iterator[None]:
+    """Puts the prompt's place in a batch in front of a refusal of that prompt: param "prompt"
+    becomes "prompt.<index>", and the message starts with it."""
+    try:
+        yield
+    except InvalidRequestError as exc:
+        if index is None:
+            raise
+        where = f"prompt.{index}"
+        raise InvalidRequestError(f"{where}: {exc}", param=where if exc.param == "prompt" else exc.param) from exc
 
 
 async def _wait_disconnect(request: Request) -> None:

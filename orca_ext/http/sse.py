@@ -135,13 +135,14 @@ async def completion_events(adm: Admission, body: protocol.CompletionRequest, cr
     echo_pending = [bool(body.echo)] * n   # a choice's first chunk carries the prompt (and its logprobs)
     sent_tokens = [0] * n                  # generated tokens whose logprobs were sent
     offset = [0] * n                       # text_offset of the next token
-    generated = [0] * n
+    last: list[Any] = [None] * n           # each sequence's latest snapshot, for the usage
     async for i, delta, out in _deltas(adm):
         if (error := _ended_early(adm, out)) is not None:
             yield error
             return
         if delta or out.finished or echo_pending[i]:
-            text = svc.echo_text(body, out) + delta if echo_pending[i] else delta
+            prompt = body.prompts[adm.prompt_index(i)]
+            text = svc.echo_text(prompt, out) + delta if echo_pending[i] else delta
             chunk = protocol.completion_body(rid, created, model, text,
                                              out.finish_reason if out.finished else None, None, chunk=True)
             chunk["choices"][0]["index"] = i
@@ -152,11 +153,10 @@ async def completion_events(adm: Admission, body: protocol.CompletionRequest, cr
                 offset[i] += sum(len(t) for t in logprobs["tokens"])
             sent_tokens[i], echo_pending[i] = len(out.token_ids), False
             yield event({**chunk, **usage_field})
-        generated[i] = len(out.token_ids)
+        last[i] = out
         if adm.finished and with_usage:
             yield event({"id": rid, "object": "text_completion", "created": created, "model": model,
-                         "choices": [], "usage": protocol.usage(len(out.prompt_token_ids), sum(generated),
-                                                                 out.num_cached_tokens)})
+                         "choices": [], "usage": svc.usage_of(last, adm.per_prompt)})
 
 
 async def chat_events(adm: Admission, body: protocol.ChatCompletionRequest, created: int) -> AsyncIterator[str]:
@@ -169,7 +169,7 @@ async def chat_events(adm: Admission, body: protocol.ChatCompletionRequest, crea
         first["choices"][0]["index"] = i
         yield event(first)
     sent_tokens = [0] * n  # generated tokens whose logprobs were sent
-    generated = [0] * n
+    last: list[Any] = [None] * n  # each sequence's latest snapshot, for the usage
     calls = [tool_calls.delta_stream(body) for _ in range(n)]  # None: no tool calls to parse out
 
     def choice(i: int, chunk: dict, out: Any) -> dict:
@@ -188,12 +188,12 @@ async def chat_events(adm: Admission, body: protocol.ChatCompletionRequest, crea
         deltas = parser.feed(delta, out.finished) if parser is not None else ([{"content": delta}] if delta else [])
         for d in deltas:
             yield event(choice(i, protocol.chat_chunk(rid, created, model, d, None, with_usage_field=with_usage), out))
-        generated[i] = len(out.token_ids)
+        last[i] = out
         if out.finished:
             reason = (out.finish_reason if parser is None
                       else tool_calls.finish_reason(out.finish_reason, parser.calls > 0))
             yield event(choice(i, protocol.chat_chunk(rid, created, model, {}, reason,
                                                       with_usage_field=with_usage), out))
         if adm.finished and with_usage:
-            yield event(protocol.chat_chunk(rid, created, model, None, None, protocol.usage(
-                len(out.prompt_token_ids), sum(generated), out.num_cached_tokens), with_usage_field=True))
+            yield event(protocol.chat_chunk(rid, created, model, None, None, svc.usage_of(last, adm.per_prompt),
+                                            with_usage_field=True))

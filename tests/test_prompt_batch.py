@@ -1,0 +1,131 @@
+"""A completions batch: `prompt` as a list of texts or token-id lists, through the openai client.
+
+Each prompt of a batch gets exactly the choices it gets when sent alone with the same body
+(texts and logprobs, n and best_of included), at choice index prompt * n + j; the usage is the sum
+over the prompts. A batch is checked whole before any of it reaches the engine, and its prompts
+count one each against --max-queue.
+"""
+from __future__ import annotations
+
+import random
+
+import pytest
+from http_utils import with_openai_client
+
+from orca_ext import Server
+
+N = 2
+
+
+@pytest.fixture(scope="module")
+def server(tiny_model_dir):
+    with Server(str(tiny_model_dir("llama")), device="cpu", dtype="float32", n_slots=2048, max_batch_size=8,
+                max_num_batched_tokens=16) as s:
+        yield s
+
+
+def _call(server, fn, max_queue=64):
+    return with_openai_client(server, fn, max_queue=max_queue)
+
+
+def _prompts(seed: int) -> list:
+    """A text and token-id prompts of awkward, different lengths."""
+    rng = random.Random(seed)
+    ids = [[rng.randrange(3, 2000) for _ in range(length)] for length in (1, 7, 23)]
+    return ["The river ran past the old mill and", *ids]
+
+
+def _choice_fields(choice) -> tuple:
+    lp = choice.logprobs
+    return choice.text, choice.finish_reason, (lp.tokens, lp.text_offset) if lp else None
+
+
+@pytest.mark.parametrize("echo", [False, True])
+def test_each_prompt_gets_the_choices_it_gets_alone(server, echo):
+    prompts = _prompts(seed=3 + echo)
+    kw = dict(model="m", max_tokens=5, temperature=0.8, seed=41, logprobs=2, echo=echo, n=N,
+              extra_body={"ignore_eos": True})
+
+    async def fn(client, _):
+        batch = await client.completions.create(prompt=prompts, **kw)
+        stream = [c async for c in await client.completions.create(
+            prompt=prompts, stream=True, stream_options={"include_usage": True}, **kw)]
+        alone = [await client.completions.create(prompt=p, **kw) for p in prompts]
+        return batch, stream, alone
+
+    batch, stream, alone = _call(server, fn)
+    assert [c.index for c in batch.choices] == list(range(len(prompts) * N))
+    for p, single in enumerate(alone):
+        for j, want in enumerate(single.choices):
+            got = batch.choices[p * N + j]
+            assert _choice_fields(got) == _choice_fields(want), (p, j)
+            assert got.logprobs.token_logprobs == pytest.approx(want.logprobs.token_logprobs, abs=1e-5,
+                                                                nan_ok=True)
+            streamed = [c.choices[0] for c in stream if c.choices and c.choices[0].index == p * N + j]
+            assert "".join(c.text for c in streamed) == got.text
+            assert streamed[-1].finish_reason == got.finish_reason
+    for field in ("prompt_tokens", "completion_tokens", "total_tokens"):
+        want = sum(getattr(single.usage, field) for single in alone)
+        assert getattr(batch.usage, field) == want == getattr(stream[-1].usage, field), field
+    assert len({c.text for c in batch.choices}) > len(prompts)   # the n sequences of a prompt differ
+
+
+def test_best_of_ranks_within_each_prompt(server):
+    prompts = _prompts(seed=9)[1:]
+    kw = dict(model="m", max_tokens=4, temperature=1.0, seed=5, n=1, best_of=3, extra_body={"ignore_eos": True})
+
+    async def fn(client, _):
+        batch = await client.completions.create(prompt=prompts, **kw)
+        alone = [await client.completions.create(prompt=p, **kw) for p in prompts]
+        return batch, alone
+
+    batch, alone = _call(server, fn)
+    assert [c.text for c in batch.choices] == [single.choices[0].text for single in alone]
+    assert batch.usage.completion_tokens == 3 * 4 * len(prompts)   # best_of's extra sequences bill too
+
+
+def test_a_refused_prompt_refuses_the_batch_before_the_engine(server):
+    import openai
+
+    before = server.stats()
+    good = _prompts(seed=1)
+    fits_alone = list(range(3, server.max_model_len - 5))   # but not with 9 tokens to generate
+
+    async def fn(client, _):
+        errors = []
+        for bad, kw in ((good + [[5, 10 ** 6]], {}), (good + [""], {}), (good[:2] + [fits_alone], {})):
+            with pytest.raises(openai.BadRequestError) as info:
+                await client.completions.create(model="m", prompt=bad, max_tokens=9, **kw)
+            errors.append(info.value)
+        return errors
+
+    out_of_vocab, empty, too_long = _call(server, fn)
+    assert out_of_vocab.body["param"] == "prompt.4" and out_of_vocab.body["message"].startswith("prompt.4: ")
+    assert empty.body["param"] == "prompt.4"
+    assert too_long.body["param"] == "max_tokens" and too_long.body["message"].startswith("prompt.2: ")
+    after = server.stats()
+    # Nothing of a refused batch was queued: the engine finished no request, read no prompt token
+    # and holds no slot.
+    assert (after["finished"], after["prompt_tokens"]) == (before["finished"], before["prompt_tokens"])
+    assert after["running"] == after["waiting"] == after["slots_reserved"] == 0
+
+
+def test_prompts_count_one_each_against_the_queue(server):
+    import openai
+
+    async def fn(client, app):
+        svc = app.state.service
+        holder = svc.admit("held", "completions", 3)   # three prompts of a batch in flight
+        with pytest.raises(openai.RateLimitError):
+            await client.completions.create(model="m", prompt=["a", "b"], max_tokens=1)
+        one = await client.completions.create(model="m", prompt=["a"], max_tokens=1)
+        with pytest.raises(openai.BadRequestError) as info:
+            await client.completions.create(model="m", prompt=["a"] * 5, max_tokens=1)
+        holder.close()
+        two = await client.completions.create(model="m", prompt=["a", "b"], max_tokens=1)
+        return one, info.value, two, svc.inflight
+
+    one, over, two, inflight = _call(server, fn, max_queue=4)
+    assert len(one.choices) == 1 and len(two.choices) == 2
+    assert over.body["param"] == "prompt" and "--max-queue of 4" in over.body["message"]
+    assert inflight == 0
