@@ -22,6 +22,7 @@ import random
 import sys
 import tempfile
 from pathlib import Path
+from typing import Any
 
 REPO = Path(__file__).resolve().parents[1]
 WORDS = ("river city light music under star old new small bright road window garden morning people "
@@ -76,22 +77,25 @@ metric_list:
     return folder
 
 
-def evaluate(task_dir: Path, model: str, model_args: dict, batch_size: int = 1) -> dict:
-    """lm_eval.simple_evaluate of both tasks -> {"acc", "exact_match", "loglik": [[(ll, greedy)]
-    per choice, per doc], "gens": [str per doc]}. With local-completions, batch_size > 1 sends
-    that many prompts per request (a completions batch)."""
+def evaluate(task_dir: Path, model: Any, model_args: dict | None, batch_size: int = 1,
+             tasks: tuple[str, ...] = (MC_TASK, GEN_TASK)) -> dict:
+    """lm_eval.simple_evaluate of the tasks -> {"acc", "exact_match", "loglik": [[(ll, greedy)]
+    per choice, per doc], "gens": [str per doc]} (a task not run: None and empty lists). `model`
+    is a backend name with its model_args, or an lm-eval LM already built (model_args None).
+    With local-completions, batch_size > 1 sends that many prompts per request (a completions
+    batch)."""
     import lm_eval
     from lm_eval.tasks import TaskManager
 
-    out = lm_eval.simple_evaluate(model=model, model_args=model_args, tasks=[MC_TASK, GEN_TASK],
+    out = lm_eval.simple_evaluate(model=model, model_args=model_args, tasks=list(tasks),
                                   task_manager=TaskManager(include_path=str(task_dir), include_defaults=False),
                                   batch_size=batch_size, device="cpu", log_samples=True, bootstrap_iters=0,
                                   random_seed=0, numpy_random_seed=0, torch_random_seed=0)
-    mc = sorted(out["samples"][MC_TASK], key=lambda s: s["doc_id"])
-    gen = sorted(out["samples"][GEN_TASK], key=lambda s: s["doc_id"])
+    mc = sorted(out["samples"].get(MC_TASK, []), key=lambda s: s["doc_id"])
+    gen = sorted(out["samples"].get(GEN_TASK, []), key=lambda s: s["doc_id"])
     return {
-        "acc": out["results"][MC_TASK]["acc,none"],
-        "exact_match": out["results"][GEN_TASK]["exact_match,none"],
+        "acc": out["results"][MC_TASK]["acc,none"] if MC_TASK in tasks else None,
+        "exact_match": out["results"][GEN_TASK]["exact_match,none"] if GEN_TASK in tasks else None,
         "loglik": [[(float(r[0][0]), bool(r[0][1])) for r in s["resps"]] for s in mc],
         "gens": [s["resps"][0][0] for s in gen],
     }

@@ -12,7 +12,7 @@ import random
 import pytest
 from http_utils import with_openai_client
 
-from orca_ext import Server
+from orca_ext import SamplingParams, Server
 
 N = 2
 
@@ -129,3 +129,32 @@ def test_prompts_count_one_each_against_the_queue(server):
     assert len(one.choices) == 1 and len(two.choices) == 2
     assert over.body["param"] == "prompt" and "--max-queue of 4" in over.body["message"]
     assert inflight == 0
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_metrics_count_each_prompt_once_and_every_sequence(server, stream):
+    from prometheus_client.parser import text_string_to_metric_families
+
+    prompts = _prompts(seed=21)
+    kw = dict(model="m", prompt=prompts, n=3, max_tokens=4, temperature=1.0, seed=2, stream=stream,
+              extra_body={"ignore_eos": True})
+
+    def counters(app) -> dict:
+        text = app.state.service.metrics.render().decode()
+        return {s.name: s.value for f in text_string_to_metric_families(text) for s in f.samples
+                if s.name in ("orca_prompt_tokens_total", "orca_generation_tokens_total")
+                or (s.name == "orca_http_requests_total" and s.labels["outcome"] == "length")}
+
+    async def fn(client, app):
+        before = counters(app)
+        response = await client.completions.create(**kw)
+        if stream:
+            response = [c async for c in response]
+        return before, counters(app)
+
+    before, after = _call(server, fn)
+    prompt_tokens = sum(len(server.check(p, SamplingParams())) for p in prompts)
+    assert after["orca_prompt_tokens_total"] - before.get("orca_prompt_tokens_total", 0) == prompt_tokens
+    assert after["orca_generation_tokens_total"] - before.get("orca_generation_tokens_total", 0) \
+        == len(prompts) * 3 * 4
+    assert after["orca_http_requests_total"] - before.get("orca_http_requests_total", 0) == 1

@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import logging
 import threading
-from typing import Any, Callable, Iterable
+from typing import Any, Callable, Iterable, Sequence
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
@@ -128,31 +128,35 @@ class Metrics:
         self.inflight = Gauge(f"{PREFIX}_http_requests_inflight",
                               "Requests admitted by the HTTP layer and not finished (bounded by --max-queue).",
                               registry=r)
-        self.prompt_tokens = Counter(f"{PREFIX}_prompt_tokens", "Prompt tokens of finished requests.", registry=r)
-        self.generation_tokens = Counter(f"{PREFIX}_generation_tokens", "Generated tokens of finished requests.",
-                                         registry=r)
-        self.ttft = Histogram(f"{PREFIX}_time_to_first_token_seconds", "Arrival to first generated token.",
-                              buckets=_TTFT_BUCKETS, registry=r)
+        self.prompt_tokens = Counter(f"{PREFIX}_prompt_tokens",
+                                     "Prompt tokens of finished requests (each prompt once).", registry=r)
+        self.generation_tokens = Counter(f"{PREFIX}_generation_tokens",
+                                         "Generated tokens of finished requests (every sequence).", registry=r)
+        self.ttft = Histogram(f"{PREFIX}_time_to_first_token_seconds",
+                              "Arrival to first generated token, per sequence.", buckets=_TTFT_BUCKETS, registry=r)
         self.tpot = Histogram(f"{PREFIX}_time_per_output_token_seconds",
-                              "(finish - first token) / (generated tokens - 1), per request.",
+                              "(finish - first token) / (generated tokens - 1), per sequence.",
                               buckets=_TPOT_BUCKETS, registry=r)
-        self.e2e = Histogram(f"{PREFIX}_e2e_request_latency_seconds", "Arrival to finish, per request.",
+        self.e2e = Histogram(f"{PREFIX}_e2e_request_latency_seconds", "Arrival to finish, per sequence.",
                              buckets=_E2E_BUCKETS, registry=r)
         r.register(_EngineCollector(stats))
 
-    def observe_finished(self, endpoint: str, out: Any) -> None:
-        """Record one request that the engine finished (any finish reason)."""
-        self.requests.labels(endpoint, out.finish_reason or "unknown").inc()
-        n_out = len(out.token_ids)
-        self.prompt_tokens.inc(len(out.prompt_token_ids))
-        self.generation_tokens.inc(n_out)
-        arrival, first, finish = out.arrival_time, out.first_token_time, out.finish_time
-        if arrival is not None and first is not None:
-            self.ttft.observe(max(0.0, first - arrival))
-        if first is not None and finish is not None and n_out > 1:
-            self.tpot.observe(max(0.0, (finish - first) / (n_out - 1)))
-        if arrival is not None and finish is not None:
-            self.e2e.observe(max(0.0, finish - arrival))
+    def observe_finished(self, endpoint: str, outcome: str, outputs: Sequence[Any], per_prompt: int = 1) -> None:
+        """Record one request that the engine finished (`outcome`: its finish reason), with the
+        final outputs of its sequences, `per_prompt` of each prompt (n > 1, a batch of prompts):
+        each prompt's tokens count once, every sequence's generated tokens and latencies count."""
+        self.requests.labels(endpoint, outcome or "unknown").inc()
+        self.prompt_tokens.inc(sum(len(out.prompt_token_ids) for out in outputs[::per_prompt]))
+        for out in outputs:
+            n_out = len(out.token_ids)
+            self.generation_tokens.inc(n_out)
+            arrival, first, finish = out.arrival_time, out.first_token_time, out.finish_time
+            if arrival is not None and first is not None:
+                self.ttft.observe(max(0.0, first - arrival))
+            if first is not None and finish is not None and n_out > 1:
+                self.tpot.observe(max(0.0, (finish - first) / (n_out - 1)))
+            if arrival is not None and finish is not None:
+                self.e2e.observe(max(0.0, finish - arrival))
 
     def observe_rejected(self, endpoint: str, outcome: str) -> None:
         self.requests.labels(endpoint, outcome).inc()

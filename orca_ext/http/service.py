@@ -253,11 +253,20 @@ class Service:
             for rid in adm.seq_rids:
                 self.server.abort(rid)
 
-    def observe_finished(self, adm: Admission, out: Any) -> None:
-        if out.finish_reason == "abort" and adm.shutdown:
+    @staticmethod
+    def worst(outputs: list[Any]) -> Any:
+        """The output a whole response stands or falls with: an error, else an abort, else the
+        first sequence's."""
+        return next((o for o in outputs if o.finish_reason == "error"),
+                    next((o for o in outputs if o.finish_reason == "abort"), outputs[0]))
+
+    def observe_finished(self, adm: Admission, outputs: list[Any]) -> None:
+        """Metrics of a request whose sequences all finished, with their final outputs."""
+        worst = self.worst(outputs)
+        if worst.finish_reason == "abort" and adm.shutdown:
             self.metrics.observe_rejected(adm.endpoint, "shutdown")
         else:
-            self.metrics.observe_finished(adm.endpoint, out)
+            self.metrics.observe_finished(adm.endpoint, worst.finish_reason, outputs, adm.per_prompt)
 
     # -- prompts --------------------------------------------------------------------------------
 
@@ -445,11 +454,8 @@ class Service:
         if any(out is None or not out.finished for out in finals):
             return None if finals[0] is None else finals[0]
         adm.finished = True
-        # The response stands or falls with its worst sequence: an error, else an abort.
-        final = next((o for o in finals if o.finish_reason == "error"),
-                     next((o for o in finals if o.finish_reason == "abort"), finals[0]))
-        self.observe_finished(adm, final)
-        return final
+        self.observe_finished(adm, adm.outputs)
+        return self.worst(adm.outputs)
 
 
 @contextlib.contextmanager

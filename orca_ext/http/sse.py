@@ -83,7 +83,7 @@ async def _deltas(adm: Admission) -> AsyncIterator[tuple[int, str, Any]]:
         async for delta, out in _sequence_deltas(adm, rids[0]):
             if out.finished:
                 adm.finished = True
-                svc.observe_finished(adm, out)
+                svc.observe_finished(adm, [out])
             yield 0, delta, out
         return
     queue: asyncio.Queue = asyncio.Queue()
@@ -98,7 +98,7 @@ async def _deltas(adm: Admission) -> AsyncIterator[tuple[int, str, Any]]:
             await queue.put((index, None, None, None))
 
     tasks = [asyncio.ensure_future(pump(i, rid)) for i, rid in enumerate(rids)]
-    open_streams, finished = len(rids), 0
+    open_streams, finals = len(rids), {}
     try:
         while open_streams:
             index, delta, out, exc = await queue.get()
@@ -108,10 +108,10 @@ async def _deltas(adm: Admission) -> AsyncIterator[tuple[int, str, Any]]:
                 open_streams -= 1
                 continue
             if out.finished:
-                finished += 1
-                if finished == len(rids):
+                finals[index] = out
+                if len(finals) == len(rids):
                     adm.finished = True
-                    svc.observe_finished(adm, out)
+                    svc.observe_finished(adm, [finals[i] for i in range(len(rids))])
             yield index, delta, out
     finally:
         for t in tasks:
