@@ -68,8 +68,11 @@ noted; requests are sent back to back):
                      on, top logprobs 5, temperature 1: the most work the batched sampler's logits
                      controls and logprobs do for one row
   logprobs_top5 / logit_bias_max / penalties_max  the three parts of logits_controls_max alone
+  prompt_batch       accepted: completions batches of PROMPT_BATCH prompts (the victims' prompt,
+                     32 tokens each, temperature 1) back to back: one request that is that many
+                     streams of one client
 
-kv_hog, long_prompt_hog and long_context_hog are legal requests from one client: what stops them is the server's admission
+kv_hog, long_prompt_hog, long_context_hog and prompt_batch are legal requests from one client: what stops them is the server's admission
 policy (`--admission`, `--max-kv-per-client`), not a limit. Without those two options the server
 runs with its own defaults; run them under both policies:
   python bench/isolation.py --attacks long_context_hog,kv_hog,long_prompt_hog --admission fcfs
@@ -159,6 +162,7 @@ TWINS = {"disconnect_churn": "one_token_client",
                                                    "logits_controls_max", "logprobs_top5", "logit_bias_max",
                                                    "penalties_max")}}
 TWIN_TOLERANCE = 0.05
+PROMPT_BATCH = 64   # prompt_batch's prompts per request
 
 
 @dataclass
@@ -532,6 +536,8 @@ def attacks(model: str, port: int, n_slots: int = 0, long_prompt_words: int = 12
         "logprobs_top5": lambda c, u, s, a: _accepted_loop(c, u, _body(model, temperature=1.0, logprobs=5), s),
         "logit_bias_max": lambda c, u, s, a: _accepted_loop(c, u, _body(model, temperature=1.0, logit_bias=max_bias), s),
         "penalties_max": lambda c, u, s, a: _accepted_loop(c, u, _body(model, temperature=1.0, **MAX_PENALTIES), s),
+        "prompt_batch": lambda c, u, s, a: _accepted_loop(
+            c, u, _body(model, temperature=1.0, prompt=[VICTIM_PROMPT] * PROMPT_BATCH), s),
         "schema_invalid": lambda c, u, s, a: _fresh_loop(
             c, u, lambda k: _body(model, guided_json={"type": "object", "properties": {
                 f"p{k}": {"type": "string", "pattern": "(" * 200}}}), s),

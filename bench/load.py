@@ -90,8 +90,10 @@ def main(argv: list[str] | None = None) -> int:
     configs = [("no limit", max(levels) * 100), (f"--max-queue {args.max_queue}", args.max_queue)]
     rows = []
     for name, max_queue in configs:
-        serve_args = ["--max-queue", str(max_queue), "--max-batch-size", str(args.max_batch_size),
-                      "--log-level", "warning"]
+        # Every client of this test connects from 127.0.0.1, one address: the per-client share is
+        # the whole queue, so that --max-queue is what turns them away.
+        serve_args = ["--max-queue", str(max_queue), "--max-queue-per-client", str(max_queue),
+                      "--max-batch-size", str(args.max_batch_size), "--log-level", "warning"]
         if args.model:
             serve_args += ["--model", args.model]
         with ServeProcess(*serve_args, env={"ORCA_EXT_KV_CACHE_MEMORY": "512MiB"}) as server:

@@ -110,25 +110,34 @@ def test_a_refused_prompt_refuses_the_batch_before_the_engine(server):
     assert after["running"] == after["waiting"] == after["slots_reserved"] == 0
 
 
-def test_prompts_count_one_each_against_the_queue(server):
+def test_prompts_count_one_each_against_the_queue_and_the_clients_share(server):
+    """--max-queue 8: one client holds at most 6 places (3/4), so a client that fills its share
+    leaves room for the others; a batch's prompts count one each."""
     import openai
+
+    from orca_ext.http.errors import APIError
 
     async def fn(client, app):
         svc = app.state.service
-        holder = svc.admit("held", "completions", 3)   # three prompts of a batch in flight
-        with pytest.raises(openai.RateLimitError):
+        hog = svc.admit("held", "completions", "10.0.0.9", 6)   # another client, at its share
+        with pytest.raises(APIError) as own_limit:
+            svc.admit("more", "completions", "10.0.0.9", 1)
+        two = await client.completions.create(model="m", prompt=["a", "b"], max_tokens=1)   # room left
+        mine = svc.admit("mine", "completions", "127.0.0.1", 1)
+        with pytest.raises(openai.RateLimitError) as full:   # 6 + 1 held: a batch of 2 does not fit
             await client.completions.create(model="m", prompt=["a", "b"], max_tokens=1)
-        one = await client.completions.create(model="m", prompt=["a"], max_tokens=1)
-        with pytest.raises(openai.BadRequestError) as info:
-            await client.completions.create(model="m", prompt=["a"] * 5, max_tokens=1)
-        holder.close()
-        two = await client.completions.create(model="m", prompt=["a", "b"], max_tokens=1)
-        return one, info.value, two, svc.inflight
+        with pytest.raises(openai.BadRequestError) as over:
+            await client.completions.create(model="m", prompt=["a"] * 7, max_tokens=1)
+        hog.close()
+        mine.close()
+        return own_limit.value, two, full.value, over.value, svc.inflight, dict(svc.queued_by_client)
 
-    one, over, two, inflight = _call(server, fn, max_queue=4)
-    assert len(one.choices) == 1 and len(two.choices) == 2
-    assert over.body["param"] == "prompt" and "--max-queue of 4" in over.body["message"]
-    assert inflight == 0
+    own_limit, two, full, over, inflight, held = _call(server, fn, max_queue=8)
+    assert own_limit.status == 429 and own_limit.code == "client_queue_full"
+    assert len(two.choices) == 2
+    assert full.body["code"] == "queue_full"
+    assert over.body["param"] == "prompt" and "--max-queue-per-client" in over.body["message"]
+    assert inflight == 0 and held == {}
 
 
 @pytest.mark.parametrize("stream", [False, True])

@@ -5,10 +5,11 @@ Request path of one completion (`_handle`):
   already rejected while its client is in debt: 429 after a delay, body unread; rejections.py)
   -> auth (401) -> Content-Type application/json (415)
   -> body read with a size limit (413) and a time limit (408) -> strict parse (400)
-  -> model name (404) -> unsupported options (400) -> admission against --max-queue, one place
-  per prompt (429 + Retry-After; 503 while draining) -> chat template and prompt encoding (chat),
-  SamplingParams + Server.submit (InvalidRequestError -> 400, its param in the endpoint's field names,
-  errors.request_rejected) -> stream or collect.
+  -> model name (404) -> unsupported options (400) -> admission against --max-queue and the
+  client's --max-queue-per-client, one place per prompt (429 + Retry-After; 503 while draining)
+  -> chat template and prompt encoding (chat), SamplingParams + Server.submit
+  (InvalidRequestError -> 400, its param in the endpoint's field names, errors.request_rejected)
+  -> stream or collect.
 A rejection (4xx other than 429) is charged to the client (clients.py's key) by the body bytes
 actually read; one from a client already in debt is answered after the debt's delay, with
 Connection: close.
@@ -62,7 +63,8 @@ logger = logging.getLogger(__name__)
 Runner = Callable[[Service, Request, Any, Admission], Awaitable[Response]]
 
 
-def create_app(server: Server, *, model_name: str, max_queue: int = 256, api_key: str | None = None,
+def create_app(server: Server, *, model_name: str, max_queue: int = 256, max_queue_per_client: int | None = None,
+               api_key: str | None = None,
                max_body_bytes: int = DEFAULT_MAX_BODY_BYTES,
                default_max_tokens: int = DEFAULT_CHAT_MAX_TOKENS, body_timeout: float = DEFAULT_BODY_TIMEOUT,
                bind_host: str | None = None, trusted_hosts: list[str] | None = None,
@@ -75,7 +77,10 @@ def create_app(server: Server, *, model_name: str, max_queue: int = 256, api_key
     """The HTTP app over a running ``orca_ext.Server`` (which the caller owns and shuts down).
 
     model_name: the only name accepted in the "model" field (others get 404).
-    max_queue: most requests admitted and not finished (waiting + running); more get 429.
+    max_queue: most requests admitted and not finished (waiting + running); more get 429. A
+    completions batch counts one per prompt.
+    max_queue_per_client: the most of those one client (clients.py's key) may hold; more get 429
+    (None: three quarters of max_queue, so that one client never fills the queue).
     api_key: when set, /v1/* (and the docs, when enabled) require ``Authorization: Bearer <api_key>``.
     body_timeout: seconds for a whole request body to arrive (408 after that).
     bind_host / trusted_hosts: the Host allow-list (guards.py). With bind_host None the app does
@@ -95,7 +100,8 @@ def create_app(server: Server, *, model_name: str, max_queue: int = 256, api_key
     their turn, up to PROBE_MAX_WAIT seconds, and get 429 beyond that.
     The chat template, the context limit and the vocabulary size are the server's.
     """
-    svc = Service(server, model_name=model_name, max_queue=max_queue, api_key=api_key,
+    svc = Service(server, model_name=model_name, max_queue=max_queue, max_queue_per_client=max_queue_per_client,
+                  api_key=api_key,
                   max_body_bytes=max_body_bytes, default_max_tokens=default_max_tokens,
                   body_timeout=body_timeout, rejections=rejections, prompt_threads=prompt_threads,
                   prompt_jobs_per_client=prompt_jobs_per_client)
@@ -217,7 +223,7 @@ async def _handle(svc: Service, request: Request, endpoint: str, run: Runner, mo
             raise request_rejected(exc) from exc
         svc.check_model(body.model)
         body.check_unsupported()
-        adm = svc.admit(rid, endpoint, body.num_prompts)
+        adm = svc.admit(rid, endpoint, client, body.num_prompts)
         try:
             response = await run(svc, request, body, adm)
         except InvalidRequestError as exc:  # refused by the engine's checks, before any engine work

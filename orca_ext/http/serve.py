@@ -33,7 +33,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                    help="address to bind (default 127.0.0.1: loopback only; 0.0.0.0 exposes it)")
     g.add_argument("--port", type=int, default=8000, help="TCP port (default 8000)")
     g.add_argument("--max-queue", type=int, default=256,
-                   help="most requests admitted and unfinished (waiting + running); more get 429 (default 256)")
+                   help="most requests admitted and unfinished (waiting + running); more get 429 (default 256). "
+                        "A completions batch counts one per prompt")
+    g.add_argument("--max-queue-per-client", type=int, default=None, metavar="N",
+                   help="the most of those one client may hold; more get 429 (default: 3/4 of --max-queue, so "
+                        "that one client never fills the queue)")
     g.add_argument("--api-key", default=os.environ.get(API_KEY_ENV),
                    help=f"require 'Authorization: Bearer KEY' on /v1/* (default: ${API_KEY_ENV}, else none). "
                         f"Prefer ${API_KEY_ENV}: a command-line key is visible to every user in `ps`")
@@ -114,7 +118,8 @@ def build_app(args: argparse.Namespace) -> tuple[Any, Any]:
     server = Server(args.model, config=config)
     model_name = args.served_model_name or served_name(args.model, server.model_path)
     try:
-        app = create_app(server, model_name=model_name, max_queue=args.max_queue, api_key=args.api_key,
+        app = create_app(server, model_name=model_name, max_queue=args.max_queue,
+                         max_queue_per_client=args.max_queue_per_client, api_key=args.api_key,
                          max_body_bytes=args.max_body_bytes, default_max_tokens=args.default_max_tokens,
                          body_timeout=args.body_timeout, bind_host=args.host, trusted_hosts=args.trusted_hosts,
                          cors_origins=args.cors_origins, enable_docs=args.enable_docs,
@@ -146,7 +151,9 @@ def main(args: argparse.Namespace) -> int:
         print(f"error: `serve` needs the HTTP extras (pip install 'orca_ext[serve]'): {exc}", file=sys.stderr)
         return 2
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    per_client = args.max_queue_per_client
     for name, value in (("--max-queue", args.max_queue), ("--max-body-bytes", args.max_body_bytes),
+                        ("--max-queue-per-client", 1 if per_client is None else per_client),
                         ("--default-max-tokens", args.default_max_tokens),
                         ("--max-connections", args.max_connections),
                         ("--max-connections-per-client", args.max_connections_per_client)):

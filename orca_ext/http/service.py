@@ -21,6 +21,7 @@ import asyncio
 import contextlib
 import dataclasses
 import logging
+from collections import Counter
 from typing import Any, Callable, Iterator, Sequence
 
 from fastapi import Request
@@ -48,6 +49,12 @@ GRAMMAR_THREADS = 2
 GRAMMAR_NICE = 19   # lowest priority: see prompt_workers.lower_thread_priority
 
 
+def default_max_queue_per_client(max_queue: int) -> int:
+    """--max-queue-per-client by default: three quarters of --max-queue (at least 1), so that the
+    last quarter is always there for the other clients."""
+    return max(1, max_queue * 3 // 4)
+
+
 def validation_error(exc: ValidationError) -> APIError:
     """First pydantic error as a 400 naming the field (dotted path, e.g. messages.0.role)."""
     err = exc.errors(include_url=False)[0]
@@ -69,11 +76,12 @@ class Admission:
     """One admitted request's hold on the queue; closing is idempotent (stream end, disconnect,
     error paths may all try)."""
 
-    def __init__(self, service: "Service", rid: str, endpoint: str, weight: int = 1) -> None:
+    def __init__(self, service: "Service", rid: str, endpoint: str, client: str, weight: int = 1) -> None:
         self.service = service
         self.rid = rid
         self.endpoint = endpoint
-        self.weight = weight    # its place in --max-queue: one per prompt
+        self.client = client
+        self.weight = weight    # its places in --max-queue: one per prompt
         self.submitted = False
         self.finished = False
         self.shutdown = False   # ended by the server's drain, not by the client or the engine
@@ -95,6 +103,10 @@ class Admission:
         self._closed = True
         self.service.admissions.pop(self.rid, None)
         self.service.inflight -= self.weight
+        held = self.service.queued_by_client
+        held[self.client] -= self.weight
+        if held[self.client] <= 0:
+            del held[self.client]   # the table holds only clients with requests in flight
         self.service.metrics.inflight.set(self.service.inflight)
         if self.submitted and not self.finished:
             # The client is gone (or we failed): free the slab now, not when max_tokens is reached.
@@ -115,18 +127,25 @@ class Admission:
 
 
 class Service:
-    def __init__(self, server: Server, *, model_name: str, max_queue: int, api_key: str | None,
+    def __init__(self, server: Server, *, model_name: str, max_queue: int, max_queue_per_client: int | None,
+                 api_key: str | None,
                  max_body_bytes: int, default_max_tokens: int,
                  body_timeout: float = DEFAULT_BODY_TIMEOUT, rejections: RejectionBudget | None = None,
                  prompt_threads: int = DEFAULT_PROMPT_THREADS,
                  prompt_jobs_per_client: int = DEFAULT_PROMPT_JOBS_PER_CLIENT) -> None:
         if max_queue < 1:
             raise ValueError(f"max_queue must be >= 1 (got {max_queue})")
+        if max_queue_per_client is None:
+            max_queue_per_client = default_max_queue_per_client(max_queue)
+        if max_queue_per_client < 1:
+            raise ValueError(f"max_queue_per_client must be >= 1 (got {max_queue_per_client})")
         if not body_timeout > 0:
             raise ValueError(f"body_timeout must be > 0 seconds (got {body_timeout})")
         self.server = server
         self.model_name = model_name
         self.max_queue = max_queue
+        self.max_queue_per_client = min(max_queue_per_client, max_queue)
+        self.queued_by_client: Counter[str] = Counter()   # places in --max-queue held, per client
         self.api_key = api_key
         self.max_body_bytes = max_body_bytes
         self.default_max_tokens = default_max_tokens
@@ -207,21 +226,29 @@ class Service:
             raise APIError(404, f"The model {name[:200]!r} does not exist; this server serves "
                            f"{self.model_name!r}", param="model", code="model_not_found")
 
-    def admit(self, rid: str, endpoint: str, prompts: int = 1) -> Admission:
-        """A place in --max-queue for a request of `prompts` prompts (a completions batch counts
-        as that many requests)."""
+    def admit(self, rid: str, endpoint: str, client: str, prompts: int = 1) -> Admission:
+        """Places in --max-queue for `client`'s request of `prompts` prompts (a completions batch
+        counts as that many requests), within the client's --max-queue-per-client, so that one
+        client never fills the queue that the others need too."""
         if self.draining:
             raise APIError(503, "The server is shutting down", code="server_shutting_down",
                            headers={"Retry-After": "5", "Connection": "close"})
-        if prompts > self.max_queue:
-            raise bad_request(f"prompt: a batch of {prompts} prompts is over this server's --max-queue of "
-                              f"{self.max_queue} requests", "prompt")
+        own_limit = self.max_queue_per_client
+        if prompts > own_limit:
+            raise bad_request(f"prompt: a batch of {prompts} prompts is over the {own_limit} requests one client "
+                              f"may have in flight (--max-queue-per-client)", "prompt")
         if self.inflight + prompts > self.max_queue:
             raise APIError(429, f"Server busy: {self.inflight} requests in flight (limit --max-queue "
                            f"{self.max_queue}); retry later", code="queue_full", headers={"Retry-After": "1"})
+        held = self.queued_by_client[client]
+        if held + prompts > own_limit:
+            raise APIError(429, f"Too many requests in flight from this client: {held} (limit "
+                           f"--max-queue-per-client {own_limit}); retry later", code="client_queue_full",
+                           headers={"Retry-After": "1"})
         self.inflight += prompts
+        self.queued_by_client[client] += prompts
         self.metrics.inflight.set(self.inflight)
-        adm = Admission(self, rid, endpoint, prompts)
+        adm = Admission(self, rid, endpoint, client, prompts)
         self.admissions[rid] = adm
         return adm
 
