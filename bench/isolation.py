@@ -68,15 +68,19 @@ noted; requests are sent back to back):
                      on, top logprobs 5, temperature 1: the most work the batched sampler's logits
                      controls and logprobs do for one row
   logprobs_top5 / logit_bias_max / penalties_max  the three parts of logits_controls_max alone
-  prompt_batch       accepted: completions batches of PROMPT_BATCH prompts (the victims' prompt,
-                     32 tokens each, temperature 1) back to back: one request that is that many
-                     streams of one client
+  many_streams       a reference, not an attack: one client holding PROMPT_BATCH streams open
+                     (the victims' prompt, 32 tokens each, temperature 1), each sent again as it ends
+  prompt_batch       accepted: completions batches of PROMPT_BATCH such prompts back to back, one
+                     request that is that many streams (held to many_streams: a batch may add
+                     nothing to what the same client's separate requests cost)
 
-kv_hog, long_prompt_hog, long_context_hog and prompt_batch are legal requests from one client: what stops them is the server's admission
-policy (`--admission`, `--max-kv-per-client`), not a limit. Without those two options the server
-runs with its own defaults; run them under both policies:
-  python bench/isolation.py --attacks long_context_hog,kv_hog,long_prompt_hog --admission fcfs
-  python bench/isolation.py --attacks long_context_hog,kv_hog,long_prompt_hog --admission fair --max-kv-per-client 0.5
+kv_hog, long_prompt_hog, long_context_hog, many_streams and prompt_batch are legal requests from
+one client: what stops them is the server's admission policy (`--admission`,
+`--max-kv-per-client`), not a limit. Without those two options the server runs with its own
+defaults; run them under both policies:
+  python bench/isolation.py --attacks long_context_hog,kv_hog,long_prompt_hog,many_streams,prompt_batch --admission fcfs
+  python bench/isolation.py --attacks long_context_hog,kv_hog,long_prompt_hog,many_streams,prompt_batch \
+      --admission fair --max-kv-per-client 0.5
 Next to the rate ratio the table gives the victims' median time to first token during the attack
 over that of the baselines around it (target: within 2x), and the CPU share this process (the
 victims' and the attacker's client side) took during the phase and its baselines: on a machine with
@@ -149,7 +153,7 @@ def victim_address(i: int) -> str:
 
 TARGET_RATIO = 0.75
 DEFAULT_API_KEY = "isolation-bench"
-REFERENCES = ("benign_client", "one_token_client")  # extra clients, not attacks: what load itself costs
+REFERENCES = ("benign_client", "one_token_client", "many_streams")  # extra load, not attacks: what load itself costs
 # A stream of accepted requests is load, which the target does not bound (it bounds one request and
 # a stream of rejected ones; the server has no per-client rate limit for accepted requests). Such an
 # attack passes when it costs the victims no more than its reference twin, the same requests sent
@@ -157,7 +161,7 @@ REFERENCES = ("benign_client", "one_token_client")  # extra clients, not attacks
 # the most stop strings or logits controls allowed) must add nothing to the load. The twin of one
 # client's stream of 32-token requests is benign_client, an ordinary fifth client; where a step is
 # compute-bound that alone costs the victims up to a fifth of their rate and more (bench/RESULTS.md).
-TWINS = {"disconnect_churn": "one_token_client",
+TWINS = {"disconnect_churn": "one_token_client", "prompt_batch": "many_streams",
          **{attack: "benign_client" for attack in ("top_k_overflow", "tiny_temperature", "stop_strings_max",
                                                    "logits_controls_max", "logprobs_top5", "logit_bias_max",
                                                    "penalties_max")}}
@@ -536,6 +540,7 @@ def attacks(model: str, port: int, n_slots: int = 0, long_prompt_words: int = 12
         "logprobs_top5": lambda c, u, s, a: _accepted_loop(c, u, _body(model, temperature=1.0, logprobs=5), s),
         "logit_bias_max": lambda c, u, s, a: _accepted_loop(c, u, _body(model, temperature=1.0, logit_bias=max_bias), s),
         "penalties_max": lambda c, u, s, a: _accepted_loop(c, u, _body(model, temperature=1.0, **MAX_PENALTIES), s),
+        "many_streams": lambda c, u, s, a: _held_streams(c, u, _body(model, temperature=1.0), s, PROMPT_BATCH),
         "prompt_batch": lambda c, u, s, a: _accepted_loop(
             c, u, _body(model, temperature=1.0, prompt=[VICTIM_PROMPT] * PROMPT_BATCH), s),
         "schema_invalid": lambda c, u, s, a: _fresh_loop(
