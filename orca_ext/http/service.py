@@ -418,7 +418,9 @@ class Service:
                 with _naming_prompt(p if len(prompts) > 1 else None):
                     if isinstance(prompt, str) and encoder is not None:
                         prompt = await self.prompt_workers.run(client, text_prompt_ids, encoder, prompt)
-                    ids.append(self.server.check(prompt, params) if len(prompts) > 1 else prompt)
+                    # Checked off the event loop: a batch's ids are up to the body limit's worth.
+                    ids.append(await asyncio.to_thread(self.server.check, prompt, params)
+                               if len(prompts) > 1 else prompt)
             adm.per_prompt = count
             adm.seq_rids = []   # grows as the engine takes them: only those are aborted on failure
             for p, prompt in enumerate(ids):
