@@ -30,14 +30,16 @@ WORDS = ("river city light music under star old new small bright road window gar
 MC_TASK, GEN_TASK = "orca_check_mc", "orca_check_gen"
 
 
-def write_tasks(folder: Path, n_mc: int, n_gen: int, seed: int = 0) -> Path:
-    """Two JSONL data sets and their lm-eval task YAMLs in `folder`; returns the folder."""
+def write_tasks(folder: Path, n_mc: int, n_gen: int, seed: int = 0, context_words: int = 0) -> Path:
+    """Two JSONL data sets and their lm-eval task YAMLs in `folder`; returns the folder.
+    context_words: that many more words in front of each multiple-choice question (a long
+    context shared by its choices, as in few-shot tasks)."""
     rng = random.Random(seed)
     words = WORDS.split()
     folder.mkdir(parents=True, exist_ok=True)
     with open(folder / "mc.jsonl", "w") as f:
         for _ in range(n_mc):
-            question = " ".join(rng.choice(words) for _ in range(rng.randrange(3, 12)))
+            question = " ".join(rng.choice(words) for _ in range(context_words + rng.randrange(3, 12)))
             # Awkward choice lengths: 1 to 5 words, so continuations span several tokens.
             choices = [" " + " ".join(rng.choice(words) for _ in range(rng.randrange(1, 6))) for _ in range(4)]
             f.write(json.dumps({"question": question, "choices": choices, "answer": rng.randrange(4)}) + "\n")

@@ -67,6 +67,8 @@ def main() -> int:
     ap.add_argument("--model", help="HF model folder with a tokenizer (default: the embedded default model)")
     ap.add_argument("--n-mc", type=int, default=100, help="multiple-choice documents (4 continuations each)")
     ap.add_argument("--batch-sizes", type=int, nargs="+", default=[1, 8, 32])
+    ap.add_argument("--context-words", type=int, default=0,
+                    help="words added in front of each question: a long context its 4 choices share")
     ap.add_argument("--rounds", type=int, default=2)
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--tol", type=float, default=1e-3)
@@ -91,7 +93,7 @@ def main() -> int:
             ServerProcess("--model", str(model_dir), "--device", "cpu", "--dtype", "float32",
                           "--served-model-name", "speed", "--max-batch-size", str(max(args.batch_sizes)),
                           "--max-queue", "1024", env={"OMP_NUM_THREADS": str(args.threads)}) as server:
-        task_dir = write_tasks(Path(tmp) / "tasks", args.n_mc, 0)
+        task_dir = write_tasks(Path(tmp) / "tasks", args.n_mc, 0, context_words=args.context_words)
         ours_args = {"base_url": f"{server.base_url}/v1/completions", "model": "speed",
                      "tokenizer_backend": "huggingface", "tokenizer": str(model_dir), "tokenized_requests": True,
                      "num_concurrent": 1, "max_retries": 1, "max_length": 512}
@@ -122,7 +124,7 @@ def main() -> int:
                      "hf_docs_per_s": [args.n_mc / t for t in hf],
                      "ours_over_hf": [h / o for o, h in zip(ours, hf)]})
     print(f"\n{cpu_model()}, {args.threads} threads, {model_dir.name} float32, {args.n_mc} documents "
-          f"x 4 continuations, {args.rounds} rounds")
+          f"x 4 continuations, {args.context_words} context words more, {args.rounds} rounds")
     print("| batch size | ours docs/s (min-median) | lm-eval hf docs/s | ours / hf (per round) |")
     print("|---|---|---|---|")
     for row in rows:
@@ -132,7 +134,8 @@ def main() -> int:
               f"| {min(h):.2f}-{statistics.median(h):.2f} | {ratios} |")
     if args.json:
         Path(args.json).write_text(json.dumps({"cpu": cpu_model(), "threads": args.threads, "model": model_dir.name,
-                                               "n_mc": args.n_mc, "rows": rows}, indent=1))
+                                               "n_mc": args.n_mc, "context_words": args.context_words,
+                                               "rows": rows}, indent=1))
     if args.png:
         import matplotlib
         matplotlib.use("Agg")
@@ -146,8 +149,9 @@ def main() -> int:
         ax.set_xscale("log", base=2)
         ax.set_xlabel("lm-eval batch_size")
         ax.set_ylabel("documents / s (median)")
-        ax.set_title(f"lm-eval multiple choice, {model_dir.name} float32\n{cpu_model()}, {args.threads} threads",
-                     fontsize=9)
+        context = f", contexts +{args.context_words} words" if args.context_words else ""
+        ax.set_title(f"lm-eval multiple choice, {model_dir.name} float32{context}\n{cpu_model()}, "
+                     f"{args.threads} threads", fontsize=9)
         ax.legend()
         fig.tight_layout()
         fig.savefig(args.png, dpi=120)

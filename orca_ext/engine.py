@@ -34,7 +34,7 @@ from typing import Callable, Optional
 from .executor import BatchFuture, Executor
 from .models.batch import count_tokens
 from .prefix_cache import PrefixCache
-from .request import IterationRecord, Request, RequestState
+from .request import IterationRecord, Request, RequestState, shared_prefix
 
 log = logging.getLogger(__name__)
 
@@ -120,26 +120,31 @@ class Engine:
                 self.scheduler.add(sibling)
 
     def _fork(self, reqs: list) -> None:
-        """Newly admitted siblings copy their parent's cached prompt KV into their own slabs
-        instead of prefilling it: all but the prompt's last token, which each sibling runs
-        itself, so that its first token is drawn from its own logits row with its own
-        generator. A sibling that asks for prompt logprobs takes the parent's (the same raw
-        logits rows, bit for bit). Only with no batch in flight (executor.move_slabs' rule); a
-        sibling whose parent has left the pool, or lacks the prompt logprobs it needs, prefills
-        in full."""
+        """Newly admitted siblings copy the KV rows of the prompt prefix they share with their
+        parent (n > 1: the whole prompt; a batch's prompts: the context they start with) into
+        their own slabs instead of prefilling them, and prefill the rest. At least the prompt's
+        last token always runs, so that a sibling's first token is drawn from its own logits row
+        with its own generator. A sibling that asks for prompt logprobs takes the parent's
+        entries for the copied rows (the same raw logits rows, bit for bit) and recomputes the
+        last shared row when the prompts part there, since that row scores its own next token.
+        Only with no batch in flight (executor.move_slabs' rule); a sibling whose parent has left
+        the pool, or lacks the prompt logprobs it needs, prefills in full."""
         if self._inflight:
             return
         moves = []
         for r in reqs:
             parent, r.fork_of = r.fork_of, None
-            n = len(r.prompt_token_ids) - 1
-            if (parent is None or r.num_cached or n < 1 or parent.slab_start < 0
-                    or parent.state is RequestState.RELEASED or parent.num_cached < n
-                    or parent.prompt_token_ids != r.prompt_token_ids):
+            if parent is None or r.num_cached or parent.slab_start < 0 or parent.state is RequestState.RELEASED:
+                continue
+            shared = shared_prefix(parent.prompt_token_ids, r.prompt_token_ids)
+            if r.prompt_logprobs is not None:
+                shared -= 1   # the last shared row scores the next token, where the prompts part
+            n = min(shared, len(r.prompt_token_ids) - 1)
+            if n < 1 or parent.num_cached < n:
                 continue
             if r.prompt_logprobs is not None:
                 # Entries 1..n are the logprobs of prompt tokens 1..n, which the parent's rows
-                # 0..n-1 gave; the sibling's own run of token n predicts its first output.
+                # 0..n-1 gave; the sibling's own rows from n on score the rest.
                 copied = parent.prompt_logprobs_upto(n + 1, r.params.prompt_logprobs)
                 if copied is None:
                     continue

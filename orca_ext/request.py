@@ -37,6 +37,15 @@ class TokenLogprob:
     top: tuple[tuple[int, float], ...] = ()
 
 
+def shared_prefix(a: list[int], b: list[int]) -> int:
+    """How many tokens two prompts start with in common."""
+    n = min(len(a), len(b))
+    for i in range(n):
+        if a[i] != b[i]:
+            return i
+    return n
+
+
 @dataclass(frozen=True)
 class RequestOutput:
     """One snapshot of a request. `text` is the full text so far (not a delta)."""
@@ -132,11 +141,29 @@ class Request:
         return max(0, len(self.prompt_token_ids) - self.num_cached)
 
     @property
-    def may_use_prefix_cache(self) -> bool:
-        """Whether admission may start this request from cached KV rows of its prompt prefix.
-        A request that needs something computed at every prompt position (prompt
-        log-probabilities) says False: a hit skips those positions' forward."""
-        return self.params.prompt_logprobs is None
+    def prefix_cache_limit(self) -> int:
+        """The most prompt tokens admission may take from cached KV rows (0: none). All but the
+        last, whose logits give the first output token. A request that asks for prompt logprobs
+        must report every position, which a hit skips: only as many as the request it shares a
+        prefill with (fork_of) has logprobs for, of the tokens they share, else none."""
+        last = len(self.prompt_token_ids) - 1
+        if self.params.prompt_logprobs is None:
+            return last
+        parent = self.fork_of
+        if parent is None or parent.prompt_logprobs is None or \
+                parent.params.prompt_logprobs < self.params.prompt_logprobs:
+            return 0
+        # Entry p (p <= limit) must score the same token p for both.
+        shared = shared_prefix(parent.prompt_token_ids, self.prompt_token_ids)
+        return max(0, min(last, shared - 1, len(parent.prompt_logprobs) - 1))
+
+    def start_from_cache(self, n_tokens: int) -> None:
+        """Admission filled its first n_tokens KV rows from the prefix cache (n_tokens <=
+        prefix_cache_limit): it prefills only the rest, and takes those positions' prompt
+        logprobs from fork_of's."""
+        self.num_cached = self.num_prefix_hit = n_tokens
+        if self.prompt_logprobs is not None:
+            self.prompt_logprobs = self.fork_of.prompt_logprobs_upto(n_tokens + 1, self.params.prompt_logprobs)
 
     @property
     def emits_token(self) -> bool:

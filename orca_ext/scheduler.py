@@ -9,7 +9,7 @@ admission's key) and `num_scheduled` (int, written here); fair admission also re
 the scheduler owns state transitions, slabs, the reservation count and the count of batches in
 flight (`n_scheduled`). With a prefix cache attached (`attach_prefix_cache`, prefix_cache.py) it
 also owns the cache entries' slabs and reads `output_token_ids`, `finish_reason`,
-`may_use_prefix_cache` and writes `num_cached` and `num_prefix_hit` at admission.
+`prefix_cache_limit` and calls `start_from_cache` at admission.
 
 Per iteration: batch = s.schedule(); run it; s.complete(batch). Up to n_workers batches may be
 in flight; their requests are RUNNING and are not selected again until their batch completes.
@@ -193,7 +193,7 @@ class _SchedulerBase:
             return False
         req.slab_start = start
         self.n_rsrv += need
-        if cache is not None and req.may_use_prefix_cache:
+        if cache is not None and req.prefix_cache_limit > 0:
             self._start_from_cache(req, hit)
         return True
 
@@ -202,10 +202,10 @@ class _SchedulerBase:
         compute (its logits give the first output token): from a cache entry, or from an
         admitted request that has computed it (requests that arrive together with the same
         system prompt: the first computes it, the next ones copy it)."""
-        if not req.may_use_prefix_cache:
+        limit = req.prefix_cache_limit
+        if limit < 1:
             return None
         prompt = req.prompt_token_ids
-        limit = len(prompt) - 1
         hit = self.prefix_cache.lookup(prompt, limit)
         best = hit.n_tokens if hit is not None else self.prefix_cache.block_size - 1
         for other in self.pool:
@@ -228,8 +228,7 @@ class _SchedulerBase:
         src = hit.source.slab_start
         if src != req.slab_start:
             self.slab_copier([(src, req.slab_start, hit.n_tokens)])
-        req.num_cached = hit.n_tokens
-        req.num_prefix_hit = hit.n_tokens
+        req.start_from_cache(hit.n_tokens)
 
     def _compact(self) -> bool:
         """Slide every live slab toward slot 0 so that the free slots form one run; True when it

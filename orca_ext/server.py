@@ -28,7 +28,7 @@ from .detokenizer import IncrementalDetokenizer
 from .encoding import PromptEncoder
 from .engine import Engine
 from .errors import EngineDeadError, InvalidRequestError, ServerClosedError
-from .request import IterationRecord, Request, RequestOutput
+from .request import IterationRecord, Request, RequestOutput, shared_prefix
 from .resources import default_kv_memory, plan_kv_cache
 from .sampling import SamplingParams
 from .prefix_cache import PrefixCache
@@ -199,8 +199,10 @@ class Server:
                share_prefill_with: Optional[str] = None) -> str:
         """Queue a request; returns its id. Invalid input raises InvalidRequestError here.
         `client` keys fair admission (an API key's identity or an address; None: anonymous).
-        `share_prefill_with`: the id of a live request with the same prompt (n > 1): this one
-        waits until that prompt is cached and copies its KV instead of prefilling it again."""
+        `share_prefill_with`: the id of a live request whose prompt starts the same way (n > 1:
+        the same prompt; a batch's prompts: the same context): this one waits until that prompt
+        is cached, copies the KV of the tokens they share instead of prefilling them again, and
+        prefills the rest."""
         if self._closed:
             raise ServerClosedError("the server is shut down; no new requests are accepted")
         self._check_engine()
@@ -226,7 +228,7 @@ class Server:
             req = Request(request_id, prompt_ids, params, detok, self.eos_token_ids, client)
             if share_prefill_with is not None:
                 parent = self._outputs.find(share_prefill_with)
-                if parent is not None and parent.prompt_token_ids == prompt_ids:
+                if parent is not None and shared_prefix(parent.prompt_token_ids, prompt_ids) > 0:
                     req.fork_of = parent
             self._outputs.add(req)  # raises if the id is in use
             self._engine.add_request(req)

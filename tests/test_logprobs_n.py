@@ -74,6 +74,29 @@ def test_siblings_asking_for_prompt_logprobs_get_every_entry(server, prompt_len)
                 pytest.approx([want.logprob, *(v for _, v in want.top)], abs=1e-5)
 
 
+@pytest.mark.parametrize("prompt_logprobs", [None, 2])
+def test_a_request_sharing_a_context_copies_it_and_equals_its_single_run(server, prompt_logprobs):
+    """share_prefill_with a request whose prompt starts the same way (a batch's prompts with one
+    context): it waits for that prompt, copies the shared rows (by the fork, or as a prefix cache
+    hit), prefills only its own rest, and gets exactly its single run's tokens and logprobs."""
+    context = list(range(5000, 5037))
+    first_prompt, prompt = context + [11, 12, 13], context + [21, 22]
+    params = SamplingParams(max_tokens=6, temperature=0.7, seed=3, logprobs=1, prompt_logprobs=prompt_logprobs,
+                            ignore_eos=True)
+    alone = server.generate(prompt, params)[0]
+    records_before = len(server.iterations())
+    first = server.submit(first_prompt, params)
+    rid = server.submit(prompt, params, share_prefill_with=first)
+    out = server.result(rid, timeout=300)
+    server.result(first, timeout=300)
+    prefilled = sum(n for r in server.iterations()[records_before:] for n, i in zip(r.chunk_sizes, r.request_ids)
+                    if i == rid and n > 1)
+    # Only its own tokens (and with prompt logprobs the last shared one, which scores its own next).
+    assert prefilled <= len(prompt) - len(context) + (prompt_logprobs is not None)
+    assert (out.token_ids, out.logprobs) == (alone.token_ids, alone.logprobs)
+    assert out.prompt_logprobs == alone.prompt_logprobs
+
+
 def test_aborts_leave_the_siblings_correct(server):
     prompt = list(range(2000, 2050))
     params = SamplingParams(max_tokens=4, ignore_eos=True)

@@ -248,7 +248,7 @@ def test_a_request_that_opts_out_takes_no_hit(monkeypatch):
     for rid in ("a", "b"):
         r = Request(rid, prompt, SamplingParams(max_tokens=2, ignore_eos=True))
         if rid == "b":
-            monkeypatch.setattr(Request, "may_use_prefix_cache", property(lambda self: False))
+            monkeypatch.setattr(Request, "prefix_cache_limit", property(lambda self: 0))
         engine.add_request(r)
         while engine.has_work():
             engine.step()

@@ -167,3 +167,46 @@ def test_metrics_count_each_prompt_once_and_every_sequence(server, stream):
     assert after["orca_generation_tokens_total"] - before.get("orca_generation_tokens_total", 0) \
         == len(prompts) * 3 * 4
     assert after["orca_http_requests_total"] - before.get("orca_http_requests_total", 0) == 1
+
+
+def test_prompts_that_share_a_context_prefill_it_once(server):
+    """lm-eval's multiple-choice shape: a batch of contexts, each with several continuations,
+    scored with echo and logprobs. The continuations of a context start from one prefill of it
+    (prefix cache hits that take the first prompt's prompt logprobs), and every choice is still
+    exactly what its prompt gets alone."""
+    rng = random.Random(8)
+    contexts = [[rng.randrange(3, 2000) for _ in range(n)] for n in (40, 57)]
+    prompts = [context + [100 + j] + [rng.randrange(3, 2000) for _ in range(j)] for context in contexts
+               for j in range(4)]
+    kw = dict(model="m", max_tokens=1, temperature=0, echo=True, logprobs=1)
+
+    async def fn(client, _):
+        batch = await client.completions.create(prompt=prompts, **kw)
+        alone = [await client.completions.create(prompt=p, **kw) for p in prompts]
+        return batch, alone
+
+    batch, alone = _call(server, fn)
+    for got, single in zip(batch.choices, alone):
+        want = single.choices[0]
+        assert got.logprobs.tokens == want.logprobs.tokens
+        assert got.logprobs.token_logprobs == pytest.approx(want.logprobs.token_logprobs, abs=1e-6, nan_ok=True)
+        assert got.logprobs.top_logprobs == want.logprobs.top_logprobs
+    # Three of each context's four prompts took its rows (all but the last shared one, which
+    # scores their own next token) from the cache.
+    assert batch.usage.prompt_tokens_details.cached_tokens >= 3 * (32 + 48)
+
+
+@pytest.mark.parametrize("prompts, want", [
+    ([], []),
+    ([[1] * 40], [None]),
+    ([[1] * 40 + [2], [1] * 40 + [3], [1] * 40 + [4, 5]], [None, 0, 0]),
+    ([[9] * 30 + [2], [5] * 30, [9] * 30 + [3]], [None, None, 0]),     # neighbours once sorted
+    ([[1] * 10 + [2], [1] * 10 + [3]], [None, None]),                  # under MIN_SHARED_CONTEXT
+    ([[1] * 20 + [2] * 30, [1] * 20 + [3] * 30], [None, None]),        # under half of the prompt
+    ([[1] * 40, [1] * 40], [None, 0]),                                 # the same prompt
+    ([[1] * 20 + [2] * 5, [1] * 20 + [3] * 5, [1] * 20 + [2] * 5 + [7]], [None, 0, 0]),
+])
+def test_shared_contexts_points_each_prompt_at_its_runs_first(prompts, want):
+    from orca_ext.http.service import shared_contexts
+
+    assert shared_contexts(prompts) == want

@@ -30,6 +30,7 @@ from pydantic import ValidationError
 from ..chat_prompt import ChatPromptEncoder
 from ..errors import EngineDeadError, InvalidRequestError, ServerClosedError
 from ..guided import CompiledGrammar, GrammarCompiler, llg_tokenizer
+from ..request import shared_prefix
 from ..sampling import SamplingParams
 from ..server import Server
 from ..validation import text_prompt_ids
@@ -96,6 +97,15 @@ class Admission:
     def prompt_index(self, k: int) -> int:
         """The prompt that sequence k of the request continues."""
         return k // self.per_prompt
+
+    def seq_rid(self, prompt: int, sequence: int = 0) -> str:
+        """The engine request id of a prompt's sequence."""
+        k = prompt * self.per_prompt + sequence
+        return self.rid if k == 0 else f"{self.rid}-{k}"
+
+    def seq_index(self, rid: str) -> int:
+        """k of one of this request's engine request ids (seq_rid's inverse)."""
+        return 0 if rid == self.rid else int(rid.rsplit("-", 1)[1])
 
     def close(self) -> None:
         if self._closed:
@@ -423,18 +433,25 @@ class Service:
                                if len(prompts) > 1 else prompt)
             adm.per_prompt = count
             adm.seq_rids = []   # grows as the engine takes them: only those are aborted on failure
-            for p, prompt in enumerate(ids):
-                first = adm.rid if p == 0 else f"{adm.rid}-{p * count}"
+            # Prompts of a batch that share a context start from one prefill of it: through the
+            # prefix cache once it is computed (a fork would need the first prompt still running).
+            context_of = shared_contexts(ids) if self.server.config.prefix_caching else [None] * len(ids)
+            # The prompts that start a shared context go first: the others copy its KV from them.
+            for p in sorted(range(len(ids)), key=lambda p: context_of[p] is not None):
+                first = adm.seq_rid(p)
+                head = context_of[p]
                 with _naming_prompt(p if len(ids) > 1 else None):
-                    await asyncio.to_thread(self.server.submit, prompt, params, request_id=first, client=client)
+                    await asyncio.to_thread(self.server.submit, ids[p], params, request_id=first, client=client,
+                                            share_prefill_with=None if head is None else adm.seq_rid(head))
                 adm.seq_rids.append(first)
                 adm.submitted = True
                 for i in range(1, count):
                     # `prompt` is token ids by now: the siblings reuse the first sequence's and its prefill.
-                    rid = f"{adm.rid}-{p * count + i}"
-                    await asyncio.to_thread(self.server.submit, prompt, params.for_sequence(i), request_id=rid,
+                    rid = adm.seq_rid(p, i)
+                    await asyncio.to_thread(self.server.submit, ids[p], params.for_sequence(i), request_id=rid,
                                             client=client, share_prefill_with=first)
                     adm.seq_rids.append(rid)
+            adm.seq_rids.sort(key=adm.seq_index)
         except EngineDeadError as exc:
             raise APIError(503, str(exc), code="engine_dead") from exc
         except ServerClosedError as exc:
@@ -485,6 +502,30 @@ class Service:
         adm.finished = True
         self.observe_finished(adm, adm.outputs)
         return self.worst(adm.outputs)
+
+
+# A prompt of a batch starts from the KV of an earlier prompt's context when they share at least
+# this many leading tokens and at least half of its own: it waits for that prompt's prefill, so
+# a short shared start is not worth the wait.
+MIN_SHARED_CONTEXT = 16
+
+
+def shared_contexts(prompts: list[list[int]]) -> list[int | None]:
+    """For each prompt of a batch, the prompt whose context it copies (the first, in sorted
+    order, of the run of prompts that share a long start with it), or None: it prefills alone.
+    Sorted, prompts that share a start are neighbours, and a prompt shares with the run's first
+    the least of the neighbours' shared starts between them."""
+    context_of: list[int | None] = [None] * len(prompts)
+    order = sorted(range(len(prompts)), key=lambda p: prompts[p])
+    head, run = (order[0] if order else None), None
+    for prev, p in zip(order, order[1:]):
+        common = shared_prefix(prompts[prev], prompts[p])
+        run = common if run is None else min(run, common)
+        if run >= max(MIN_SHARED_CONTEXT, len(prompts[p]) / 2):
+            context_of[p] = head
+        else:
+            head, run = p, None
+    return context_of
 
 
 @contextlib.contextmanager
