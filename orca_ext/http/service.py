@@ -439,10 +439,10 @@ class Service:
             # The prompts that start a shared context go first: the others copy its KV from them.
             for p in sorted(range(len(ids)), key=lambda p: context_of[p] is not None):
                 first = adm.seq_rid(p)
-                head = context_of[p]
+                shared = {} if context_of[p] is None else {"share_prefill_with": adm.seq_rid(context_of[p])}
                 with _naming_prompt(p if len(ids) > 1 else None):
                     await asyncio.to_thread(self.server.submit, ids[p], params, request_id=first, client=client,
-                                            share_prefill_with=None if head is None else adm.seq_rid(head))
+                                            **shared)
                 adm.seq_rids.append(first)
                 adm.submitted = True
                 for i in range(1, count):
