@@ -34,7 +34,7 @@ from typing import Callable, Optional
 from .executor import BatchFuture, Executor
 from .models.batch import count_tokens
 from .prefix_cache import PrefixCache
-from .request import IterationRecord, Request, RequestState, shared_prefix
+from .request import IterationRecord, Request, RequestState
 
 log = logging.getLogger(__name__)
 
@@ -136,10 +136,7 @@ class Engine:
             parent, r.fork_of = r.fork_of, None
             if parent is None or r.num_cached or parent.slab_start < 0 or parent.state is RequestState.RELEASED:
                 continue
-            shared = shared_prefix(parent.prompt_token_ids, r.prompt_token_ids)
-            if r.prompt_logprobs is not None:
-                shared -= 1   # the last shared row scores the next token, where the prompts part
-            n = min(shared, len(r.prompt_token_ids) - 1)
+            n = r.rows_shared_with(parent)
             if n < 1 or parent.num_cached < n:
                 continue
             if r.prompt_logprobs is not None:

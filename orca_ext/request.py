@@ -11,6 +11,8 @@ import time
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Optional
 
+from .prefix_cache import common_prefix
+
 if TYPE_CHECKING:  # pragma: no cover
     from .detokenizer import IncrementalDetokenizer
     from .sampling import SamplingParams
@@ -35,15 +37,6 @@ class TokenLogprob:
     token_id: int
     logprob: float
     top: tuple[tuple[int, float], ...] = ()
-
-
-def shared_prefix(a: list[int], b: list[int]) -> int:
-    """How many tokens two prompts start with in common."""
-    n = min(len(a), len(b))
-    for i in range(n):
-        if a[i] != b[i]:
-            return i
-    return n
 
 
 @dataclass(frozen=True)
@@ -153,9 +146,17 @@ class Request:
         if parent is None or parent.prompt_logprobs is None or \
                 parent.params.prompt_logprobs < self.params.prompt_logprobs:
             return 0
-        # Entry p (p <= limit) must score the same token p for both.
-        shared = shared_prefix(parent.prompt_token_ids, self.prompt_token_ids)
-        return max(0, min(last, shared - 1, len(parent.prompt_logprobs) - 1))
+        return min(self.rows_shared_with(parent), len(parent.prompt_logprobs) - 1)
+
+    def rows_shared_with(self, parent: "Request") -> int:
+        """How many leading KV rows it may take from `parent`'s instead of computing them: those
+        of the tokens their prompts share, but never the prompt's last (its logits give the
+        first output token). With prompt logprobs one fewer where the prompts part: that row
+        scores its own next token, so entry p (p <= the rows taken) is the same for both."""
+        shared = common_prefix(parent.prompt_token_ids, self.prompt_token_ids, 0, len(self.prompt_token_ids))
+        if self.params.prompt_logprobs is not None:
+            shared -= 1
+        return max(0, min(shared, len(self.prompt_token_ids) - 1))
 
     def start_from_cache(self, n_tokens: int) -> None:
         """Admission filled its first n_tokens KV rows from the prefix cache (n_tokens <=

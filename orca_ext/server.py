@@ -28,7 +28,7 @@ from .detokenizer import IncrementalDetokenizer
 from .encoding import PromptEncoder
 from .engine import Engine
 from .errors import EngineDeadError, InvalidRequestError, ServerClosedError
-from .request import IterationRecord, Request, RequestOutput, shared_prefix
+from .request import IterationRecord, Request, RequestOutput
 from .resources import default_kv_memory, plan_kv_cache
 from .sampling import SamplingParams
 from .prefix_cache import PrefixCache
@@ -228,7 +228,7 @@ class Server:
             req = Request(request_id, prompt_ids, params, detok, self.eos_token_ids, client)
             if share_prefill_with is not None:
                 parent = self._outputs.find(share_prefill_with)
-                if parent is not None and shared_prefix(parent.prompt_token_ids, prompt_ids) > 0:
+                if parent is not None and parent.prompt_token_ids[:1] == prompt_ids[:1]:
                     req.fork_of = parent
             self._outputs.add(req)  # raises if the id is in use
             self._engine.add_request(req)

@@ -30,7 +30,7 @@ from pydantic import ValidationError
 from ..chat_prompt import ChatPromptEncoder
 from ..errors import EngineDeadError, InvalidRequestError, ServerClosedError
 from ..guided import CompiledGrammar, GrammarCompiler, llg_tokenizer
-from ..request import shared_prefix
+from ..prefix_cache import common_prefix
 from ..sampling import SamplingParams
 from ..server import Server
 from ..validation import text_prompt_ids
@@ -519,7 +519,7 @@ def shared_contexts(prompts: list[list[int]]) -> list[int | None]:
     order = sorted(range(len(prompts)), key=lambda p: prompts[p])
     head, run = (order[0] if order else None), None
     for prev, p in zip(order, order[1:]):
-        common = shared_prefix(prompts[prev], prompts[p])
+        common = common_prefix(prompts[prev], prompts[p], 0, len(prompts[p]))
         run = common if run is None else min(run, common)
         if run >= max(MIN_SHARED_CONTEXT, len(prompts[p]) / 2):
             context_of[p] = head
