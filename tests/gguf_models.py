@@ -72,13 +72,16 @@ def random_blocks(qtype: T, n: int, k: int, rng: np.random.Generator) -> np.ndar
     if qtype == T.Q4_K:
         put(0, 4e-4)           # d: x = d*sc*q - dmin*mn, sc and mn 6-bit, q 4-bit
         put(2, 3e-3)           # dmin ~ d * 7.5 centres the values
+    elif qtype == T.Q5_K:
+        put(0, 2e-4)           # d: as Q4_K with q 5-bit
+        put(2, 3e-3)
     elif qtype == T.Q6_K:
         put(208, 1e-4)         # d: x = d*sc*(q - 32), sc int8
-    elif qtype in (T.Q4_1,):
-        put(0, 0.02)
+    elif qtype in (T.Q4_1, T.Q5_1):
+        put(0, 0.02 if qtype == T.Q4_1 else 0.01)
         put(2, -0.15)
     else:
-        put(0, 0.02)
+        put(0, 0.01 if qtype == T.Q5_0 else 0.02)
     return raw.reshape(n, -1)
 
 
@@ -86,7 +89,7 @@ def encode(w: np.ndarray, qtype: T, rng: np.random.Generator) -> np.ndarray:
     """The stored array of float matrix `w` [n, k] in `qtype` (random blocks for K-quants)."""
     if qtype in (T.F32,):
         return w.astype(np.float32)
-    if qtype in (T.Q4_K, T.Q6_K):
+    if qtype in (T.Q4_K, T.Q5_K, T.Q6_K):
         return random_blocks(qtype, w.shape[0], w.shape[1], rng)
     return gguf.quants.quantize(w.astype(np.float32), qtype)
 

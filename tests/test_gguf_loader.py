@@ -28,16 +28,24 @@ from orca_ext.quant import QuantizedStack, QuantizedWeight
 from gguf_models import LARGE, VOCAB, write_gguf
 
 
-def k_mix(name: str) -> T:
-    """Q4_K_M's pattern: attn_v and ffn_down in Q6_K, the other matrices in Q4_K."""
-    return T.Q6_K if "attn_v" in name or "ffn_down" in name else T.Q4_K
+def k_mix(name: str, main: T = T.Q4_K) -> T:
+    """Q4_K_M's (Q5_K_M's) pattern: attn_v and ffn_down in Q6_K, the other matrices in Q4_K (Q5_K)."""
+    return T.Q6_K if "attn_v" in name or "ffn_down" in name else main
 
 
-FORMATS = {"Q8_0": lambda n: T.Q8_0, "Q4_0": lambda n: T.Q4_0, "Q4_1": lambda n: T.Q4_1, "Q4_K_M": k_mix}
+def narrow_k_mix(name: str) -> T:
+    """What llama.cpp writes for Q4_K_M when rows are not whole 256-value super-blocks (SmolLM2's
+    576, Qwen2.5-0.5B's 896): Q5_0 in place of Q4_K, Q8_0 in place of Q6_K."""
+    return T.Q8_0 if "attn_v" in name or "ffn_down" in name else T.Q5_0
+
+
+FORMATS = {"Q8_0": lambda n: T.Q8_0, "Q4_0": lambda n: T.Q4_0, "Q4_1": lambda n: T.Q4_1, "Q5_1": lambda n: T.Q5_1,
+           "Q4_K_M": k_mix, "Q5_K_M": lambda n: k_mix(n, T.Q5_K), "narrow_Q4_K_M": narrow_k_mix}
+MIXED = ("Q4_K_M", "Q5_K_M", "narrow_Q4_K_M")  # q/k/v of two formats: a QuantizedStack
 
 
 def sizes(family: str, fmt: str) -> dict:
-    if fmt == "Q4_K_M":
+    if fmt in ("Q4_K_M", "Q5_K_M"):
         return dict(LARGE)
     return dict(head_dim=32) if family == "qwen3" else {}   # q rows of whole 32-value blocks
 
@@ -60,7 +68,7 @@ def test_logits_match_transformers_on_the_encoded_weights(tmp_path, family, fmt)
     ref, _ = write_gguf(path, family, FORMATS[fmt], seed=3, **sizes(family, fmt))
     model = load_model(path)
     assert isinstance(model.layers[0].o_weight, QuantizedWeight)
-    assert isinstance(model.layers[0].qkv_weight, QuantizedStack if fmt == "Q4_K_M" else QuantizedWeight)
+    assert isinstance(model.layers[0].qkv_weight, QuantizedStack if fmt in MIXED else QuantizedWeight)
     ids = torch.randint(0, VOCAB, (13,)).tolist()
     with torch.no_grad():
         theirs = ref(torch.tensor([ids])).logits[0]
@@ -93,11 +101,11 @@ def test_resident_blocks_are_the_files_tensor_bytes(tmp_path):
 
 
 def test_other_quant_types_are_dequantized_with_one_log_line(tmp_path, caplog):
-    path = tmp_path / "q5.gguf"
-    ref, _ = write_gguf(path, "qwen2", lambda n: T.Q5_0 if "ffn_" in n else T.Q8_0, seed=7)
+    path = tmp_path / "tq2.gguf"
+    ref, _ = write_gguf(path, "qwen2", lambda n: T.TQ2_0 if "ffn_" in n else T.Q8_0, seed=7, **LARGE)
     with caplog.at_level(logging.INFO, logger="orca_ext.models.gguf_loader"):
         model = load_model(path)
-    lines = [r.getMessage() for r in caplog.records if "Q5_0" in r.getMessage()]
+    lines = [r.getMessage() for r in caplog.records if "TQ2_0" in r.getMessage()]
     assert len(lines) == 1 and "blk.0.ffn_down.weight" in lines[0] and "blk.1.ffn_up.weight" in lines[0]
     assert isinstance(model.layers[0].gate_up_weight, torch.Tensor)
     assert isinstance(model.layers[0].qkv_weight, QuantizedWeight)

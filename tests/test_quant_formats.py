@@ -42,7 +42,7 @@ def test_dequantize_matches_gguf_bit_for_bit(qtype):
     assert np.array_equal(ours.numpy(), theirs)
 
 
-@pytest.mark.parametrize("qtype", [QType.Q8_0, QType.Q4_0, QType.Q4_1], ids=lambda q: q.name)
+@pytest.mark.parametrize("qtype", [QType.Q8_0, QType.Q4_0, QType.Q4_1, QType.Q5_0, QType.Q5_1], ids=lambda q: q.name)
 def test_dequantize_of_gguf_quantized_floats(qtype):
     w = np.random.default_rng(1).standard_normal((7, 160)).astype(np.float32)
     data = gguf.quants.quantize(w, gguf.GGMLQuantizationType(int(qtype)))
@@ -53,7 +53,7 @@ def test_dequantize_of_gguf_quantized_floats(qtype):
 
 def test_formats_reject_bad_input():
     with pytest.raises(ValueError, match="not a served block format"):
-        block_format(6)  # Q5_0
+        block_format(10)  # Q2_K
     with pytest.raises(ValueError, match="multiple of 32"):
         dequantize(torch.zeros(2, 18, dtype=torch.uint8), QType.Q4_0, 33)
     with pytest.raises(ValueError, match="take 36 bytes"):

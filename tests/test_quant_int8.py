@@ -1,5 +1,5 @@
-"""The int8-activation CPU products of Q8_0, Q4_0 and Q4_1 weights (Q4_K and Q6_K in
-test_quant_int8_k.py): `int8_activations=True` of `_C.quant_linear`, `_C.quant_linear_silu_mul`, `_C.quant_rmsnorm_qkv`; the process-wide mode
+"""The int8-activation CPU products of Q8_0, Q4_0, Q4_1, Q5_0 and Q5_1 weights (Q4_K, Q5_K and
+Q6_K in test_quant_int8_k.py): `int8_activations=True` of `_C.quant_linear`, `_C.quant_linear_silu_mul`, `_C.quant_rmsnorm_qkv`; the process-wide mode
 `quant_activations` ("auto", "float32", "int8") in orca_ext/quant/kernels.py.
 
 The reference quantizes the activations as the contract says (per 32-block: d = amax / 127 in
@@ -25,8 +25,10 @@ _C = pytest.importorskip("orca_ext._C")
 INT8_TYPES = [int(t) for t in _C.quant_int8_types()]
 pytestmark = pytest.mark.skipif(8 not in INT8_TYPES, reason="no int8-activation kernels on this build/CPU")
 QUANT_PATHS = _C.cpu_quant_paths()
-BLOCK_BYTES = {8: 34, 2: 18, 3: 20}
-NAMES = {8: "Q8_0", 2: "Q4_0", 3: "Q4_1"}
+BLOCK_BYTES = {8: 34, 2: 18, 3: 20, 6: 22, 7: 24}
+NAMES = {8: "Q8_0", 2: "Q4_0", 3: "Q4_1", 6: "Q5_0", 7: "Q5_1"}
+TYPES = list(NAMES)
+WITH_MIN = (3, 7)  # Q4_1, Q5_1: w = d * q + m
 DTYPES = [torch.float32, torch.bfloat16]
 
 
@@ -38,13 +40,13 @@ def _restore_path():
 
 
 def random_blocks(qtype: int, n: int, k: int, seed: int) -> np.ndarray:
-    """[n, row_bytes] uint8: random quants, finite fp16 d (and Q4_1's m, either sign)."""
+    """[n, row_bytes] uint8: random quants, finite fp16 d (and Q4_1's or Q5_1's m, either sign)."""
     rng = np.random.default_rng(seed)
     nb, nbytes = k // 32, BLOCK_BYTES[qtype]
     raw = rng.integers(0, 256, size=(n, nb, nbytes), dtype=np.uint8)
     scale = 1.0 / (32.0 * np.sqrt(k))
     raw[..., 0:2] = (rng.uniform(0.2, 1.0, (n, nb)) * scale).astype(np.float16).view(np.uint8).reshape(n, nb, 2)
-    if qtype == 3:
+    if qtype in WITH_MIN:
         raw[..., 2:4] = (rng.uniform(-8, 8, (n, nb)) * scale).astype(np.float16).view(np.uint8).reshape(n, nb, 2)
     return raw.reshape(n, -1)
 
@@ -57,10 +59,14 @@ def weight_quants(qtype: int, qweight: np.ndarray, k: int):
     if qtype == 8:
         q = blocks[..., 2:34].view(np.int8).astype(np.int64)
         return q.reshape(n, k), d, None
-    packed = blocks[..., 2:18] if qtype == 2 else blocks[..., 4:20]
+    head = 2 + 2 * (qtype in WITH_MIN) + 4 * (qtype in (6, 7))  # fp16 d [, m] [, uint32 qh]
+    packed = blocks[..., head:head + 16]
     nib = np.concatenate([packed & 0x0F, packed >> 4], axis=-1).astype(np.int64)  # elements 0..15, 16..31
-    if qtype == 2:
-        return (nib - 8).reshape(n, k), d, None
+    if qtype in (6, 7):  # bit 4 of element i: bit i of the little-endian qh before the nibbles
+        qh = blocks[..., head - 4:head].copy().view("<u4").astype(np.int64)  # [n, nb, 1]
+        nib = nib | (((qh >> np.arange(32)) & 1) << 4)
+    if qtype in (2, 6):
+        return (nib - (8 if qtype == 2 else 16)).reshape(n, k), d, None
     m = blocks[..., 2:4].copy().view(np.float16).reshape(n, nb).astype(np.float64)
     return nib.reshape(n, k), d, m
 
@@ -113,7 +119,7 @@ def rows(gen, t, k, dtype, zero_row=None):
     return x.to(dtype)
 
 
-@pytest.mark.parametrize("qtype", [8, 2, 3], ids=lambda q: NAMES[q])
+@pytest.mark.parametrize("qtype", TYPES, ids=lambda q: NAMES[q])
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
 @pytest.mark.parametrize("path", QUANT_PATHS)
 def test_linear_matches_integer_reference(qtype, dtype, path):
@@ -138,7 +144,7 @@ def test_linear_matches_integer_reference(qtype, dtype, path):
                      f"{NAMES[qtype]} +bias+residual T={t} K={k} N={n}")
 
 
-@pytest.mark.parametrize("qtype", [8, 2, 3], ids=lambda q: NAMES[q])
+@pytest.mark.parametrize("qtype", TYPES, ids=lambda q: NAMES[q])
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
 def test_silu_mul_and_rmsnorm_qkv(qtype, dtype):
     gen = torch.Generator().manual_seed(qtype)
@@ -148,7 +154,7 @@ def test_silu_mul_and_rmsnorm_qkv(qtype, dtype):
     check_silu_mul_and_rmsnorm_qkv(_C, qweight, qtype, k, inter, x, gen)
 
 
-@pytest.mark.parametrize("qtype", [8, 2, 3], ids=lambda q: NAMES[q])
+@pytest.mark.parametrize("qtype", TYPES, ids=lambda q: NAMES[q])
 def test_paths_agree_bit_for_bit(qtype):
     if len(QUANT_PATHS) < 2:
         pytest.skip("one quantized path on this CPU")
@@ -164,7 +170,7 @@ def test_paths_agree_bit_for_bit(qtype):
         assert all(torch.equal(outs[0], o) for o in outs[1:]), f"T={t}"
 
 
-@pytest.mark.parametrize("qtype", [8, 2, 3], ids=lambda q: NAMES[q])
+@pytest.mark.parametrize("qtype", TYPES, ids=lambda q: NAMES[q])
 @pytest.mark.parametrize("path", QUANT_PATHS)
 def test_each_token_keeps_its_lone_bits_at_every_tile_edge(qtype, path):
     """At every tile edge (check_lone_bits_at_tile_edges), with a row count that leaves
@@ -179,7 +185,7 @@ def test_each_token_keeps_its_lone_bits_at_every_tile_edge(qtype, path):
     assert_close(alone, ref, mass, k, torch.float32, f"{NAMES[qtype]} tokens alone")
 
 
-@pytest.mark.parametrize("qtype", [8, 2, 3], ids=lambda q: NAMES[q])
+@pytest.mark.parametrize("qtype", TYPES, ids=lambda q: NAMES[q])
 @pytest.mark.parametrize("path", QUANT_PATHS)
 def test_rows_are_batch_invariant(qtype, path):
     _C.set_cpu_quant_path(path)
@@ -210,24 +216,24 @@ def any_format_blocks(qtype: int, n: int, k: int, seed: int) -> np.ndarray:
     if qtype in BLOCK_BYTES:
         return random_blocks(qtype, n, k, seed)
     rng = np.random.default_rng(seed)
-    size = {12: 144, 14: 210}[qtype]
+    size = {12: 144, 13: 176, 14: 210}[qtype]
     raw = rng.integers(0, 256, size=(n, k // 256, size), dtype=np.uint8)
-    for at in ((0, 2) if qtype == 12 else (208,)):  # Q4_K: d, dmin; Q6_K: d
+    for at in ((0, 2) if qtype in (12, 13) else (208,)):  # Q4_K, Q5_K: d, dmin; Q6_K: d
         raw[..., at:at + 2] = (rng.uniform(0.1, 1.0, raw.shape[:2]) / (512 * np.sqrt(k))).astype(
             np.float16).view(np.uint8).reshape(*raw.shape[:2], 2)
     return raw.reshape(n, -1)
 
 
 def test_auto_mode_takes_int8_for_k_quants_and_float32_for_32_element_blocks():
-    """quant_activations="auto": the products of Q4_K and Q6_K blocks are the int8 ones, those of
-    Q8_0, Q4_0 and Q4_1 the float32 ones, bit for bit; in a fused matrix each part by its own
+    """quant_activations="auto": the products of Q4_K, Q5_K and Q6_K blocks are the int8 ones,
+    those of Q8_0, Q4_0, Q4_1, Q5_0 and Q5_1 the float32 ones, bit for bit; in a fused matrix each part by its own
     format, whatever the number of tokens."""
     from orca_ext.quant.weight import QuantizedStack
 
     gen = torch.Generator().manual_seed(3)
     k, n = 256 * 3, 21
     weights = {t: QuantizedWeight(t, torch.from_numpy(any_format_blocks(t, n, k, seed=t)), n, k)
-               for t in (2, 3, 8, 12, 14)}
+               for t in (2, 3, 6, 7, 8, 12, 13, 14)}
     for t_tokens in (1, 5, 19):
         x = rows(gen, t_tokens, k, torch.float32)
         for qtype, w in weights.items():
@@ -236,7 +242,7 @@ def test_auto_mode_takes_int8_for_k_quants_and_float32_for_32_element_blocks():
             int8 = _C.quant_linear(x, w.data, qtype, k, None, None, int8_activations=True)
             flt = _C.quant_linear(x, w.data, qtype, k, None, None)
             assert not torch.equal(int8, flt)
-            assert torch.equal(auto, int8 if qtype in (12, 14) else flt), (qtype, t_tokens)
+            assert torch.equal(auto, int8 if qtype in (12, 13, 14) else flt), (qtype, t_tokens)
         stack = QuantizedStack((weights[12], weights[3], weights[14]))
         with modes.using(quant_activations="auto"):
             got = kernels.linear(x, stack)
@@ -253,12 +259,12 @@ def test_every_compiled_format_has_int8_kernels():
     assert sorted(INT8_TYPES) == sorted(int(t) for t in _C.quant_types())
 
 
-@pytest.mark.parametrize("fmt", ["Q4_1", "Q8_0", "Q4_0", "Q4_K_M"])
+@pytest.mark.parametrize("fmt", ["Q4_1", "Q8_0", "Q4_0", "Q5_0", "Q4_K_M", "Q5_K_M"])
 def test_a_models_logits_with_int8_activations(tmp_path, fmt):
     """A tiny GGUF model with the mode on: a request's logits are the same bits alone and among
     batch-mates (prefill and decode), and stay near the float-activation logits (the rounding of
-    8-bit activations, not a different computation). Q4_K_M: Q4_K matrices with attn_v and
-    ffn_down in Q6_K, as llama.cpp's Q4_K_M files mix them."""
+    8-bit activations, not a different computation). Q4_K_M (Q5_K_M): Q4_K (Q5_K) matrices with
+    attn_v and ffn_down in Q6_K, as llama.cpp's files mix them."""
     from gguf import GGMLQuantizationType as T
     from gguf_models import LARGE, VOCAB, write_gguf
 
@@ -266,8 +272,9 @@ def test_a_models_logits_with_int8_activations(tmp_path, fmt):
     from orca_ext.models.batch import ForwardBatch
 
     path = tmp_path / "m.gguf"
-    if fmt == "Q4_K_M":
-        write_gguf(path, "llama", lambda name: T.Q6_K if "attn_v" in name or "ffn_down" in name else T.Q4_K,
+    if fmt in ("Q4_K_M", "Q5_K_M"):
+        main = T.Q4_K if fmt == "Q4_K_M" else T.Q5_K
+        write_gguf(path, "llama", lambda name: T.Q6_K if "attn_v" in name or "ffn_down" in name else main,
                    seed=3, **LARGE)
     else:
         write_gguf(path, "llama", lambda name: T[fmt], seed=3)
@@ -353,6 +360,7 @@ def test_auto_is_resolved_from_the_models_main_block_format():
     assert resolve_quant_activations("auto", {2: 10}) == "auto"
     assert resolve_quant_activations("auto", {8: 1313}) == "int8"
     assert resolve_quant_activations("auto", {12: 467, 14: 332}) == "int8"  # Q4_K_M
+    assert resolve_quant_activations("auto", {6: 60, 8: 15, 12: 10, 14: 15}) == "int8"  # SmolLM2's Q4_K_M
     assert resolve_quant_activations("auto", {3: 30, 8: 66}) == "int8"    # mostly Q8_0
     with pytest.raises(ValueError, match="quant_activations"):
         resolve_quant_activations("int4", {8: 1})

@@ -1,4 +1,4 @@
-"""The int8-activation CPU products of Q4_K and Q6_K weights (`int8_activations=True` of
+"""The int8-activation CPU products of Q4_K, Q5_K and Q6_K weights (`int8_activations=True` of
 `_C.quant_linear`, `_C.quant_linear_silu_mul`, `_C.quant_rmsnorm_qkv`).
 
 The reference quantizes the activations as the contract says (per 256-element super-block:
@@ -19,12 +19,13 @@ from int8_epilogue_checks import (check_lone_bits_at_tile_edges, check_rows_batc
 _C = pytest.importorskip("orca_ext._C")
 gguf = pytest.importorskip("gguf")
 
-Q4_K, Q6_K = 12, 14
-NAMES = {Q4_K: "Q4_K", Q6_K: "Q6_K"}
-BLOCK_BYTES = {Q4_K: 144, Q6_K: 210}
+Q4_K, Q5_K, Q6_K = 12, 13, 14
+NAMES = {Q4_K: "Q4_K", Q5_K: "Q5_K", Q6_K: "Q6_K"}
+BLOCK_BYTES = {Q4_K: 144, Q5_K: 176, Q6_K: 210}
+TYPES = list(NAMES)
 QUANT_PATHS = _C.cpu_quant_paths()
 INT8_TYPES = [int(t) for t in _C.quant_int8_types()]
-pytestmark = pytest.mark.skipif(Q4_K not in INT8_TYPES or Q6_K not in INT8_TYPES,
+pytestmark = pytest.mark.skipif(any(t not in INT8_TYPES for t in TYPES),
                                 reason="no int8-activation K-quant kernels on this build/CPU")
 DTYPES = [torch.float32, torch.bfloat16]
 
@@ -46,7 +47,7 @@ def random_blocks(qtype: int, n: int, k: int, seed: int) -> np.ndarray:
     nb = k // 256
     raw = rng.integers(0, 256, size=(n, nb, BLOCK_BYTES[qtype]), dtype=np.uint8)
     scale = 1.0 / (64.0 * np.sqrt(k))
-    if qtype == Q4_K:
+    if qtype in (Q4_K, Q5_K):
         raw[..., 0:2] = fp16_bytes(rng.uniform(0.1, 1.0, (n, nb)) * scale / 8)  # d
         raw[..., 2:4] = fp16_bytes(rng.uniform(0.1, 1.0, (n, nb)) * scale / 8)  # dmin
     else:
@@ -54,11 +55,12 @@ def random_blocks(qtype: int, n: int, k: int, seed: int) -> np.ndarray:
     return raw.reshape(n, -1)
 
 
-def q4k_parts(qweight: np.ndarray, k: int):
-    """(nib [N, K] int64, sc, mn [N, K/32] int64, d, dmin [N, K/256] float64), read as ggml's
-    get_scale_min_k4 and dequantize_row_q4_K do."""
+def q4k_parts(qweight: np.ndarray, k: int, qtype: int = Q4_K):
+    """(codes [N, K] int64, sc, mn [N, K/32] int64, d, dmin [N, K/256] float64), read as ggml's
+    get_scale_min_k4 and dequantize_row_q4_K (q5_K: the nibbles and bit s of qh[l] as bit 4 of
+    element l of sub-block s) do."""
     n, nb = qweight.shape[0], k // 256
-    blk = qweight.reshape(n, nb, 144)
+    blk = qweight.reshape(n, nb, BLOCK_BYTES[qtype])
     d = blk[..., 0:2].copy().view(np.float16).reshape(n, nb).astype(np.float64)
     dmin = blk[..., 2:4].copy().view(np.float16).reshape(n, nb).astype(np.float64)
     s = blk[..., 4:16].astype(np.int64)
@@ -69,8 +71,12 @@ def q4k_parts(qweight: np.ndarray, k: int):
         else:
             sc[..., j] = (s[..., j + 4] & 0x0F) | ((s[..., j - 4] >> 6) << 4)
             mn[..., j] = (s[..., j + 4] >> 4) | ((s[..., j] >> 6) << 4)
-    qs = blk[..., 16:144].reshape(n, nb, 4, 32).astype(np.int64)
-    nib = np.stack([qs & 0x0F, qs >> 4], axis=3)  # [n, nb, pair, low/high, 32] = sub-block 2p / 2p+1
+    at = 48 if qtype == Q5_K else 16
+    qs = blk[..., at:at + 128].reshape(n, nb, 4, 32).astype(np.int64)
+    nib = np.stack([qs & 0x0F, qs >> 4], axis=3).reshape(n, nb, 8, 32)  # sub-block 2p / 2p+1
+    if qtype == Q5_K:
+        qh = blk[..., 16:48].astype(np.int64).reshape(n, nb, 1, 32)
+        nib = nib | (((qh >> np.arange(8).reshape(8, 1)) & 1) << 4)
     return nib.reshape(n, k), sc.reshape(n, -1), mn.reshape(n, -1), d, dmin
 
 
@@ -96,8 +102,8 @@ def q6k_parts(qweight: np.ndarray, k: int):
 def dequantized_here(qtype: int, qweight: np.ndarray, k: int) -> np.ndarray:
     """The float32 weights from the parts above, in gguf's order of float32 operations."""
     f = np.float32
-    if qtype == Q4_K:
-        nib, sc, mn, d, dmin = q4k_parts(qweight, k)
+    if qtype in (Q4_K, Q5_K):
+        nib, sc, mn, d, dmin = q4k_parts(qweight, k, qtype)
         dl = (np.repeat(d, 8, axis=1).astype(f) * sc.astype(f))
         ml = (np.repeat(dmin, 8, axis=1).astype(f) * mn.astype(f))
         return np.repeat(dl, 32, axis=1) * nib.astype(f) - np.repeat(ml, 32, axis=1)
@@ -121,8 +127,8 @@ def reference(x: torch.Tensor, qtype: int, qweight: np.ndarray, k: int):
     float32 accumulation forms)."""
     xq, xd = quantize_activations(x)
     t, n, nb = x.shape[0], qweight.shape[0], k // 256
-    if qtype == Q4_K:
-        nib, sc, mn, d, dmin = q4k_parts(qweight, k)
+    if qtype in (Q4_K, Q5_K):
+        nib, sc, mn, d, dmin = q4k_parts(qweight, k, qtype)
         dots = np.einsum("tsi,nsi->tns", xq.reshape(t, -1, 32), nib.reshape(n, -1, 32))  # exact int64
         absdots = np.einsum("tsi,nsi->tns", np.abs(xq).reshape(t, -1, 32), nib.reshape(n, -1, 32))
         bsum = xq.reshape(t, -1, 32).sum(-1)  # [T, K/32]
@@ -163,7 +169,7 @@ def rows(gen, t, k, dtype, zero_row=None):
     return x.to(dtype)
 
 
-@pytest.mark.parametrize("qtype", [Q4_K, Q6_K], ids=lambda q: NAMES[q])
+@pytest.mark.parametrize("qtype", TYPES, ids=lambda q: NAMES[q])
 def test_weight_reading_matches_gguf(qtype):
     """The reference's integer view of the blocks is gguf's dequantization, bit for bit."""
     k, n = 256 * 3, 5
@@ -173,7 +179,7 @@ def test_weight_reading_matches_gguf(qtype):
     assert np.array_equal(ours.astype(np.float32), theirs.astype(np.float32))
 
 
-@pytest.mark.parametrize("qtype", [Q4_K, Q6_K], ids=lambda q: NAMES[q])
+@pytest.mark.parametrize("qtype", TYPES, ids=lambda q: NAMES[q])
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
 @pytest.mark.parametrize("path", QUANT_PATHS)
 def test_linear_matches_integer_reference(qtype, dtype, path):
@@ -197,7 +203,7 @@ def test_linear_matches_integer_reference(qtype, dtype, path):
                      f"{NAMES[qtype]} +bias+residual T={t} K={k} N={n}")
 
 
-@pytest.mark.parametrize("qtype", [Q4_K, Q6_K], ids=lambda q: NAMES[q])
+@pytest.mark.parametrize("qtype", TYPES, ids=lambda q: NAMES[q])
 def test_near_the_float_activation_product(qtype):
     """8-bit activations per 256 change a product by about what they round, no more: the int8
     result tracks the float-activation one of the same weights."""
@@ -211,7 +217,7 @@ def test_near_the_float_activation_product(qtype):
     assert (int8 - flt).norm() < 0.05 * flt.norm()
 
 
-@pytest.mark.parametrize("qtype", [Q4_K, Q6_K], ids=lambda q: NAMES[q])
+@pytest.mark.parametrize("qtype", TYPES, ids=lambda q: NAMES[q])
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
 def test_silu_mul_and_rmsnorm_qkv(qtype, dtype):
     gen = torch.Generator().manual_seed(qtype)
@@ -221,7 +227,7 @@ def test_silu_mul_and_rmsnorm_qkv(qtype, dtype):
     check_silu_mul_and_rmsnorm_qkv(_C, qweight, qtype, k, inter, x, gen)
 
 
-@pytest.mark.parametrize("qtype", [Q4_K, Q6_K], ids=lambda q: NAMES[q])
+@pytest.mark.parametrize("qtype", TYPES, ids=lambda q: NAMES[q])
 def test_paths_agree_bit_for_bit(qtype):
     if len(QUANT_PATHS) < 2:
         pytest.skip("one quantized path on this CPU")
@@ -237,7 +243,7 @@ def test_paths_agree_bit_for_bit(qtype):
         assert all(torch.equal(outs[-1], o) for o in outs[-len(QUANT_PATHS):])
 
 
-@pytest.mark.parametrize("qtype", [Q4_K, Q6_K], ids=lambda q: NAMES[q])
+@pytest.mark.parametrize("qtype", TYPES, ids=lambda q: NAMES[q])
 @pytest.mark.parametrize("path", QUANT_PATHS)
 def test_rows_are_batch_invariant(qtype, path):
     _C.set_cpu_quant_path(path)
@@ -249,7 +255,7 @@ def test_rows_are_batch_invariant(qtype, path):
     check_rows_batch_invariant(_C, w, wg, qtype, k, big, gen)
 
 
-@pytest.mark.parametrize("qtype", [Q4_K, Q6_K], ids=lambda q: NAMES[q])
+@pytest.mark.parametrize("qtype", TYPES, ids=lambda q: NAMES[q])
 @pytest.mark.parametrize("path", QUANT_PATHS)
 def test_each_token_keeps_its_lone_bits_at_every_tile_edge(qtype, path):
     """At every tile edge (check_lone_bits_at_tile_edges), with a row count that leaves

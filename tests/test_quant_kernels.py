@@ -25,9 +25,10 @@ from gguf import GGMLQuantizationType  # noqa: E402
 DTYPES = [torch.float32, torch.bfloat16]
 QUANT_PATHS = _C.cpu_quant_paths()
 # ggml type id -> (name, block elements, block bytes)
-FORMATS = {8: ("Q8_0", 32, 34), 2: ("Q4_0", 32, 18), 3: ("Q4_1", 32, 20), 12: ("Q4_K", 256, 144),
-           14: ("Q6_K", 256, 210)}
-K_FOR = {8: 32 * 7, 2: 32 * 19, 3: 32 * 9, 12: 256 * 3, 14: 256 * 3}  # 32 * odd; 256 * 3
+FORMATS = {8: ("Q8_0", 32, 34), 2: ("Q4_0", 32, 18), 3: ("Q4_1", 32, 20), 6: ("Q5_0", 32, 22),
+           7: ("Q5_1", 32, 24), 12: ("Q4_K", 256, 144), 13: ("Q5_K", 256, 176), 14: ("Q6_K", 256, 210)}
+K_FOR = {8: 32 * 7, 2: 32 * 19, 3: 32 * 9, 6: 32 * 11, 7: 32 * 5, 12: 256 * 3, 13: 256 * 3,
+         14: 256 * 3}  # 32 * odd; 256 * 3
 
 
 @pytest.fixture(params=QUANT_PATHS)
@@ -49,11 +50,11 @@ def make_qweight(qtype: int, n: int, k: int, seed: int) -> np.ndarray:
     random bytes with finite positive fp16 scales (every bit pattern of the quants is valid)."""
     rng = np.random.default_rng(seed)
     name, block, nbytes = FORMATS[qtype]
-    if qtype in (8, 2, 3):
+    if qtype in (8, 2, 3, 6, 7):
         w = rng.standard_normal((n, k)).astype(np.float32) / math.sqrt(k)
         return np.ascontiguousarray(gguf_quants.quantize(w, GGMLQuantizationType(qtype)))
     raw = rng.integers(0, 256, size=(n, k // block, nbytes), dtype=np.uint8)
-    if qtype == 12:  # d, dmin: the two fp16 at the front
+    if qtype in (12, 13):  # d, dmin: the two fp16 at the front
         raw[..., 0:2] = random_fp16(rng, (n, k // block), 2e-4, 2e-3)
         raw[..., 2:4] = random_fp16(rng, (n, k // block), 2e-4, 2e-3)
     else:  # Q6_K: d is the last fp16
@@ -107,7 +108,7 @@ def test_every_fp16_scale_is_read_as_gguf_reads_it(qtype):
     specials = np.array([2.0 ** -24, -(2.0 ** -20), 3 * 2.0 ** -17, 0.0, -0.0, 65504.0, -1.5, 6.1e-5],
                         dtype=np.float16).view(np.uint8).reshape(-1, 2)
     qw = make_qweight(qtype, len(specials), k, seed=qtype)
-    offsets = {12: (0, 2), 14: (208,), 3: (0, 2)}.get(qtype, (0,))
+    offsets = {12: (0, 2), 13: (0, 2), 14: (208,), 3: (0, 2), 7: (0, 2)}.get(qtype, (0,))
     for row, scale in enumerate(specials):
         for off in offsets:
             qw[row, off:off + 2] = scale
@@ -281,7 +282,7 @@ _X = torch.randn(3, 64)
 
 
 @pytest.mark.parametrize("call,match", [
-    (lambda: _C.quant_linear(_X, _QW, 7, 64), r"qtype 7 is not a supported ggml type; supported: 2 \(Q4_0\)"),
+    (lambda: _C.quant_linear(_X, _QW, 10, 64), r"qtype 10 is not a supported ggml type; supported: 2 \(Q4_0\)"),
     (lambda: _C.quant_linear(_X, _QW, -1, 64), "qtype -1 is not a supported"),
     (lambda: _C.quant_linear(_X, _QW, 2, 48), "k must be a positive multiple of 32"),
     (lambda: _C.quant_linear(_X, _QW, 2, 0), "k must be a positive multiple of 32"),

@@ -11,8 +11,9 @@
 //    copies (>= 96 MiB) that weights come from memory, and prints GB/s of weight bytes read next
 //    to the streaming-read ceiling (arguments at main() narrow the T and the layers).
 // 3. Side by side, the int8-activation design (quant_kernels.h: quant_linear with QuantActivations::kInt8) for
-//    every format that has it (activations per 32-block for Q8_0, Q4_0, Q4_1, per 256-block for
-//    Q4_K, Q6_K): validated against a bound on its activation rounding, timed as "-int8act".
+//    every format that has it (activations per 32-block for Q8_0, Q4_0, Q4_1, Q5_0, Q5_1, per
+//    256-block for Q4_K, Q5_K, Q6_K): validated against a bound on its activation rounding, timed
+//    as "-int8act".
 #include <omp.h>
 
 #include <algorithm>
@@ -50,7 +51,9 @@ bench::Vec<uint8_t> random_qweight(const QuantFormat& f, int64_t rows, int64_t k
     switch (f.type) {
       case orca::cpu::kQuantTypeQ6_K: scale(blk + 208); break;
       case orca::cpu::kQuantTypeQ4_1:
-      case orca::cpu::kQuantTypeQ4_K: scale(blk); scale(blk + 2); break;
+      case orca::cpu::kQuantTypeQ5_1:
+      case orca::cpu::kQuantTypeQ4_K:
+      case orca::cpu::kQuantTypeQ5_K: scale(blk); scale(blk + 2); break;
       case orca::cpu::kQuantTypeQ8_0:  // q in [-127, 127], as ggml's quantizer writes (the int8 design's sign
         scale(blk);                    // trick cannot negate -128)
         for (int i = 2; i < 34; ++i) blk[i] = blk[i] == 0x80 ? 0x81 : blk[i];

@@ -20,8 +20,11 @@ const char* qtype_name(int qtype) {
   switch (qtype) {
     case 2: return "Q4_0";
     case 3: return "Q4_1";
+    case 6: return "Q5_0";
+    case 7: return "Q5_1";
     case 8: return "Q8_0";
     case 12: return "Q4_K";
+    case 13: return "Q5_K";
     case 14: return "Q6_K";
     default: return "?";
   }
@@ -54,7 +57,10 @@ std::vector<uint8_t> random_blocks(int qtype, int64_t rows, int64_t k, std::mt19
       case 8: put(blk, n01(rng) * s / 64); break;
       case 2: put(blk, n01(rng) * s / 4); break;
       case 3: put(blk, n01(rng) * s / 8), put(blk + 2, n01(rng) * s); break;
+      case 6: put(blk, n01(rng) * s / 8); break;
+      case 7: put(blk, n01(rng) * s / 16), put(blk + 2, n01(rng) * s); break;
       case 12: put(blk, n01(rng) * s / 256), put(blk + 2, n01(rng) * s / 256); break;
+      case 13: put(blk, n01(rng) * s / 512), put(blk + 2, n01(rng) * s / 256); break;
       case 14: put(blk + 208, n01(rng) * s / 2048); break;
     }
   }
@@ -166,7 +172,7 @@ int main(int argc, char** argv) {
   bool ok = true;
   // Validation: every format, awkward sizes (N not a multiple of the 32-row tile, K an odd number
   // of blocks), token counts on both sides of every token-tile size.
-  for (int qtype : {8, 2, 3, 12, 14}) {
+  for (int qtype : {8, 2, 3, 6, 7, 12, 13, 14}) {
     const int64_t k = kern::quant_block_elems(qtype) == 32 ? 19 * 32 : 3 * 256;
     ok &= validate<__nv_bfloat16>(qtype, 1, k, 77, false, false, 1);
     ok &= validate<__nv_bfloat16>(qtype, 37, k, 45, true, true, 2);

@@ -1,6 +1,6 @@
 // The ggml block formats of quantized weights, exactly as a GGUF file stores them, and their
 // dequantization, one 32-element chunk at a time (every format's blocks split into 32-element
-// chunks: Q8_0/Q4_0/Q4_1 blocks are one chunk, Q4_K/Q6_K blocks eight).
+// chunks: Q8_0/Q4_0/Q4_1/Q5_0/Q5_1 blocks are one chunk, Q4_K/Q5_K/Q6_K blocks eight).
 //
 // A weight row of K elements is K / block_elems consecutive blocks (row_bytes = K / block_elems *
 // block_bytes). Dequantization repeats the float32 arithmetic of gguf.quants.dequantize operation
@@ -72,6 +72,31 @@ inline void load_nibbles(const uint8_t* qs, __m128i& lo, __m128i& hi) {
   const __m128i mask = _mm_set1_epi8(0x0f);
   lo = _mm_and_si128(q, mask);
   hi = _mm_and_si128(_mm_srli_epi16(q, 4), mask);
+}
+
+// The 5-bit codes of a Q5_0/Q5_1 block as 32 bytes in element order: element i's low 4 bits are
+// the nibbles of qs (as load_nibbles), its bit 4 is bit i of the 32-bit qh.
+inline __m256i q5_codes(const uint8_t* qs, uint32_t qh) {
+  __m128i lo, hi;
+  load_nibbles(qs, lo, hi);
+  // byte i of the vector <- byte i / 8 of qh, then tested against bit i % 8
+  const __m256i spread = _mm256_shuffle_epi8(
+      _mm256_set1_epi32(static_cast<int>(qh)),
+      _mm256_setr_epi8(0, 0, 0, 0, 0, 0, 0, 0, 1, 1, 1, 1, 1, 1, 1, 1, 2, 2, 2, 2, 2, 2, 2, 2, 3, 3, 3, 3, 3, 3, 3, 3));
+  const __m256i bit = _mm256_set1_epi64x(static_cast<long long>(0x8040201008040201ull));
+  const __m256i high = _mm256_and_si256(_mm256_cmpeq_epi8(_mm256_and_si256(spread, bit), bit), _mm256_set1_epi8(16));
+  return _mm256_or_si256(_mm256_set_m128i(hi, lo), high);
+}
+
+// 32 bytes of codes (the int8 or uint8 view) widened to float32 into out[32], exactly.
+template <bool kSigned>
+inline void widen_codes32(__m256i codes, float* __restrict out) {
+  const __m128i halves[2] = {_mm256_castsi256_si128(codes), _mm256_extracti128_si256(codes, 1)};
+  for (int p = 0; p < 4; ++p) {
+    const __m128i part = (p & 1) ? _mm_srli_si128(halves[p / 2], 8) : halves[p / 2];
+    _mm256_storeu_ps(out + 8 * p, kSigned ? _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(part))
+                                          : _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(part)));
+  }
 }
 #endif
 
@@ -146,6 +171,46 @@ inline void dequant_q4_1(const uint8_t* __restrict blk, float* __restrict out) {
 #else
   for (int i = 0; i < 16; ++i) out[i] = d * static_cast<float>(qs[i] & 0x0f) + m;
   for (int i = 0; i < 16; ++i) out[i + 16] = d * static_cast<float>(qs[i] >> 4) + m;
+#endif
+}
+
+// Q5_0 block (22 bytes): fp16 d, uint32 qh, qs[16]; element i's code is the nibble of Q4_0's
+// layout with bit i of qh as bit 4; w = d * (code - 16).
+inline void dequant_q5_0(const uint8_t* __restrict blk, float* __restrict out) {  // out [32]
+  const float d = half_to_float(blk);
+  uint32_t qh;
+  std::memcpy(&qh, blk + 2, sizeof qh);
+  const uint8_t* qs = blk + 6;
+#if defined(__AVX2__)
+  alignas(32) float q[32];  // code - 16, exact
+  widen_codes32<true>(_mm256_sub_epi8(q5_codes(qs, qh), _mm256_set1_epi8(16)), q);
+  const __m256 dv = _mm256_set1_ps(d);
+  for (int p = 0; p < 4; ++p) _mm256_storeu_ps(out + 8 * p, _mm256_mul_ps(dv, _mm256_load_ps(q + 8 * p)));
+#else
+  for (int i = 0; i < 16; ++i) {
+    out[i] = d * static_cast<float>(((qs[i] & 0x0f) | (((qh >> i) & 1u) << 4)) - 16);
+    out[i + 16] = d * static_cast<float>(((qs[i] >> 4) | (((qh >> (i + 16)) & 1u) << 4)) - 16);
+  }
+#endif
+}
+
+// Q5_1 block (24 bytes): fp16 d, fp16 m, uint32 qh, qs[16] (codes as Q5_0); w = d * code + m.
+inline void dequant_q5_1(const uint8_t* __restrict blk, float* __restrict out) {  // out [32]
+  const float d = half_to_float(blk), m = half_to_float(blk + 2);
+  uint32_t qh;
+  std::memcpy(&qh, blk + 4, sizeof qh);
+  const uint8_t* qs = blk + 8;
+#if defined(__AVX2__)
+  alignas(32) float q[32];
+  widen_codes32<false>(q5_codes(qs, qh), q);
+  const __m256 dv = _mm256_set1_ps(d), mv = _mm256_set1_ps(m);
+  for (int p = 0; p < 4; ++p)  // a product, then a sum: two roundings, no FMA
+    _mm256_storeu_ps(out + 8 * p, _mm256_add_ps(_mm256_mul_ps(dv, _mm256_load_ps(q + 8 * p)), mv));
+#else
+  for (int i = 0; i < 16; ++i) {
+    out[i] = d * static_cast<float>((qs[i] & 0x0f) | (((qh >> i) & 1u) << 4)) + m;
+    out[i + 16] = d * static_cast<float>((qs[i] >> 4) | (((qh >> (i + 16)) & 1u) << 4)) + m;
+  }
 #endif
 }
 
@@ -236,6 +301,38 @@ inline void dequant_q4_k_block(const uint8_t* __restrict blk, float* __restrict 
   float a[8], b[8];
   q4_k_sub_scales(blk, a, b);
   for (int sub = 0; sub < 8; ++sub) dequant_q4_k_sub(blk, a[sub], b[sub], sub, out + 32 * sub);
+}
+
+// Q5_K block (176 bytes): Q4_K's d, dmin and scales[12], then qh[32], then Q4_K's qs[128]. Element
+// l of sub-block s has Q4_K's nibble as its low 4 bits and bit s of qh[l] as bit 4;
+// w = (d*sc) * code - dmin*mn.
+inline void dequant_q5_k_sub(const uint8_t* __restrict blk, float dl, float ml, int sub,
+                             float* __restrict out) {  // out [32]
+  const uint8_t* qh = blk + 16;
+  const uint8_t* qs = blk + 48 + 32 * (sub / 2);
+  const int shift = (sub & 1) * 4;
+#if defined(__AVX2__)
+  const __m256i q = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(qs));
+  const __m256i h = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(qh));
+  const __m256i nib = _mm256_and_si256(_mm256_srl_epi16(q, _mm_cvtsi32_si128(shift)), _mm256_set1_epi8(0x0f));
+  // bit `sub` of each byte to bit 0 (16-bit shifts by at most 7 keep each byte's bit in place),
+  // then to bit 4
+  const __m256i bit = _mm256_and_si256(_mm256_srl_epi16(h, _mm_cvtsi32_si128(sub)), _mm256_set1_epi8(1));
+  alignas(32) float code[32];
+  widen_codes32<false>(_mm256_or_si256(nib, _mm256_slli_epi16(bit, 4)), code);
+  const __m256 dv = _mm256_set1_ps(dl), mv = _mm256_set1_ps(ml);
+  for (int p = 0; p < 4; ++p)  // a product, then a difference: two roundings, no FMA
+    _mm256_storeu_ps(out + 8 * p, _mm256_sub_ps(_mm256_mul_ps(dv, _mm256_load_ps(code + 8 * p)), mv));
+#else
+  for (int i = 0; i < 32; ++i)
+    out[i] = dl * static_cast<float>(((qs[i] >> shift) & 0x0f) | (((qh[i] >> sub) & 1) << 4)) - ml;
+#endif
+}
+
+inline void dequant_q5_k_block(const uint8_t* __restrict blk, float* __restrict out) {  // out [256]
+  float a[8], b[8];
+  q4_k_sub_scales(blk, a, b);  // Q4_K's d, dmin and packed scales, at the same offsets
+  for (int sub = 0; sub < 8; ++sub) dequant_q5_k_sub(blk, a[sub], b[sub], sub, out + 32 * sub);
 }
 
 // ---- 4-bit chunks widened straight into registers (the AVX-512 panels) ----
@@ -346,8 +443,8 @@ inline void dequant_q6_k(const uint8_t* __restrict blk, int chunk, float* __rest
   dequant_q6_k_chunk(blk, half_to_float(blk + 208), chunk, out);
 }
 
-// Chunk `chunk` (elements 32*chunk .. 32*chunk+31) of a row in format F (Q4_K goes by whole
-// super-blocks: dequant_q4_k_block).
+// Chunk `chunk` (elements 32*chunk .. 32*chunk+31) of a row in format F (Q4_K and Q5_K go by
+// whole super-blocks: dequant_q4_k_block, dequant_q5_k_block).
 template <int F>
 inline void dequant_chunk(const uint8_t* __restrict row, int64_t chunk, float* __restrict out) {  // out [32]
   constexpr int kQ4_0 = kQuantTypeQ4_0, kQ4_1 = kQuantTypeQ4_1, kQ8_0 = kQuantTypeQ8_0, kQ6_K = kQuantTypeQ6_K;
@@ -357,23 +454,29 @@ inline void dequant_chunk(const uint8_t* __restrict row, int64_t chunk, float* _
     dequant_q4_0(row + chunk * 18, out);
   } else if constexpr (F == kQ4_1) {
     dequant_q4_1(row + chunk * 20, out);
+  } else if constexpr (F == kQuantTypeQ5_0) {
+    dequant_q5_0(row + chunk * 22, out);
+  } else if constexpr (F == kQuantTypeQ5_1) {
+    dequant_q5_1(row + chunk * 24, out);
   } else {
     static_assert(F == kQ6_K, "unknown format");
     dequant_q6_k(row + (chunk / 8) * 210, static_cast<int>(chunk % 8), out);
   }
 }
 
-// Elements a panel kernel dequantizes at a time in format F: 32, or a whole Q4_K super-block, so
-// that its d, dmin and packed scales are decoded once (measured 1.3-1.5x faster at T = 16 on a
-// Zen 4; for Q6_K, whose chunks only share d, the 256-float buffer measured slower).
+// Elements a panel kernel dequantizes at a time in format F: 32, or a whole Q4_K (Q5_K)
+// super-block, so that its d, dmin and packed scales are decoded once (measured 1.3-1.5x faster
+// at T = 16 on a Zen 4; for Q6_K, whose chunks only share d, the 256-float buffer measured slower).
 template <int F>
-constexpr int kDequantUnit = F == kQuantTypeQ4_K ? 256 : 32;
+constexpr int kDequantUnit = F == kQuantTypeQ4_K || F == kQuantTypeQ5_K ? 256 : 32;
 
 // Unit `u` (elements kDequantUnit<F> * u ..) of a row in format F.
 template <int F>
 inline void dequant_unit(const uint8_t* __restrict row, int64_t u, float* __restrict out) {  // out [kDequantUnit<F>]
   if constexpr (F == kQuantTypeQ4_K) {
     dequant_q4_k_block(row + u * 144, out);
+  } else if constexpr (F == kQuantTypeQ5_K) {
+    dequant_q5_k_block(row + u * 176, out);
   } else {
     dequant_chunk<F>(row, u, out);
   }
@@ -386,7 +489,10 @@ inline void dispatch_quant_format(int type, Fn&& f) {
     case kQuantTypeQ8_0: f(std::integral_constant<int, kQuantTypeQ8_0>{}); break;
     case kQuantTypeQ4_0: f(std::integral_constant<int, kQuantTypeQ4_0>{}); break;
     case kQuantTypeQ4_1: f(std::integral_constant<int, kQuantTypeQ4_1>{}); break;
+    case kQuantTypeQ5_0: f(std::integral_constant<int, kQuantTypeQ5_0>{}); break;
+    case kQuantTypeQ5_1: f(std::integral_constant<int, kQuantTypeQ5_1>{}); break;
     case kQuantTypeQ4_K: f(std::integral_constant<int, kQuantTypeQ4_K>{}); break;
+    case kQuantTypeQ5_K: f(std::integral_constant<int, kQuantTypeQ5_K>{}); break;
     case kQuantTypeQ6_K: f(std::integral_constant<int, kQuantTypeQ6_K>{}); break;
     default: break;
   }

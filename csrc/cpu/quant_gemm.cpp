@@ -25,8 +25,9 @@ namespace cpu {
 
 const QuantFormat* quant_format(int type) {
   static constexpr QuantFormat kFormats[] = {
-      {kQuantTypeQ4_0, "Q4_0", 32, 18}, {kQuantTypeQ4_1, "Q4_1", 32, 20}, {kQuantTypeQ8_0, "Q8_0", 32, 34},
-      {kQuantTypeQ4_K, "Q4_K", 256, 144}, {kQuantTypeQ6_K, "Q6_K", 256, 210},
+      {kQuantTypeQ4_0, "Q4_0", 32, 18},   {kQuantTypeQ4_1, "Q4_1", 32, 20},   {kQuantTypeQ5_0, "Q5_0", 32, 22},
+      {kQuantTypeQ5_1, "Q5_1", 32, 24},   {kQuantTypeQ8_0, "Q8_0", 32, 34},   {kQuantTypeQ4_K, "Q4_K", 256, 144},
+      {kQuantTypeQ5_K, "Q5_K", 256, 176}, {kQuantTypeQ6_K, "Q6_K", 256, 210},
   };
   for (const QuantFormat& f : kFormats)
     if (f.type == type) return &f;
@@ -215,8 +216,7 @@ void silu_mul_epilogue(const float* acc, const T* bias, T* out, int64_t n_tokens
 
 bool quant_int8_supported(int qtype) {
 #if defined(__AVX2__)
-  return qtype == kQuantTypeQ8_0 || qtype == kQuantTypeQ4_0 || qtype == kQuantTypeQ4_1 || qtype == kQuantTypeQ4_K ||
-         qtype == kQuantTypeQ6_K;
+  return quant_format(qtype) != nullptr;  // every format has int8 kernels
 #else
   (void)qtype;
   return false;

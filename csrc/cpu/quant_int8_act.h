@@ -1,13 +1,13 @@
-// The int8-activation kernels: the 32-element formats (Q8_0, Q4_0, Q4_1) here, the 256-element
-// ones (Q4_K, Q6_K) in quant_int8_act_k.h, on one driver (int8_act_linear) that splits the rows
+// The int8-activation kernels: the 32-element formats (Q8_0, Q4_0, Q4_1, Q5_0, Q5_1) here, the
+// 256-element ones (Q4_K, Q5_K, Q6_K) in quant_int8_act_k.h, on one driver (int8_act_linear) that splits the rows
 // among threads and tiles rows and tokens.
 //
 // 32-element formats: each activation block
 // of 32 is quantized to int8 (quantize_row_int8: scale amax / 127, round to nearest even), each
 // weight block meets it in one integer dot product (AVX2: vpmaddubsw + vpmaddwd; AVX-512 VNNI:
 // vpdpbusd, the same exact int32 sums), and the block's sum enters an 8-lane float32 accumulator
-// scaled by d_w * d_x; Q4_1's minimum adds m * (d_x * sum(q_x)) to a scalar float32 sum (one fma
-// per block). This is
+// scaled by d_w * d_x; Q4_1's (Q5_1's) minimum adds m * (d_x * sum(q_x)) to a scalar float32 sum
+// (one fma per block). Q5_0 and Q5_1 are Q4_0 and Q4_1 with 5-bit codes (q5_codes). This is
 // the dot product llama.cpp runs on these formats (activations as Q8_0 / Q8_1). Fewer
 // instructions per weight than dequantizing to float32, at the price of rounding every activation
 // to 8 bits.
@@ -92,7 +92,16 @@ inline __m256i nibbles32(const uint8_t* qs) {
 
 template <int F>
 constexpr int64_t int8_block_bytes() {
-  return F == kQuantTypeQ8_0 ? 34 : F == kQuantTypeQ4_0 ? 18 : 20;
+  return F == kQuantTypeQ8_0 ? 34 : F == kQuantTypeQ4_0 ? 18 : F == kQuantTypeQ4_1 ? 20 : F == kQuantTypeQ5_0 ? 22 : 24;
+}
+
+// The 32 codes of a Q5_0 or Q5_1 block as bytes in element order (its qh follows the fp16 head).
+template <int F>
+inline __m256i q5_block_codes(const uint8_t* blk) {
+  constexpr int64_t kQh = F == kQuantTypeQ5_0 ? 2 : 4;
+  uint32_t qh;
+  std::memcpy(&qh, blk + kQh, sizeof qh);
+  return q5_codes(blk + kQh + 4, qh);
 }
 
 // out[(t0 + m) * n_out + n0 + r * stride] for R weight rows (n0, n0 + stride, ...) and M tokens
@@ -117,8 +126,9 @@ inline void int8_act_tile_32(const Int8Rows& a, const uint8_t* w, int64_t row_by
     for (int r = 0; r < R; ++r) {
       const uint8_t* blk = w + (n0 + r * stride) * row_bytes + b * kBytes;
       const float dw = half_to_float(blk);
-      if constexpr (F == kQuantTypeQ4_1) {
-        const __m256i u = nibbles32(blk + 4);  // unsigned nibbles against signed x
+      if constexpr (F == kQuantTypeQ4_1 || F == kQuantTypeQ5_1) {
+        // unsigned codes against signed x (pairs at most 2 * 31 * 127: no int16 saturation)
+        const __m256i u = F == kQuantTypeQ4_1 ? nibbles32(blk + 4) : q5_block_codes<F>(blk);
         const float mw = half_to_float(blk + 2);
         for (int m = 0; m < M; ++m) {
           acc_min[r][m] = std::fma(mw, a.s[(t0 + m) * n_blocks + b], acc_min[r][m]);  // explicit: no contraction choice
@@ -126,8 +136,13 @@ inline void int8_act_tile_32(const Int8Rows& a, const uint8_t* w, int64_t row_by
                                       acc[r][m]);
         }
       } else {
-        const __m256i wq = F == kQuantTypeQ8_0 ? _mm256_loadu_si256(reinterpret_cast<const __m256i*>(blk + 2))
-                                               : _mm256_sub_epi8(nibbles32(blk + 2), _mm256_set1_epi8(8));
+        __m256i wq;
+        if constexpr (F == kQuantTypeQ8_0)
+          wq = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(blk + 2));
+        else if constexpr (F == kQuantTypeQ5_0)
+          wq = _mm256_sub_epi8(q5_block_codes<F>(blk), _mm256_set1_epi8(16));
+        else
+          wq = _mm256_sub_epi8(nibbles32(blk + 2), _mm256_set1_epi8(8));
         // signed x signed as unsigned x signed: |w| (as u8, so |-128| = 128) against x carrying w's sign
         const __m256i u = _mm256_sign_epi8(wq, wq);
         for (int m = 0; m < M; ++m)
@@ -145,19 +160,28 @@ inline void int8_act_tile_32(const Int8Rows& a, const uint8_t* w, int64_t row_by
 }
 
 #if defined(ORCA_QUANT_INT8_512)
-// int8_act_tile_32 for Q4_0 and Q4_1 with AVX-512 VNNI: the 2P rows n0 + r * stride against the M
-// tokens from t0, two rows per zmm register. Each 256-bit half holds one row's 8 int32 lanes of
-// the ymm tile (its nibbles, low then high, against the block's activations: vpdpbusd; Q4_0's -8
-// as -8 * the sum of each lane's 4 activations, from the same instruction against ones), then
-// the same float updates per lane (the exact integers as float, times d_w * d_x, an fma in block
-// order; Q4_1's minimum in a chain of its own) and the same hsum8_tree: the same bits, with about
-// half the instructions per weight (one unpack, product, conversion and fma for two rows; both
-// rows' scales converted by one instruction).
+// int8_act_tile_32 for Q4_0, Q4_1, Q5_0 and Q5_1 with AVX-512 VNNI: the 2P rows n0 + r * stride
+// against the M tokens from t0, two rows per zmm register. Each 256-bit half holds one row's 8
+// int32 lanes of the ymm tile (its codes, elements 0..15 then 16..31, against the block's
+// activations: vpdpbusd; Q4_0's -8 (Q5_0's -16) as -8 (-16) * the sum of each lane's 4
+// activations, from the same instruction against ones), then the same float updates per lane (the
+// exact integers as float, times d_w * d_x, an fma in block order; Q4_1's and Q5_1's minimum in a
+// chain of its own) and the same hsum8_tree: the same bits, with about half the instructions per
+// weight (one unpack, product, conversion and fma for two rows; both rows' scales converted by one
+// instruction). Q5's fifth bits come from the two rows' qh words as one 64-bit byte mask.
+template <int F>
+constexpr bool kZmmPairFormat =
+    F == kQuantTypeQ4_0 || F == kQuantTypeQ4_1 || F == kQuantTypeQ5_0 || F == kQuantTypeQ5_1;
+
 template <int F, int P, int M>
 inline void q4_int8_tile_zmm(const Int8Rows& a, const uint8_t* w, int64_t row_bytes, int64_t k, int64_t n_out,
                              int64_t n0, int64_t stride, int64_t t0, float* out) {
   constexpr int64_t kBytes = int8_block_bytes<F>();
-  constexpr int64_t kQuants = F == kQuantTypeQ4_1 ? 4 : 2;  // offset of a block's 16 quant bytes
+  constexpr bool kFive = F == kQuantTypeQ5_0 || F == kQuantTypeQ5_1;
+  constexpr bool kMin = F == kQuantTypeQ4_1 || F == kQuantTypeQ5_1;
+  constexpr bool kOffset = !kMin;  // Q4_0, Q5_0: w = d * (code - 8 or 16)
+  constexpr int64_t kHead = kMin ? 4 : 2;                   // fp16 d [, m]
+  constexpr int64_t kQuants = kHead + (kFive ? 4 : 0);      // offset of a block's 16 quant bytes
   const int64_t n_blocks = k / 32;
   const __m512i low4 = _mm512_set1_epi8(0x0f);
   const __m512i high_halves = _mm512_setr_epi64(0, 0, 4, 4, 0, 0, 4, 4);  // 128-bit lanes 1, 3: >> 4
@@ -169,8 +193,8 @@ inline void q4_int8_tile_zmm(const Int8Rows& a, const uint8_t* w, int64_t row_by
   for (int p = 0; p < P; ++p)
     for (int m = 0; m < M; ++m) acc[p][m] = _mm512_setzero_ps(), acc_min[p][m] = _mm_setzero_ps();
   for (int64_t b = 0; b < n_blocks; ++b) {
-    // Each token's activations and scales, once for every pair; xsum8 (Q4_0): 8 * (each lane's 4
-    // activations summed).
+    // Each token's activations and scales, once for every pair; xsum8 (Q4_0, Q5_0): 8 (16) * (each
+    // lane's 4 activations summed).
     __m512i x[M], xsum8[M];
     __m512 xd[M];
     __m128 xs[M];
@@ -178,14 +202,15 @@ inline void q4_int8_tile_zmm(const Int8Rows& a, const uint8_t* w, int64_t row_by
       const int64_t xb = (t0 + m) * n_blocks + b;
       x[m] = _mm512_broadcast_i64x4(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(a.q + (t0 + m) * k + 32 * b)));
       xd[m] = _mm512_set1_ps(a.d[xb]);
-      if constexpr (F == kQuantTypeQ4_1) xs[m] = _mm_set1_ps(a.s[xb]);
-      if constexpr (F == kQuantTypeQ4_0)
-        xsum8[m] = _mm512_slli_epi32(_mm512_dpbusd_epi32(_mm512_setzero_si512(), _mm512_set1_epi8(1), x[m]), 3);
+      if constexpr (kMin) xs[m] = _mm_set1_ps(a.s[xb]);
+      if constexpr (kOffset)
+        xsum8[m] = _mm512_slli_epi32(_mm512_dpbusd_epi32(_mm512_setzero_si512(), _mm512_set1_epi8(1), x[m]),
+                                     kFive ? 4 : 3);
     }
     for (int p = 0; p < P; ++p) {
       const uint8_t* ba = row[2 * p] + b * kBytes;
       const uint8_t* bb = row[2 * p + 1] + b * kBytes;
-      // [d_a, m_a, d_b, m_b] (Q4_0: m is the first quant bytes, never used)
+      // [d_a, m_a, d_b, m_b] (Q4_0, Q5_0: m is the bytes after d, never used)
       int32_t ha, hb;
       std::memcpy(&ha, ba, 4);
       std::memcpy(&hb, bb, 4);
@@ -195,11 +220,18 @@ inline void q4_int8_tile_zmm(const Int8Rows& a, const uint8_t* w, int64_t row_by
           _mm256_broadcastsi128_si256(_mm_loadu_si128(reinterpret_cast<const __m128i*>(ba + kQuants))));
       const __m512i qab = _mm512_inserti64x4(
           qa, _mm256_broadcastsi128_si256(_mm_loadu_si128(reinterpret_cast<const __m128i*>(bb + kQuants))), 1);
-      const __m512i nib = _mm512_and_si512(_mm512_srlv_epi64(qab, high_halves), low4);
+      __m512i nib = _mm512_and_si512(_mm512_srlv_epi64(qab, high_halves), low4);
+      if constexpr (kFive) {  // byte i of the pair's codes (row a: 0..31, row b: 32..63) gains 16 where its bit is set
+        uint32_t qa32, qb32;
+        std::memcpy(&qa32, ba + kHead, 4);
+        std::memcpy(&qb32, bb + kHead, 4);
+        nib = _mm512_or_si512(nib, _mm512_maskz_mov_epi8(_cvtu64_mask64(qa32 | uint64_t{qb32} << 32),
+                                                          _mm512_set1_epi8(16)));
+      }
       for (int m = 0; m < M; ++m) {
-        if constexpr (F == kQuantTypeQ4_1) acc_min[p][m] = _mm_fmadd_ps(heads, xs[m], acc_min[p][m]);
+        if constexpr (kMin) acc_min[p][m] = _mm_fmadd_ps(heads, xs[m], acc_min[p][m]);
         __m512i isum = _mm512_dpbusd_epi32(_mm512_setzero_si512(), nib, x[m]);
-        if constexpr (F == kQuantTypeQ4_0) isum = _mm512_sub_epi32(isum, xsum8[m]);
+        if constexpr (kOffset) isum = _mm512_sub_epi32(isum, xsum8[m]);
         acc[p][m] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(isum), _mm512_mul_ps(dw, xd[m]), acc[p][m]);
       }
     }
@@ -210,9 +242,8 @@ inline void q4_int8_tile_zmm(const Int8Rows& a, const uint8_t* w, int64_t row_by
       alignas(16) float mins[4];
       _mm512_store_ps(l, acc[p][m]);
       _mm_store_ps(mins, acc_min[p][m]);
-      for (int h = 0; h < 2; ++h)  // Q4_0 adds a zero, as the ymm tile does
-        out[(t0 + m) * n_out + n0 + (2 * p + h) * stride] =
-            hsum8_tree(l + 8 * h) + (F == kQuantTypeQ4_1 ? mins[1 + 2 * h] : 0.0f);
+      for (int h = 0; h < 2; ++h)  // Q4_0 and Q5_0 add a zero, as the ymm tile does
+        out[(t0 + m) * n_out + n0 + (2 * p + h) * stride] = hsum8_tree(l + 8 * h) + (kMin ? mins[1 + 2 * h] : 0.0f);
     }
 }
 #endif
@@ -304,18 +335,18 @@ inline void q8_0_int8_group_tile(const Int8Groups& a, int64_t k, int64_t n_token
   store_group_tile<V, R, G>(acc, n_tokens, n_out, n0, slot0, out);
 }
 
-// The tile of format F in natural token order: the 32-element formats above, Q4_K and Q6_K in
-// quant_int8_act_k.h.
+// The tile of format F in natural token order: the 32-element formats above, Q4_K, Q5_K and Q6_K
+// in quant_int8_act_k.h.
 template <bool kVnni, int F, int R, int M>
 inline void int8_act_tile(const Int8Rows& a, const uint8_t* w, int64_t row_bytes, int64_t k, int64_t n_out,
                           int64_t n0, int64_t stride, int64_t t0, float* out) {
-  if constexpr (F == kQuantTypeQ4_K) {
-    static_assert(R == 1, "Q4_K's natural-order tile takes one row");
-    q4k_int8_tokens<kVnni, M>(a, w, row_bytes, k, n_out, n0, t0, out);
+  if constexpr (kQ4Family<F>) {
+    static_assert(R == 1, "Q4_K's and Q5_K's natural-order tile takes one row");
+    q4k_int8_tokens<F, kVnni, M>(a, w, row_bytes, k, n_out, n0, t0, out);
   } else if constexpr (F == kQuantTypeQ6_K) {
     q6k_int8_tile<kVnni, R, M>(a, w, row_bytes, k, n_out, n0, stride, t0, out);
 #if defined(ORCA_QUANT_INT8_512)
-  } else if constexpr (kVnni && R % 2 == 0 && (F == kQuantTypeQ4_0 || F == kQuantTypeQ4_1)) {
+  } else if constexpr (kVnni && R % 2 == 0 && kZmmPairFormat<F>) {
     q4_int8_tile_zmm<F, R / 2, M>(a, w, row_bytes, k, n_out, n0, stride, t0, out);
 #endif
   } else {
@@ -342,19 +373,19 @@ inline void int8_act_rows_all_tokens(const Int8Rows& a, const uint8_t* w, int64_
 }
 
 // What a grouped format's prefill tiles read of each weight row besides its bytes, decoded
-// once per row for all token slots: Q4_K's scales, Q6_K's q6 and scales, Q8_0's aligned quants
-// (and with vpdpbusd its corrections).
+// once per row for all token slots: Q4_K's scales, Q5_K's scales and codes, Q6_K's q6 and
+// scales, Q8_0's aligned quants (and with vpdpbusd its corrections).
 template <int F, bool kDpbusd>
-using RowPrepOf = std::conditional_t<F == kQuantTypeQ4_K, Q4KScales,
+using RowPrepOf = std::conditional_t<kQ4Family<F>, KRowPrep<F>,
                                      std::conditional_t<F == kQuantTypeQ6_K, Q6KRowBlock, Q8RowBlock<kDpbusd>>>;
 
-// The prefill tile of a grouped format F (Q4_K, Q6_K, Q8_0) at width V.
+// The prefill tile of a grouped format F (Q4_K, Q5_K, Q6_K, Q8_0) at width V.
 template <int F, class V, int R, int G>
 inline void group_tile(const Int8Groups& g, const uint8_t* w, int64_t row_bytes, int64_t k, int64_t n_tokens,
                        int64_t n_out, int64_t n, int64_t slot, const RowPrepOf<F, V::kDpbusd>* const* prep,
                        float* out) {
-  if constexpr (F == kQuantTypeQ4_K) {
-    q4k_int8_group_tile<V, R, G>(g, w, row_bytes, k, n_tokens, n_out, n, slot, prep, out);
+  if constexpr (kQ4Family<F>) {
+    q4k_int8_group_tile<F, V, R, G>(g, w, row_bytes, k, n_tokens, n_out, n, slot, prep, out);
   } else if constexpr (F == kQuantTypeQ8_0) {
     q8_0_int8_group_tile<V, R, G>(g, k, n_tokens, n_out, n, slot, prep, out);
   } else {
@@ -378,8 +409,8 @@ inline void prepare_rows(const uint8_t* w, int64_t row_bytes, int64_t k, int64_t
   for (int64_t n = n0; n < n1; ++n) {
     const uint8_t* row = w + n * row_bytes;
     RowPrepOf<F, kQ8Corrections>* out = prep + (n - n0) * n_blocks;
-    if constexpr (F == kQuantTypeQ4_K)
-      q4k_row_scales(row, n_blocks, out);
+    if constexpr (kQ4Family<F>)
+      q4k_row_scales<F>(row, n_blocks, out);
     else if constexpr (F == kQuantTypeQ6_K)
       q6k_row_blocks(row, n_blocks, out);
     else
@@ -429,7 +460,7 @@ inline void slots_against_rows(const Int8Groups& g, const uint8_t* w, int64_t ro
 template <bool kVnni, int F>
 inline void grouped_prefill(const Int8Groups& g, const uint8_t* w, int64_t row_bytes, int64_t n_tokens, int64_t k,
                             int64_t n_out, int64_t n0, int64_t n1, PrefetchAhead& ahead, float* out) {
-  constexpr int kSlots = F == kQuantTypeQ4_K ? 2 : 1;
+  constexpr int kSlots = kQ4Family<F> ? 2 : 1;
   using Prep = RowPrepOf<F, GroupOps256<kVnni>::kDpbusd>;
   Prep* prep = thread_scratch<Prep>(0, static_cast<size_t>((n1 - n0) * row_prep_blocks<F>(k)));
   prepare_rows<F, GroupOps256<kVnni>::kDpbusd>(w, row_bytes, k, n0, n1, prep);
@@ -460,7 +491,7 @@ constexpr bool grouped_prefill_of() {
 #if defined(ORCA_QUANT_INT8_512)
   if (kVnni && F == kQuantTypeQ6_K) return true;
 #endif
-  return F == kQuantTypeQ4_K || F == kQuantTypeQ8_0;
+  return kQ4Family<F> || F == kQuantTypeQ8_0;
 }
 
 // Rows per panel of a prefill: about 64 KiB of weights, which stay in L2 while every token tile
@@ -503,8 +534,8 @@ inline void int8_act_rows(const Int8Rows& a, const Int8Groups& groups, const uin
           const char* row = reinterpret_cast<const char*>(w + (n0 + j + rows_ahead + r * quarter) * row_bytes);
           for (int64_t off = 0; off < row_bytes; off += 64) __builtin_prefetch(row + off, 0, 3);
         }
-      if constexpr (F == kQuantTypeQ4_K)
-        q4k_int8_rows<kVnni, 4, kZmmRows>(a, w, row_bytes, k, n0 + j, quarter, out);
+      if constexpr (kQ4Family<F>)
+        q4k_int8_rows<F, kVnni, 4, kZmmRows>(a, w, row_bytes, k, n0 + j, quarter, out);
 #if defined(ORCA_QUANT_INT8_512)
       else if constexpr (F == kQuantTypeQ6_K && kVnni)
         q6k_int8_rows_zmm<4>(a, w, row_bytes, k, n0 + j, quarter, out);
@@ -513,8 +544,8 @@ inline void int8_act_rows(const Int8Rows& a, const Int8Groups& groups, const uin
         int8_act_tile<kVnni, F, 4, 1>(a, w, row_bytes, k, n_out, n0 + j, quarter, 0, out);
     }
     for (int64_t n = n0 + 4 * quarter; n < n1; ++n) {
-      if constexpr (F == kQuantTypeQ4_K)
-        q4k_int8_rows<kVnni, 1, kZmmRows>(a, w, row_bytes, k, n, 1, out);
+      if constexpr (kQ4Family<F>)
+        q4k_int8_rows<F, kVnni, 1, kZmmRows>(a, w, row_bytes, k, n, 1, out);
 #if defined(ORCA_QUANT_INT8_512)
       else if constexpr (F == kQuantTypeQ6_K && kVnni)
         q6k_int8_rows_zmm<1>(a, w, row_bytes, k, n, 1, out);
@@ -535,7 +566,7 @@ inline void int8_act_rows(const Int8Rows& a, const Int8Groups& groups, const uin
       // tokens the rows are 1 MiB at K = 2048, more than this L2, and were streamed once per
       // weight row (Q6_K on AVX2 fell from 130-144 GFLOP/s at T = 64 to 103-121 at T = 512).
       const int64_t tile = std::max<int64_t>(8, ((int64_t{128} << 10) / (k + k / 8)) & ~int64_t{7});
-      constexpr bool kOneRow = F == kQuantTypeQ6_K || F == kQuantTypeQ4_K;
+      constexpr bool kOneRow = F == kQuantTypeQ6_K || kQ4Family<F>;
       ahead.plan((n_tokens + tile - 1) / tile * (kOneRow ? p1 - p0 : (p1 - p0) / 2 + (p1 - p0) % 2));
       for (int64_t t0 = 0; t0 < n_tokens; t0 += tile) {
         const int64_t t1 = std::min(n_tokens, t0 + tile);
@@ -547,9 +578,9 @@ inline void int8_act_rows(const Int8Rows& a, const Int8Groups& groups, const uin
           }
         } else {
 #if defined(ORCA_QUANT_INT8_512)
-          // Q4_0 and Q4_1 hold two rows per zmm register (q4_int8_tile_zmm): a tile of two such
-          // pairs loads each token's activations and scales once for both.
-          if constexpr (kVnni && (F == kQuantTypeQ4_0 || F == kQuantTypeQ4_1))
+          // Q4_0, Q4_1, Q5_0 and Q5_1 hold two rows per zmm register (q4_int8_tile_zmm): a tile
+          // of two such pairs loads each token's activations and scales once for both.
+          if constexpr (kVnni && kZmmPairFormat<F>)
             for (; n + 4 <= p1; n += 4) {
               int8_act_rows_all_tokens<kVnni, F, 4>(a, w, row_bytes, t0, t1, k, n_out, n, out);
               ahead.step();
@@ -596,7 +627,10 @@ inline void int8_rows_of_type(int type, const Int8Rows& a, const Int8Groups& gro
     case kQuantTypeQ8_0: int8_act_rows<kVnni, kQuantTypeQ8_0>(a, groups, w, row_bytes, n_tokens, k, n_out, n0, n1, ahead, out); break;
     case kQuantTypeQ4_0: int8_act_rows<kVnni, kQuantTypeQ4_0>(a, groups, w, row_bytes, n_tokens, k, n_out, n0, n1, ahead, out); break;
     case kQuantTypeQ4_1: int8_act_rows<kVnni, kQuantTypeQ4_1>(a, groups, w, row_bytes, n_tokens, k, n_out, n0, n1, ahead, out); break;
+    case kQuantTypeQ5_0: int8_act_rows<kVnni, kQuantTypeQ5_0>(a, groups, w, row_bytes, n_tokens, k, n_out, n0, n1, ahead, out); break;
+    case kQuantTypeQ5_1: int8_act_rows<kVnni, kQuantTypeQ5_1>(a, groups, w, row_bytes, n_tokens, k, n_out, n0, n1, ahead, out); break;
     case kQuantTypeQ4_K: int8_act_rows<kVnni, kQuantTypeQ4_K>(a, groups, w, row_bytes, n_tokens, k, n_out, n0, n1, ahead, out); break;
+    case kQuantTypeQ5_K: int8_act_rows<kVnni, kQuantTypeQ5_K>(a, groups, w, row_bytes, n_tokens, k, n_out, n0, n1, ahead, out); break;
     case kQuantTypeQ6_K: int8_act_rows<kVnni, kQuantTypeQ6_K>(a, groups, w, row_bytes, n_tokens, k, n_out, n0, n1, ahead, out); break;
     default: break;
   }
@@ -625,6 +659,7 @@ inline void int8_act_linear(const Int8Rows& a, const uint8_t* w, int type, int64
                             int64_t n_tokens, int64_t k, int64_t n_out, float* out) {
   Int8Groups groups{0, a.block, nullptr, nullptr, nullptr, nullptr, false};
   const bool grouped = type == kQuantTypeQ4_K   ? grouped_prefill_of<kVnni, kQuantTypeQ4_K>()
+                       : type == kQuantTypeQ5_K ? grouped_prefill_of<kVnni, kQuantTypeQ5_K>()
                        : type == kQuantTypeQ6_K ? grouped_prefill_of<kVnni, kQuantTypeQ6_K>()
                        : type == kQuantTypeQ8_0 ? grouped_prefill_of<kVnni, kQuantTypeQ8_0>()
                                                 : false;

@@ -1,10 +1,12 @@
-// The int8-activation kernels of the 256-element formats (Q4_K, Q6_K), as llama.cpp computes them
+// The int8-activation kernels of the 256-element formats (Q4_K, Q5_K, Q6_K), as llama.cpp computes them
 // against Q8_K activations: each activation row is quantized per 256-element super-block to int8
 // (quantize_row_int8_256: one scale d = amax / 127, round to nearest even, and the exact sum of
 // every 16 quants), and each weight super-block meets it in integer arithmetic only:
 //
 //   Q4_K:  sum_j sc_j * dot(nib_j, x_j)                     (8 sub-blocks of 32, 6-bit sc and mn)
 //          - and separately sum_j mn_j * (bsum_2j + bsum_2j+1), the dmin term
+//   Q5_K:  Q4_K's sums with 5-bit codes (the nibble and one bit of qh) in place of the nibbles:
+//          the same kernels, which read the codes through k_codes / the row prep
 //   Q6_K:  sum_j sc_j * dot(q6_j, x_j) - 32 * sum_j sc_j * bsum_j   (16 sub-blocks of 16, q6 in 0..63)
 //
 // Q6_K's sub-block dot products are vpmaddubsw (u8 weights x s8 activations, pairs summed to
@@ -140,6 +142,34 @@ alignas(32) constexpr int8_t kPairBroadcast16[4][32] = {
 
 inline __m256i load_control(const int8_t* c) { return _mm256_load_si256(reinterpret_cast<const __m256i*>(c)); }
 
+// Q4_K and Q5_K share their kernels below: a Q5_K super-block is Q4_K's d, dmin and 12 bytes of
+// scales, then qh[32] (bit 4 of every code), then Q4_K's 128 bytes of nibbles. Every integer
+// bound below holds for 5-bit codes too (noted where it is closest).
+template <int F>
+constexpr bool kQ4Family = F == kQuantTypeQ4_K || F == kQuantTypeQ5_K;
+template <int F>
+constexpr int64_t kKBlockBytes = F == kQuantTypeQ5_K ? 176 : 144;
+template <int F>
+constexpr int64_t kKQuantsAt = F == kQuantTypeQ5_K ? 48 : 16;  // the nibbles' offset in a block
+
+// The codes of sub-blocks 2p (lo) and 2p + 1 (hi) of a Q4_K or Q5_K super-block blk: 32 bytes
+// each, element l in byte l.
+template <int F>
+inline void k_codes(const uint8_t* blk, int p, __m256i& lo, __m256i& hi) {
+  const __m256i low4 = _mm256_set1_epi8(0x0f);
+  const __m256i qv = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(blk + kKQuantsAt<F> + 32 * p));
+  lo = _mm256_and_si256(qv, low4), hi = _mm256_and_si256(_mm256_srli_epi16(qv, 4), low4);
+  if constexpr (F == kQuantTypeQ5_K) {
+    // bits 2p and 2p + 1 of each qh byte to bit 4 (16-bit shifts by at most 7, then a byte mask,
+    // keep each byte's own bits)
+    const __m256i qh = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(blk + 16));
+    const __m256i bit4 = _mm256_set1_epi8(16);
+    const __m128i to_lo = _mm_cvtsi32_si128(2 * p), to_hi = _mm_cvtsi32_si128(2 * p + 1);
+    lo = _mm256_or_si256(lo, _mm256_and_si256(_mm256_slli_epi16(_mm256_srl_epi16(qh, to_lo), 4), bit4));
+    hi = _mm256_or_si256(hi, _mm256_and_si256(_mm256_slli_epi16(_mm256_srl_epi16(qh, to_hi), 4), bit4));
+  }
+}
+
 // Q4_K's reduction. Per output (weight row, token) and super-block, three exact integers:
 //   A = sum_j sc_j * sum(nib * x over the positions i of sub-block j with i % 8 < 4)
 //   B = the same over the positions with i % 8 >= 4
@@ -161,9 +191,26 @@ struct Q4KScales {
   float d, dmin;
 };
 
-inline void q4k_row_scales(const uint8_t* row, int64_t n_super, Q4KScales* out) {  // out [n_super]
+// A Q5_K super-block as the prefill tiles read it: Q4_K's scales and the 256 codes of its 8
+// sub-blocks (32 bytes each, in order), unpacked once per row for every token slot.
+struct Q5KRowBlock : Q4KScales {
+  alignas(32) uint8_t codes[256];
+};
+
+template <int F>
+using KRowPrep = std::conditional_t<F == kQuantTypeQ5_K, Q5KRowBlock, Q4KScales>;
+
+template <int F>
+inline void q4k_row_scales(const uint8_t* row, int64_t n_super, KRowPrep<F>* out) {  // out [n_super]
   for (int64_t b = 0; b < n_super; ++b) {
-    const uint8_t* blk = row + b * 144;
+    const uint8_t* blk = row + b * kKBlockBytes<F>;
+    if constexpr (F == kQuantTypeQ5_K)
+      for (int p = 0; p < 4; ++p) {
+        __m256i lo, hi;
+        k_codes<F>(blk, p, lo, hi);
+        _mm256_store_si256(reinterpret_cast<__m256i*>(out[b].codes + 64 * p), lo);
+        _mm256_store_si256(reinterpret_cast<__m256i*>(out[b].codes + 64 * p + 32), hi);
+      }
     const __m128i scmn = q4k_scales_mins(blk + 4);
     const __m128i sc = _mm_cvtepu8_epi16(scmn);
     _mm_store_si128(reinterpret_cast<__m128i*>(out[b].sc_pairs), _mm_unpacklo_epi16(sc, sc));
@@ -176,15 +223,18 @@ inline void q4k_row_scales(const uint8_t* row, int64_t n_super, Q4KScales* out) 
 }
 
 // out[t * n_out + n0 + r] for the R weight rows from n0 and G token slots of V::kTokens tokens
-// from token slot0 * V::kTokens (those below n_tokens), Q4_K. Per sub-block, each slot's 4
+// from token slot0 * V::kTokens (those below n_tokens), Q4_K or Q5_K. Per sub-block, each slot's 4
 // activation vectors (8 elements of each of its tokens) are loaded once for the R rows, and each
 // row's 8-byte pieces of quants are broadcast once for the G slots. Without VNNI the 4 vpmaddubsw
-// of a sub-block are summed in int16 (at most 8 * 15 * 127) before its scale multiplies them into
-// the int32 lanes (A, B) of each token; with it, vpdpbusd forms each sub-block's int32 sums and
-// a pair of sub-blocks shares one vpdpwssd (pair_packed).
-template <class V, int R, int G>
+// of a sub-block are summed in int16 (at most 8 * 15 * 127; Q5_K's 8 * 31 * 127 = 31496 fits too)
+// before its scale multiplies them into the int32 lanes (A, B) of each token; with it, Q4_K's
+// vpdpbusd forms each sub-block's int32 sums and a pair of sub-blocks shares one vpdpwssd
+// (pair_packed). Q5_K takes the vpmaddubsw form on every path (its sub-block sums, up to
+// 16 * 31 * 127, do not fit the int16 halves pair_packed packs them into) and reads its codes
+// unpacked from the row prep.
+template <int KF, class V, int R, int G>
 inline void q4k_int8_group_tile(const Int8Groups& a, const uint8_t* w, int64_t row_bytes, int64_t k, int64_t n_tokens,
-                                int64_t n_out, int64_t n0, int64_t slot0, const Q4KScales* const* scales,
+                                int64_t n_out, int64_t n0, int64_t slot0, const KRowPrep<KF>* const* scales,
                                 float* out) {  // scales[r]: row n0 + r's [K / 256]
   using I = typename V::I;
   using F = typename V::F;
@@ -204,9 +254,9 @@ inline void q4k_int8_group_tile(const Int8Groups& a, const uint8_t* w, int64_t r
   const I low4 = V::low4();
   for (int64_t b = 0; b < n_super; ++b) {
     const uint8_t* blk[R];
-    const Q4KScales* sb[R];
+    const KRowPrep<KF>* sb[R];
     for (int r = 0; r < R; ++r) {
-      blk[r] = w + (n0 + r) * row_bytes + b * 144;
+      blk[r] = w + (n0 + r) * row_bytes + b * kKBlockBytes<KF>;
       sb[r] = scales[r] + b;
     }
     I isum[R][G];
@@ -225,11 +275,15 @@ inline void q4k_int8_group_tile(const Int8Groups& a, const uint8_t* w, int64_t r
       for (int r = 0; r < R; ++r) {
         I wq[4];
         for (int c = 0; c < 4; ++c) {
-          const I v = V::bcast64(blk[r] + 16 + 32 * p + 8 * c);
-          if constexpr (decltype(high)::value)
-            wq[c] = V::and_(V::srli4(v), low4);
-          else
-            wq[c] = V::and_(v, low4);
+          if constexpr (KF == kQuantTypeQ5_K) {
+            wq[c] = V::bcast64(sb[r]->codes + 32 * j + 8 * c);
+          } else {
+            const I v = V::bcast64(blk[r] + 16 + 32 * p + 8 * c);
+            if constexpr (decltype(high)::value)
+              wq[c] = V::and_(V::srli4(v), low4);
+            else
+              wq[c] = V::and_(v, low4);
+          }
         }
         const I sc = V::bcast32(sb[r]->sc_pairs[j]);
         for (int g = 0; g < G; ++g) {
@@ -272,7 +326,7 @@ inline void q4k_int8_group_tile(const Int8Groups& a, const uint8_t* w, int64_t r
       }
     };
     for (int p = 0; p < 4; ++p) {
-      if constexpr (V::kPacked) {
+      if constexpr (V::kPacked && KF == kQuantTypeQ4_K) {
         pair_packed(p);
       } else {
         sub_block(p, std::false_type{});
@@ -341,13 +395,12 @@ inline void q4k_fold1(__m256i isum, __m256i msum, __m256i* ab, __m256i* m) {
 // lanes, lane l = sum_j sc_j * (the products at positions 4l .. 4l + 3 of sub-block j), with the
 // int16 scales sc_j in lanes j (and j + 8) of sc16. Two chains (even and odd sub-blocks), added
 // exactly.
-template <bool kVnni>
-inline __m256i q4k_isum(const uint8_t* qs, const int8_t* x, __m256i sc16) {
-  const __m256i low4 = _mm256_set1_epi8(0x0f);
+template <int KF, bool kVnni>
+inline __m256i q4k_isum(const uint8_t* blk, const int8_t* x, __m256i sc16) {
   __m256i chain[2] = {_mm256_setzero_si256(), _mm256_setzero_si256()};
   for (int p = 0; p < 4; ++p) {
-    const __m256i qv = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(qs + 32 * p));
-    const __m256i lo = _mm256_and_si256(qv, low4), hi = _mm256_and_si256(_mm256_srli_epi16(qv, 4), low4);
+    __m256i lo, hi;
+    k_codes<KF>(blk, p, lo, hi);
     chain[0] = dot_scaled<kVnni>(chain[0], lo, x + 64 * p, _mm256_shuffle_epi8(sc16, load_control(kBroadcast16[2 * p])));
     chain[1] = dot_scaled<kVnni>(chain[1], hi, x + 64 * p + 32,
                                  _mm256_shuffle_epi8(sc16, load_control(kBroadcast16[2 * p + 1])));
@@ -387,13 +440,27 @@ inline void q4k_split_activations(const int8_t* x, __m512i (&xv)[4]) {
 // qs, 4 for the second), against the activations in the same order (q4k_split_activations): each
 // pair of sub-blocks takes one vpmaddubsw and one vpdpwssd, with no lane shuffles of the quants.
 // The upper 8 int32 lanes are added to the lower 8 at the end: the same integers as q4k_isum.
-inline __m256i q4k_isum_zmm(const uint8_t* qs, const __m512i (&xv)[4], __m256i sc16) {
+// Q5_K: bit 4 of the codes of sub-blocks j and j + 2 comes from bits j and j + 2 of qh (broadcast
+// to both 256-bit halves, each shifted by its own count).
+template <int KF>
+inline __m256i q4k_isum_zmm(const uint8_t* blk, const __m512i (&xv)[4], __m256i sc16) {
   const __m512i low4 = _mm512_set1_epi8(0x0f);
   const __m512i sc = _mm512_broadcast_i32x4(_mm256_castsi256_si128(sc16));
+  __m512i qh2 = _mm512_setzero_si512();
+  if constexpr (KF == kQuantTypeQ5_K)
+    qh2 = _mm512_broadcast_i64x4(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(blk + 16)));
   __m512i chain[2] = {_mm512_setzero_si512(), _mm512_setzero_si512()};
   for (int h = 0; h < 2; ++h) {
-    const __m512i qv = _mm512_loadu_si512(qs + 64 * h);
-    const __m512i nib[2] = {_mm512_and_si512(qv, low4), _mm512_and_si512(_mm512_srli_epi16(qv, 4), low4)};
+    const __m512i qv = _mm512_loadu_si512(blk + kKQuantsAt<KF> + 64 * h);
+    __m512i nib[2] = {_mm512_and_si512(qv, low4), _mm512_and_si512(_mm512_srli_epi16(qv, 4), low4)};
+    if constexpr (KF == kQuantTypeQ5_K)
+      for (int n = 0; n < 2; ++n) {
+        const int j = 4 * h + n;  // the sub-block of the low half; the high half holds j + 2
+        const __m512i counts = _mm512_inserti64x4(_mm512_set1_epi16(static_cast<short>(j)),
+                                                  _mm256_set1_epi16(static_cast<short>(j + 2)), 1);
+        const __m512i bit = _mm512_and_si512(_mm512_slli_epi16(_mm512_srlv_epi16(qh2, counts), 4), _mm512_set1_epi8(16));
+        nib[n] = _mm512_or_si512(nib[n], bit);
+      }
     for (int n = 0; n < 2; ++n) {
       const int q = 2 * h + n;
       const __m512i s = _mm512_shuffle_epi8(sc, _mm512_load_si512(kQ4SplitScales[q]));
@@ -406,7 +473,7 @@ inline __m256i q4k_isum_zmm(const uint8_t* qs, const __m512i (&xv)[4], __m256i s
 #endif
 
 // kZmm: the integer sums by q4k_isum_zmm (AVX-512 VNNI units only); the same integers either way.
-template <bool kVnni, int R, bool kZmm = false>
+template <int KF, bool kVnni, int R, bool kZmm = false>
 inline void q4k_int8_rows(const Int8Rows& a, const uint8_t* w, int64_t row_bytes, int64_t k, int64_t n0,
                           int64_t stride, float* out) {
   static_assert(R == 1 || R == 4, "one row or four");
@@ -423,7 +490,7 @@ inline void q4k_int8_rows(const Int8Rows& a, const uint8_t* w, int64_t row_bytes
     __m256i isum[R], msum[R];
     int32_t scales[R];  // the fp16 d and dmin of each row's super-block
     const uint8_t* blk[R];  // each row's super-block b
-    for (int r = 0; r < R; ++r) blk[r] = w + (n0 + r * stride) * row_bytes + b * 144;
+    for (int r = 0; r < R; ++r) blk[r] = w + (n0 + r * stride) * row_bytes + b * kKBlockBytes<KF>;
     __m128i scmns[R];
     if constexpr (R == 4) {
       q4k_scales_mins2(blk[0] + 4, blk[1] + 4, &scmns[0], &scmns[1]);
@@ -438,10 +505,10 @@ inline void q4k_int8_rows(const Int8Rows& a, const uint8_t* w, int64_t row_bytes
       const __m256i mn_pairs = _mm256_cvtepu8_epi16(_mm_unpackhi_epi8(scmn, scmn));  // lanes 2j, 2j+1: mn_j
 #if defined(ORCA_QUANT_INT8_512)
       if constexpr (kZmm)
-        isum[r] = q4k_isum_zmm(blk[r] + 16, xv, sc16);
+        isum[r] = q4k_isum_zmm<KF>(blk[r], xv, sc16);
       else
 #endif
-        isum[r] = q4k_isum<kVnni>(blk[r] + 16, x, sc16);
+        isum[r] = q4k_isum<KF, kVnni>(blk[r], x, sc16);
       msum[r] = _mm256_madd_epi16(mn_pairs, bs);  // lane j: mn_j * (bsum_2j + bsum_2j+1)
     }
     __m256i ab, m;  // lanes 2r, 2r + 1: (A, B) and (M_lo, M_hi) of row r
@@ -466,7 +533,7 @@ inline void q4k_int8_rows(const Int8Rows& a, const uint8_t* w, int64_t row_bytes
 // token order (small batches, where a token-interleaved copy costs more than it saves): the
 // row's super-block is unpacked once for the M tokens, their lanes fold to (A, B) 4 (or 2)
 // tokens at a time, and each token's float sums run exactly as in q4k_int8_rows.
-template <bool kVnni, int M>
+template <int KF, bool kVnni, int M>
 inline void q4k_int8_tokens(const Int8Rows& a, const uint8_t* w, int64_t row_bytes, int64_t k, int64_t n_out,
                             int64_t n, int64_t t0, float* out) {
   constexpr int kQuads = M / 4, kPair = (M % 4) / 2, kRest = M % 2;
@@ -476,9 +543,8 @@ inline void q4k_int8_tokens(const Int8Rows& a, const uint8_t* w, int64_t row_byt
   __m256 acc1[kRest > 0 ? kRest : 1];    // lanes 0, 1: token 4 kQuads + 2 kPair
   for (auto& v : acc4) v = _mm256_setzero_ps();
   for (auto& v : acc1) v = _mm256_setzero_ps();
-  const __m256i low4 = _mm256_set1_epi8(0x0f);
   for (int64_t b = 0; b < n_super; ++b) {
-    const uint8_t* blk = w + n * row_bytes + b * 144;
+    const uint8_t* blk = w + n * row_bytes + b * kKBlockBytes<KF>;
     const __m128i scmn = q4k_scales_mins(blk + 4);
     const __m256i sc16 = _mm256_broadcastsi128_si256(_mm_cvtepu8_epi16(scmn));
     const __m256i mn_pairs = _mm256_cvtepu8_epi16(_mm_unpackhi_epi8(scmn, scmn));  // lanes 2j, 2j+1: mn_j
@@ -486,8 +552,8 @@ inline void q4k_int8_tokens(const Int8Rows& a, const uint8_t* w, int64_t row_byt
     for (int c = 0; c < kChains<M>; ++c)
       for (int m = 0; m < M; ++m) isum[c][m] = _mm256_setzero_si256();
     for (int p = 0; p < 4; ++p) {
-      const __m256i qv = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(blk + 16 + 32 * p));
-      const __m256i lo = _mm256_and_si256(qv, low4), hi = _mm256_and_si256(_mm256_srli_epi16(qv, 4), low4);
+      __m256i lo, hi;
+      k_codes<KF>(blk, p, lo, hi);
       const __m256i s0 = _mm256_shuffle_epi8(sc16, load_control(kBroadcast16[2 * p]));
       const __m256i s1 = _mm256_shuffle_epi8(sc16, load_control(kBroadcast16[2 * p + 1]));
       for (int m = 0; m < M; ++m) {

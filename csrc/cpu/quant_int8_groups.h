@@ -1,5 +1,5 @@
-// The token-interleaved copy of the int8 activations that the prefill tiles of Q4_K, Q6_K and
-// Q8_0 read (quant_int8_act_k.h, quant_int8_act.h), and the vector ops those tiles share at two
+// The token-interleaved copy of the int8 activations that the prefill tiles of Q4_K, Q5_K, Q6_K
+// and Q8_0 read (quant_int8_act_k.h, quant_int8_act.h), and the vector ops those tiles share at two
 // widths. Tokens come in groups of 8 (the last padded with zero rows); per group and 8-element
 // chunk c, the 8 tokens' chunks lie side by side, so that one 64-byte load (or 32 for 4 of the
 // tokens) meets one 8-byte broadcast of weights and yields two int32 lanes per token.
@@ -37,7 +37,8 @@ inline int64_t int8_group_block(int type) { return type == kQuantTypeQ8_0 ? 32 :
 
 inline int64_t int8_groups_bytes(int64_t n_tokens, int64_t k, int type) {  // 64-byte aligned parts
   const int64_t g = (n_tokens + kGroupTokens - 1) / kGroupTokens, n_blocks = k / int8_group_block(type);
-  const int64_t sums = type == kQuantTypeQ4_K ? g * n_blocks * 64 * 2 : type == kQuantTypeQ6_K ? g * n_blocks * 128 * 2 : 0;
+  const bool q4_sums = type == kQuantTypeQ4_K || type == kQuantTypeQ5_K;  // Q5_K reads Q4_K's
+  const int64_t sums = q4_sums ? g * n_blocks * 64 * 2 : type == kQuantTypeQ6_K ? g * n_blocks * 128 * 2 : 0;
   return g * kGroupTokens * k + g * n_blocks * 16 * 4 + sums + 3 * 64;
 }
 
@@ -53,7 +54,7 @@ inline Int8Groups int8_groups_at(int8_t* base, int64_t n_tokens, int64_t k, int 
   a.q = align(base);
   a.d = reinterpret_cast<float*>(align(a.q + g * kGroupTokens * k));
   int16_t* sums = reinterpret_cast<int16_t*>(align(reinterpret_cast<int8_t*>(a.d + g * n_blocks * 16)));
-  a.bsums = type == kQuantTypeQ4_K ? sums : nullptr;
+  a.bsums = type == kQuantTypeQ4_K || type == kQuantTypeQ5_K ? sums : nullptr;
   a.bsums16 = type == kQuantTypeQ6_K ? sums : nullptr;
   a.biased = biased;
   return a;

@@ -1,5 +1,5 @@
 // Raw-pointer CPU kernels over quantized weights kept in their ggml block formats (Q8_0, Q4_0,
-// Q4_1, Q4_K, Q6_K; quant_formats.h has the layouts). No torch headers: the torch glue
+// Q4_1, Q5_0, Q5_1, Q4_K, Q5_K, Q6_K; quant_formats.h has the layouts). No torch headers: the torch glue
 // (csrc/torch/cpu_ops.cpp) and the microbenchmark (bench/cpu/bench_quant_gemm.cpp) call these.
 //
 // The products run on the weight-streaming driver of the float kernels (skinny_gemm_impl.h): the
@@ -22,9 +22,10 @@ namespace orca {
 namespace cpu {
 
 // ggml type ids (the GGUF tensor-info type field) of the supported formats.
-constexpr int kQuantTypeQ4_0 = 2, kQuantTypeQ4_1 = 3, kQuantTypeQ8_0 = 8, kQuantTypeQ4_K = 12,
-              kQuantTypeQ6_K = 14;
-constexpr int kQuantTypes[] = {kQuantTypeQ4_0, kQuantTypeQ4_1, kQuantTypeQ8_0, kQuantTypeQ4_K, kQuantTypeQ6_K};
+constexpr int kQuantTypeQ4_0 = 2, kQuantTypeQ4_1 = 3, kQuantTypeQ5_0 = 6, kQuantTypeQ5_1 = 7, kQuantTypeQ8_0 = 8,
+              kQuantTypeQ4_K = 12, kQuantTypeQ5_K = 13, kQuantTypeQ6_K = 14;
+constexpr int kQuantTypes[] = {kQuantTypeQ4_0, kQuantTypeQ4_1, kQuantTypeQ5_0, kQuantTypeQ5_1,
+                               kQuantTypeQ8_0, kQuantTypeQ4_K, kQuantTypeQ5_K, kQuantTypeQ6_K};
 
 struct QuantFormat {
   int type;             // ggml type id
@@ -49,8 +50,8 @@ void set_quant_path(QuantPath path);
 // How the products treat the activations:
 //  kFloat32  x widened exactly to float32, weights dequantized in registers (every format; the
 //            reduction order described above).
-//  kInt8     each row quantized to int8 (per 32-block for Q8_0/Q4_0/Q4_1, per 256-block for
-//            Q4_K/Q6_K) and integer dot products, as llama.cpp computes these formats
+//  kInt8     each row quantized to int8 (per 32-block for Q8_0/Q4_0/Q4_1/Q5_0/Q5_1, per 256-block
+//            for Q4_K/Q5_K/Q6_K) and integer dot products, as llama.cpp computes these formats
 //            (quant_int8_act.h and quant_int8_act_k.h have the rounding and the reduction order);
 //            every format on AVX2 CPUs (quant_int8_supported()); without AVX2, kFloat32.
 // Either way a row's outputs depend only on that row, the weights and the (process-wide) path.

@@ -22,7 +22,8 @@ GGUF_SUFFIX = ".gguf"
 _MISSING = object()
 
 # Byte offsets of the float16 scale fields inside one block, per served format.
-_SCALE_OFFSETS = {QType.Q8_0: (0,), QType.Q4_0: (0,), QType.Q4_1: (0, 2), QType.Q4_K: (0, 2), QType.Q6_K: (208,)}
+_SCALE_OFFSETS = {QType.Q8_0: (0,), QType.Q4_0: (0,), QType.Q4_1: (0, 2), QType.Q5_0: (0,), QType.Q5_1: (0, 2),
+                  QType.Q4_K: (0, 2), QType.Q5_K: (0, 2), QType.Q6_K: (208,)}
 
 
 def is_gguf(path: str | Path) -> bool:

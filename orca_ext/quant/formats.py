@@ -1,4 +1,4 @@
-"""The ggml block formats we serve as they are: Q8_0, Q4_0, Q4_1, Q4_K and Q6_K.
+"""The ggml block formats we serve as they are: Q8_0, Q4_0, Q4_1, Q5_0, Q5_1, Q4_K, Q5_K and Q6_K.
 
 A quantized matrix [N, K] is stored row by row; each row is K / block_size blocks of
 bytes_per_block bytes, so the data is uint8 [N, K / block_size * bytes_per_block]. The layouts
@@ -8,10 +8,16 @@ bytes_per_block bytes, so the data is uint8 [N, K / block_size * bytes_per_block
     Q4_0 (32 values, 18 bytes):  d f16 | q uint8[16]                 x = d * (q - 8)
     Q4_1 (32 values, 20 bytes):  d f16 | m f16 | q uint8[16]         x = d * q + m
         4-bit values: byte j holds value j in its low nibble and value j + 16 in its high one.
+    Q5_0 (32 values, 22 bytes):  d f16 | qh uint32 | q uint8[16]     x = d * (q - 16)
+    Q5_1 (32 values, 24 bytes):  d f16 | m f16 | qh uint32 | q uint8[16]   x = d * q + m
+        5-bit values: the low 4 bits as Q4_0's nibbles, bit 4 of value j is bit j of qh.
     Q4_K (256 values, 144 bytes): d f16 | dmin f16 | scales uint8[12] | q uint8[128]
         8 sub-blocks of 32 with 6-bit scale sc and 6-bit min mn packed in `scales`;
         x = (d * sc) * q - (dmin * mn). Bytes 32c..32c+31 of q hold sub-block 2c in their low
         nibbles and sub-block 2c+1 in their high ones.
+    Q5_K (256 values, 176 bytes): d f16 | dmin f16 | scales uint8[12] | qh uint8[32] | q uint8[128]
+        Q4_K's sub-blocks, scales and nibbles, with bit 4 of value l of sub-block s in bit s of
+        qh[l]; x = (d * sc) * q - (dmin * mn), q in 0..31.
     Q6_K (256 values, 210 bytes): ql uint8[128] | qh uint8[64] | scales int8[16] | d f16
         16 sub-blocks of 16 with an int8 scale each; a 6-bit value is 4 low bits from ql and 2
         high bits from qh; x = (d * sc) * (q - 32).
@@ -40,8 +46,11 @@ class QType(enum.IntEnum):
 
     Q4_0 = 2
     Q4_1 = 3
+    Q5_0 = 6
+    Q5_1 = 7
     Q8_0 = 8
     Q4_K = 12
+    Q5_K = 13
     Q6_K = 14
 
 
@@ -62,7 +71,7 @@ class QType(enum.IntEnum):
 # and leaves a stream level with llama.cpp; int8 runs it 1.1-1.7x as fast at llama.cpp's own
 # perplexity (bench/RESULTS.md).
 QUANT_ACTIVATIONS = ("auto", "float32", "int8")
-AUTO_INT8_TYPES = frozenset({QType.Q4_K, QType.Q6_K})
+AUTO_INT8_TYPES = frozenset({QType.Q4_K, QType.Q5_K, QType.Q6_K})
 # The main formats of the models that keep "auto" as the per-format rule.
 FLOAT_ACTIVATION_MODEL_TYPES = frozenset({QType.Q4_0, QType.Q4_1})
 
@@ -105,7 +114,10 @@ FORMATS: dict[QType, BlockFormat] = {f.qtype: f for f in (
     BlockFormat(QType.Q8_0, 32, 34),
     BlockFormat(QType.Q4_0, 32, 18),
     BlockFormat(QType.Q4_1, 32, 20),
+    BlockFormat(QType.Q5_0, 32, 22),
+    BlockFormat(QType.Q5_1, 32, 24),
     BlockFormat(QType.Q4_K, 256, 144),
+    BlockFormat(QType.Q5_K, 256, 176),
     BlockFormat(QType.Q6_K, 256, 210),
 )}
 
@@ -162,6 +174,25 @@ def _q4_1(b: torch.Tensor) -> torch.Tensor:
     return d * q + m
 
 
+def _high_bits(qh: torch.Tensor) -> torch.Tensor:
+    """[..., 4] little-endian uint32 -> [..., 32]: bit j of the word as value j's bit 4 (0 or 16)."""
+    bits = (qh.unsqueeze(-1) >> torch.arange(8, dtype=torch.uint8)) & 1   # [..., 4 bytes, 8 bits]
+    return bits.reshape(*qh.shape[:-1], 32) << 4
+
+
+def _q5_0(b: torch.Tensor) -> torch.Tensor:
+    d = _f16(b[..., 0:2]).unsqueeze(-1)
+    q = (_nibbles(b[..., 6:22]) | _high_bits(b[..., 2:6])).float() - 16.0
+    return d * q
+
+
+def _q5_1(b: torch.Tensor) -> torch.Tensor:
+    d = _f16(b[..., 0:2]).unsqueeze(-1)
+    m = _f16(b[..., 2:4]).unsqueeze(-1)
+    q = (_nibbles(b[..., 8:24]) | _high_bits(b[..., 4:8])).float()
+    return d * q + m
+
+
 def _k4_scales(s: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """[..., 12] packed 6-bit scales and mins -> (sc [..., 8], mn [..., 8]) (get_scale_min_k4)."""
     lo, mid, hi = s[..., 0:4], s[..., 4:8], s[..., 8:12]
@@ -180,6 +211,20 @@ def _q4_k(b: torch.Tensor) -> torch.Tensor:
     q = torch.stack([q & 0x0F, q >> 4], dim=-2)           # [..., 4, 2, 32]
     q = q.reshape(*b.shape[:-1], 8, 32).float()
     return (scale * q - offset).reshape(*b.shape[:-1], 256)
+
+
+def _q5_k(b: torch.Tensor) -> torch.Tensor:
+    lead = b.shape[:-1]
+    d = _f16(b[..., 0:2]).unsqueeze(-1)
+    dmin = _f16(b[..., 2:4]).unsqueeze(-1)
+    sc, mn = _k4_scales(b[..., 4:16])
+    scale = (d * sc.float()).unsqueeze(-1)                # [..., 8, 1]
+    offset = (dmin * mn.float()).unsqueeze(-1)
+    qh = b[..., 16:48].unsqueeze(-2)                      # [..., 1, 32]
+    high = ((qh >> torch.arange(8, dtype=torch.uint8).reshape(8, 1)) & 1) << 4   # [..., 8, 32]
+    q = b[..., 48:176].reshape(*lead, 4, 32)
+    q = torch.stack([q & 0x0F, q >> 4], dim=-2).reshape(*lead, 8, 32)
+    return (scale * (q | high).float() - offset).reshape(*lead, 256)
 
 
 def _q6_k(b: torch.Tensor) -> torch.Tensor:
@@ -201,6 +246,9 @@ _DEQUANTIZE = {
     QType.Q8_0: _q8_0,
     QType.Q4_0: _q4_0,
     QType.Q4_1: _q4_1,
+    QType.Q5_0: _q5_0,
+    QType.Q5_1: _q5_1,
     QType.Q4_K: _q4_k,
+    QType.Q5_K: _q5_k,
     QType.Q6_K: _q6_k,
 }

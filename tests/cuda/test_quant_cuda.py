@@ -37,7 +37,7 @@ except ImportError:  # the GPU tests then fail on _C; the host decoding test doe
 needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 
 DEV = "cuda"
-FORMATS = [Q.Q8_0, Q.Q4_0, Q.Q4_1, Q.Q4_K, Q.Q6_K]
+FORMATS = [Q.Q8_0, Q.Q4_0, Q.Q4_1, Q.Q5_0, Q.Q5_1, Q.Q4_K, Q.Q5_K, Q.Q6_K]
 DTYPES = [torch.bfloat16, torch.float16, torch.float32]
 TOKENS = [1, 3, 8, 17, 300]
 # Unit roundoff of the weights and outputs per activation dtype (float32 weights are exact).
@@ -70,10 +70,12 @@ def random_blocks(qtype, rows: int, k: int, rng: np.random.Generator) -> np.ndar
         raw[..., 0:2] = f16(1 / 64)
     elif qtype == Q.Q4_0:
         raw[..., 0:2] = f16(1 / 4)
-    elif qtype == Q.Q4_1:
-        raw[..., 0:2], raw[..., 2:4] = f16(1 / 8), f16(1.0)
-    elif qtype == Q.Q4_K:
-        raw[..., 0:2], raw[..., 2:4] = f16(1 / 256), f16(1 / 256)
+    elif qtype == Q.Q5_0:
+        raw[..., 0:2] = f16(1 / 8)
+    elif qtype in (Q.Q4_1, Q.Q5_1):
+        raw[..., 0:2], raw[..., 2:4] = f16(1 / 8 if qtype == Q.Q4_1 else 1 / 16), f16(1.0)
+    elif qtype in (Q.Q4_K, Q.Q5_K):
+        raw[..., 0:2], raw[..., 2:4] = f16(1 / 256 if qtype == Q.Q4_K else 1 / 512), f16(1 / 256)
     elif qtype == Q.Q6_K:
         raw[..., 208:210] = f16(1 / 2048)
     return raw.reshape(rows, -1)

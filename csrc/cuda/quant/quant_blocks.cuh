@@ -6,7 +6,7 @@
 // min) and 8 quants. Reading is split in two steps so that a kernel can issue the loads of the
 // next chunk before it computes on the current one:
 //   Fmt::Group g = Fmt::load(row, k);  // global loads only (as wide as the address allows: blocks
-//                                     // of 18, 34 or 210 bytes leave rows at any even address)
+//                                     // of 18, 22, 34 or 210 bytes leave rows at any even address)
 //   Fmt::dequant(g, w);               // registers only: w[0..7] in float32
 // The float arithmetic is that of gguf.quants.dequantize (numpy float32, no fused multiply-add:
 // the explicit _rn intrinsics keep nvcc from contracting), so a float32 dequantization is bit for
@@ -67,8 +67,8 @@ ORCA_QUANT_HD float add_rn(float a, float b) {
 
 ORCA_QUANT_HD uint16_t load_u16(const uint8_t* p) { return static_cast<uint16_t>(p[0] | (p[1] << 8)); }
 // 8 consecutive bytes, little-endian, as two words, with the widest loads the address allows:
-// one 8-byte load (Q4_K quants in rows whose start is 16-byte aligned), 4- or 2-byte loads (the
-// blocks of 18, 34 and 210 bytes keep only 2-byte alignment), bytes otherwise.
+// one 8-byte load (Q4_K, Q5_K and Q5_1 quants in rows whose start is 16-byte aligned), 4- or 2-byte
+// loads (the blocks of 18, 22, 34 and 210 bytes keep only 2-byte alignment), bytes otherwise.
 ORCA_QUANT_HD void load8(const uint8_t* p, uint32_t& lo, uint32_t& hi) {
 #if defined(__CUDA_ARCH__) || defined(ORCA_QUANT_HOST_WIDE_LOADS)
   const uintptr_t a = reinterpret_cast<uintptr_t>(p);
@@ -165,6 +165,84 @@ struct Q4_1 {
   }
 };
 
+// ---- Q5_0 (6): 22 bytes = fp16 d, qh (uint32, little-endian), qs[16]. Element j < 16 is
+// (qs[j] & 15) | bit j of qh << 4, element j + 16 is (qs[j] >> 4) | bit j + 16 of qh << 4;
+// w = d * (q - 16) -----------------------------------------------------------------------------------
+struct Q5_0 {
+  static constexpr int kType = 6, kBlockElems = 32, kBlockBytes = 22;
+  struct Group {
+    uint16_t d;
+    uint8_t qh;       // bit e: the 5th bit of element e of the group
+    uint32_t lo, hi;  // qs bytes of the group
+    int shift;        // 0: low nibbles, 4: high nibbles
+  };
+  ORCA_QUANT_HD static Group load(const uint8_t* row, int64_t k) {
+    const uint8_t* b = row + (k / kBlockElems) * kBlockBytes;
+    const int j = static_cast<int>(k % kBlockElems);
+    Group g;
+    g.d = load_u16(b);
+    // The group's 8 high bits are bits j .. j + 7 of the little-endian qh: its byte j / 8 (one byte
+    // load; qh itself sits at only 2-byte alignment).
+    g.qh = b[2 + j / 8];
+    load8(b + 6 + (j & 15), g.lo, g.hi);
+    g.shift = j >= 16 ? 4 : 0;
+    return g;
+  }
+  ORCA_QUANT_HD static void dequant(const Group& g, float (&w)[8]) {
+    const float d = half_bits_to_float(g.d);
+#pragma unroll
+    for (int e = 0; e < 8; ++e) {
+      const uint32_t q = ((byte_of(g.lo, g.hi, e) >> g.shift) & 15u) | (((g.qh >> e) & 1u) << 4);
+      w[e] = mul_rn(d, static_cast<float>(static_cast<int>(q) - 16));
+    }
+  }
+};
+
+// ---- Q5_1 (7): 24 bytes = fp16 d, fp16 m, qh (uint32), qs[16] (5-bit quants as Q5_0);
+// w = d * q + m --------------------------------------------------------------------------------------
+struct Q5_1 {
+  static constexpr int kType = 7, kBlockElems = 32, kBlockBytes = 24;
+  struct Group {
+    uint16_t d, m;
+    uint8_t qh;
+    uint32_t lo, hi;
+    int shift;
+  };
+  ORCA_QUANT_HD static Group load(const uint8_t* row, int64_t k) {
+    const uint8_t* b = row + (k / kBlockElems) * kBlockBytes;
+    const int j = static_cast<int>(k % kBlockElems);
+    Group g;
+    g.d = load_u16(b);
+    g.m = load_u16(b + 2);
+    g.qh = b[4 + j / 8];
+    load8(b + 8 + (j & 15), g.lo, g.hi);
+    g.shift = j >= 16 ? 4 : 0;
+    return g;
+  }
+  ORCA_QUANT_HD static void dequant(const Group& g, float (&w)[8]) {
+    const float d = half_bits_to_float(g.d), m = half_bits_to_float(g.m);
+#pragma unroll
+    for (int e = 0; e < 8; ++e) {
+      const uint32_t q = ((byte_of(g.lo, g.hi, e) >> g.shift) & 15u) | (((g.qh >> e) & 1u) << 4);
+      w[e] = add_rn(mul_rn(d, static_cast<float>(q)), m);
+    }
+  }
+};
+
+// The 6-bit scale and min of sub-block s (0..7) from the 12 packed bytes of Q4_K and Q5_K
+// (ggml's get_scale_min_k4): s < 4 in the low 6 bits of scales[s] and scales[s + 4]; s >= 4 low 4
+// bits in scales[s + 4] (scale: low nibble, min: high nibble), top 2 bits in the top bits of
+// scales[s - 4] (scale) and scales[s] (min).
+ORCA_QUANT_HD void scale_min_k4(const uint8_t* scales, int s, uint8_t& sc, uint8_t& mn) {
+  if (s < 4) {
+    sc = scales[s] & 63;
+    mn = scales[s + 4] & 63;
+  } else {
+    sc = static_cast<uint8_t>((scales[s + 4] & 0xf) | ((scales[s - 4] >> 6) << 4));
+    mn = static_cast<uint8_t>((scales[s + 4] >> 4) | ((scales[s] >> 6) << 4));
+  }
+}
+
 // ---- Q4_K (12): 144 bytes = fp16 d, fp16 dmin, scales[12], qs[128]. 8 sub-blocks of 32: sub-block
 // s has a 6-bit scale sc and min mn packed in scales[] (get_scale_min_k4); its element l is nibble
 // (s & 1 ? high : low) of qs[32 * (s / 2) + l]; w = (d * sc) * nibble - (dmin * mn) ------------------
@@ -179,17 +257,10 @@ struct Q4_K {
   ORCA_QUANT_HD static Group load(const uint8_t* row, int64_t k) {
     const uint8_t* b = row + (k / kBlockElems) * kBlockBytes;
     const int e = static_cast<int>(k % kBlockElems), s = e / 32, l = e % 32;
-    const uint8_t* scales = b + 4;
     Group g;
     g.d = load_u16(b);
     g.dmin = load_u16(b + 2);
-    if (s < 4) {
-      g.sc = scales[s] & 63;
-      g.mn = scales[s + 4] & 63;
-    } else {
-      g.sc = static_cast<uint8_t>((scales[s + 4] & 0xf) | ((scales[s - 4] >> 6) << 4));
-      g.mn = static_cast<uint8_t>((scales[s + 4] >> 4) | ((scales[s] >> 6) << 4));
-    }
+    scale_min_k4(b + 4, s, g.sc, g.mn);
     load8(b + 16 + 32 * (s / 2) + l, g.lo, g.hi);
     g.shift = (s & 1) ? 4 : 0;
     return g;
@@ -200,6 +271,43 @@ struct Q4_K {
 #pragma unroll
     for (int e = 0; e < 8; ++e)
       w[e] = add_rn(mul_rn(dl, static_cast<float>((byte_of(g.lo, g.hi, e) >> g.shift) & 15u)), -ml);
+  }
+};
+
+// ---- Q5_K (13): 176 bytes = fp16 d, fp16 dmin, scales[12] (as Q4_K), qh[32], qs[128]. 8 sub-blocks
+// of 32: sub-block s, element l has low 4 bits nibble (s & 1 ? high : low) of qs[32 * (s / 2) + l]
+// and 5th bit (qh[l] >> s) & 1; w = (d * sc) * q - (dmin * mn), Q4_K's arithmetic with q in 0..31 ----
+struct Q5_K {
+  static constexpr int kType = 13, kBlockElems = 256, kBlockBytes = 176;
+  struct Group {
+    uint16_t d, dmin;
+    uint8_t sc, mn;
+    uint32_t lo, hi;        // qs bytes of the group
+    uint32_t qh_lo, qh_hi;  // qh[l .. l + 7]: bit s of each is the 5th bit of its element
+    int s;                  // the sub-block: nibble shift 4 * (s & 1), qh bit s
+  };
+  ORCA_QUANT_HD static Group load(const uint8_t* row, int64_t k) {
+    const uint8_t* b = row + (k / kBlockElems) * kBlockBytes;
+    const int e = static_cast<int>(k % kBlockElems), s = e / 32, l = e % 32;
+    Group g;
+    g.d = load_u16(b);
+    g.dmin = load_u16(b + 2);
+    scale_min_k4(b + 4, s, g.sc, g.mn);
+    load8(b + 16 + l, g.qh_lo, g.qh_hi);
+    load8(b + 48 + 32 * (s / 2) + l, g.lo, g.hi);
+    g.s = s;
+    return g;
+  }
+  ORCA_QUANT_HD static void dequant(const Group& g, float (&w)[8]) {
+    const float dl = mul_rn(half_bits_to_float(g.d), static_cast<float>(g.sc));
+    const float ml = mul_rn(half_bits_to_float(g.dmin), static_cast<float>(g.mn));
+    const int shift = (g.s & 1) ? 4 : 0;
+#pragma unroll
+    for (int e = 0; e < 8; ++e) {
+      const uint32_t lo4 = (byte_of(g.lo, g.hi, e) >> shift) & 15u;
+      const uint32_t hi1 = (byte_of(g.qh_lo, g.qh_hi, e) >> g.s) & 1u;
+      w[e] = add_rn(mul_rn(dl, static_cast<float>(lo4 | (hi1 << 4))), -ml);
+    }
   }
 };
 
@@ -245,7 +353,10 @@ inline bool visit_format(int64_t qtype, F&& f) {
     case Q8_0::kType: f(Q8_0{}); return true;
     case Q4_0::kType: f(Q4_0{}); return true;
     case Q4_1::kType: f(Q4_1{}); return true;
+    case Q5_0::kType: f(Q5_0{}); return true;
+    case Q5_1::kType: f(Q5_1{}); return true;
     case Q4_K::kType: f(Q4_K{}); return true;
+    case Q5_K::kType: f(Q5_K{}); return true;
     case Q6_K::kType: f(Q6_K{}); return true;
     default: return false;
   }
