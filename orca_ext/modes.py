@@ -8,8 +8,8 @@ and read by the ops and the model's forward, instead of flags threaded through e
     huge_pages           CPU weights and KV pools live in transparent huge pages (Linux)
     quant_activations    what the CPU products of quantized weights multiply: "float32"
                          activations, "int8" (each activation row rounded per 32-block, per
-                         256-block for Q4_K/Q6_K, with integer dot products, as llama.cpp does),
-                         or "auto" (int8 for Q4_K/Q6_K, float32 for Q8_0/Q4_0/Q4_1); a
+                         256-block for Q4_K/Q5_K/Q6_K, with integer dot products, as llama.cpp does),
+                         or "auto" (int8 for Q4_K/Q5_K/Q6_K, float32 for Q8_0/Q4_0/Q4_1/Q5_0/Q5_1); a
                          Server resolves EngineConfig's "auto" per model first (int8 unless
                          its blocks are mostly Q4_0/Q4_1: resolve_quant_activations);
                          quant/formats.py, docs/DESIGN.md section 4. CUDA is unaffected

@@ -27,14 +27,14 @@ def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
                    help="activation/KV dtype, and the weights' unless they stay quantized "
                         "(default auto: bfloat16 on GPU, float32 on CPU)")
     g.add_argument("--quantization", default=_DEFAULTS.quantization, choices=list(QUANTIZATION_MODES),
-                   help="GGUF weights: auto = Q8_0/Q4_0/Q4_1/Q4_K/Q6_K matrices stay as their blocks; "
+                   help="GGUF weights: auto = Q8_0/Q4_0/Q4_1/Q5_0/Q5_1/Q4_K/Q5_K/Q6_K matrices stay as their blocks; "
                         "none = dequantize them to --dtype at load (default auto)")
     g.add_argument("--quant-activations", default=_DEFAULTS.quant_activations, choices=list(QUANT_ACTIVATIONS),
                    help="CPU products of GGUF blocks: float32 activations (the float path's "
-                        "numbers), int8 (per 32-block; Q4_K/Q6_K per 256-block) with integer dot "
+                        "numbers), int8 (per 32-block; Q4_K/Q5_K/Q6_K per 256-block) with integer dot "
                         "products as llama.cpp does (faster; perplexity +0.06-0.6%%), or auto = int8 "
                         "for a file mostly of Q8_0 or K-quant blocks, and for a Q4_0/Q4_1 file int8 "
-                        "for its Q4_K/Q6_K and float32 for its 32-element blocks (default auto)")
+                        "for its Q4_K/Q5_K/Q6_K and float32 for its 32-element blocks (default auto)")
     g.add_argument("--max-batch-size", type=int, default=_DEFAULTS.max_batch_size,
                    help=f"requests per iteration (default {_DEFAULTS.max_batch_size})")
     g.add_argument("--n-slots", type=int, default=_DEFAULTS.n_slots,

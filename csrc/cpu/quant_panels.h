@@ -15,7 +15,7 @@ PanelFn<float, uint8_t> quant_panel_avx512(int type);  // call only when cpu_has
 bool cpu_has_avx512f();
 
 // int8 activations of T rows as the int8 kernels read them (quant_int8_act.h). The block is that
-// of the weight format: 32 for Q8_0, Q4_0, Q4_1 (int8_quantize_row), 256 for Q4_K and Q6_K
+// of the weight format: 32 for Q8_0, Q4_0, Q4_1, Q5_0, Q5_1 (int8_quantize_row), 256 for Q4_K, Q5_K and Q6_K
 // (int8_quantize_row_256).
 struct Int8Rows {
   int64_t block;         // elements per activation scale: 32 or 256

@@ -1,12 +1,13 @@
 """Load a GGUF file (llama.cpp's format) into a CausalLM, keeping quantized tensors as blocks.
 
-    quantization="auto": each matrix in a served block format (Q8_0, Q4_0, Q4_1, Q4_K, Q6_K;
-                         orca_ext/quant) stays as its blocks, a QuantizedWeight, with no float
-                         copy; the embedding too (its rows are decoded per forward).
+    quantization="auto": each matrix in a served block format (Q8_0, Q4_0, Q4_1, Q5_0, Q5_1,
+                         Q4_K, Q5_K, Q6_K; orca_ext/quant) stays as its blocks, a
+                         QuantizedWeight, with no float copy; the embedding too (its rows are
+                         decoded per forward).
     quantization="none": every matrix is dequantized to `dtype` at load (the float path).
 
 Either way F32/F16/BF16 tensors (norms, biases, float matrices) become `dtype` tensors, and a
-matrix in any other ggml type (Q5_0, Q5_K, IQ4_XS, ...) is dequantized at load by the `gguf`
+matrix in any other ggml type (Q2_K, Q3_K, IQ4_XS, ...) is dequantized at load by the `gguf`
 package, with one log line per type naming the tensors. A fused matrix (q/k/v, gate/up) whose
 parts are all blocks stays blocks (a QuantizedStack when their formats differ); one with a float
 part is dequantized whole, with a log line.

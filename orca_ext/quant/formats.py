@@ -57,8 +57,8 @@ class QType(enum.IntEnum):
 # What the CPU products of the blocks multiply:
 #   "float32": float32 activations, so the products are the float path's numbers on the
 #              dequantized weights;
-#   "int8":    activations rounded to int8 (per 32-block for Q8_0/Q4_0/Q4_1, per 256-block for
-#              Q4_K/Q6_K) with integer dot products, as llama.cpp computes every one of these
+#   "int8":    activations rounded to int8 (per 32-block for Q8_0/Q4_0/Q4_1/Q5_0/Q5_1, per 256-block for
+#              Q4_K/Q5_K/Q6_K) with integer dot products, as llama.cpp computes every one of these
 #              formats (faster; moves perplexity by 0.06-0.6%);
 #   "auto":    int8 for the K-quant super-blocks, float32 for the 32-element blocks. Widening a
 #              Q4_K or Q6_K block to float32 is compute-bound on a CPU (a Q4_K_M stream decodes at

@@ -10,7 +10,7 @@ kernel on it).
 The compiled CPU products of the formats in `_C.quant_int8_types()` (every compiled format on
 AVX2 CPUs) take int8-quantized activations where the process-wide mode `quant_activations`
 (modes.py), read at each call, says so for the weight's format (formats.int8_activations: "int8"
-for every format, "auto" for Q4_K and Q6_K); the mode changes nothing for the fallback or CUDA.
+for every format, "auto" for Q4_K, Q5_K and Q6_K); the mode changes nothing for the fallback or CUDA.
 
 `qweight` is QuantizedWeight.data (uint8 [N, row_bytes]); a format the compiled kernels do not
 list in `_C.quant_types()` takes the fallback. The fallback's result is exactly the
