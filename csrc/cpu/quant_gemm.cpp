@@ -191,24 +191,22 @@ void bias_epilogue(const float* acc, const T* bias, const T* residual, T* out, i
   }
 }
 
-// silu(g) = g * sigmoid(g), computed as the float-activation kernels do (skinny_gemm.cpp).
-inline float silu(float g) {
-  const float e = detail::exp2_nonpos(-std::fabs(g) * 1.4426950408889634f);
-  const float s = (g >= 0.0f ? 1.0f : e) / (1.0f + e);
-  return g * s;
-}
-
-// out[t, i] = silu(acc[t, i] + bias[i]) * (acc[t, I + i] + bias[I + i]), rounded to T.
+// out[t, i] = silu(acc[t, i] + bias[i]) * (acc[t, I + i] + bias[I + i]), rounded to T; silu as
+// the float-activation kernels compute it (detail::silu). Without a bias each token's row is one
+// vectorized pass (evaluated one output at a time, it was 7.5% of a Q5_K_M prompt's time on a
+// Zen 4); the bias is added to acc in place first.
 template <typename T>
-void silu_mul_epilogue(const float* acc, const T* bias, T* out, int64_t n_tokens, int64_t n_inter) {
+void silu_mul_epilogue(float* acc, const T* bias, T* out, int64_t n_tokens, int64_t n_inter) {
+  const bool parallel = n_tokens > 1 && n_tokens * n_inter >= (int64_t{1} << 16);
+#pragma omp parallel for schedule(static) if (parallel)
   for (int64_t t = 0; t < n_tokens; ++t) {
-    const float* a = acc + t * 2 * n_inter;
-    T* o = out + t * n_inter;
-    for (int64_t i = 0; i < n_inter; ++i) {
-      float g = a[i], u = a[n_inter + i];
-      if (bias != nullptr) g += to_float(bias[i]), u += to_float(bias[n_inter + i]);
-      o[i] = from_float<T>(silu(g) * u);
-    }
+    float* __restrict g = acc + t * 2 * n_inter;
+    float* __restrict u = g + n_inter;
+    T* __restrict o = out + t * n_inter;
+    if (bias != nullptr)
+      for (int64_t i = 0; i < n_inter; ++i) g[i] += to_float(bias[i]), u[i] += to_float(bias[n_inter + i]);
+#pragma omp simd
+    for (int64_t i = 0; i < n_inter; ++i) o[i] = from_float<T>(detail::silu(g[i]) * u[i]);
   }
 }
 
