@@ -113,12 +113,20 @@ struct Q8_0 {
   }
 };
 
-// ---- Q4_0 (2): 18 bytes = fp16 d, qs[16]; element i < 16 is qs[i] & 15, i >= 16 is qs[i-16] >> 4;
-// w = d * (nibble - 8) -------------------------------------------------------------------------------
-struct Q4_0 {
-  static constexpr int kType = 2, kBlockElems = 32, kBlockBytes = 18;
+// ---- Q4_0 (2), Q4_1 (3), Q5_0 (6), Q5_1 (7): 32 elements = fp16 d [, fp16 m] [, uint32 qh
+// (little-endian)], qs[16]. Element i < 16 has the low nibble of qs[i], i >= 16 the high nibble of
+// qs[i - 16]; the 5-bit formats add bit i of qh as bit 4. w = d * (q - 8) (Q4_0), d * (q - 16)
+// (Q5_0), or d * q + m (Q4_1, Q5_1) --------------------------------------------------------------------
+// (Blocks of 18 and 22 bytes leave qh at 2-byte alignment: a group reads the one qh byte it needs.)
+template <int kTypeId, bool kMin, bool kFive>
+struct NibbleBlock {
+  static constexpr int kType = kTypeId, kBlockElems = 32;
+  static constexpr int kHead = kMin ? 4 : 2;             // fp16 d [, m]
+  static constexpr int kQs = kHead + (kFive ? 4 : 0);    // the 16 quant bytes
+  static constexpr int kBlockBytes = kQs + 16;
   struct Group {
-    uint16_t d;
+    uint16_t d, m;    // m: kMin only
+    uint8_t qh;       // kFive only: bit e is bit 4 of element e of the group
     uint32_t lo, hi;  // qs bytes of the group
     int shift;        // 0: low nibbles, 4: high nibbles
   };
@@ -127,95 +135,9 @@ struct Q4_0 {
     const int j = static_cast<int>(k % kBlockElems);
     Group g;
     g.d = load_u16(b);
-    load8(b + 2 + (j & 15), g.lo, g.hi);
-    g.shift = j >= 16 ? 4 : 0;
-    return g;
-  }
-  ORCA_QUANT_HD static void dequant(const Group& g, float (&w)[8]) {
-    const float d = half_bits_to_float(g.d);
-#pragma unroll
-    for (int e = 0; e < 8; ++e)
-      w[e] = mul_rn(d, static_cast<float>(static_cast<int>((byte_of(g.lo, g.hi, e) >> g.shift) & 15u) - 8));
-  }
-};
-
-// ---- Q4_1 (3): 20 bytes = fp16 d, fp16 m, qs[16] (nibbles as Q4_0); w = d * nibble + m -------------
-struct Q4_1 {
-  static constexpr int kType = 3, kBlockElems = 32, kBlockBytes = 20;
-  struct Group {
-    uint16_t d, m;
-    uint32_t lo, hi;
-    int shift;
-  };
-  ORCA_QUANT_HD static Group load(const uint8_t* row, int64_t k) {
-    const uint8_t* b = row + (k / kBlockElems) * kBlockBytes;
-    const int j = static_cast<int>(k % kBlockElems);
-    Group g;
-    g.d = load_u16(b);
-    g.m = load_u16(b + 2);
-    load8(b + 4 + (j & 15), g.lo, g.hi);
-    g.shift = j >= 16 ? 4 : 0;
-    return g;
-  }
-  ORCA_QUANT_HD static void dequant(const Group& g, float (&w)[8]) {
-    const float d = half_bits_to_float(g.d), m = half_bits_to_float(g.m);
-#pragma unroll
-    for (int e = 0; e < 8; ++e)
-      w[e] = add_rn(mul_rn(d, static_cast<float>((byte_of(g.lo, g.hi, e) >> g.shift) & 15u)), m);
-  }
-};
-
-// ---- Q5_0 (6): 22 bytes = fp16 d, qh (uint32, little-endian), qs[16]. Element j < 16 is
-// (qs[j] & 15) | bit j of qh << 4, element j + 16 is (qs[j] >> 4) | bit j + 16 of qh << 4;
-// w = d * (q - 16) -----------------------------------------------------------------------------------
-struct Q5_0 {
-  static constexpr int kType = 6, kBlockElems = 32, kBlockBytes = 22;
-  struct Group {
-    uint16_t d;
-    uint8_t qh;       // bit e: the 5th bit of element e of the group
-    uint32_t lo, hi;  // qs bytes of the group
-    int shift;        // 0: low nibbles, 4: high nibbles
-  };
-  ORCA_QUANT_HD static Group load(const uint8_t* row, int64_t k) {
-    const uint8_t* b = row + (k / kBlockElems) * kBlockBytes;
-    const int j = static_cast<int>(k % kBlockElems);
-    Group g;
-    g.d = load_u16(b);
-    // The group's 8 high bits are bits j .. j + 7 of the little-endian qh: its byte j / 8 (one byte
-    // load; qh itself sits at only 2-byte alignment).
-    g.qh = b[2 + j / 8];
-    load8(b + 6 + (j & 15), g.lo, g.hi);
-    g.shift = j >= 16 ? 4 : 0;
-    return g;
-  }
-  ORCA_QUANT_HD static void dequant(const Group& g, float (&w)[8]) {
-    const float d = half_bits_to_float(g.d);
-#pragma unroll
-    for (int e = 0; e < 8; ++e) {
-      const uint32_t q = ((byte_of(g.lo, g.hi, e) >> g.shift) & 15u) | (((g.qh >> e) & 1u) << 4);
-      w[e] = mul_rn(d, static_cast<float>(static_cast<int>(q) - 16));
-    }
-  }
-};
-
-// ---- Q5_1 (7): 24 bytes = fp16 d, fp16 m, qh (uint32), qs[16] (5-bit quants as Q5_0);
-// w = d * q + m --------------------------------------------------------------------------------------
-struct Q5_1 {
-  static constexpr int kType = 7, kBlockElems = 32, kBlockBytes = 24;
-  struct Group {
-    uint16_t d, m;
-    uint8_t qh;
-    uint32_t lo, hi;
-    int shift;
-  };
-  ORCA_QUANT_HD static Group load(const uint8_t* row, int64_t k) {
-    const uint8_t* b = row + (k / kBlockElems) * kBlockBytes;
-    const int j = static_cast<int>(k % kBlockElems);
-    Group g;
-    g.d = load_u16(b);
-    g.m = load_u16(b + 2);
-    g.qh = b[4 + j / 8];
-    load8(b + 8 + (j & 15), g.lo, g.hi);
+    g.m = kMin ? load_u16(b + 2) : uint16_t{0};
+    g.qh = kFive ? b[kHead + j / 8] : uint8_t{0};  // bits j .. j + 7 of qh
+    load8(b + kQs + (j & 15), g.lo, g.hi);
     g.shift = j >= 16 ? 4 : 0;
     return g;
   }
@@ -223,11 +145,19 @@ struct Q5_1 {
     const float d = half_bits_to_float(g.d), m = half_bits_to_float(g.m);
 #pragma unroll
     for (int e = 0; e < 8; ++e) {
-      const uint32_t q = ((byte_of(g.lo, g.hi, e) >> g.shift) & 15u) | (((g.qh >> e) & 1u) << 4);
-      w[e] = add_rn(mul_rn(d, static_cast<float>(q)), m);
+      uint32_t q = (byte_of(g.lo, g.hi, e) >> g.shift) & 15u;
+      if (kFive) q |= ((g.qh >> e) & 1u) << 4;
+      if (kMin)
+        w[e] = add_rn(mul_rn(d, static_cast<float>(q)), m);
+      else
+        w[e] = mul_rn(d, static_cast<float>(static_cast<int>(q) - (kFive ? 16 : 8)));
     }
   }
 };
+using Q4_0 = NibbleBlock<2, false, false>;
+using Q4_1 = NibbleBlock<3, true, false>;
+using Q5_0 = NibbleBlock<6, false, true>;
+using Q5_1 = NibbleBlock<7, true, true>;
 
 // The 6-bit scale and min of sub-block s (0..7) from the 12 packed bytes of Q4_K and Q5_K
 // (ggml's get_scale_min_k4): s < 4 in the low 6 bits of scales[s] and scales[s + 4]; s >= 4 low 4
