@@ -268,18 +268,23 @@ struct Q8RowBlock<false> {
   float d;
 };
 
-// The rows of a Q8_0 or Q5_0 weight as Q8RowBlock: a Q5_0 block's weights are d * (code - 16), so
-// its int8 quants code - 16 and its d make a Q8_0 block of the same numbers, and its prefill runs
-// on Q8_0's grouped tiles (the int32 lanes and float sums of Q5_0's natural-order tiles: the same
-// products of the same integers).
+// The rows of a Q8_0, Q4_0 or Q5_0 weight as Q8RowBlock: a Q4_0 (Q5_0) block's weights are
+// d * (code - 8) (d * (code - 16)), so its int8 quants code - 8 (- 16) and its d make a Q8_0 block
+// of the same numbers, and its prefill runs on Q8_0's grouped tiles (the int32 lanes and float
+// sums of its own natural-order tiles: the same products of the same integers).
 template <int F, bool kCorrections>
 inline void q8_0_row_blocks(const uint8_t* row, int64_t n_blocks, Q8RowBlock<kCorrections>* out) {  // out [n_blocks]
-  static_assert(F == kQuantTypeQ8_0 || F == kQuantTypeQ5_0, "a format of int8 quants times d");
+  static_assert(F == kQuantTypeQ8_0 || F == kQuantTypeQ4_0 || F == kQuantTypeQ5_0, "int8 quants times d");
   const __m256i ones8 = _mm256_set1_epi8(1), ones16 = _mm256_set1_epi16(1);
   for (int64_t b = 0; b < n_blocks; ++b) {
     const uint8_t* blk = row + b * int8_block_bytes<F>();
-    const __m256i wq = F == kQuantTypeQ8_0 ? _mm256_loadu_si256(reinterpret_cast<const __m256i*>(blk + 2))
-                                           : _mm256_sub_epi8(q5_block_codes<F>(blk), _mm256_set1_epi8(16));
+    __m256i wq;
+    if constexpr (F == kQuantTypeQ8_0)
+      wq = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(blk + 2));
+    else if constexpr (F == kQuantTypeQ4_0)
+      wq = _mm256_sub_epi8(nibbles32(blk + 2), _mm256_set1_epi8(8));
+    else
+      wq = _mm256_sub_epi8(q5_block_codes<F>(blk), _mm256_set1_epi8(16));
     _mm256_store_si256(reinterpret_cast<__m256i*>(out[b].q), wq);
     if constexpr (kCorrections) {
       const __m256i sums = _mm256_madd_epi16(_mm256_maddubs_epi16(ones8, wq), ones16);  // exact: |pair| <= 256
@@ -292,7 +297,10 @@ inline void q8_0_row_blocks(const uint8_t* row, int64_t n_blocks, Q8RowBlock<kCo
 
 // Formats whose prefill runs on Q8_0's grouped tiles (q8_0_row_blocks).
 template <int F>
-constexpr bool kQ8Grouped = F == kQuantTypeQ8_0 || F == kQuantTypeQ5_0;
+constexpr bool kQ8Grouped = F == kQuantTypeQ8_0 || F == kQuantTypeQ4_0 || F == kQuantTypeQ5_0;
+constexpr bool q8_grouped_type(int type) {
+  return type == kQuantTypeQ8_0 || type == kQuantTypeQ4_0 || type == kQuantTypeQ5_0;
+}
 
 // out[t * n_out + n0 + r] for the R Q8_0 weight rows from n0 and G token slots of V::kTokens
 // tokens from slot0 * V::kTokens (those below n_tokens), from the token-interleaved copy
@@ -384,12 +392,12 @@ inline void int8_act_rows_all_tokens(const Int8Rows& a, const uint8_t* w, int64_
 
 // What a grouped format's prefill tiles read of each weight row besides its bytes, decoded
 // once per row for all token slots: Q4_K's scales, Q5_K's scales and codes, Q6_K's q6 and
-// scales, Q8_0's (Q5_0's) aligned int8 quants (and with vpdpbusd their corrections).
+// scales, Q8_0's (Q4_0's, Q5_0's) aligned int8 quants (and with vpdpbusd their corrections).
 template <int F, bool kDpbusd>
 using RowPrepOf = std::conditional_t<kQ4Family<F>, KRowPrep<F>,
                                      std::conditional_t<F == kQuantTypeQ6_K, Q6KRowBlock, Q8RowBlock<kDpbusd>>>;
 
-// The prefill tile of a grouped format F (Q4_K, Q5_K, Q6_K, Q8_0, Q5_0) at width V.
+// The prefill tile of a grouped format F (Q4_K, Q5_K, Q6_K, Q8_0, Q4_0, Q5_0) at width V.
 template <int F, class V, int R, int G>
 inline void group_tile(const Int8Groups& g, const uint8_t* w, int64_t row_bytes, int64_t k, int64_t n_tokens,
                        int64_t n_out, int64_t n, int64_t slot, const RowPrepOf<F, V::kDpbusd>* const* prep,
@@ -493,7 +501,7 @@ inline void grouped_prefill(const Int8Groups& g, const uint8_t* w, int64_t row_b
 }
 
 // Whether format F's prefill reads the token-interleaved copy (Int8Groups) on this path: Q4_K,
-// Q5_K, Q8_0 and Q5_0 always; Q6_K with VNNI (its tile packs sums of 4 products in int16 halves for
+// Q5_K, Q8_0, Q4_0 and Q5_0 always; Q6_K with VNNI (its tile packs sums of 4 products in int16 halves for
 // vpdpbusd). On AVX2 Q6_K keeps the natural-order tiles, whose int32 lanes and float sums are
 // the same.
 template <bool kVnni, int F>
@@ -671,13 +679,12 @@ inline void int8_act_linear(const Int8Rows& a, const uint8_t* w, int type, int64
   const bool grouped = type == kQuantTypeQ4_K   ? grouped_prefill_of<kVnni, kQuantTypeQ4_K>()
                        : type == kQuantTypeQ5_K ? grouped_prefill_of<kVnni, kQuantTypeQ5_K>()
                        : type == kQuantTypeQ6_K ? grouped_prefill_of<kVnni, kQuantTypeQ6_K>()
-                       : type == kQuantTypeQ8_0 ? grouped_prefill_of<kVnni, kQuantTypeQ8_0>()
-                       : type == kQuantTypeQ5_0 ? grouped_prefill_of<kVnni, kQuantTypeQ5_0>()
+                       : q8_grouped_type(type)  ? grouped_prefill_of<kVnni, kQuantTypeQ8_0>()
                                                 : false;
   if (grouped && n_tokens >= kGroupedMinTokens)
     groups = int8_groups_at(thread_scratch<int8_t>(5, static_cast<size_t>(int8_groups_bytes(n_tokens, k, type))),
                             n_tokens, k, type,
-                            (type == kQuantTypeQ8_0 || type == kQuantTypeQ5_0) && GroupOps256<kVnni>::kDpbusd);
+                            q8_grouped_type(type) && GroupOps256<kVnni>::kDpbusd);
   const int64_t threads = omp_get_max_threads();
   if (n_tokens == 1) {  // a share of the rows per thread, the ends taken over by whoever is done first
     const int64_t min_rows = int8_decode_min_rows(row_bytes);

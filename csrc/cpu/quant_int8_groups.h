@@ -1,5 +1,5 @@
 // The token-interleaved copy of the int8 activations that the prefill tiles of Q4_K, Q5_K, Q6_K
-// and Q8_0 (Q5_0 through its tiles) read (quant_int8_act_k.h, quant_int8_act.h), and the vector ops those tiles share at two
+// and Q8_0 (Q4_0 and Q5_0 through its tiles) read (quant_int8_act_k.h, quant_int8_act.h), and the vector ops those tiles share at two
 // widths. Tokens come in groups of 8 (the last padded with zero rows); per group and 8-element
 // chunk c, the 8 tokens' chunks lie side by side, so that one 64-byte load (or 32 for 4 of the
 // tokens) meets one 8-byte broadcast of weights and yields two int32 lanes per token.
@@ -23,17 +23,19 @@ constexpr int kGroupTokens = 8;
 
 struct Int8Groups {
   int64_t n_groups;
-  int64_t block;     // elements per activation scale: 256 (Q4_K, Q5_K, Q6_K) or 32 (Q8_0, Q5_0)
+  int64_t block;     // elements per activation scale: 256 (Q4_K, Q5_K, Q6_K) or 32 (Q8_0, Q4_0, Q5_0)
   int8_t* q;         // [n_groups, K / 8, 8, 8]; when biased, q + 128 (read as uint8)
   float* d;          // [n_groups, K / block, 16]: token s's scale in lanes 2s and 2s + 1
   int16_t* bsums;    // Q4_K: [n_groups, K / 256, 2, 4, 8], the sums of each 32 quants of tokens
                      // (0, 2, 4, 6) then (1, 3, 5, 7); else nullptr
   int16_t* bsums16;  // Q6_K: [n_groups, K / 256, 4, 8, 4]: for c8 = 0..3 and each token, the sums
                      // of the 16 quants 4 c8 .. 4 c8 + 3; else nullptr
-  bool biased;       // Q8_0 (Q5_0) with vpdpbusd: q holds x + 128, the unsigned operand
+  bool biased;       // Q8_0 (Q4_0, Q5_0) with vpdpbusd: q holds x + 128, the unsigned operand
 };
 
-inline int64_t int8_group_block(int type) { return type == kQuantTypeQ8_0 || type == kQuantTypeQ5_0 ? 32 : 256; }
+inline int64_t int8_group_block(int type) {
+  return type == kQuantTypeQ8_0 || type == kQuantTypeQ4_0 || type == kQuantTypeQ5_0 ? 32 : 256;
+}
 
 inline int64_t int8_groups_bytes(int64_t n_tokens, int64_t k, int type) {  // 64-byte aligned parts
   const int64_t g = (n_tokens + kGroupTokens - 1) / kGroupTokens, n_blocks = k / int8_group_block(type);
