@@ -95,6 +95,13 @@ constexpr int64_t int8_block_bytes() {
   return F == kQuantTypeQ8_0 ? 34 : F == kQuantTypeQ4_0 ? 18 : F == kQuantTypeQ4_1 ? 20 : F == kQuantTypeQ5_0 ? 22 : 24;
 }
 
+// The 32-element formats with a minimum (w = d * code + m), and those whose prefill runs on Q8_0's
+// grouped tiles (q8_0_row_blocks).
+template <int F>
+constexpr bool kMinFormat = F == kQuantTypeQ4_1 || F == kQuantTypeQ5_1;
+template <int F>
+constexpr bool kQ8GroupedFormat = F == kQuantTypeQ8_0 || F == kQuantTypeQ4_0 || F == kQuantTypeQ5_0 || kMinFormat<F>;
+
 // The 32 codes of a Q5_0 or Q5_1 block as bytes in element order (its qh follows the fp16 head).
 template <int F>
 inline __m256i q5_block_codes(const uint8_t* blk) {
@@ -259,22 +266,23 @@ template <bool kCorrections>
 struct Q8RowBlock {
   alignas(32) int8_t q[32];
   int32_t neg128_sums[8];
-  float d;
+  float d, m;  // m: Q4_1's and Q5_1's minimum (0 for the others)
 };
 
 template <>
 struct Q8RowBlock<false> {
   alignas(32) int8_t q[32];
-  float d;
+  float d, m;
 };
 
-// The rows of a Q8_0, Q4_0 or Q5_0 weight as Q8RowBlock: a Q4_0 (Q5_0) block's weights are
-// d * (code - 8) (d * (code - 16)), so its int8 quants code - 8 (- 16) and its d make a Q8_0 block
-// of the same numbers, and its prefill runs on Q8_0's grouped tiles (the int32 lanes and float
-// sums of its own natural-order tiles: the same products of the same integers).
+// The rows of a Q8_0, Q4_0, Q4_1, Q5_0 or Q5_1 weight as Q8RowBlock: a Q4_0 (Q5_0) block's
+// weights are d * (code - 8) (d * (code - 16)), so its int8 quants code - 8 (- 16) and its d make
+// a Q8_0 block of the same numbers; Q4_1's and Q5_1's are their codes, d and m. Their prefill runs
+// on Q8_0's grouped tiles (the int32 lanes and float sums of their own natural-order tiles: the
+// same products of the same integers, and the same minimum terms).
 template <int F, bool kCorrections>
 inline void q8_0_row_blocks(const uint8_t* row, int64_t n_blocks, Q8RowBlock<kCorrections>* out) {  // out [n_blocks]
-  static_assert(F == kQuantTypeQ8_0 || F == kQuantTypeQ4_0 || F == kQuantTypeQ5_0, "int8 quants times d");
+  static_assert(kQ8GroupedFormat<F>, "int8 codes times d (plus m)");
   const __m256i ones8 = _mm256_set1_epi8(1), ones16 = _mm256_set1_epi16(1);
   for (int64_t b = 0; b < n_blocks; ++b) {
     const uint8_t* blk = row + b * int8_block_bytes<F>();
@@ -283,8 +291,12 @@ inline void q8_0_row_blocks(const uint8_t* row, int64_t n_blocks, Q8RowBlock<kCo
       wq = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(blk + 2));
     else if constexpr (F == kQuantTypeQ4_0)
       wq = _mm256_sub_epi8(nibbles32(blk + 2), _mm256_set1_epi8(8));
-    else
+    else if constexpr (F == kQuantTypeQ5_0)
       wq = _mm256_sub_epi8(q5_block_codes<F>(blk), _mm256_set1_epi8(16));
+    else if constexpr (F == kQuantTypeQ4_1)
+      wq = nibbles32(blk + 4);
+    else
+      wq = q5_block_codes<F>(blk);
     _mm256_store_si256(reinterpret_cast<__m256i*>(out[b].q), wq);
     if constexpr (kCorrections) {
       const __m256i sums = _mm256_madd_epi16(_mm256_maddubs_epi16(ones8, wq), ones16);  // exact: |pair| <= 256
@@ -292,14 +304,13 @@ inline void q8_0_row_blocks(const uint8_t* row, int64_t n_blocks, Q8RowBlock<kCo
                          _mm256_mullo_epi32(sums, _mm256_set1_epi32(-128)));
     }
     out[b].d = half_to_float(blk);
+    out[b].m = kMinFormat<F> ? half_to_float(blk + 2) : 0.0f;
   }
 }
 
-// Formats whose prefill runs on Q8_0's grouped tiles (q8_0_row_blocks).
-template <int F>
-constexpr bool kQ8Grouped = F == kQuantTypeQ8_0 || F == kQuantTypeQ4_0 || F == kQuantTypeQ5_0;
+// kQ8GroupedFormat for a runtime ggml type.
 constexpr bool q8_grouped_type(int type) {
-  return type == kQuantTypeQ8_0 || type == kQuantTypeQ4_0 || type == kQuantTypeQ5_0;
+  return type == kQuantTypeQ8_0 || type == kQuantTypeQ4_0 || type == kQuantTypeQ5_0 || min_format(type);
 }
 
 // out[t * n_out + n0 + r] for the R Q8_0 weight rows from n0 and G token slots of V::kTokens
@@ -312,7 +323,10 @@ constexpr bool q8_grouped_type(int type) {
 //   -128 * (the sum of w per lane, Q8RowBlock).
 // - Without (AVX2): |w| (as uint8, so |-128| = 128) against x carrying w's sign, vpmaddubsw
 //   (pairs |w x| <= 2 * 128 * 127 fit int16) then vpmaddwd by 1, as the one-token tile does.
-template <class V, int R, int G>
+// kMin (Q4_1, Q5_1): each output also sums m_w * s_x over its blocks in a chain of its own (one
+// fma per block, in block order, lanes 2s and 2s + 1 of token s alike), added after the tree, as
+// int8_act_tile_32 adds its scalar minimum sum.
+template <class V, int R, int G, bool kMin = false>
 inline void q8_0_int8_group_tile(const Int8Groups& a, int64_t k, int64_t n_tokens, int64_t n_out, int64_t n0,
                                  int64_t slot0, const Q8RowBlock<V::kDpbusd>* const* blocks, float* out) {  // blocks[r]: row n0 + r's [K / 32]
   using I = typename V::I;
@@ -320,18 +334,25 @@ inline void q8_0_int8_group_tile(const Int8Groups& a, int64_t k, int64_t n_token
   const int64_t n_blocks = k / 32;
   const int8_t* xs[G];
   const float* ds[G];
+  const float* ss[G];
   for (int g = 0; g < G; ++g) {
     const GroupSlot slot(slot0 + g, V::kTokens);
     xs[g] = slot.q(a, k);
     ds[g] = slot.d(a, n_blocks);
+    ss[g] = kMin ? slot.s(a, n_blocks) : nullptr;
   }
   F acc[R][G][4];
+  F mins[R][G];
   for (int r = 0; r < R; ++r)
-    for (int g = 0; g < G; ++g)
+    for (int g = 0; g < G; ++g) {
+      mins[r][g] = V::zero_f();
       for (int c = 0; c < 4; ++c) acc[r][g][c] = V::zero_f();
+    }
   for (int64_t b = 0; b < n_blocks; ++b) {
     for (int r = 0; r < R; ++r) {
       const Q8RowBlock<V::kDpbusd>& rb = blocks[r][b];
+      if constexpr (kMin)
+        for (int g = 0; g < G; ++g) mins[r][g] = V::fma(V::bcast_f(rb.m), V::load_f(ss[g] + 16 * b), mins[r][g]);
       const F dw = V::bcast_f(rb.d);
       F scale[G];
       for (int g = 0; g < G; ++g) scale[g] = V::mul(dw, V::load_f(ds[g] + 16 * b));
@@ -351,6 +372,16 @@ inline void q8_0_int8_group_tile(const Int8Groups& a, int64_t k, int64_t n_token
     }
   }
   store_group_tile<V, R, G>(acc, n_tokens, n_out, n0, slot0, out);
+  if constexpr (kMin)
+    for (int r = 0; r < R; ++r)
+      for (int g = 0; g < G; ++g) {
+        alignas(64) float l[2 * V::kTokens];
+        V::store_f(l, mins[r][g]);
+        for (int s = 0; s < V::kTokens; ++s) {
+          const int64_t t = (slot0 + g) * V::kTokens + s;
+          if (t < n_tokens) out[t * n_out + n0 + r] += l[2 * s];
+        }
+      }
 }
 
 // The tile of format F in natural token order: the 32-element formats above, Q4_K, Q5_K and Q6_K
@@ -392,20 +423,20 @@ inline void int8_act_rows_all_tokens(const Int8Rows& a, const uint8_t* w, int64_
 
 // What a grouped format's prefill tiles read of each weight row besides its bytes, decoded
 // once per row for all token slots: Q4_K's scales, Q5_K's scales and codes, Q6_K's q6 and
-// scales, Q8_0's (Q4_0's, Q5_0's) aligned int8 quants (and with vpdpbusd their corrections).
+// scales, the 32-element formats' aligned int8 codes (and with vpdpbusd their corrections).
 template <int F, bool kDpbusd>
 using RowPrepOf = std::conditional_t<kQ4Family<F>, KRowPrep<F>,
                                      std::conditional_t<F == kQuantTypeQ6_K, Q6KRowBlock, Q8RowBlock<kDpbusd>>>;
 
-// The prefill tile of a grouped format F (Q4_K, Q5_K, Q6_K, Q8_0, Q4_0, Q5_0) at width V.
+// The prefill tile of a grouped format F (Q4_K, Q5_K, Q6_K and the 32-element formats) at width V.
 template <int F, class V, int R, int G>
 inline void group_tile(const Int8Groups& g, const uint8_t* w, int64_t row_bytes, int64_t k, int64_t n_tokens,
                        int64_t n_out, int64_t n, int64_t slot, const RowPrepOf<F, V::kDpbusd>* const* prep,
                        float* out) {
   if constexpr (kQ4Family<F>) {
     q4k_int8_group_tile<F, V, R, G>(g, w, row_bytes, k, n_tokens, n_out, n, slot, prep, out);
-  } else if constexpr (kQ8Grouped<F>) {
-    q8_0_int8_group_tile<V, R, G>(g, k, n_tokens, n_out, n, slot, prep, out);
+  } else if constexpr (kQ8GroupedFormat<F>) {
+    q8_0_int8_group_tile<V, R, G, kMinFormat<F>>(g, k, n_tokens, n_out, n, slot, prep, out);
   } else {
 #if defined(ORCA_QUANT_INT8_512)
     q6k_int8_group_tile<V, R, G>(g, k, n_tokens, n_out, n, slot, prep, out);
@@ -417,7 +448,7 @@ inline void group_tile(const Int8Groups& g, const uint8_t* w, int64_t row_bytes,
 // every token slot into prep [(n1 - n0) * row_prep_blocks<F>(k)].
 template <int F>
 constexpr int64_t row_prep_blocks(int64_t k) {
-  return k / (kQ8Grouped<F> ? 32 : kSuperBlock);
+  return k / (kQ8GroupedFormat<F> ? 32 : kSuperBlock);
 }
 
 template <int F, bool kQ8Corrections>
@@ -495,13 +526,13 @@ inline void grouped_prefill(const Int8Groups& g, const uint8_t* w, int64_t row_b
     return;
   }
 #endif
-  constexpr bool kQ8Sign = kQ8Grouped<F> && !GroupOps256<kVnni>::kDpbusd;
+  constexpr bool kQ8Sign = kQ8GroupedFormat<F> && !GroupOps256<kVnni>::kDpbusd;
   slots_against_rows<F, GroupOps256<kVnni>, kQ8Sign ? 1 : 2, kQ8Sign ? 2 : kVnni ? kSlots : 1>(
       g, w, row_bytes, n_tokens, k, n_out, n0, n1, 0, (n_tokens + 3) / 4, prep, ahead, out);
 }
 
 // Whether format F's prefill reads the token-interleaved copy (Int8Groups) on this path: Q4_K,
-// Q5_K, Q8_0, Q4_0 and Q5_0 always; Q6_K with VNNI (its tile packs sums of 4 products in int16 halves for
+// Q5_K, Q8_0 and the 32-element formats always; Q6_K with VNNI (its tile packs sums of 4 products in int16 halves for
 // vpdpbusd). On AVX2 Q6_K keeps the natural-order tiles, whose int32 lanes and float sums are
 // the same.
 template <bool kVnni, int F>
@@ -509,7 +540,7 @@ constexpr bool grouped_prefill_of() {
 #if defined(ORCA_QUANT_INT8_512)
   if (kVnni && F == kQuantTypeQ6_K) return true;
 #endif
-  return kQ4Family<F> || kQ8Grouped<F>;
+  return kQ4Family<F> || kQ8GroupedFormat<F>;
 }
 
 // Rows per panel of a prefill: about 64 KiB of weights, which stay in L2 while every token tile

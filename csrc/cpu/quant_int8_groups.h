@@ -30,17 +30,25 @@ struct Int8Groups {
                      // (0, 2, 4, 6) then (1, 3, 5, 7); else nullptr
   int16_t* bsums16;  // Q6_K: [n_groups, K / 256, 4, 8, 4]: for c8 = 0..3 and each token, the sums
                      // of the 16 quants 4 c8 .. 4 c8 + 3; else nullptr
-  bool biased;       // Q8_0 (Q4_0, Q5_0) with vpdpbusd: q holds x + 128, the unsigned operand
+  bool biased;       // Q8_0 (Q4_0, Q4_1, Q5_0, Q5_1) with vpdpbusd: q holds x + 128, the unsigned operand
+  float* s = nullptr;  // Q4_1, Q5_1: [n_groups, K / 32, 16]: token s's d * sum(q) in lanes 2s and
+                       // 2s + 1 (as d); else nullptr
 };
 
+// The 32-element formats with a minimum (w = d * code + m), whose tiles also read s.
+inline bool min_format(int type) { return type == kQuantTypeQ4_1 || type == kQuantTypeQ5_1; }
+
 inline int64_t int8_group_block(int type) {
-  return type == kQuantTypeQ8_0 || type == kQuantTypeQ4_0 || type == kQuantTypeQ5_0 ? 32 : 256;
+  return type == kQuantTypeQ8_0 || type == kQuantTypeQ4_0 || type == kQuantTypeQ5_0 || min_format(type) ? 32 : 256;
 }
 
 inline int64_t int8_groups_bytes(int64_t n_tokens, int64_t k, int type) {  // 64-byte aligned parts
   const int64_t g = (n_tokens + kGroupTokens - 1) / kGroupTokens, n_blocks = k / int8_group_block(type);
   const bool q4_sums = type == kQuantTypeQ4_K || type == kQuantTypeQ5_K;  // Q5_K reads Q4_K's
-  const int64_t sums = q4_sums ? g * n_blocks * 64 * 2 : type == kQuantTypeQ6_K ? g * n_blocks * 128 * 2 : 0;
+  const int64_t sums = q4_sums                    ? g * n_blocks * 64 * 2
+                       : type == kQuantTypeQ6_K    ? g * n_blocks * 128 * 2
+                       : min_format(type)          ? g * n_blocks * 16 * 4
+                                                   : 0;
   return g * kGroupTokens * k + g * n_blocks * 16 * 4 + sums + 3 * 64;
 }
 
@@ -58,6 +66,7 @@ inline Int8Groups int8_groups_at(int8_t* base, int64_t n_tokens, int64_t k, int 
   int16_t* sums = reinterpret_cast<int16_t*>(align(reinterpret_cast<int8_t*>(a.d + g * n_blocks * 16)));
   a.bsums = type == kQuantTypeQ4_K || type == kQuantTypeQ5_K ? sums : nullptr;
   a.bsums16 = type == kQuantTypeQ6_K ? sums : nullptr;
+  a.s = min_format(type) ? reinterpret_cast<float*>(sums) : nullptr;
   a.biased = biased;
   return a;
 }
@@ -69,6 +78,7 @@ struct GroupSlot {
   GroupSlot(int64_t slot, int tokens) : group(slot * tokens / kGroupTokens), in(slot * tokens % kGroupTokens) {}
   const int8_t* q(const Int8Groups& a, int64_t k) const { return a.q + group * kGroupTokens * k + in * 8; }
   const float* d(const Int8Groups& a, int64_t n_blocks) const { return a.d + group * n_blocks * 16 + 2 * in; }
+  const float* s(const Int8Groups& a, int64_t n_blocks) const { return a.s + group * n_blocks * 16 + 2 * in; }
   // Q4_K's bsums (per_group = K / 256 * 64) or Q6_K's bsums16 (K / 256 * 128)
   const int16_t* sums(const int16_t* base, int64_t per_group) const { return base + group * per_group + 4 * in; }
 };
@@ -111,6 +121,10 @@ inline void fill_int8_group(const Int8Rows& src, int64_t n_tokens, int64_t k, in
       const float xd = real ? src.d[t * n_blocks + b] : 0.0f;
       d[b * 16 + 2 * s] = xd;
       d[b * 16 + 2 * s + 1] = xd;
+    }
+    if (dst.s != nullptr) {
+      float* xs = dst.s + grp * n_blocks * 16;
+      for (int64_t b = 0; b < n_blocks; ++b) xs[b * 16 + 2 * s] = xs[b * 16 + 2 * s + 1] = real ? src.s[t * n_blocks + b] : 0.0f;
     }
     const int16_t* sums16 = src.bsums + t * (k / 16);  // read only for real tokens
     if (dst.bsums != nullptr) {
