@@ -374,14 +374,8 @@ inline void q8_0_int8_group_tile(const Int8Groups& a, int64_t k, int64_t n_token
   store_group_tile<V, R, G>(acc, n_tokens, n_out, n0, slot0, out);
   if constexpr (kMin)
     for (int r = 0; r < R; ++r)
-      for (int g = 0; g < G; ++g) {
-        alignas(64) float l[2 * V::kTokens];
-        V::store_f(l, mins[r][g]);
-        for (int s = 0; s < V::kTokens; ++s) {
-          const int64_t t = (slot0 + g) * V::kTokens + s;
-          if (t < n_tokens) out[t * n_out + n0 + r] += l[2 * s];
-        }
-      }
+      for (int g = 0; g < G; ++g)
+        each_slot_token<V>(mins[r][g], slot0 + g, n_tokens, n_out, n0 + r, out, [](float& o, const float* l) { o += l[0]; });
 }
 
 // The tile of format F in natural token order: the 32-element formats above, Q4_K, Q5_K and Q6_K

@@ -347,14 +347,8 @@ inline void q4k_int8_group_tile(const Int8Groups& a, const uint8_t* w, int64_t r
     }
   }
   for (int r = 0; r < R; ++r)
-    for (int g = 0; g < G; ++g) {
-      alignas(64) float l[2 * V::kTokens];
-      V::store_f(l, acc[r][g]);
-      for (int s = 0; s < V::kTokens; ++s) {
-        const int64_t t = (slot0 + g) * V::kTokens + s;
-        if (t < n_tokens) out[t * n_out + n0 + r] = l[2 * s] + l[2 * s + 1];
-      }
-    }
+    for (int g = 0; g < G; ++g)
+      each_slot_token<V>(acc[r][g], slot0 + g, n_tokens, n_out, n0 + r, out, [](float& o, const float* l) { o = l[0] + l[1]; });
 }
 
 // The Q4_K lanes of 4 outputs folded together: isum[i] (8 int32 lanes, positions 4l .. 4l + 3)

@@ -83,6 +83,19 @@ struct GroupSlot {
   const int16_t* sums(const int16_t* base, int64_t per_group) const { return base + group * per_group + 4 * in; }
 };
 
+// f(out[t * n_out + n], lanes 2s and 2s + 1 of v) for each token t = slot * V::kTokens + s of a
+// tile's slot below n_tokens: the lanes of v that hold token s.
+template <class V, class Fn>
+inline void each_slot_token(typename V::F v, int64_t slot, int64_t n_tokens, int64_t n_out, int64_t n, float* out,
+                            Fn&& f) {
+  alignas(64) float l[2 * V::kTokens];
+  V::store_f(l, v);
+  for (int s = 0; s < V::kTokens; ++s) {
+    const int64_t t = slot * V::kTokens + s;
+    if (t < n_tokens) f(out[t * n_out + n], l + 2 * s);
+  }
+}
+
 // The end of a grouped tile: output row n0 + r of the V::kTokens tokens of slot slot0 + g sums
 // its four accumulators acc[r][g][0..3] in hsum8_tree's order (lanes (l0 + l4) + (l2 + l6),
 // (l1 + l5) + (l3 + l7), then their sum; token s holds lanes 2s and 2s + 1) and stores the tokens
@@ -91,14 +104,9 @@ template <class V, int R, int G>
 inline void store_group_tile(const typename V::F (&acc)[R][G][4], int64_t n_tokens, int64_t n_out, int64_t n0,
                              int64_t slot0, float* out) {
   for (int r = 0; r < R; ++r)
-    for (int g = 0; g < G; ++g) {
-      alignas(64) float l[2 * V::kTokens];
-      V::store_f(l, V::add_f(V::add_f(acc[r][g][0], acc[r][g][2]), V::add_f(acc[r][g][1], acc[r][g][3])));
-      for (int s = 0; s < V::kTokens; ++s) {
-        const int64_t t = (slot0 + g) * V::kTokens + s;
-        if (t < n_tokens) out[t * n_out + n0 + r] = l[2 * s] + l[2 * s + 1];
-      }
-    }
+    for (int g = 0; g < G; ++g)
+      each_slot_token<V>(V::add_f(V::add_f(acc[r][g][0], acc[r][g][2]), V::add_f(acc[r][g][1], acc[r][g][3])),
+                         slot0 + g, n_tokens, n_out, n0 + r, out, [](float& o, const float* l) { o = l[0] + l[1]; });
 }
 
 // Group `grp` of dst from the int8 rows of src (src.block == dst.block; tokens past n_tokens
