@@ -88,15 +88,11 @@ inline __m256i q5_codes(const uint8_t* qs, uint32_t qh) {
   return _mm256_or_si256(_mm256_set_m128i(hi, lo), high);
 }
 
-// 32 bytes of codes (the int8 or uint8 view) widened to float32 into out[32], exactly.
-template <bool kSigned>
-inline void widen_codes32(__m256i codes, float* __restrict out) {
-  const __m128i halves[2] = {_mm256_castsi256_si128(codes), _mm256_extracti128_si256(codes, 1)};
-  for (int p = 0; p < 4; ++p) {
-    const __m128i part = (p & 1) ? _mm_srli_si128(halves[p / 2], 8) : halves[p / 2];
-    _mm256_storeu_ps(out + 8 * p, kSigned ? _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(part))
-                                          : _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(part)));
-  }
+// Bytes 8p .. 8p + 7 of v (elements 8p .. 8p + 7 of a chunk's codes) in the low 8 bytes, as
+// widen_u8 / widen_i8 read them.
+inline __m128i part8(__m256i v, int p) {
+  const __m128i half = p < 2 ? _mm256_castsi256_si128(v) : _mm256_extracti128_si256(v, 1);
+  return (p & 1) ? _mm_srli_si128(half, 8) : half;
 }
 #endif
 
@@ -182,10 +178,9 @@ inline void dequant_q5_0(const uint8_t* __restrict blk, float* __restrict out) {
   std::memcpy(&qh, blk + 2, sizeof qh);
   const uint8_t* qs = blk + 6;
 #if defined(__AVX2__)
-  alignas(32) float q[32];  // code - 16, exact
-  widen_codes32<true>(_mm256_sub_epi8(q5_codes(qs, qh), _mm256_set1_epi8(16)), q);
+  const __m256i q = _mm256_sub_epi8(q5_codes(qs, qh), _mm256_set1_epi8(16));  // code - 16, exact
   const __m256 dv = _mm256_set1_ps(d);
-  for (int p = 0; p < 4; ++p) _mm256_storeu_ps(out + 8 * p, _mm256_mul_ps(dv, _mm256_load_ps(q + 8 * p)));
+  for (int p = 0; p < 4; ++p) _mm256_storeu_ps(out + 8 * p, _mm256_mul_ps(dv, widen_i8(part8(q, p))));
 #else
   for (int i = 0; i < 16; ++i) {
     out[i] = d * static_cast<float>(((qs[i] & 0x0f) | (((qh >> i) & 1u) << 4)) - 16);
@@ -201,11 +196,10 @@ inline void dequant_q5_1(const uint8_t* __restrict blk, float* __restrict out) {
   std::memcpy(&qh, blk + 4, sizeof qh);
   const uint8_t* qs = blk + 8;
 #if defined(__AVX2__)
-  alignas(32) float q[32];
-  widen_codes32<false>(q5_codes(qs, qh), q);
+  const __m256i q = q5_codes(qs, qh);
   const __m256 dv = _mm256_set1_ps(d), mv = _mm256_set1_ps(m);
   for (int p = 0; p < 4; ++p)  // a product, then a sum: two roundings, no FMA
-    _mm256_storeu_ps(out + 8 * p, _mm256_add_ps(_mm256_mul_ps(dv, _mm256_load_ps(q + 8 * p)), mv));
+    _mm256_storeu_ps(out + 8 * p, _mm256_add_ps(_mm256_mul_ps(dv, widen_u8(part8(q, p))), mv));
 #else
   for (int i = 0; i < 16; ++i) {
     out[i] = d * static_cast<float>((qs[i] & 0x0f) | (((qh >> i) & 1u) << 4)) + m;
@@ -255,25 +249,36 @@ inline __m128i q4k_scales_mins(const uint8_t* packed) {
 }
 #endif
 
-// Sub-block `sub` of a Q4_K block, its scale and min already decoded and widened:
-// dl = d * sc, ml = dmin * mn.
-inline void dequant_q4_k_sub(const uint8_t* __restrict blk, float dl, float ml, int sub,
-                             float* __restrict out) {  // out [32]
-  const uint8_t* qs = blk + 16 + 32 * (sub / 2);
+// Sub-block `sub` of a Q4_K or Q5_K block (F), its scale and min already decoded and widened:
+// dl = d * sc, ml = dmin * mn. Q5_K (176 bytes) is Q4_K's d, dmin and scales[12], then qh[32],
+// then Q4_K's qs[128]: element l's code is Q4_K's nibble with bit `sub` of qh[l] as bit 4.
+template <int F>
+inline void dequant_k_sub(const uint8_t* __restrict blk, float dl, float ml, int sub,
+                          float* __restrict out) {  // out [32]
+  constexpr bool kFive = F == kQuantTypeQ5_K;
+  const uint8_t* qh = blk + 16;
+  const uint8_t* qs = blk + (kFive ? 48 : 16) + 32 * (sub / 2);
   const int shift = (sub & 1) * 4;
 #if defined(__AVX2__)
   const __m256i q = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(qs));
-  const __m256i nib = _mm256_and_si256(_mm256_srl_epi16(q, _mm_cvtsi32_si128(shift)), _mm256_set1_epi8(0x0f));
-  const __m128i halves[2] = {_mm256_castsi256_si128(nib), _mm256_extracti128_si256(nib, 1)};
+  __m256i code = _mm256_and_si256(_mm256_srl_epi16(q, _mm_cvtsi32_si128(shift)), _mm256_set1_epi8(0x0f));
+  if constexpr (kFive) {
+    // bit `sub` of each qh byte to bit 0 (16-bit shifts by at most 7 keep each byte's bit in
+    // place), then to bit 4
+    const __m256i h = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(qh));
+    const __m256i bit = _mm256_and_si256(_mm256_srl_epi16(h, _mm_cvtsi32_si128(sub)), _mm256_set1_epi8(1));
+    code = _mm256_or_si256(code, _mm256_slli_epi16(bit, 4));
+  }
   // 256-bit on the avx512 path too: the 512-bit form measured 1.35x slower at T = 1
   // (bench_quant_gemm, one thread, 576x576 and 2048x2048).
   const __m256 dv = _mm256_set1_ps(dl), mv = _mm256_set1_ps(ml);
-  for (int p = 0; p < 4; ++p) {  // a product, then a difference: two roundings, no FMA
-    const __m128i part = (p & 1) ? _mm_srli_si128(halves[p / 2], 8) : halves[p / 2];
-    _mm256_storeu_ps(out + 8 * p, _mm256_sub_ps(_mm256_mul_ps(dv, widen_u8(part)), mv));
-  }
+  for (int p = 0; p < 4; ++p)  // a product, then a difference: two roundings, no FMA
+    _mm256_storeu_ps(out + 8 * p, _mm256_sub_ps(_mm256_mul_ps(dv, widen_u8(part8(code, p))), mv));
 #else
-  for (int i = 0; i < 32; ++i) out[i] = dl * static_cast<float>((qs[i] >> shift) & 0x0f) - ml;
+  for (int i = 0; i < 32; ++i) {
+    const int code = ((qs[i] >> shift) & 0x0f) | (kFive ? ((qh[i] >> sub) & 1) << 4 : 0);
+    out[i] = dl * static_cast<float>(code) - ml;
+  }
 #endif
 }
 
@@ -296,43 +301,13 @@ inline void q4_k_sub_scales(const uint8_t* __restrict blk, float* __restrict a, 
 #endif
 }
 
-// The whole block: d, dmin and the packed scales decoded once for the 8 sub-blocks.
-inline void dequant_q4_k_block(const uint8_t* __restrict blk, float* __restrict out) {  // out [256]
+// A whole Q4_K or Q5_K block: d, dmin and the packed scales (at the same offsets in both)
+// decoded once for the 8 sub-blocks.
+template <int F>
+inline void dequant_k_block(const uint8_t* __restrict blk, float* __restrict out) {  // out [256]
   float a[8], b[8];
   q4_k_sub_scales(blk, a, b);
-  for (int sub = 0; sub < 8; ++sub) dequant_q4_k_sub(blk, a[sub], b[sub], sub, out + 32 * sub);
-}
-
-// Q5_K block (176 bytes): Q4_K's d, dmin and scales[12], then qh[32], then Q4_K's qs[128]. Element
-// l of sub-block s has Q4_K's nibble as its low 4 bits and bit s of qh[l] as bit 4;
-// w = (d*sc) * code - dmin*mn.
-inline void dequant_q5_k_sub(const uint8_t* __restrict blk, float dl, float ml, int sub,
-                             float* __restrict out) {  // out [32]
-  const uint8_t* qh = blk + 16;
-  const uint8_t* qs = blk + 48 + 32 * (sub / 2);
-  const int shift = (sub & 1) * 4;
-#if defined(__AVX2__)
-  const __m256i q = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(qs));
-  const __m256i h = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(qh));
-  const __m256i nib = _mm256_and_si256(_mm256_srl_epi16(q, _mm_cvtsi32_si128(shift)), _mm256_set1_epi8(0x0f));
-  // bit `sub` of each byte to bit 0 (16-bit shifts by at most 7 keep each byte's bit in place),
-  // then to bit 4
-  const __m256i bit = _mm256_and_si256(_mm256_srl_epi16(h, _mm_cvtsi32_si128(sub)), _mm256_set1_epi8(1));
-  alignas(32) float code[32];
-  widen_codes32<false>(_mm256_or_si256(nib, _mm256_slli_epi16(bit, 4)), code);
-  const __m256 dv = _mm256_set1_ps(dl), mv = _mm256_set1_ps(ml);
-  for (int p = 0; p < 4; ++p)  // a product, then a difference: two roundings, no FMA
-    _mm256_storeu_ps(out + 8 * p, _mm256_sub_ps(_mm256_mul_ps(dv, _mm256_load_ps(code + 8 * p)), mv));
-#else
-  for (int i = 0; i < 32; ++i)
-    out[i] = dl * static_cast<float>(((qs[i] >> shift) & 0x0f) | (((qh[i] >> sub) & 1) << 4)) - ml;
-#endif
-}
-
-inline void dequant_q5_k_block(const uint8_t* __restrict blk, float* __restrict out) {  // out [256]
-  float a[8], b[8];
-  q4_k_sub_scales(blk, a, b);  // Q4_K's d, dmin and packed scales, at the same offsets
-  for (int sub = 0; sub < 8; ++sub) dequant_q5_k_sub(blk, a[sub], b[sub], sub, out + 32 * sub);
+  for (int sub = 0; sub < 8; ++sub) dequant_k_sub<F>(blk, a[sub], b[sub], sub, out + 32 * sub);
 }
 
 // ---- 4-bit chunks widened straight into registers (the AVX-512 panels) ----
@@ -421,15 +396,12 @@ inline void dequant_q6_k_chunk(const uint8_t* __restrict blk, float d, int chunk
   const __m256i lo = _mm256_and_si256(_mm256_srl_epi16(l, _mm_cvtsi32_si128(lshift)), _mm256_set1_epi8(0x0f));
   const __m256i hi = _mm256_and_si256(_mm256_srl_epi16(hb, _mm_cvtsi32_si128(hshift)), _mm256_set1_epi8(3));
   const __m256i q = _mm256_sub_epi8(_mm256_or_si256(lo, _mm256_slli_epi16(hi, 4)), _mm256_set1_epi8(32));
-  const __m128i halves[2] = {_mm256_castsi256_si128(q), _mm256_extracti128_si256(q, 1)};
 #if defined(ORCA_QUANT_DEQUANT_512)
-  _mm512_storeu_ps(out, _mm512_mul_ps(_mm512_set1_ps(d0), widen16_i8(halves[0])));
-  _mm512_storeu_ps(out + 16, _mm512_mul_ps(_mm512_set1_ps(d1), widen16_i8(halves[1])));
+  _mm512_storeu_ps(out, _mm512_mul_ps(_mm512_set1_ps(d0), widen16_i8(_mm256_castsi256_si128(q))));
+  _mm512_storeu_ps(out + 16, _mm512_mul_ps(_mm512_set1_ps(d1), widen16_i8(_mm256_extracti128_si256(q, 1))));
 #else
-  for (int p = 0; p < 4; ++p) {  // elements 8p .. 8p+7; the first 16 take d0, the rest d1
-    const __m128i part = (p & 1) ? _mm_srli_si128(halves[p / 2], 8) : halves[p / 2];
-    _mm256_storeu_ps(out + 8 * p, _mm256_mul_ps(_mm256_set1_ps(p < 2 ? d0 : d1), widen_i8(part)));
-  }
+  for (int p = 0; p < 4; ++p)  // elements 8p .. 8p+7; the first 16 take d0, the rest d1
+    _mm256_storeu_ps(out + 8 * p, _mm256_mul_ps(_mm256_set1_ps(p < 2 ? d0 : d1), widen_i8(part8(q, p))));
 #endif
 #else
   for (int i = 0; i < 32; ++i) {
@@ -444,7 +416,7 @@ inline void dequant_q6_k(const uint8_t* __restrict blk, int chunk, float* __rest
 }
 
 // Chunk `chunk` (elements 32*chunk .. 32*chunk+31) of a row in format F (Q4_K and Q5_K go by
-// whole super-blocks: dequant_q4_k_block, dequant_q5_k_block).
+// whole super-blocks: dequant_k_block).
 template <int F>
 inline void dequant_chunk(const uint8_t* __restrict row, int64_t chunk, float* __restrict out) {  // out [32]
   constexpr int kQ4_0 = kQuantTypeQ4_0, kQ4_1 = kQuantTypeQ4_1, kQ8_0 = kQuantTypeQ8_0, kQ6_K = kQuantTypeQ6_K;
@@ -474,9 +446,9 @@ constexpr int kDequantUnit = F == kQuantTypeQ4_K || F == kQuantTypeQ5_K ? 256 : 
 template <int F>
 inline void dequant_unit(const uint8_t* __restrict row, int64_t u, float* __restrict out) {  // out [kDequantUnit<F>]
   if constexpr (F == kQuantTypeQ4_K) {
-    dequant_q4_k_block(row + u * 144, out);
+    dequant_k_block<F>(row + u * 144, out);
   } else if constexpr (F == kQuantTypeQ5_K) {
-    dequant_q5_k_block(row + u * 176, out);
+    dequant_k_block<F>(row + u * 176, out);
   } else {
     dequant_chunk<F>(row, u, out);
   }

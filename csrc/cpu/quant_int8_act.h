@@ -95,20 +95,27 @@ constexpr int64_t int8_block_bytes() {
   return F == kQuantTypeQ8_0 ? 34 : F == kQuantTypeQ4_0 ? 18 : F == kQuantTypeQ4_1 ? 20 : F == kQuantTypeQ5_0 ? 22 : 24;
 }
 
-// The 32-element formats with a minimum (w = d * code + m), and those whose prefill runs on Q8_0's
-// grouped tiles (q8_0_row_blocks).
-template <int F>
-constexpr bool kMinFormat = F == kQuantTypeQ4_1 || F == kQuantTypeQ5_1;
+// The 32-element formats, whose prefill runs on Q8_0's grouped tiles (q8_0_row_blocks).
 template <int F>
 constexpr bool kQ8GroupedFormat = F == kQuantTypeQ8_0 || F == kQuantTypeQ4_0 || F == kQuantTypeQ5_0 || kMinFormat<F>;
 
-// The 32 codes of a Q5_0 or Q5_1 block as bytes in element order (its qh follows the fp16 head).
+// The 32 weights of a block of a 32-element format F as int8 codes in element order: Q8_0's
+// quants, Q4_0's and Q5_0's codes less their offset (8, 16), Q4_1's and Q5_1's unsigned codes
+// (their minimum is added apart). Q5's fifth bits are the 32-bit qh after the fp16 head.
 template <int F>
-inline __m256i q5_block_codes(const uint8_t* blk) {
-  constexpr int64_t kQh = F == kQuantTypeQ5_0 ? 2 : 4;
-  uint32_t qh;
-  std::memcpy(&qh, blk + kQh, sizeof qh);
-  return q5_codes(blk + kQh + 4, qh);
+inline __m256i block_codes32(const uint8_t* blk) {
+  if constexpr (F == kQuantTypeQ8_0) {
+    return _mm256_loadu_si256(reinterpret_cast<const __m256i*>(blk + 2));
+  } else if constexpr (F == kQuantTypeQ4_0 || F == kQuantTypeQ4_1) {
+    const __m256i nib = nibbles32(blk + (kMinFormat<F> ? 4 : 2));
+    return kMinFormat<F> ? nib : _mm256_sub_epi8(nib, _mm256_set1_epi8(8));
+  } else {
+    constexpr int64_t kQh = kMinFormat<F> ? 4 : 2;
+    uint32_t qh;
+    std::memcpy(&qh, blk + kQh, sizeof qh);
+    const __m256i codes = q5_codes(blk + kQh + 4, qh);
+    return kMinFormat<F> ? codes : _mm256_sub_epi8(codes, _mm256_set1_epi8(16));
+  }
 }
 
 // out[(t0 + m) * n_out + n0 + r * stride] for R weight rows (n0, n0 + stride, ...) and M tokens
@@ -133,9 +140,9 @@ inline void int8_act_tile_32(const Int8Rows& a, const uint8_t* w, int64_t row_by
     for (int r = 0; r < R; ++r) {
       const uint8_t* blk = w + (n0 + r * stride) * row_bytes + b * kBytes;
       const float dw = half_to_float(blk);
-      if constexpr (F == kQuantTypeQ4_1 || F == kQuantTypeQ5_1) {
+      if constexpr (kMinFormat<F>) {
         // unsigned codes against signed x (pairs at most 2 * 31 * 127: no int16 saturation)
-        const __m256i u = F == kQuantTypeQ4_1 ? nibbles32(blk + 4) : q5_block_codes<F>(blk);
+        const __m256i u = block_codes32<F>(blk);
         const float mw = half_to_float(blk + 2);
         for (int m = 0; m < M; ++m) {
           acc_min[r][m] = std::fma(mw, a.s[(t0 + m) * n_blocks + b], acc_min[r][m]);  // explicit: no contraction choice
@@ -143,13 +150,7 @@ inline void int8_act_tile_32(const Int8Rows& a, const uint8_t* w, int64_t row_by
                                       acc[r][m]);
         }
       } else {
-        __m256i wq;
-        if constexpr (F == kQuantTypeQ8_0)
-          wq = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(blk + 2));
-        else if constexpr (F == kQuantTypeQ5_0)
-          wq = _mm256_sub_epi8(q5_block_codes<F>(blk), _mm256_set1_epi8(16));
-        else
-          wq = _mm256_sub_epi8(nibbles32(blk + 2), _mm256_set1_epi8(8));
+        const __m256i wq = block_codes32<F>(blk);
         // signed x signed as unsigned x signed: |w| (as u8, so |-128| = 128) against x carrying w's sign
         const __m256i u = _mm256_sign_epi8(wq, wq);
         for (int m = 0; m < M; ++m)
@@ -185,7 +186,7 @@ inline void q4_int8_tile_zmm(const Int8Rows& a, const uint8_t* w, int64_t row_by
                              int64_t n0, int64_t stride, int64_t t0, float* out) {
   constexpr int64_t kBytes = int8_block_bytes<F>();
   constexpr bool kFive = F == kQuantTypeQ5_0 || F == kQuantTypeQ5_1;
-  constexpr bool kMin = F == kQuantTypeQ4_1 || F == kQuantTypeQ5_1;
+  constexpr bool kMin = kMinFormat<F>;
   constexpr bool kOffset = !kMin;  // Q4_0, Q5_0: w = d * (code - 8 or 16)
   constexpr int64_t kHead = kMin ? 4 : 2;                   // fp16 d [, m]
   constexpr int64_t kQuants = kHead + (kFive ? 4 : 0);      // offset of a block's 16 quant bytes
@@ -286,17 +287,7 @@ inline void q8_0_row_blocks(const uint8_t* row, int64_t n_blocks, Q8RowBlock<kCo
   const __m256i ones8 = _mm256_set1_epi8(1), ones16 = _mm256_set1_epi16(1);
   for (int64_t b = 0; b < n_blocks; ++b) {
     const uint8_t* blk = row + b * int8_block_bytes<F>();
-    __m256i wq;
-    if constexpr (F == kQuantTypeQ8_0)
-      wq = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(blk + 2));
-    else if constexpr (F == kQuantTypeQ4_0)
-      wq = _mm256_sub_epi8(nibbles32(blk + 2), _mm256_set1_epi8(8));
-    else if constexpr (F == kQuantTypeQ5_0)
-      wq = _mm256_sub_epi8(q5_block_codes<F>(blk), _mm256_set1_epi8(16));
-    else if constexpr (F == kQuantTypeQ4_1)
-      wq = nibbles32(blk + 4);
-    else
-      wq = q5_block_codes<F>(blk);
+    const __m256i wq = block_codes32<F>(blk);
     _mm256_store_si256(reinterpret_cast<__m256i*>(out[b].q), wq);
     if constexpr (kCorrections) {
       const __m256i sums = _mm256_madd_epi16(_mm256_maddubs_epi16(ones8, wq), ones16);  // exact: |pair| <= 256
@@ -306,11 +297,6 @@ inline void q8_0_row_blocks(const uint8_t* row, int64_t n_blocks, Q8RowBlock<kCo
     out[b].d = half_to_float(blk);
     out[b].m = kMinFormat<F> ? half_to_float(blk + 2) : 0.0f;
   }
-}
-
-// kQ8GroupedFormat for a runtime ggml type.
-constexpr bool q8_grouped_type(int type) {
-  return type == kQuantTypeQ8_0 || type == kQuantTypeQ4_0 || type == kQuantTypeQ5_0 || min_format(type);
 }
 
 // out[t * n_out + n0 + r] for the R Q8_0 weight rows from n0 and G token slots of V::kTokens
@@ -666,17 +652,9 @@ template <bool kVnni>
 inline void int8_rows_of_type(int type, const Int8Rows& a, const Int8Groups& groups, const uint8_t* w,
                               int64_t row_bytes, int64_t n_tokens, int64_t k, int64_t n_out, int64_t n0, int64_t n1,
                               PrefetchAhead& ahead, float* out) {
-  switch (type) {
-    case kQuantTypeQ8_0: int8_act_rows<kVnni, kQuantTypeQ8_0>(a, groups, w, row_bytes, n_tokens, k, n_out, n0, n1, ahead, out); break;
-    case kQuantTypeQ4_0: int8_act_rows<kVnni, kQuantTypeQ4_0>(a, groups, w, row_bytes, n_tokens, k, n_out, n0, n1, ahead, out); break;
-    case kQuantTypeQ4_1: int8_act_rows<kVnni, kQuantTypeQ4_1>(a, groups, w, row_bytes, n_tokens, k, n_out, n0, n1, ahead, out); break;
-    case kQuantTypeQ5_0: int8_act_rows<kVnni, kQuantTypeQ5_0>(a, groups, w, row_bytes, n_tokens, k, n_out, n0, n1, ahead, out); break;
-    case kQuantTypeQ5_1: int8_act_rows<kVnni, kQuantTypeQ5_1>(a, groups, w, row_bytes, n_tokens, k, n_out, n0, n1, ahead, out); break;
-    case kQuantTypeQ4_K: int8_act_rows<kVnni, kQuantTypeQ4_K>(a, groups, w, row_bytes, n_tokens, k, n_out, n0, n1, ahead, out); break;
-    case kQuantTypeQ5_K: int8_act_rows<kVnni, kQuantTypeQ5_K>(a, groups, w, row_bytes, n_tokens, k, n_out, n0, n1, ahead, out); break;
-    case kQuantTypeQ6_K: int8_act_rows<kVnni, kQuantTypeQ6_K>(a, groups, w, row_bytes, n_tokens, k, n_out, n0, n1, ahead, out); break;
-    default: break;
-  }
+  dispatch_quant_format(type, [&](auto f) {
+    int8_act_rows<kVnni, decltype(f)::value>(a, groups, w, row_bytes, n_tokens, k, n_out, n0, n1, ahead, out);
+  });
 }
 
 // out[T, N] (float32) = the int8-activation products of every weight row, each weight byte read
@@ -701,15 +679,14 @@ template <bool kVnni>
 inline void int8_act_linear(const Int8Rows& a, const uint8_t* w, int type, int64_t row_bytes,
                             int64_t n_tokens, int64_t k, int64_t n_out, float* out) {
   Int8Groups groups{0, a.block, nullptr, nullptr, nullptr, nullptr, false};
-  const bool grouped = type == kQuantTypeQ4_K   ? grouped_prefill_of<kVnni, kQuantTypeQ4_K>()
-                       : type == kQuantTypeQ5_K ? grouped_prefill_of<kVnni, kQuantTypeQ5_K>()
-                       : type == kQuantTypeQ6_K ? grouped_prefill_of<kVnni, kQuantTypeQ6_K>()
-                       : q8_grouped_type(type)  ? grouped_prefill_of<kVnni, kQuantTypeQ8_0>()
-                                                : false;
+  bool grouped = false, q8_tiles = false;  // q8_tiles: Q8_0's grouped tiles (the 32-element formats)
+  dispatch_quant_format(type, [&](auto f) {
+    grouped = grouped_prefill_of<kVnni, decltype(f)::value>();
+    q8_tiles = kQ8GroupedFormat<decltype(f)::value>;
+  });
   if (grouped && n_tokens >= kGroupedMinTokens)
     groups = int8_groups_at(thread_scratch<int8_t>(5, static_cast<size_t>(int8_groups_bytes(n_tokens, k, type))),
-                            n_tokens, k, type,
-                            q8_grouped_type(type) && GroupOps256<kVnni>::kDpbusd);
+                            n_tokens, k, type, q8_tiles && GroupOps256<kVnni>::kDpbusd);
   const int64_t threads = omp_get_max_threads();
   if (n_tokens == 1) {  // a share of the rows per thread, the ends taken over by whoever is done first
     const int64_t min_rows = int8_decode_min_rows(row_bytes);

@@ -36,16 +36,18 @@ struct Int8Groups {
 };
 
 // The 32-element formats with a minimum (w = d * code + m), whose tiles also read s.
+template <int F>
+constexpr bool kMinFormat = F == kQuantTypeQ4_1 || F == kQuantTypeQ5_1;
 inline bool min_format(int type) { return type == kQuantTypeQ4_1 || type == kQuantTypeQ5_1; }
+// The formats whose tiles read Q4_K's bsums (Q5_K is Q4_K with a fifth bit).
+inline bool q4k_sums_format(int type) { return type == kQuantTypeQ4_K || type == kQuantTypeQ5_K; }
 
-inline int64_t int8_group_block(int type) {
-  return type == kQuantTypeQ8_0 || type == kQuantTypeQ4_0 || type == kQuantTypeQ5_0 || min_format(type) ? 32 : 256;
-}
+// Elements per activation scale of type's groups: its block (32, or a 256-element super-block).
+inline int64_t int8_group_block(int type) { return quant_format(type)->block_elems; }
 
 inline int64_t int8_groups_bytes(int64_t n_tokens, int64_t k, int type) {  // 64-byte aligned parts
   const int64_t g = (n_tokens + kGroupTokens - 1) / kGroupTokens, n_blocks = k / int8_group_block(type);
-  const bool q4_sums = type == kQuantTypeQ4_K || type == kQuantTypeQ5_K;  // Q5_K reads Q4_K's
-  const int64_t sums = q4_sums                    ? g * n_blocks * 64 * 2
+  const int64_t sums = q4k_sums_format(type)      ? g * n_blocks * 64 * 2
                        : type == kQuantTypeQ6_K    ? g * n_blocks * 128 * 2
                        : min_format(type)          ? g * n_blocks * 16 * 4
                                                    : 0;
@@ -64,7 +66,7 @@ inline Int8Groups int8_groups_at(int8_t* base, int64_t n_tokens, int64_t k, int 
   a.q = align(base);
   a.d = reinterpret_cast<float*>(align(a.q + g * kGroupTokens * k));
   int16_t* sums = reinterpret_cast<int16_t*>(align(reinterpret_cast<int8_t*>(a.d + g * n_blocks * 16)));
-  a.bsums = type == kQuantTypeQ4_K || type == kQuantTypeQ5_K ? sums : nullptr;
+  a.bsums = q4k_sums_format(type) ? sums : nullptr;
   a.bsums16 = type == kQuantTypeQ6_K ? sums : nullptr;
   a.s = min_format(type) ? reinterpret_cast<float*>(sums) : nullptr;
   a.biased = biased;
