@@ -1,13 +1,19 @@
 """The ggml block formats and the products of quantized weights.
 
 `orca_ext.quant.formats.dequantize` against the `gguf` package's own dequantizer (bit for bit)
-in every served format; QuantizedWeight/QuantizedStack shapes, shards and errors; and the
-quantized linear / linear_silu_mul / rmsnorm_qkv / embedding (the compiled kernels when built,
-else the fallback) against float64 references on the dequantized blocks at awkward sizes, with
-each row's result independent of the rows beside it.
+in every served format, and so the C++ dequantizers built for baseline x86-64 (no AVX2);
+QuantizedWeight/QuantizedStack shapes, shards and errors; and the quantized linear /
+linear_silu_mul / rmsnorm_qkv / embedding (the compiled kernels when built, else the fallback)
+against float64 references on the dequantized blocks at awkward sizes, with each row's result
+independent of the rows beside it.
 """
 from __future__ import annotations
 
+import ctypes
+import platform
+import shutil
+import subprocess
+from pathlib import Path
 
 import gguf
 import numpy as np
@@ -169,3 +175,53 @@ def test_bfloat16_activations(qtype):
     assert out.dtype == torch.bfloat16
     ref = x.double() @ w.dequantize().to(torch.bfloat16).double().T  # the weights in the activation dtype
     assert (out.double() - ref).abs().max().item() <= 1e-2 * ref.abs().max().item()
+
+
+# -- the portable dequantizers ----------------------------------------------------------------------
+
+_PORTABLE_SHIM = r"""
+#include "cpu/quant_formats.h"
+using namespace orca::cpu::detail;
+// Row `row` of k elements of ggml type t, dequantized unit by unit as the panels do; false for a
+// type the kernels do not take.
+extern "C" bool dequantize_row(int t, const uint8_t* row, int64_t k, float* out) {
+  bool known = false;
+  dispatch_quant_format(t, [&](auto q) {
+    constexpr int F = decltype(q)::value;
+    for (int64_t u = 0; u < k / kDequantUnit<F>; ++u) dequant_unit<F>(row, u, out + u * kDequantUnit<F>);
+    known = true;
+  });
+  return known;
+}
+"""
+
+
+@pytest.fixture(scope="module")
+def portable_dequantize(tmp_path_factory):
+    """csrc/cpu/quant_formats.h built for baseline x86-64 (no AVX2): the plain loops that targets
+    without AVX2 compile, which the extension built here never runs."""
+    gxx = shutil.which("g++")
+    if gxx is None or platform.machine() != "x86_64":
+        pytest.skip("needs g++ on x86-64 to build the baseline dequantizers")
+    folder = tmp_path_factory.mktemp("portable_dequantize")
+    (folder / "shim.cpp").write_text(_PORTABLE_SHIM)
+    csrc = Path(__file__).resolve().parents[1] / "csrc"
+    subprocess.run([gxx, "-std=c++17", "-O1", "-march=x86-64", "-ffp-contract=off", "-shared", "-fPIC",
+                    f"-I{csrc}", str(folder / "shim.cpp"), "-o", str(folder / "shim.so")],
+                   check=True, capture_output=True, timeout=120)
+    fn = ctypes.CDLL(str(folder / "shim.so")).dequantize_row
+    fn.restype = ctypes.c_bool
+    fn.argtypes = [ctypes.c_int, ctypes.c_void_p, ctypes.c_int64, ctypes.c_void_p]
+    return fn
+
+
+@pytest.mark.parametrize("qtype", ALL, ids=lambda q: q.name)
+def test_portable_dequantizers_read_every_format_as_gguf(portable_dequantize, qtype):
+    k = 3 * block_format(qtype).block_size
+    data = np.ascontiguousarray(blocks(qtype, 5, k, seed=int(qtype) + 100).numpy())
+    theirs = gguf.quants.dequantize(data, gguf.GGMLQuantizationType(int(qtype)))
+    for row in range(data.shape[0]):
+        ours = np.zeros(k, dtype=np.float32)
+        assert portable_dequantize(int(qtype), data[row].ctypes.data, k, ours.ctypes.data)
+        assert np.array_equal(ours, theirs[row]), f"{qtype.name} row {row}"
+    assert not portable_dequantize(10, data[0].ctypes.data, k, np.zeros(k, dtype=np.float32).ctypes.data)

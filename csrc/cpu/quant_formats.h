@@ -182,9 +182,9 @@ inline void dequant_q5_0(const uint8_t* __restrict blk, float* __restrict out) {
   const __m256 dv = _mm256_set1_ps(d);
   for (int p = 0; p < 4; ++p) _mm256_storeu_ps(out + 8 * p, _mm256_mul_ps(dv, widen_i8(part8(q, p))));
 #else
-  for (int i = 0; i < 16; ++i) {
-    out[i] = d * static_cast<float>(((qs[i] & 0x0f) | (((qh >> i) & 1u) << 4)) - 16);
-    out[i + 16] = d * static_cast<float>(((qs[i] >> 4) | (((qh >> (i + 16)) & 1u) << 4)) - 16);
+  for (int i = 0; i < 16; ++i) {  // the codes as int: code - 16 is negative below 16
+    out[i] = d * static_cast<float>(static_cast<int>((qs[i] & 0x0fu) | (((qh >> i) & 1u) << 4)) - 16);
+    out[i + 16] = d * static_cast<float>(static_cast<int>((qs[i] >> 4) | (((qh >> (i + 16)) & 1u) << 4)) - 16);
   }
 #endif
 }
