@@ -201,30 +201,29 @@ def _k4_scales(s: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return sc, mn
 
 
-def _q4_k(b: torch.Tensor) -> torch.Tensor:
+def _k_quant(b: torch.Tensor, qs: torch.Tensor, high: torch.Tensor | int) -> torch.Tensor:
+    """Q4_K's (Q5_K's) super-blocks: d, dmin and the packed scales of b, the nibbles qs
+    ([..., 128]) and the codes' bit 4 `high` ([..., 8, 32], or 0) -> [..., 256]."""
+    lead = b.shape[:-1]
     d = _f16(b[..., 0:2]).unsqueeze(-1)                   # [..., 1]
     dmin = _f16(b[..., 2:4]).unsqueeze(-1)
     sc, mn = _k4_scales(b[..., 4:16])                     # [..., 8]
     scale = (d * sc.float()).unsqueeze(-1)                # [..., 8, 1]
     offset = (dmin * mn.float()).unsqueeze(-1)
-    q = b[..., 16:144].reshape(*b.shape[:-1], 4, 32)      # 4 chunks of 32 bytes, 2 sub-blocks each
+    q = qs.reshape(*lead, 4, 32)                          # 4 chunks of 32 bytes, 2 sub-blocks each
     q = torch.stack([q & 0x0F, q >> 4], dim=-2)           # [..., 4, 2, 32]
-    q = q.reshape(*b.shape[:-1], 8, 32).float()
-    return (scale * q - offset).reshape(*b.shape[:-1], 256)
+    q = (q.reshape(*lead, 8, 32) | high).float()
+    return (scale * q - offset).reshape(*lead, 256)
+
+
+def _q4_k(b: torch.Tensor) -> torch.Tensor:
+    return _k_quant(b, b[..., 16:144], 0)
 
 
 def _q5_k(b: torch.Tensor) -> torch.Tensor:
-    lead = b.shape[:-1]
-    d = _f16(b[..., 0:2]).unsqueeze(-1)
-    dmin = _f16(b[..., 2:4]).unsqueeze(-1)
-    sc, mn = _k4_scales(b[..., 4:16])
-    scale = (d * sc.float()).unsqueeze(-1)                # [..., 8, 1]
-    offset = (dmin * mn.float()).unsqueeze(-1)
     qh = b[..., 16:48].unsqueeze(-2)                      # [..., 1, 32]
-    high = ((qh >> torch.arange(8, dtype=torch.uint8).reshape(8, 1)) & 1) << 4   # [..., 8, 32]
-    q = b[..., 48:176].reshape(*lead, 4, 32)
-    q = torch.stack([q & 0x0F, q >> 4], dim=-2).reshape(*lead, 8, 32)
-    return (scale * (q | high).float() - offset).reshape(*lead, 256)
+    high = ((qh >> torch.arange(8, dtype=torch.uint8).reshape(8, 1)) & 1) << 4   # [..., 8, 32]: sub-block s's bit s
+    return _k_quant(b, b[..., 48:176], high)
 
 
 def _q6_k(b: torch.Tensor) -> torch.Tensor:
