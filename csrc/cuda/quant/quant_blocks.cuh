@@ -173,47 +173,19 @@ ORCA_QUANT_HD void scale_min_k4(const uint8_t* scales, int s, uint8_t& sc, uint8
   }
 }
 
-// ---- Q4_K (12): 144 bytes = fp16 d, fp16 dmin, scales[12], qs[128]. 8 sub-blocks of 32: sub-block
-// s has a 6-bit scale sc and min mn packed in scales[] (get_scale_min_k4); its element l is nibble
-// (s & 1 ? high : low) of qs[32 * (s / 2) + l]; w = (d * sc) * nibble - (dmin * mn) ------------------
-struct Q4_K {
-  static constexpr int kType = 12, kBlockElems = 256, kBlockBytes = 144;
+// ---- Q4_K (12), Q5_K (13): 144 (176) bytes = fp16 d, fp16 dmin, scales[12] [, qh[32]], qs[128].
+// 8 sub-blocks of 32: sub-block s has a 6-bit scale sc and min mn packed in scales[]
+// (get_scale_min_k4); its element l is nibble (s & 1 ? high : low) of qs[32 * (s / 2) + l], with
+// (qh[l] >> s) & 1 as bit 4 in Q5_K; w = (d * sc) * q - (dmin * mn) ---------------------------------
+template <int kTypeId, bool kFive>
+struct KBlock {
+  static constexpr int kType = kTypeId, kBlockElems = 256, kBlockBytes = kFive ? 176 : 144;
+  static constexpr int kQs = kFive ? 48 : 16;  // the nibbles
   struct Group {
     uint16_t d, dmin;
-    uint8_t sc, mn;  // the sub-block's 6-bit scale and min
-    uint32_t lo, hi;
-    int shift;
-  };
-  ORCA_QUANT_HD static Group load(const uint8_t* row, int64_t k) {
-    const uint8_t* b = row + (k / kBlockElems) * kBlockBytes;
-    const int e = static_cast<int>(k % kBlockElems), s = e / 32, l = e % 32;
-    Group g;
-    g.d = load_u16(b);
-    g.dmin = load_u16(b + 2);
-    scale_min_k4(b + 4, s, g.sc, g.mn);
-    load8(b + 16 + 32 * (s / 2) + l, g.lo, g.hi);
-    g.shift = (s & 1) ? 4 : 0;
-    return g;
-  }
-  ORCA_QUANT_HD static void dequant(const Group& g, float (&w)[8]) {
-    const float dl = mul_rn(half_bits_to_float(g.d), static_cast<float>(g.sc));
-    const float ml = mul_rn(half_bits_to_float(g.dmin), static_cast<float>(g.mn));
-#pragma unroll
-    for (int e = 0; e < 8; ++e)
-      w[e] = add_rn(mul_rn(dl, static_cast<float>((byte_of(g.lo, g.hi, e) >> g.shift) & 15u)), -ml);
-  }
-};
-
-// ---- Q5_K (13): 176 bytes = fp16 d, fp16 dmin, scales[12] (as Q4_K), qh[32], qs[128]. 8 sub-blocks
-// of 32: sub-block s, element l has low 4 bits nibble (s & 1 ? high : low) of qs[32 * (s / 2) + l]
-// and 5th bit (qh[l] >> s) & 1; w = (d * sc) * q - (dmin * mn), Q4_K's arithmetic with q in 0..31 ----
-struct Q5_K {
-  static constexpr int kType = 13, kBlockElems = 256, kBlockBytes = 176;
-  struct Group {
-    uint16_t d, dmin;
-    uint8_t sc, mn;
+    uint8_t sc, mn;         // the sub-block's 6-bit scale and min
     uint32_t lo, hi;        // qs bytes of the group
-    uint32_t qh_lo, qh_hi;  // qh[l .. l + 7]: bit s of each is the 5th bit of its element
+    uint32_t qh_lo, qh_hi;  // kFive only: qh[l .. l + 7], bit s of each the 5th bit of its element
     int s;                  // the sub-block: nibble shift 4 * (s & 1), qh bit s
   };
   ORCA_QUANT_HD static Group load(const uint8_t* row, int64_t k) {
@@ -223,8 +195,9 @@ struct Q5_K {
     g.d = load_u16(b);
     g.dmin = load_u16(b + 2);
     scale_min_k4(b + 4, s, g.sc, g.mn);
-    load8(b + 16 + l, g.qh_lo, g.qh_hi);
-    load8(b + 48 + 32 * (s / 2) + l, g.lo, g.hi);
+    g.qh_lo = g.qh_hi = 0;
+    if (kFive) load8(b + 16 + l, g.qh_lo, g.qh_hi);
+    load8(b + kQs + 32 * (s / 2) + l, g.lo, g.hi);
     g.s = s;
     return g;
   }
@@ -234,12 +207,14 @@ struct Q5_K {
     const int shift = (g.s & 1) ? 4 : 0;
 #pragma unroll
     for (int e = 0; e < 8; ++e) {
-      const uint32_t lo4 = (byte_of(g.lo, g.hi, e) >> shift) & 15u;
-      const uint32_t hi1 = (byte_of(g.qh_lo, g.qh_hi, e) >> g.s) & 1u;
-      w[e] = add_rn(mul_rn(dl, static_cast<float>(lo4 | (hi1 << 4))), -ml);
+      uint32_t q = (byte_of(g.lo, g.hi, e) >> shift) & 15u;
+      if (kFive) q |= ((byte_of(g.qh_lo, g.qh_hi, e) >> g.s) & 1u) << 4;
+      w[e] = add_rn(mul_rn(dl, static_cast<float>(q)), -ml);
     }
   }
 };
+using Q4_K = KBlock<12, false>;
+using Q5_K = KBlock<13, true>;
 
 // ---- Q6_K (14): 210 bytes = ql[128], qh[64], int8 scales[16], fp16 d. Two halves of 128; in half h,
 // quarter q (32 elements each) element l has low 4 bits from ql[64h + 32(q & 1) + l] (q < 2: low
