@@ -169,11 +169,11 @@ cudaError_t slab_move(void* pools,             // [P, S, row_bytes]
 // A weight [N, K] is N rows of K / QK blocks in llama.cpp's ggml layout, exactly as a GGUF stores
 // them: qtype is the ggml type id, Q4_0 (2), Q4_1 (3), Q5_0 (6), Q5_1 (7), Q8_0 (8), Q4_K (12), Q5_K
 // (13) or Q6_K (14); K must be a multiple of the block's QK (32, or 256 for the K-quants); row r
-// starts at r * row_bytes with row_bytes = K / QK * block_bytes (any alignment). Blocks are dequantized in registers and never
-// written out. Accumulation is float32 with one rounding at the end. Batch-invariant at every T: a
-// token's result does not depend on T or on the other tokens (fixed reduction order per output;
-// fp16/bf16 run one tensor-core kernel at every T, float32 a CUDA-core one). Details:
-// csrc/cuda/quant/quant_linear_mma.cu and docs/DESIGN.md section 4.
+// starts at r * row_bytes with row_bytes = K / QK * block_bytes (any alignment). Blocks are
+// dequantized in registers and never written out. Accumulation is float32 with one rounding at the
+// end. Batch-invariant at every T: a token's result does not depend on T or on the other tokens
+// (fixed reduction order per output; fp16/bf16 run one tensor-core kernel at every T, float32 a
+// CUDA-core one). Details: csrc/cuda/quant/quant_linear_mma.cu and docs/DESIGN.md section 4.
 
 // QK (elements per block) and bytes per block of a ggml type id; 0 for a type not served here.
 int64_t quant_block_elems(int64_t qtype);
